@@ -1,0 +1,85 @@
+"""`geminicompress distill`: a teacher into a smaller student (derived from it, or given)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from geminicompress.commands import _common as c
+from geminicompress.errors import InputError
+
+
+def _parse_layers(text: str) -> float | list[int]:
+    try:
+        if "," in text or text.isdigit() and "." not in text and int(text) > 1:
+            return [int(x) for x in text.split(",") if x.strip()]
+        return float(text)
+    except ValueError as exc:
+        raise InputError(f"--student-layers '{text}': give a fraction (0.5) or a list of layer indices (0,2,4)") from exc
+
+
+def _parse_loss(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        try:
+            out[key.strip()] = float(value) if sep else 1.0
+        except ValueError as exc:
+            raise InputError(f"--loss '{text}': use name=weight pairs, e.g. kl=1,ce=0.5") from exc
+    return out
+
+
+@c.handle_errors
+def distill(
+    teacher: str = typer.Option(..., "--teacher", help="Teacher MODEL: hub id, directory, .gguf, or smollm2-demo."),
+    output: Path = c.OUT,
+    student: Optional[str] = typer.Option(None, "--student", help="An existing student MODEL sharing the teacher's tokenizer (a pruned model keeps its zeros)."),
+    student_layers: Optional[str] = typer.Option(None, "--student-layers", help="Derive the student: fraction of teacher layers (0.5) or indices (0,2,4,...)."),
+    student_config: Optional[str] = typer.Option(None, "--student-config", help="A config.json for a student of the teacher's architecture."),
+    mlp_ratio: Optional[float] = typer.Option(None, "--mlp-ratio", help="Keep this fraction of MLP channels in a derived student (default 1.0)."),
+    data: Optional[str] = typer.Option(None, "--data", help="Training text (file, hub dataset, builtin:pydoc)."),
+    text_column: str = c.TEXT_COLUMN,
+    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (default 200)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per training window (default 512)."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Windows per micro-batch (default 4)."),
+    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Micro-batches per optimizer step (default 1)."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Peak AdamW learning rate (default 2e-4)."),
+    warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", help="Linear warm-up steps before cosine decay (default 20)."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Softmax temperature of the KL losses (default 2.0)."),
+    loss: Optional[str] = typer.Option(None, "--loss", help="Loss weights, e.g. kl=1,ce=0.5 (kl, reverse_kl, jsd, ce, hidden_mse, hidden_cos)."),
+    topk_cache: Optional[int] = typer.Option(None, "--topk-cache", help="Cache the teacher's top-k logits on disk and reuse them."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="Mixed precision: no (default), bf16, fp16."),
+    gradient_checkpointing: Optional[bool] = typer.Option(None, "--gradient-checkpointing/--no-gradient-checkpointing", help="Trade compute for memory."),
+    eval_every: Optional[int] = typer.Option(None, "--eval-every", help="Held-out perplexity every N steps (default 50)."),
+    save_every: Optional[int] = typer.Option(None, "--save-every", help="Checkpoint every N steps for --resume (default: end only)."),
+    resume: Optional[bool] = typer.Option(None, "--resume/--no-resume", help="Continue exactly from the last checkpoint of the same command."),
+    seed: int = c.SEED,
+    force: bool = c.FORCE,
+    device: str = c.DEVICE,
+    trust_remote_code: bool = c.TRUST,
+    allow_pickle: bool = c.PICKLE,
+    quiet: bool = c.QUIET,
+) -> None:
+    """Distill TEACHER into a smaller, faster student (every other layer by default).
+
+    Examples:
+
+      geminicompress distill --teacher smollm2-demo --student-layers 0.5 --data wiki.txt -o student --steps 300
+
+      accelerate launch -m geminicompress distill --teacher big-model --student small-model --data train.jsonl -o out
+    """
+    given = {
+        "student": student, "student_config": student_config, "mlp_ratio": mlp_ratio, "data": data,
+        "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "grad_accum": grad_accum, "lr": lr,
+        "warmup_steps": warmup_steps, "temperature": temperature, "topk_cache": topk_cache, "precision": precision,
+        "gradient_checkpointing": gradient_checkpointing, "eval_every": eval_every, "save_every": save_every,
+        "resume": resume,
+        "student_layers": _parse_layers(student_layers) if student_layers is not None else None,
+        "loss": _parse_loss(loss) if loss is not None else None,
+    }
+    stage = {"type": "distill", **{k: v for k, v in given.items() if v is not None}}
+    cal = {"text_column": text_column}
+    c.run_single_stage(teacher, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed, quiet,
+                       source="distill options")

@@ -1,0 +1,47 @@
+"""`geminicompress prune`: magnitude (global or per layer), Wanda or SparseGPT, unstructured or N:M."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from geminicompress.commands import _common as c
+
+
+@c.handle_errors
+def prune(
+    model: str = typer.Argument(..., help="MODEL: hub id, local directory, .gguf file, or smollm2-demo."),
+    output: Path = c.OUT,
+    sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Fraction of prunable weights set to zero, in [0, 1) (default 0.4)."),
+    method: Optional[str] = typer.Option(None, "--method", help="magnitude (default), wanda or sparsegpt (the last two calibrate on --data)."),
+    scope: Optional[str] = typer.Option(None, "--scope", help="global: one threshold over all layers (magnitude only, default); layer: the same sparsity in every layer."),
+    pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M semi-structured sparsity, e.g. 2:4 (implies --scope layer)."),
+    ignore: Optional[List[str]] = typer.Option(None, "--ignore", help="Module name pattern (regex) never pruned; repeatable (default lm_head, embed_tokens)."),
+    format: Optional[str] = typer.Option(None, "--format", help="dense (default; exact zeros) or compressed-tensors (sparse-bitmask, smaller on disk)."),
+    data: Optional[str] = c.DATA,
+    text_column: str = c.TEXT_COLUMN,
+    samples: Optional[int] = c.SAMPLES,
+    calib_seq_len: Optional[int] = c.CAL_SEQ_LEN,
+    seed: int = c.SEED,
+    force: bool = c.FORCE,
+    device: str = c.DEVICE,
+    trust_remote_code: bool = c.TRUST,
+    allow_pickle: bool = c.PICKLE,
+    quiet: bool = c.QUIET,
+) -> None:
+    """Prune MODEL's decoder linear layers and write a dense checkpoint with exact zeros (plus masks).
+
+    Examples:
+
+      geminicompress prune smollm2-demo -o out-pruned                 # 40% global magnitude
+
+      geminicompress prune smollm2-demo -o out-24 --method wanda --pattern 2:4
+    """
+    given = {"sparsity": sparsity, "method": method, "scope": scope, "pattern": pattern,
+             "ignore": ignore or None, "format": format}
+    stage = {"type": "prune", **{k: v for k, v in given.items() if v is not None}}
+    cal = c.calibration_options(data, text_column, samples, calib_seq_len)
+    c.run_single_stage(model, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed, quiet,
+                       source="prune options")

@@ -1,0 +1,77 @@
+"""`geminicompress quantize`: one quantization stage (int8, w8a8, gptq, awq, awq+gptq)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from geminicompress.commands import _common as c
+from geminicompress.errors import InputError
+
+METHODS = ("int8", "w8a8", "gptq", "awq", "awq+gptq")
+
+
+@c.handle_errors
+def quantize(
+    model: str = typer.Argument(..., help="MODEL: hub id, local directory, .gguf file, or smollm2-demo."),
+    output: Path = c.OUT,
+    method: str = typer.Option(..., "--method", "-m", help="int8 (weight-only W8A16), w8a8 (INT8 weights and "
+                               "activations, fast on CPU), gptq, awq, or awq+gptq."),
+    bits: Optional[int] = typer.Option(None, "--bits", help="Weight bits: 8 for int8/w8a8; 2, 3, 4 or 8 for gptq/awq (default 4)."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="Input columns sharing a scale (default 128); -1 or 0 = per output channel."),
+    sym: Optional[bool] = typer.Option(None, "--sym/--asym", help="gptq: symmetric (default) or asymmetric with zero points."),
+    zero_point: Optional[bool] = typer.Option(None, "--zero-point/--no-zero-point", help="awq: asymmetric with zero points (default) or symmetric."),
+    act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order", help="gptq: quantize columns by decreasing Hessian diagonal."),
+    static_groups: Optional[bool] = typer.Option(None, "--static-groups/--no-static-groups", help="gptq with --act-order: fix groups before reordering so g_idx stays monotone."),
+    true_sequential: Optional[bool] = typer.Option(None, "--true-sequential/--no-true-sequential", help="gptq: quantize attention before MLP inside each layer (default on)."),
+    damp: Optional[float] = typer.Option(None, "--damp", help="gptq: dampening as a fraction of the mean Hessian diagonal (default 0.01)."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="gptq: columns per lazy-update block (default 128)."),
+    smoothquant_alpha: Optional[float] = typer.Option(None, "--smoothquant-alpha", help="w8a8: SmoothQuant strength in [0, 1], calibrated on --data."),
+    clip: Optional[bool] = typer.Option(None, "--clip/--no-clip", help="awq: search a clipping range per group (default on)."),
+    n_grid: Optional[int] = typer.Option(None, "--n-grid", help="awq: points in the alpha grid (default 20)."),
+    search_results: Optional[str] = typer.Option(None, "--search-results", help="awq: re-apply saved scales/clips (awq_search.safetensors) instead of searching."),
+    ignore: Optional[List[str]] = typer.Option(None, "--ignore", help="Module name pattern (regex) to keep in float; repeatable (default lm_head)."),
+    format: Optional[str] = typer.Option(None, "--format", help="On-disk format: gptq | awq | compressed-tensors | dense (default: the method's own)."),
+    data: Optional[str] = c.DATA,
+    text_column: str = c.TEXT_COLUMN,
+    samples: Optional[int] = c.SAMPLES,
+    calib_seq_len: Optional[int] = c.CAL_SEQ_LEN,
+    seed: int = c.SEED,
+    force: bool = c.FORCE,
+    device: str = c.DEVICE,
+    trust_remote_code: bool = c.TRUST,
+    allow_pickle: bool = c.PICKLE,
+    quiet: bool = c.QUIET,
+) -> None:
+    """Quantize MODEL's linear layers and write a checkpoint transformers/vLLM load.
+
+    Examples:
+
+      geminicompress quantize smollm2-demo -o out-w8a8 --method w8a8
+
+      geminicompress quantize HuggingFaceTB/SmolLM2-135M -o out-gptq --method gptq --bits 4 --group-size 64 --data wiki.txt
+    """
+    if method not in METHODS:
+        raise InputError(f"--method '{method}' is not one of {', '.join(METHODS)}")
+    given = {
+        "bits": bits, "group_size": group_size, "sym": sym, "zero_point": zero_point, "act_order": act_order,
+        "static_groups": static_groups, "true_sequential": true_sequential, "damp": damp, "block_size": block_size,
+        "smoothquant_alpha": smoothquant_alpha, "clip": clip, "n_grid": n_grid, "search_results": search_results,
+        "ignore": ignore or None, "format": format,
+    }
+    stage = {"type": "quantize", "method": method, **{k: v for k, v in given.items() if v is not None}}
+    _check_applicable(method, stage)
+    cal = c.calibration_options(data, text_column, samples, calib_seq_len)
+    c.run_single_stage(model, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed, quiet,
+                       source="quantize options")
+
+
+def _check_applicable(method: str, stage: dict) -> None:
+    from geminicompress.recipes.schema import AWQStage, GPTQStage, Int8Stage
+
+    cls = {"int8": Int8Stage, "w8a8": Int8Stage, "gptq": GPTQStage, "awq": AWQStage, "awq+gptq": AWQStage}[method]
+    for key in stage:
+        if key not in cls.model_fields:
+            raise InputError(f"--{key.replace('_', '-')} does not apply to --method {method}")

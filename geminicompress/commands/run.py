@@ -1,0 +1,37 @@
+"""`geminicompress run`: run a recipe (a YAML file or a bundled recipe's name)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from geminicompress.commands import _common as c
+
+
+@c.handle_errors
+def run(
+    recipe: str = typer.Argument(..., help="Recipe YAML file, or the name of a bundled recipe (see `geminicompress recipes`)."),
+    output: Path = c.OUT,
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key, e.g. --set stages.0.bits=3 (repeatable)."),
+    force: bool = c.FORCE,
+    device: str = c.DEVICE,
+    quiet: bool = c.QUIET,
+) -> None:
+    """Run every stage of RECIPE on its model and write OUT (model, report.json, recipe.yaml).
+
+    Example:
+
+      geminicompress run quickstart -o out-quickstart
+    """
+    from geminicompress.output import check_output_path
+    from geminicompress.pipeline import run_recipe
+    from geminicompress.recipes.loader import load_recipe
+
+    parsed, path = load_recipe(recipe, set_ or [])
+    check_output_path(output, force)
+    dev = c.parse_device(device)
+    report = run_recipe(parsed, output, force=force, progress=c.RichProgress(quiet), device=dev, command=sys.argv)
+    c.console.print(f"[green]wrote[/] {output}  ({report['total_seconds']:.1f} s; details in {output / 'report.json'})")

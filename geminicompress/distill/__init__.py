@@ -1,0 +1,1 @@
+"""Knowledge distillation of a teacher into a smaller student (accelerate training loop)."""

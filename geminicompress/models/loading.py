@@ -1,0 +1,205 @@
+"""Resolve what the user typed as MODEL and load it, safely by default.
+
+MODEL may be:
+- the demo alias `smollm2-demo` (see `demo.py`);
+- a `.gguf` file, loaded through transformers' GGUF support and dequantized to float;
+- a local directory in transformers layout, dense or in a format this project writes (`formats.py`);
+- a hub id such as `HuggingFaceTB/SmolLM2-135M`.
+
+Safety: remote code runs only with `trust_remote_code=True`; pickled weights (`*.bin`, `*.pt`) are
+refused unless `allow_pickle=True` (they can execute code when unpickled).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from geminicompress.errors import GeminiError, InputError
+from geminicompress.models import demo
+from geminicompress.models.formats import format_key, loader_for
+
+log = logging.getLogger(__name__)
+
+SourceKind = Literal["demo", "gguf", "dir", "hub"]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$|^[A-Za-z0-9][\w.\-]*$")
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: `spec` as typed, `kind`, and the local path when there is one."""
+
+    spec: str
+    kind: SourceKind
+    path: Path | None = None
+    gguf_file: str | None = None
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # transformers PreTrainedModel
+    tokenizer: Any  # transformers PreTrainedTokenizerBase
+    source: ModelSource
+    format: str | None = None  # None for dense checkpoints
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """Classify MODEL without loading anything (used by `validate` too)."""
+    if spec == demo.DEMO_ALIAS:
+        return ModelSource(spec, "demo", demo.demo_gguf_path())
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise InputError(f"model file {spec} does not exist")
+        return ModelSource(spec, "gguf", path.resolve().parent, path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise InputError(f"{spec} is a directory but has no config.json: not a transformers model directory")
+        return ModelSource(spec, "dir", path.resolve())
+    if path.exists():
+        raise InputError(f"{spec} is a file; MODEL must be a model directory, a .gguf file or a hub id")
+    looks_local = spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").replace("/", "", 1)
+    if looks_local or not _HUB_ID.match(spec):
+        raise InputError(f"model directory {spec} does not exist")
+    return ModelSource(spec, "hub")
+
+
+def load_model(
+    spec: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+) -> LoadedModel:
+    """Load model and tokenizer from MODEL; raise a `GeminiError` with one clear line on failure."""
+    source = resolve_model(spec)
+    if source.kind == "demo":
+        path = _demo_dir()
+        model, tok, fmt = _load_dir(path, dtype, trust_remote_code, allow_pickle)
+        return LoadedModel(model, tok, source, fmt)
+    if source.kind == "gguf":
+        model, tok = _load_gguf(source.path, source.gguf_file, dtype)
+        return LoadedModel(model, tok, source)
+    if source.kind == "dir":
+        model, tok, fmt = _load_dir(source.path, dtype, trust_remote_code, allow_pickle)
+        return LoadedModel(model, tok, source, fmt)
+    model, tok = _load_hub(spec, dtype, trust_remote_code, allow_pickle)
+    return LoadedModel(model, tok, source)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise GeminiError(f"{path}/config.json cannot be read: {exc}") from exc
+
+
+def _check_weights(path: Path, allow_pickle: bool) -> None:
+    names = [p.name for p in path.iterdir()]
+    has_safe = any(n.endswith(".safetensors") for n in names)
+    pickled = [n for n in names if n.endswith(_PICKLE_SUFFIXES) and n != "training_args.bin"]
+    if not has_safe and pickled and not allow_pickle:
+        raise InputError(
+            f"{path} holds only pickled weights ({pickled[0]}), which can run code when loaded; "
+            "pass --allow-pickle if you trust it"
+        )
+    if not has_safe and not pickled:
+        raise GeminiError(f"{path} has a config.json but no weights (*.safetensors)")
+
+
+def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool, allow_pickle: bool):
+    from transformers import AutoModelForCausalLM
+
+    _check_weights(path, allow_pickle)
+    config = _read_config(path)
+    key = format_key(config)
+    try:
+        if key is None:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=not allow_pickle or None
+            )
+        else:
+            model = loader_for(key, path)(path, config, dtype)
+    except GeminiError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise GeminiError(f"{path} does not load as a causal language model: {_first_line(exc)}") from exc
+    model.eval()
+    return model, _load_tokenizer(str(path), trust_remote_code), key
+
+
+def _load_tokenizer(where: str, trust_remote_code: bool, **kwargs: Any):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise GeminiError(f"{where}: tokenizer does not load: {_first_line(exc)}") from exc
+
+
+def _load_gguf(folder: Path, gguf_file: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        import gguf  # noqa: F401  (transformers needs it; fail with our message, not theirs)
+    except ImportError as exc:
+        raise InputError("loading .gguf files needs the `gguf` package: pip install gguf") from exc
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise GeminiError(f"{folder / gguf_file} does not load: {_first_line(exc)}") from exc
+    tok = _load_tokenizer(str(folder), False, gguf_file=gguf_file)
+    # Dequantized to float: drop the GGUF quantizer so the model saves as an ordinary dense checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.eval()
+    return model, tok
+
+
+def _load_hub(spec: str, dtype: torch.dtype, trust_remote_code: bool, allow_pickle: bool):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            spec, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=None if allow_pickle else True
+        )
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise GeminiError(
+            f"could not load '{spec}' from the hub: {_first_line(exc)} "
+            "(offline? download it once or pass a local directory)"
+        ) from exc
+    model.eval()
+    return model, _load_tokenizer(spec, trust_remote_code)
+
+
+def _demo_dir() -> Path:
+    """The demo model converted once into a transformers directory in the cache."""
+    target = demo.demo_cache_dir()
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    gguf = demo.demo_gguf_path()
+    log.info("converting the demo model %s once into %s", gguf.name, target)
+    model, tok = _load_gguf(gguf.parent, gguf.name, torch.float32)
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]

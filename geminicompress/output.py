@@ -1,0 +1,79 @@
+"""The output-directory contract: complete or absent, never half-written, never clobbered by accident.
+
+Everything is written into a hidden sibling `.<name>.partial` and renamed onto OUT only when complete.
+An existing OUT is replaced only with `force=True`. The sibling's name is stable so that a killed run,
+restarted with the same command, finds its `state/` folder there and resumes (GPTQ/AWQ layer by layer);
+`state/` is kept only when the recipe fingerprint matches, and removed before the final rename.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from geminicompress.errors import InputError
+
+STATE_DIR = "state"
+_FINGERPRINT = "fingerprint.txt"
+
+
+def check_output_path(out: Path, force: bool) -> None:
+    """Fail before any work when OUT exists (without --force) or cannot be created."""
+    if out.exists() and not force:
+        raise InputError(f"output {out} already exists; pass --force to replace it")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"output {out} exists and is not a directory")
+    parent = out.resolve().parent
+    if not parent.exists():
+        raise InputError(f"the parent folder of output {out} does not exist")
+
+
+class OutputDir:
+    """`with OutputDir(out, force, fingerprint) as tmp:` write into `tmp`; renamed to `out` on success."""
+
+    def __init__(self, out: Path | str, force: bool = False, fingerprint: str = "") -> None:
+        self.out = Path(out)
+        self.force = force
+        self.fingerprint = fingerprint
+        self.tmp = self.out.with_name(f".{self.out.name}.partial")
+
+    @property
+    def state_dir(self) -> Path:
+        return self.tmp / STATE_DIR
+
+    def __enter__(self) -> Path:
+        check_output_path(self.out, self.force)
+        stamp = self.tmp / STATE_DIR / _FINGERPRINT
+        resumable = stamp.is_file() and stamp.read_text() == self.fingerprint and self.fingerprint
+        if not resumable:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        (self.tmp / STATE_DIR).mkdir(parents=True, exist_ok=True)
+        stamp.write_text(self.fingerprint)
+        # Anything but state/ from an earlier attempt is stale: the stages write it again.
+        for child in self.tmp.iterdir():
+            if child.name != STATE_DIR:
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+            if self.out.exists():
+                shutil.rmtree(self.out)
+            self.tmp.rename(self.out)
+            return False
+        if not self._has_resume_state():
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        # else: keep the hidden partial folder so that the same command resumes from its state/
+        return False
+
+    def _has_resume_state(self) -> bool:
+        if not self.fingerprint or not self.state_dir.is_dir():
+            return False
+        return any(p.is_file() and p.name != _FINGERPRINT for p in self.state_dir.rglob("*"))
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")

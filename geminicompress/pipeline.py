@@ -1,0 +1,168 @@
+"""Run a recipe: load the model once, pass it through the stages in memory, write OUT atomically.
+
+command -> pipeline -> stage -> solver. A stage is a function `run(cfg, ctx) -> dict`: it transforms
+`ctx.model` in place (or replaces it), may set `ctx.exporter` to write its on-disk format, and returns
+a small JSON-able summary that goes into report.json. Stages are found through an explicit table.
+
+Order of work: non-eval stages -> export OUT (into the hidden partial folder) -> eval stages, which load
+the written checkpoint back from disk and compare it with the recipe's input model, so what is
+measured is exactly what ships -> report.json -> rename onto OUT.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from geminicompress import __version__
+from geminicompress.data.windows import calibration_windows
+from geminicompress.errors import NotAvailableError
+from geminicompress.machine import machine, versions
+from geminicompress.models.loading import LoadedModel, ModelSource, load_model
+from geminicompress.output import OutputDir, write_json
+from geminicompress.progress import NullProgress, Progress
+from geminicompress.recipes.loader import recipe_yaml
+from geminicompress.recipes.schema import Recipe, stage_tag
+
+STAGES: dict[str, str] = {
+    "quantize:int8": "geminicompress.compress.int8.stage:run",
+    "quantize:w8a8": "geminicompress.compress.int8.stage:run",
+    "quantize:gptq": "geminicompress.compress.gptq.stage:run",
+    "quantize:awq": "geminicompress.compress.awq.stage:run",
+    "quantize:awq+gptq": "geminicompress.compress.awq.stage:run",
+    "prune": "geminicompress.compress.prune.stage:run",
+    "distill": "geminicompress.distill.stage:run",
+    "eval": "geminicompress.eval.stage:run",
+}
+
+Exporter = Callable[[Any, Any, Path], dict]
+
+
+@dataclass
+class StageContext:
+    """What a stage can see and change. `model`/`tokenizer` flow from stage to stage."""
+
+    model: Any
+    tokenizer: Any
+    source: ModelSource
+    recipe: Recipe
+    progress: Progress
+    device: torch.device
+    out_dir: Path  # the (partial) output folder; stages may add artifacts next to the weights
+    state_dir: Path  # this stage's private folder for resumable state; removed on success
+    exporter: Exporter | None = None
+    masks: dict[str, torch.Tensor] | None = None  # set by prune, honoured by distill
+    artifacts: dict[str, Any] = field(default_factory=dict)
+    _calibration: dict[tuple, torch.Tensor] = field(default_factory=dict)
+
+    def calibration(self, data: str | None = None, samples: int | None = None, seq_len: int | None = None) -> torch.Tensor:
+        """Seeded calibration windows (n, seq_len) from the stage's DATA or the recipe's default."""
+        cal = self.recipe.calibration
+        key = (data or cal.data, samples or cal.samples, seq_len or cal.seq_len, self.recipe.seed)
+        if key not in self._calibration:
+            self._calibration[key] = calibration_windows(self.tokenizer, key[0], key[1], key[2], key[3], cal.text_column)
+        return self._calibration[key]
+
+
+def stage_runner(tag: str) -> Callable[[Any, StageContext], dict]:
+    module_name, func = STAGES[tag].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("geminicompress"):
+            raise NotAvailableError(f"stage '{tag}' is not implemented in this version of geminicompress yet") from exc
+        raise
+    return getattr(module, func)
+
+
+def fingerprint(recipe: Recipe) -> str:
+    """Identifies a run for resuming: the resolved recipe, minus the `resume` switch itself."""
+    data = recipe.model_dump(mode="json")
+    for stage in data["stages"]:
+        stage.pop("resume", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def dense_exporter(dtype: str) -> Exporter:
+    def export(model: Any, tokenizer: Any, out: Path) -> dict:
+        model = model.to(getattr(torch, dtype))
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        return {"format": "dense", "dtype": dtype}
+
+    return export
+
+
+def run_recipe(
+    recipe: Recipe,
+    out: Path,
+    *,
+    force: bool = False,
+    progress: Progress | None = None,
+    device: torch.device | None = None,
+    command: list[str] | None = None,
+    loaded: LoadedModel | None = None,
+) -> dict:
+    """Run every stage of `recipe` and write OUT; return the report (also written to OUT/report.json)."""
+    progress = progress or NullProgress()
+    device = device or default_device()
+    tags = [stage_tag(s) for s in recipe.stages]
+    runners = [stage_runner(t) for t in tags]  # fail before loading anything if a stage is missing
+    torch.manual_seed(recipe.seed)
+    started = time.perf_counter()
+    with OutputDir(out, force, fingerprint(recipe)) as tmp:
+        t0 = time.perf_counter()
+        progress.info(f"loading {recipe.model}")
+        loaded = loaded or load_model(recipe.model, trust_remote_code=recipe.trust_remote_code, allow_pickle=recipe.allow_pickle)
+        load_s = time.perf_counter() - t0
+        ctx = StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, progress, device, tmp, tmp)
+        results: list[dict] = []
+        exported = None
+        for i, (stage, tag, run) in enumerate(zip(recipe.stages, tags, runners)):
+            if stage.type == "eval" and exported is None:
+                exported = _export(ctx, recipe, tmp, progress)
+            ctx.state_dir = tmp / "state" / f"{i}-{stage.type}"
+            ctx.state_dir.mkdir(parents=True, exist_ok=True)
+            progress.info(f"stage {i}: {tag}")
+            t0 = time.perf_counter()
+            summary = run(stage, ctx)
+            results.append({"index": i, "stage": tag, "options": stage.model_dump(mode="json"),
+                            "seconds": round(time.perf_counter() - t0, 3), "result": summary})
+        if exported is None:
+            exported = _export(ctx, recipe, tmp, progress)
+        report = {
+            "geminicompress": __version__,
+            "command": command or sys.argv,
+            "model": recipe.model,
+            "output": str(out),
+            "load_seconds": round(load_s, 3),
+            "total_seconds": round(time.perf_counter() - started, 3),
+            "export": exported,
+            "stages": results,
+            "versions": versions(),
+            "machine": machine(),
+        }
+        write_json(tmp / "report.json", report)
+        (tmp / "recipe.yaml").write_text(recipe_yaml(recipe))
+    return report
+
+
+def _export(ctx: StageContext, recipe: Recipe, tmp: Path, progress: Progress) -> dict:
+    progress.info(f"writing {tmp.name.removeprefix('.').removesuffix('.partial')}")
+    t0 = time.perf_counter()
+    exporter = ctx.exporter or dense_exporter(recipe.output.dtype)
+    info = exporter(ctx.model, ctx.tokenizer, tmp)
+    info["seconds"] = round(time.perf_counter() - t0, 3)
+    return info

@@ -1,0 +1,142 @@
+"""Read a recipe (file or bundled name), apply `--set` overrides, validate, and explain errors in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from geminicompress.data.sources import check_data_spec
+from geminicompress.errors import InputError
+from geminicompress.models.loading import resolve_model
+from geminicompress.recipes.schema import Recipe
+
+BUNDLED_DIR = Path(__file__).parent / "bundled"
+_TAGS = {"quantize:int8", "quantize:w8a8", "quantize:gptq", "quantize:awq", "quantize:awq+gptq", "prune", "distill", "eval"}
+
+
+def bundled_recipes() -> dict[str, Path]:
+    """Bundled recipe name -> file."""
+    return {p.stem: p for p in sorted(BUNDLED_DIR.glob("*.yaml"))}
+
+
+def find_recipe(name_or_path: str) -> Path:
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    bundled = bundled_recipes()
+    if name_or_path in bundled:
+        return bundled[name_or_path]
+    if path.suffix in (".yaml", ".yml") or "/" in name_or_path:
+        raise InputError(f"recipe file {name_or_path} does not exist")
+    raise InputError(f"no recipe file or bundled recipe named '{name_or_path}' (bundled: {', '.join(bundled)})")
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise InputError(f"{path}:{where} is not valid YAML: {getattr(exc, 'problem', exc)}") from exc
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: a recipe is a YAML mapping with keys model, stages, ...")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `key.path=value` overrides (values parsed as YAML: 3, true, [1,2], text)."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise InputError(f"--set '{item}': use KEY.PATH=VALUE, e.g. stages.0.bits=3")
+        value = yaml.safe_load(raw) if raw else ""
+        node: Any = data
+        parts = key.split(".")
+        for depth, part in enumerate(parts):
+            last = depth == len(parts) - 1
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise InputError(f"--set {key}: '{part}' is not an index of a list of {len(node)}")
+                if last:
+                    node[int(part)] = value
+                else:
+                    node = node[int(part)]
+            elif isinstance(node, dict):
+                if last:
+                    node[part] = value
+                else:
+                    node = node.setdefault(part, {})
+            else:
+                raise InputError(f"--set {key}: '{'.'.join(parts[:depth])}' is a value, not a section")
+    return data
+
+
+def describe_error(exc: ValidationError, source: str) -> str:
+    """One line: file, key path, what is wrong (and how many more problems there are)."""
+    errors = exc.errors()
+    first = errors[0]
+    loc = [str(p) for p in first["loc"] if str(p) not in _TAGS]
+    path = ".".join(loc) or "(recipe)"
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key (check the spelling; `geminicompress validate --schema` lists the keys)"
+    elif first["type"] == "missing":
+        msg = "required key is missing"
+    got = first.get("input")
+    if first["type"] not in ("extra_forbidden", "missing", "stage_type") and not isinstance(got, (dict, list)):
+        msg += f" (got {got!r})"
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    return f"{source}: {path}: {msg}{more}"
+
+
+def validate(data: dict[str, Any], source: str) -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise InputError(describe_error(exc, source)) from exc
+
+
+def check_paths(recipe: Recipe, source: str) -> None:
+    """Check that every model and data reference exists, without loading anything."""
+    refs: list[tuple[str, str]] = [("model", recipe.model), ("calibration.data", recipe.calibration.data)]
+    for i, stage in enumerate(recipe.stages):
+        for field in ("data", "teacher", "student", "draft"):
+            value = getattr(stage, field, None)
+            if value:
+                refs.append((f"stages.{i}.{field}", value))
+    for key, value in refs:
+        try:
+            if key.endswith(".data") or key == "calibration.data":
+                check_data_spec(value)
+            else:
+                resolve_model(value)
+        except InputError as exc:
+            raise InputError(f"{source}: {key}: {exc}") from exc
+
+
+def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> tuple[Recipe, Path]:
+    path = find_recipe(name_or_path)
+    data = apply_overrides(read_yaml(path), overrides or [])
+    recipe = validate(data, str(path))
+    check_paths(recipe, str(path))
+    return recipe, path
+
+
+def recipe_from_stage(model: str, stage: dict[str, Any], calibration: dict[str, Any], source: str, **top: Any) -> Recipe:
+    """A one-stage recipe built from command-line options (`quantize`, `prune`, `distill`)."""
+    data = {"model": model, "stages": [stage], "calibration": calibration, **top}
+    recipe = validate(data, source)
+    check_paths(recipe, source)
+    return recipe
+
+
+def json_schema() -> str:
+    return json.dumps(Recipe.model_json_schema(), indent=2)
+
+
+def recipe_yaml(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,261 @@
+"""The recipe schema: a typed, validated description of a compression pipeline.
+
+A recipe names a model, a seed, default calibration data, and an ordered list of stages. Each stage
+is a pydantic model with `extra="forbid"`, so a typo in a key is an error naming the key. Stages are
+told apart by `type` (and, for `quantize`, by `method`): see `stage_tag`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Calibration(Strict):
+    """Calibration text shared by every stage that needs activations (GPTQ, AWQ, SmoothQuant, Wanda, SparseGPT)."""
+
+    data: str = Field("builtin:pydoc", description="DATA: file, hub dataset (name:config:split) or builtin:pydoc")
+    text_column: str = "text"
+    samples: int = Field(128, ge=1, le=100_000, description="number of calibration windows")
+    seq_len: int = Field(512, ge=8, le=131_072, description="tokens per calibration window")
+
+
+class _StageBase(Strict):
+    data: str | None = Field(None, description="calibration/training DATA for this stage (default: the recipe's)")
+
+
+# --------------------------------------------------------------------------- quantize
+
+
+class Int8Stage(_StageBase):
+    """INT8: `int8` = weight-only (W8A16); `w8a8` = INT8 weights and dynamic INT8 activations."""
+
+    type: Literal["quantize"] = "quantize"
+    method: Literal["int8", "w8a8"]
+    bits: Literal[8] = 8
+    smoothquant_alpha: float | None = Field(None, ge=0.0, le=1.0, description="SmoothQuant migration strength")
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="module name patterns to keep in float")
+    format: Literal["compressed-tensors"] = "compressed-tensors"
+
+
+class GPTQStage(_StageBase):
+    """GPTQ (Frantar et al., 2022): Hessian-aware rounding, layer by layer."""
+
+    type: Literal["quantize"] = "quantize"
+    method: Literal["gptq"]
+    bits: Literal[2, 3, 4, 8] = 4
+    group_size: int = Field(128, ge=-1, description="input columns per scale; -1 or 0 = per output channel")
+    sym: bool = True
+    act_order: bool = False
+    static_groups: bool = False
+    true_sequential: bool = True
+    damp: float = Field(0.01, gt=0.0, lt=1.0, description="dampening, fraction of the mean Hessian diagonal")
+    block_size: int = Field(128, ge=1)
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+    format: Literal["gptq", "compressed-tensors", "dense"] = "gptq"
+
+
+class AWQStage(_StageBase):
+    """AWQ (Lin et al., 2023): activation-aware scaling (+ clipping), then RTN or GPTQ."""
+
+    type: Literal["quantize"] = "quantize"
+    method: Literal["awq", "awq+gptq"]
+    bits: Literal[2, 3, 4, 8] = 4
+    group_size: int = Field(128, ge=-1)
+    zero_point: bool = True
+    clip: bool = True
+    n_grid: int = Field(20, ge=1, le=1000)
+    damp: float = Field(0.01, gt=0.0, lt=1.0)
+    block_size: int = Field(128, ge=1)
+    search_results: str | None = Field(None, description="re-apply saved scales/clips instead of searching")
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+    format: Literal["awq", "compressed-tensors", "dense"] = "awq"
+
+
+# --------------------------------------------------------------------------- prune
+
+_PATTERN = re.compile(r"^(\d+):(\d+)$")
+
+
+class PruneStage(_StageBase):
+    """Unstructured or N:M pruning: magnitude (global or per layer), Wanda, SparseGPT."""
+
+    type: Literal["prune"]
+    method: Literal["magnitude", "wanda", "sparsegpt"] = "magnitude"
+    sparsity: float = Field(0.4, ge=0.0, lt=1.0)
+    scope: Literal["global", "layer"] = "global"
+    pattern: str | None = Field(None, description="N:M semi-structured sparsity, e.g. 2:4")
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head", "embed_tokens"])
+    damp: float = Field(0.01, gt=0.0, lt=1.0, description="SparseGPT dampening")
+    block_size: int = Field(128, ge=1)
+    format: Literal["dense", "compressed-tensors"] = "dense"
+
+    @field_validator("pattern")
+    @classmethod
+    def _check_pattern(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        m = _PATTERN.match(v)
+        if not m or not 0 < int(m.group(1)) < int(m.group(2)):
+            raise ValueError(f"pattern must be N:M with 0 < N < M (e.g. 2:4), got '{v}'")
+        return v
+
+    @model_validator(mode="after")
+    def _check_combination(self) -> "PruneStage":
+        if self.method != "magnitude" and self.scope == "global":
+            if "scope" in self.model_fields_set:
+                raise ValueError(f"scope 'global' applies to magnitude pruning only; {self.method} prunes each layer")
+            object.__setattr__(self, "scope", "layer")
+        if self.pattern and self.scope == "global":
+            if "scope" in self.model_fields_set:
+                raise ValueError("an N:M pattern is per group of M weights; it cannot use scope 'global'")
+            object.__setattr__(self, "scope", "layer")
+        return self
+
+
+# --------------------------------------------------------------------------- distill
+
+
+class LossWeights(Strict):
+    kl: float = Field(1.0, ge=0.0, description="forward KL on temperature-softened logits (x T^2)")
+    reverse_kl: float = Field(0.0, ge=0.0)
+    jsd: float = Field(0.0, ge=0.0)
+    ce: float = Field(0.0, ge=0.0, description="cross-entropy on the data")
+    hidden_mse: float = Field(0.0, ge=0.0)
+    hidden_cos: float = Field(0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _some_loss(self) -> "LossWeights":
+        if sum(self.model_dump().values()) <= 0:
+            raise ValueError("at least one loss weight must be positive")
+        return self
+
+
+class DistillStage(_StageBase):
+    """Knowledge distillation of the pipeline's model (or `teacher`) into a smaller student."""
+
+    type: Literal["distill"]
+    teacher: str | None = Field(None, description="teacher MODEL (default: the recipe's input model)")
+    student: str | None = Field(None, description="an existing student MODEL sharing the teacher's tokenizer")
+    student_layers: float | list[int] | None = Field(None, description="fraction or list of teacher layers to keep")
+    student_config: str | None = Field(None, description="a config.json for a student of the teacher's architecture")
+    mlp_ratio: float = Field(1.0, gt=0.0, le=1.0, description="keep this fraction of MLP channels")
+    steps: int = Field(200, ge=1)
+    seq_len: int = Field(512, ge=8)
+    batch_size: int = Field(4, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(2e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_steps: int = Field(20, ge=0)
+    temperature: float = Field(2.0, gt=0.0)
+    loss: LossWeights = Field(default_factory=LossWeights)
+    layer_map: dict[int, int] | None = Field(None, description="student layer -> teacher layer for hidden losses")
+    topk_cache: int | None = Field(None, ge=1, description="cache the teacher's top-k logits on disk")
+    precision: Literal["no", "bf16", "fp16"] = "no"
+    gradient_checkpointing: bool = False
+    eval_every: int = Field(50, ge=1)
+    eval_windows: int = Field(8, ge=1)
+    save_every: int = Field(0, ge=0, description="checkpoint every N steps (0 = only at the end)")
+    resume: bool = False
+
+    @field_validator("student_layers")
+    @classmethod
+    def _check_layers(cls, v: float | list[int] | None) -> float | list[int] | None:
+        if isinstance(v, float) and not 0.0 < v <= 1.0:
+            raise ValueError(f"a fraction of layers must be in (0, 1], got {v}")
+        if isinstance(v, list) and (not v or len(set(v)) != len(v)):
+            raise ValueError("a layer list must be non-empty without repeats")
+        return v
+
+    @model_validator(mode="after")
+    def _one_student(self) -> "DistillStage":
+        given = [n for n in ("student", "student_layers", "student_config") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one of student, student_layers, student_config (got {', '.join(given)})")
+        return self
+
+
+# --------------------------------------------------------------------------- eval
+
+
+class EvalStage(_StageBase):
+    """Quality drift vs latency gain of the pipeline's output against the recipe's input model."""
+
+    type: Literal["eval"]
+    text_column: str = "text"
+    seq_len: int | None = Field(None, ge=8, description="default: min(2048, the model's context)")
+    max_tokens: int | None = Field(None, ge=8)
+    prompt_len: int = Field(512, ge=1)
+    gen_len: int = Field(128, ge=1)
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 4, 8])
+    repeats: int = Field(5, ge=1)
+    warmup: int = Field(1, ge=0)
+    latency: bool = True
+    tasks: list[str] = Field(default_factory=list)
+    draft: str | None = None
+
+
+# --------------------------------------------------------------------------- recipe
+
+
+def stage_tag(value: Any) -> str | None:
+    """Discriminator: 'quantize:<method>' for quantize stages, else the type."""
+    get = value.get if isinstance(value, dict) else lambda k, d=None: getattr(value, k, d)
+    kind = get("type")
+    if kind == "quantize":
+        return f"quantize:{get('method')}"
+    return kind
+
+
+Stage = Annotated[
+    Union[
+        Annotated[Int8Stage, Tag("quantize:int8")],
+        Annotated[Int8Stage, Tag("quantize:w8a8")],
+        Annotated[GPTQStage, Tag("quantize:gptq")],
+        Annotated[AWQStage, Tag("quantize:awq")],
+        Annotated[AWQStage, Tag("quantize:awq+gptq")],
+        Annotated[PruneStage, Tag("prune")],
+        Annotated[DistillStage, Tag("distill")],
+        Annotated[EvalStage, Tag("eval")],
+    ],
+    Discriminator(
+        stage_tag,
+        custom_error_type="stage_type",
+        custom_error_message="unknown stage: 'type' must be quantize, prune, distill or eval, "
+        "and a quantize 'method' must be int8, w8a8, gptq, awq or awq+gptq",
+    ),
+]
+
+STAGE_TYPES = ("quantize", "prune", "distill", "eval")
+QUANTIZE_METHODS = ("int8", "w8a8", "gptq", "awq", "awq+gptq")
+
+
+class Output(Strict):
+    dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="dtype of float weights on disk")
+
+
+class Recipe(Strict):
+    description: str = ""
+    model: str = Field(..., description="MODEL: hub id, local directory, .gguf file or smollm2-demo")
+    seed: int = 0
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+    calibration: Calibration = Field(default_factory=Calibration)
+    stages: list[Stage] = Field(..., min_length=1)
+    output: Output = Field(default_factory=Output)
+
+    @model_validator(mode="after")
+    def _eval_last(self) -> "Recipe":
+        seen_eval = False
+        for i, stage in enumerate(self.stages):
+            if isinstance(stage, EvalStage):
+                seen_eval = True
+            elif seen_eval:
+                raise ValueError(f"stage {i} ({stage.type}) comes after an eval stage; eval stages go last")
+        return self

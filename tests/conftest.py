@@ -1,0 +1,40 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test ever reaches a hub
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import save_tiny, tiny_model, tiny_tokenizer  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny Llama checkpoint on disk (random weights, trained BPE tokenizer)."""
+    return save_tiny(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory) -> Path:
+    """A few thousand words of real English prose (Python's docs) as a .txt file."""
+    from pydoc_data.topics import topics
+
+    path = tmp_path_factory.mktemp("data") / "text.txt"
+    path.write_text("\n\n".join(topics[k] for k in sorted(topics)[:30]))
+    return path
+
+
+@pytest.fixture
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture
+def model():
+    return tiny_model()

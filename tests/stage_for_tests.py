@@ -1,0 +1,15 @@
+"""Stages used only by the foundation tests, so the pipeline can be tested before real stages exist."""
+
+import torch
+
+
+def zero_first_layer(cfg, ctx):
+    """Zero layer 0's q_proj: a visible, checkable change."""
+    with torch.no_grad():
+        ctx.model.model.layers[0].self_attn.q_proj.weight.zero_()
+    return {"zeroed": "model.layers.0.self_attn.q_proj"}
+
+
+def explode(cfg, ctx):
+    (ctx.out_dir / "half-written.bin").write_bytes(b"x")
+    raise RuntimeError("stage failed halfway")

@@ -1,0 +1,127 @@
+"""CLI and pipeline contract: help, errors as one line with exit codes, atomic outputs that transformers loads."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from typer.testing import CliRunner
+
+from geminicompress import pipeline
+from geminicompress.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("cmd", ["quantize", "prune", "distill", "eval", "run", "validate", "recipes"])
+def test_every_command_has_help(cmd):
+    res = invoke(cmd, "--help")
+    assert res.exit_code == 0, res.output
+    assert "Usage" in res.output
+
+
+def test_missing_stage_says_so_in_one_line(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(pipeline.STAGES, "prune", "geminicompress.compress.no_such_stage:run")
+    res = invoke("prune", tiny_dir, "-o", tmp_path / "out")
+    assert res.exit_code == 1
+    assert "not implemented" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_pipeline_writes_loadable_output_with_report(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(pipeline.STAGES, "prune", "stage_for_tests:zero_first_layer")
+    before = AutoModelForCausalLM.from_pretrained(tiny_dir).model.layers[0].self_attn.q_proj.weight.clone()
+    out = tmp_path / "out"
+    res = invoke("prune", tiny_dir, "-o", out, "--quiet")
+    assert res.exit_code == 0, res.output
+    model = AutoModelForCausalLM.from_pretrained(out)
+    AutoTokenizer.from_pretrained(out)
+    assert torch.count_nonzero(model.model.layers[0].self_attn.q_proj.weight) == 0
+    # the input model is never modified
+    again = AutoModelForCausalLM.from_pretrained(tiny_dir).model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(before, again)
+    report = json.loads((out / "report.json").read_text())
+    assert report["stages"][0]["stage"] == "prune"
+    assert report["stages"][0]["result"] == {"zeroed": "model.layers.0.self_attn.q_proj"}
+    assert report["stages"][0]["options"]["sparsity"] == 0.4
+    assert {"torch", "transformers"} <= set(report["versions"])
+    assert "cpu_count" in report["machine"]
+    assert (out / "recipe.yaml").is_file()
+    assert not (out / "state").exists()
+    assert not list(tmp_path.glob(".*partial"))
+
+
+def test_existing_output_needs_force(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(pipeline.STAGES, "prune", "stage_for_tests:zero_first_layer")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    res = invoke("prune", tiny_dir, "-o", out)
+    assert res.exit_code == 2
+    assert "already exists" in res.output and "--force" in res.output
+    assert (out / "keep.txt").read_text() == "mine"
+    res = invoke("prune", tiny_dir, "-o", out, "--force", "-q")
+    assert res.exit_code == 0, res.output
+    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+
+
+def test_failed_stage_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(pipeline.STAGES, "prune", "stage_for_tests:explode")
+    res = invoke("prune", tiny_dir, "-o", tmp_path / "out", "-q")
+    assert res.exit_code == 1
+    assert "stage failed halfway" in res.output and "Traceback" not in res.output
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--method", "int4"], "--method 'int4' is not one of"),
+        (["--method", "int8", "--act-order"], "--act-order does not apply to --method int8"),
+        (["--method", "gptq", "--bits", "5"], "bits: Input should be 2, 3, 4 or 8 (got 5)"),
+        (["--method", "w8a8", "--smoothquant-alpha", "1.5"], "smoothquant_alpha"),
+        (["--method", "gptq", "--data", "nope.txt"], "data file nope.txt does not exist"),
+    ],
+)
+def test_bad_quantize_options_one_line_exit_2(tiny_dir, tmp_path, args, needle):
+    res = invoke("quantize", tiny_dir, "-o", tmp_path / "out", *args)
+    assert res.exit_code == 2, res.output
+    assert needle in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--sparsity", "1.0"], "sparsity: Input should be less than 1"),
+        (["--pattern", "3:2"], "pattern must be N:M"),
+        (["--method", "wanda", "--scope", "global"], "scope 'global' applies to magnitude pruning only"),
+    ],
+)
+def test_bad_prune_options(tiny_dir, tmp_path, args, needle):
+    res = invoke("prune", tiny_dir, "-o", tmp_path / "out", *args)
+    assert res.exit_code == 2, res.output
+    assert needle in res.output
+
+
+def test_bad_models(tmp_path):
+    res = invoke("prune", tmp_path / "missing", "-o", tmp_path / "out")
+    assert res.exit_code == 2 and "does not exist" in res.output
+    (tmp_path / "empty").mkdir()
+    res = invoke("prune", tmp_path / "empty", "-o", tmp_path / "out")
+    assert res.exit_code == 2 and "no config.json" in res.output
+
+
+def test_recipes_lists_bundled():
+    res = invoke("recipes")
+    assert res.exit_code == 0
+    assert "quickstart" in res.output
+    res = invoke("recipes", "quickstart")
+    assert "stages:" in res.output
+    assert invoke("recipes", "nope").exit_code == 2

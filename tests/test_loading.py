@@ -1,0 +1,55 @@
+"""Model resolution and safe loading."""
+
+import shutil
+
+import pytest
+import torch
+
+from geminicompress.errors import GeminiError, InputError
+from geminicompress.models import load_model, resolve_model
+from geminicompress.models.formats import format_key
+
+
+def test_resolve_kinds(tiny_dir, tmp_path):
+    assert resolve_model(str(tiny_dir)).kind == "dir"
+    assert resolve_model("HuggingFaceTB/SmolLM2-135M").kind == "hub"
+    with pytest.raises(InputError, match="does not exist"):
+        resolve_model(str(tmp_path / "nope"))
+    with pytest.raises(InputError, match="does not exist"):
+        resolve_model(str(tmp_path / "x.gguf"))
+
+
+def test_load_dir_roundtrip(tiny_dir):
+    loaded = load_model(str(tiny_dir))
+    assert loaded.format is None
+    ids = loaded.tokenizer("def f(x): return x", return_tensors="pt").input_ids
+    assert loaded.model(ids).logits.shape == (1, ids.shape[1], 384)
+
+
+def test_pickled_weights_refused_unless_allowed(tiny_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    target = tmp_path / "pickled"
+    shutil.copytree(tiny_dir, target)
+    (target / "model.safetensors").unlink()
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    torch.save(model.state_dict(), target / "pytorch_model.bin")
+    with pytest.raises(InputError, match="pickled weights.*--allow-pickle"):
+        load_model(str(target))
+    loaded = load_model(str(target), allow_pickle=True)
+    ref = model.model.layers[0].mlp.up_proj.weight
+    assert torch.equal(loaded.model.model.layers[0].mlp.up_proj.weight, ref)
+
+
+def test_hub_id_offline_is_one_clear_error():
+    with pytest.raises(GeminiError, match="could not load 'nobody/not-a-model' from the hub"):
+        load_model("nobody/not-a-model")
+
+
+def test_format_key():
+    assert format_key({}) is None
+    assert format_key({"quantization_config": {"quant_method": "gptq"}}) == "gptq"
+    ct = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    assert format_key({"quantization_config": ct}) == "compressed-tensors:pack-quantized"
+    ct = {"quant_method": "compressed-tensors", "config_groups": {"g": {"format": "int-quantized"}}}
+    assert format_key({"quantization_config": ct}) == "compressed-tensors:int-quantized"

@@ -17,8 +17,8 @@ from typing import Any, Callable
 from geminicompress.errors import GeminiError, InputError
 
 LOADERS: dict[str, str] = {
-    "gptq": "geminicompress.compress.gptq.load:load_gptq",
-    "awq": "geminicompress.compress.awq.load:load_awq",
+    "gptq": "geminicompress.compress.packing.gptq:load_gptq",
+    "awq": "geminicompress.compress.packing.awq:load_awq",
     "compressed-tensors:int-quantized": "geminicompress.compress.int8.load:load_int_quantized",
     "compressed-tensors:pack-quantized": "geminicompress.compress.packing.compressed_tensors:load_pack_quantized",
     "compressed-tensors:sparse-bitmask": "geminicompress.compress.prune.load:load_sparse_bitmask",

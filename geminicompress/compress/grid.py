@@ -1,0 +1,115 @@
+"""Uniform integer grids for weight quantization: scales, zero points, quantize, dequantize.
+
+Conventions (those of GPTQ / AutoGPTQ, so that packed checkpoints load in their kernels):
+- Unsigned codes q in [0, 2^b - 1]; w ≈ scale · (q − zero).
+- Asymmetric: the range [min(w, 0), max(w, 0)] maps onto the grid; zero = round(−min / scale).
+- Symmetric: range [−max|w|, max|w|]; zero = 2^(b−1) for every group.
+- Groups run along the input dimension: column j belongs to group g_idx[j] (j // group_size unless
+  act-order permutes). `group_size = -1` means one group per output channel (per-channel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from geminicompress.errors import InputError
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    bits: int
+    group_size: int = -1  # -1: per output channel
+    sym: bool = True
+
+    def __post_init__(self) -> None:
+        if self.bits not in (2, 3, 4, 8):
+            raise InputError(f"bits must be 2, 3, 4 or 8, got {self.bits}")
+        if self.group_size == 0:
+            object.__setattr__(self, "group_size", -1)
+        if self.group_size < -1:
+            raise InputError(f"group size must be positive, or -1/0 for per channel; got {self.group_size}")
+
+    @property
+    def maxq(self) -> int:
+        return 2**self.bits - 1
+
+    def groups(self, columns: int) -> int:
+        return 1 if self.group_size == -1 else -(-columns // self.group_size)
+
+
+def qparams(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row scale and zero for the columns of `w`.  w: (out, k) -> scale (out, 1), zero (out, 1)."""
+    w = w.float()
+    zeros_ = torch.zeros(w.shape[0], device=w.device)
+    xmin = torch.minimum(w.min(dim=1).values, zeros_)
+    xmax = torch.maximum(w.max(dim=1).values, zeros_)
+    if spec.sym:
+        xmax = torch.maximum(xmin.abs(), xmax)
+        xmin = -xmax
+    empty = (xmin == 0) & (xmax == 0)
+    xmin = torch.where(empty, -torch.ones_like(xmin), xmin)
+    xmax = torch.where(empty, torch.ones_like(xmax), xmax)
+    scale = (xmax - xmin) / spec.maxq
+    if spec.sym:
+        zero = torch.full_like(scale, (spec.maxq + 1) // 2)
+    else:
+        zero = torch.round(-xmin / scale)
+    return scale.unsqueeze(1), zero.unsqueeze(1)
+
+
+def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    """Integer codes (as float) in [0, maxq].  Shapes broadcast: w (out, k), scale/zero (out, 1)."""
+    return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return scale * (q - zero)
+
+
+def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    return dequantize(quantize(w, scale, zero, maxq), scale, zero)
+
+
+@dataclass
+class QuantizedWeight:
+    """The artifact between a solver (RTN, GPTQ, AWQ) and a packer: codes plus per-group parameters.
+
+    q: (out, in) int32 codes in [0, 2^bits − 1]; scales: (out, groups) float32;
+    zeros: (out, groups) int32; g_idx: (in,) int32 group of each input column.
+    """
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor
+    spec: QuantSpec
+
+    def dequantize(self) -> torch.Tensor:
+        """(out, in) float32 weight."""
+        g = self.g_idx.long()
+        return self.scales[:, g] * (self.q.float() - self.zeros[:, g].float())
+
+
+def group_index(columns: int, spec: QuantSpec) -> torch.Tensor:
+    if spec.group_size == -1:
+        return torch.zeros(columns, dtype=torch.int32)
+    return (torch.arange(columns) // spec.group_size).to(torch.int32)
+
+
+def rtn_quantize(w: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
+    """Round-to-nearest with min-max ranges per group.  w: (out, in)."""
+    out_f, in_f = w.shape
+    g_idx = group_index(in_f, spec)
+    n_groups = spec.groups(in_f)
+    width = in_f if spec.group_size == -1 else spec.group_size
+    scales = torch.empty(out_f, n_groups, device=w.device)
+    zeros = torch.empty(out_f, n_groups, device=w.device)
+    q = torch.empty(out_f, in_f, device=w.device)
+    for g in range(n_groups):
+        cols = slice(g * width, min((g + 1) * width, in_f))
+        s, z = qparams(w[:, cols], spec)
+        scales[:, g], zeros[:, g] = s[:, 0], z[:, 0]
+        q[:, cols] = quantize(w[:, cols].float(), s, z, spec.maxq)
+    return QuantizedWeight(q.to(torch.int32), scales, zeros.to(torch.int32), g_idx.to(w.device), spec)

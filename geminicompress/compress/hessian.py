@@ -1,0 +1,24 @@
+"""Running estimate of the layer Hessian H = 2/N · Σ xᵀx of the squared reconstruction error.
+
+Shared by GPTQ (Frantar et al., 2022, eq. 1-2) and SparseGPT (Frantar & Alistarh, 2023).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HessianAccumulator:
+    """`add_batch(x)` with x: (..., in) inputs of one linear layer; `H`: (in, in) float32."""
+
+    def __init__(self, columns: int, device: torch.device | str = "cpu") -> None:
+        self.H = torch.zeros(columns, columns, device=device, dtype=torch.float32)
+        self.tokens = 0
+
+    def add_batch(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).to(self.H.device, torch.float32)  # (t, in)
+        t = x.shape[0]
+        self.H *= self.tokens / (self.tokens + t)
+        self.tokens += t
+        x = x * (2.0 / self.tokens) ** 0.5
+        self.H.addmm_(x.t(), x)

@@ -1,0 +1,212 @@
+"""Layer-by-layer calibration, shared by GPTQ, AWQ, SparseGPT and Wanda (and anything alike).
+
+The GPTQ paper's memory-bounded scheme:
+1. run the calibration windows through the model up to decoder layer 0 and keep its inputs;
+2. for each layer: move it to the compute device, let the method collect what it needs from the
+   layer's inputs (hooks on its linears, `forward`) and modify the layer, then run the *modified*
+   layer over the inputs to get the next layer's inputs; move it back.
+Only one decoder layer and one set of activations are on the device at a time.
+
+Resumable: after each layer, its weights (and any tensors the method wants to keep, e.g. integer codes
+for packing) go to `state_dir/layer_XXXX.safetensors` with a JSON summary. A restarted run restores the
+finished layers and recomputes the activations through them (cheap next to the solver) instead of
+storing activations on disk.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+from geminicompress.compress.arch import Arch, arch_for, get_module
+from geminicompress.progress import NullProgress, Progress
+
+
+class _StopForward(Exception):
+    pass
+
+
+@dataclass
+class LayerInputs:
+    """Inputs of one decoder layer for every calibration window.
+
+    hidden: list of (1, T, d) tensors (kept on `storage`, the CPU unless asked otherwise);
+    kwargs: the keyword arguments the model passes to every decoder layer (rotary embeddings,
+    mask, position ids), already on the compute device; the same for all windows of equal length.
+    """
+
+    hidden: list[torch.Tensor]
+    kwargs: dict[str, Any]
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_to(v, device) for v in value)
+    return value
+
+
+def _move_outside_layers(model: nn.Module, layers: nn.ModuleList, device: torch.device) -> None:
+    """Move embeddings, rotary buffers, final norm, head: everything except the decoder layers."""
+    inside = {id(m) for m in layers.modules()}
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        for name, param in list(module.named_parameters(recurse=False)):
+            param.data = param.data.to(device)
+        for name, buf in list(module.named_buffers(recurse=False)):
+            module._buffers[name] = buf.to(device)
+
+
+@torch.no_grad()
+def capture_inputs(model: nn.Module, windows: torch.Tensor, device: torch.device,
+                   storage: torch.device = torch.device("cpu")) -> LayerInputs:
+    """Run each window (n, T) up to decoder layer 0 and record that layer's inputs."""
+    layers = get_module(model, arch_for(model).layers)
+    _move_outside_layers(model, layers, device)
+    hidden: list[torch.Tensor] = []
+    captured: dict[str, Any] = {}
+
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        h = args[0] if args else kwargs["hidden_states"]
+        hidden.append(h.detach().to(storage))
+        if not captured:
+            captured.update({k: v for k, v in kwargs.items() if k != "hidden_states"})
+        raise _StopForward
+
+    handle = layers[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        for row in windows:
+            try:
+                model(row.unsqueeze(0).to(device), use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+    for key in ("cache", "past_key_values", "past_key_value", "use_cache"):
+        captured.pop(key, None)
+    kwargs = {k: _to(v, device) for k, v in captured.items()}
+    return LayerInputs(hidden, kwargs)
+
+
+def layer_output(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    out = layer(hidden, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@torch.no_grad()
+def forward_layer(layer: nn.Module, inputs: LayerInputs, device: torch.device,
+                  observe: dict[nn.Module, Callable[[torch.Tensor, torch.Tensor], None]] | None = None,
+                  keep_outputs: bool = True) -> list[torch.Tensor]:
+    """Run the layer over every window; `observe[module](x, y)` sees each module's input x and output y
+    (x: (1, T, in) on the device). Returns the layer outputs (on the inputs' storage device)."""
+    handles = []
+    for module, fn in (observe or {}).items():
+        handles.append(module.register_forward_hook(lambda m, a, y, fn=fn: fn(a[0].detach(), y.detach())))
+    outs: list[torch.Tensor] = []
+    try:
+        for h in inputs.hidden:
+            y = layer_output(layer, h.to(device), inputs.kwargs)
+            if keep_outputs:
+                outs.append(y.to(h.device))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outs
+
+
+@dataclass
+class LayerJob:
+    """What a method sees for one layer: call `forward(observe)` as often as it needs."""
+
+    index: int
+    layer: nn.Module
+    inputs: LayerInputs
+    device: torch.device
+    arch: Arch
+
+    def forward(self, observe: dict[nn.Module, Callable[[torch.Tensor, torch.Tensor], None]] | None = None,
+                keep_outputs: bool = False) -> list[torch.Tensor]:
+        return forward_layer(self.layer, self.inputs, self.device, observe, keep_outputs)
+
+    def module(self, name: str) -> nn.Module:
+        return get_module(self.layer, name)
+
+
+# A method processes one layer in place and returns (summary for report.json, tensors to keep).
+LayerFn = Callable[[LayerJob], tuple[dict[str, Any], dict[str, torch.Tensor]]]
+
+
+def run_layerwise(model: nn.Module, windows: torch.Tensor, process: LayerFn, *, device: torch.device,
+                  progress: Progress | None = None, state_dir: Path | None = None,
+                  description: str = "layers") -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+    """Apply `process` to every decoder layer in order, feeding each layer the modified previous one.
+
+    Returns the per-layer summaries and the kept tensors of all layers, keyed
+    `"<layer index>.<name>"` as the method named them (e.g. "3.self_attn.q_proj.q").
+    """
+    progress = progress or NullProgress()
+    arch = arch_for(model)
+    layers = get_module(model, arch.layers)
+    inputs = capture_inputs(model, windows, device)
+    summaries: list[dict[str, Any]] = []
+    kept: dict[str, torch.Tensor] = {}
+    with progress.task(description, total=len(layers)) as bar:
+        for i, layer in enumerate(layers):
+            layer.to(device)
+            done = _restore(state_dir, i, layer)
+            if done is not None:
+                summary, tensors = done
+                summary = {**summary, "resumed": True}
+            else:
+                summary, tensors = process(LayerJob(i, layer, inputs, device, arch))
+                _save(state_dir, i, layer, summary, tensors)
+            kept.update({f"{i}.{k}": v for k, v in tensors.items()})
+            summaries.append({"layer": i, **summary})
+            inputs = LayerInputs(forward_layer(layer, inputs, device), inputs.kwargs)
+            layer.to("cpu" if device.type != "cpu" else device)
+            bar.advance(1, **{k: v for k, v in summary.items() if isinstance(v, (int, float)) and k != "layer"})
+    _move_outside_layers(model, layers, torch.device("cpu"))
+    return summaries, kept
+
+
+def _paths(state_dir: Path, i: int) -> tuple[Path, Path]:
+    return state_dir / f"layer_{i:04d}.safetensors", state_dir / f"layer_{i:04d}.json"
+
+
+def _save(state_dir: Path | None, i: int, layer: nn.Module, summary: dict, tensors: dict[str, torch.Tensor]) -> None:
+    if state_dir is None:
+        return
+    weights, meta = _paths(state_dir, i)
+    flat = {f"state.{k}": v.detach().cpu().contiguous() for k, v in layer.state_dict().items()}
+    flat.update({f"kept.{k}": v.detach().cpu().contiguous() for k, v in tensors.items()})
+    tmp = weights.with_suffix(".tmp")
+    save_file(flat, str(tmp))
+    tmp.rename(weights)
+    meta.write_text(json.dumps(summary, default=float))  # written last: marks the layer as finished
+
+
+def _restore(state_dir: Path | None, i: int, layer: nn.Module) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    if state_dir is None:
+        return None
+    weights, meta = _paths(state_dir, i)
+    if not (meta.is_file() and weights.is_file()):
+        return None
+    flat = load_file(str(weights))
+    device = next(layer.parameters()).device
+    layer.load_state_dict({k[6:]: v for k, v in flat.items() if k.startswith("state.")})
+    layer.to(device)
+    tensors = {k[5:]: v for k, v in flat.items() if k.startswith("kept.")}
+    return json.loads(meta.read_text()), tensors
+
+
+def iter_linears(layer: nn.Module, arch: Arch) -> Iterator[tuple[str, nn.Linear]]:
+    for name in arch.linears:
+        yield name, get_module(layer, name)

@@ -1,0 +1,57 @@
+"""Quantization grid math on small tensors with known answers."""
+
+import pytest
+import torch
+
+from geminicompress.compress.grid import QuantSpec, qparams, rtn_quantize
+from geminicompress.errors import InputError
+
+
+def test_asym_known_answer():
+    w = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    scale, zero = qparams(w, QuantSpec(bits=2, sym=False))
+    assert scale.item() == pytest.approx(1.0) and zero.item() == 0
+    qw = rtn_quantize(w, QuantSpec(bits=2, sym=False))
+    assert qw.q.tolist() == [[0, 1, 2, 3]]
+    assert torch.equal(qw.dequantize(), w)
+
+
+def test_sym_known_answer():
+    w = torch.tensor([[-4.0, 2.0, 0.0, 4.0]])
+    scale, zero = qparams(w, QuantSpec(bits=4, sym=True))
+    assert scale.item() == pytest.approx(8.0 / 15) and zero.item() == 8
+    qw = rtn_quantize(w, QuantSpec(bits=4, sym=True))
+    assert qw.q[0, 2] == 8  # zero maps to the zero point exactly
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group_size", [-1, 4])
+@pytest.mark.parametrize("sym", [True, False])
+def test_rtn_error_within_half_step(bits, group_size, sym):
+    torch.manual_seed(0)
+    w = torch.randn(8, 16)
+    qw = rtn_quantize(w, QuantSpec(bits, group_size, sym))
+    assert qw.q.min() >= 0 and qw.q.max() <= 2**bits - 1
+    err = (qw.dequantize() - w).abs()
+    step = qw.scales[:, qw.g_idx.long()]
+    assert torch.all(err <= step / 2 + 1e-6)
+    assert qw.scales.shape == (8, 1 if group_size == -1 else 4)
+
+
+def test_bad_spec():
+    with pytest.raises(InputError, match="bits must be"):
+        QuantSpec(bits=5)
+    assert QuantSpec(bits=4, group_size=0).group_size == -1
+
+
+def test_hessian_accumulator_matches_direct_formula():
+    from geminicompress.compress.hessian import HessianAccumulator
+
+    torch.manual_seed(0)
+    xs = [torch.randn(1, 5, 6), torch.randn(1, 7, 6)]
+    acc = HessianAccumulator(6)
+    for x in xs:
+        acc.add_batch(x)
+    X = torch.cat([x.reshape(-1, 6) for x in xs])
+    torch.testing.assert_close(acc.H, 2 * X.t() @ X / X.shape[0])
+    assert acc.tokens == 12

@@ -1,0 +1,135 @@
+"""The GPTQ solver (Frantar, Ashkboos, Hoefler & Alistarh, 2022, "GPTQ: Accurate Post-Training
+Quantization for Generative Pre-trained Transformers"), as a pure function on tensors.
+
+Minimise ‖W X − Ŵ X‖² column by column (Optimal Brain Quantization): quantize column j, then
+spread its error over the not-yet-quantized columns with the inverse Hessian (eq. 3),
+
+    δ = −(w_j − q_j) / [H⁻¹]_jj · [H⁻¹]_{j,:}
+
+using the upper Cholesky factor of H⁻¹ instead of updating H⁻¹ after every column (§4, step 3), and
+applying updates lazily: inside a block of `block_size` columns, then once to the rest (§4, step 2).
+
+Options as in the reference implementation and AutoGPTQ:
+- dead inputs (zero Hessian diagonal: the input never fires) get H_jj = 1 and W_:j = 0;
+- `damp`: λ = damp · mean(diag H) added to the diagonal;
+- `act_order`: columns in order of decreasing H_jj; `static_groups` fixes the groups (and their
+  scales) in the original column order first, so that g_idx stays j // group_size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from geminicompress.compress.grid import QuantizedWeight, QuantSpec, qparams, quantize
+from geminicompress.errors import GeminiError
+
+
+def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: float = 0.01, block_size: int = 128,
+                  act_order: bool = False, static_groups: bool = False) -> tuple[QuantizedWeight, float]:
+    """Quantize W (out, in) given the layer Hessian H (in, in) = 2/N · Σ xᵀx.
+
+    Returns the codes/scales/zeros/g_idx (g_idx in the original column order) and the summed
+    loss Σ (w − q)² / (2 [H⁻¹]_jj²), the objective GPTQ reduces.
+    """
+    out_f, in_f = W.shape
+    if H.shape != (in_f, in_f):
+        raise GeminiError(f"Hessian shape {tuple(H.shape)} does not match the weight's {in_f} input columns")
+    if not torch.isfinite(W).all():
+        raise GeminiError("the weight holds NaN/Inf values; the model is broken before quantization")
+    if not torch.isfinite(H).all():
+        raise GeminiError("the Hessian holds NaN/Inf values (calibration activations overflowed); "
+                          "quantize in float32 or use other calibration data")
+    W = W.detach().to(torch.float32).clone()
+    H = H.detach().to(torch.float32).clone()
+    gs = in_f if spec.group_size == -1 else spec.group_size
+
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+
+    static: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if spec.group_size == -1:
+        static = [qparams(W, spec)]  # per channel: one range over the whole row, fixed up front
+    elif static_groups:
+        static = [qparams(W[:, g:g + gs], spec) for g in range(0, in_f, gs)]
+
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(in_f, device=W.device)
+    W, H = W[:, perm], H[perm][:, perm]
+    Hinv = _inverse_hessian_factor(H, damp)  # upper Cholesky factor of H⁻¹: (in, in)
+
+    Q = torch.zeros_like(W)  # codes, permuted order: (out, in)
+    losses = torch.zeros_like(W)
+    # group of each column in quantization order: fixed groups follow the original columns
+    cols = perm if static else torch.arange(in_f, device=W.device)
+    group_of = torch.zeros(in_f, dtype=torch.long, device=W.device) if spec.group_size == -1 else cols // gs
+    group_list = group_of.tolist()
+    scales: list[torch.Tensor] = []
+    zeros: list[torch.Tensor] = []
+    scale = zero = None
+    for i1 in range(0, in_f, block_size):
+        i2 = min(i1 + block_size, in_f)
+        W1 = W[:, i1:i2].clone()  # (out, b)
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if static:
+                scale, zero = static[group_list[col]]
+            elif col % gs == 0:  # a new group starts here, in quantization order
+                scale, zero = qparams(_upcoming(W, W1, Err1, Hinv, i1, i, gs), spec)
+                scales.append(scale)
+                zeros.append(zero)
+            w = W1[:, i]
+            d = Hinv1[i, i]
+            q = quantize(w.unsqueeze(1), scale, zero, spec.maxq)  # (out, 1)
+            deq = (scale * (q - zero)).squeeze(1)
+            Q[:, col] = q.squeeze(1)
+            losses[:, col] = (w - deq) ** 2 / d**2 / 2
+            err = (w - deq) / d
+            W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+
+    if static:
+        scales = [s for s, _ in static]
+        zeros = [z for _, z in static]
+    inv = torch.argsort(perm)
+    g_idx = group_of[inv].to(torch.int32)
+    qw = QuantizedWeight(
+        q=Q[:, inv].to(torch.int32),
+        scales=torch.cat(scales, dim=1),  # (out, groups)
+        zeros=torch.cat(zeros, dim=1).to(torch.int32),
+        g_idx=g_idx,
+        spec=spec,
+    )
+    return qw, float(losses.sum())
+
+
+def _inverse_hessian_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean(diag H)."""
+    H = H.clone()
+    H.diagonal().add_(damp * torch.mean(torch.diag(H)))
+    L, info = torch.linalg.cholesky_ex(H)
+    if info == 0:
+        Hinv = torch.cholesky_inverse(L)
+        U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+        if info == 0:
+            return U
+    raise GeminiError(f"the Hessian is not positive definite even after dampening by {damp}; "
+                      "raise --damp (e.g. 0.1) or use more calibration tokens")
+
+
+def _upcoming(W: torch.Tensor, W1: torch.Tensor, Err1: torch.Tensor, Hinv: torch.Tensor,
+              i1: int, i: int, gs: int) -> torch.Tensor:
+    """The next `gs` columns from block-local position i, with every update made so far applied.
+
+    Columns inside the block are current in W1; columns past the block (a group wider than the rest
+    of the block) still lack the lazy update from this block's first i columns, applied here.
+    """
+    i2 = i1 + W1.shape[1]
+    inside = W1[:, i:i + gs]
+    missing = gs - inside.shape[1]
+    if missing <= 0:
+        return inside
+    beyond = W[:, i2:i2 + missing] - Err1[:, :i] @ Hinv[i1:i1 + i, i2:i2 + missing]
+    return torch.cat([inside, beyond], dim=1)

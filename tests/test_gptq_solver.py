@@ -8,6 +8,15 @@ from geminicompress.compress.grid import QuantSpec, rtn_quantize
 from geminicompress.errors import GeminiError
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Column-by-column loops of tiny ops: a second thread only adds synchronisation."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _correlated(n: int = 1024, d: int = 64, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     mix = torch.randn(d, d, generator=gen) / d**0.5

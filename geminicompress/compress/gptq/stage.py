@@ -1,0 +1,162 @@
+"""`quantize --method gptq`: GPTQ layer by layer, then export in the chosen format.
+
+command -> pipeline -> this stage -> `solver.gptq_quantize`. Per decoder layer (run_layerwise: only
+that layer and its activations on the device; quantized outputs feed the next layer; resumable):
+1. register hooks that accumulate one Hessian per group of linears reading the same input
+   (q/k/v share one; gate/up share one), running the layer only as far as those linears;
+2. solve the group as one stacked weight (GPTQ's rows are independent given H), write the
+   fake-quantized weights back so later groups and layers see the quantized model;
+3. with `true_sequential` each group of `arch.sequential` is collected after the previous one is
+   quantized (the paper's order); without, all Hessians of the layer come from one pass.
+The codes/scales/zeros/g_idx are kept and packed at export (packing/export.py).
+"""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from geminicompress.compress.arch import Arch, arch_for, get_module
+from geminicompress.compress.gptq.solver import gptq_quantize
+from geminicompress.compress.grid import QuantizedWeight, QuantSpec
+from geminicompress.compress.hessian import HessianAccumulator
+from geminicompress.compress.layerwise import LayerJob, layer_output, run_layerwise
+from geminicompress.compress.packing.export import check_exportable, export_quantized, scale_dtype
+from geminicompress.errors import GeminiError, InputError
+
+KEPT = ("q", "scales", "zeros", "g_idx")
+
+
+class _Stop(Exception):
+    """Raised by a hook once every observed linear has run: the rest of the layer is not needed."""
+
+
+def run(cfg, ctx) -> dict[str, Any]:
+    model = ctx.model
+    arch = arch_for(model)
+    spec = QuantSpec(cfg.bits, cfg.group_size, cfg.sym)
+    targets = quantizable(model, arch, cfg.ignore)
+    if not targets:
+        raise InputError("the model has no linear layer left to quantize (check --ignore)")
+    shapes = {name: tuple(get_module(model, name).weight.shape) for name in targets}
+    check_exportable(model, shapes, spec, cfg.format)
+    windows = ctx.calibration(cfg.data)  # (n, T)
+    widest = max(in_f for _, in_f in shapes.values())
+    if windows.numel() < widest:
+        raise InputError(f"GPTQ needs at least {widest} calibration tokens (the widest quantized layer's inputs), "
+                         f"got {windows.numel()}; raise --samples or --calib-seq-len")
+
+    layers_path = arch.layers + "."
+    scales_as = scale_dtype(cfg.format, ctx.recipe.output.dtype)
+    process = partial(_quantize_layer, cfg=cfg, spec=spec, scales_as=scales_as,
+                      targets={n.removeprefix(layers_path) for n in targets})
+    summaries, kept = run_layerwise(model, windows, process, device=ctx.device, progress=ctx.progress,
+                                    state_dir=ctx.state_dir, description=f"gptq {spec.bits}-bit")
+    qweights = _collect(kept, spec, layers_path)
+    meta = {"dtype": ctx.recipe.output.dtype, "act_order": cfg.act_order, "static_groups": cfg.static_groups,
+            "true_sequential": cfg.true_sequential, "damp": cfg.damp}
+    ctx.exporter = lambda m, tok, out: export_quantized(m, tok, out, qweights, cfg.format, meta)
+    return {
+        "bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym, "format": cfg.format,
+        "calibration_tokens": int(windows.numel()), "quantized_modules": len(qweights),
+        "total_error": sum(s["err"] for s in summaries), "layers": summaries,
+    }
+
+
+def quantizable(model: nn.Module, arch: Arch, ignore: list[str]) -> list[str]:
+    """Full names of the decoder-layer linears GPTQ quantizes, minus those matching an ignore regex."""
+    try:
+        patterns = [re.compile(p) for p in ignore]
+    except re.error as exc:
+        raise InputError(f"ignore pattern is not a valid regular expression: {exc}") from exc
+    layers = get_module(model, arch.layers)
+    names = [f"{arch.layers}.{i}.{lin}" for i in range(len(layers)) for lin in arch.linears]
+    return [n for n in names if isinstance(get_module(model, n), nn.Linear) and not any(p.search(n) for p in patterns)]
+
+
+def _quantize_layer(job: LayerJob, *, cfg, spec: QuantSpec, scales_as: torch.dtype,
+                    targets: set[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Quantize the linears of one decoder layer in place; return ({err, modules}, kept tensors)."""
+    groups = [[n for n in group if f"{job.index}.{n}" in targets] for group in job.arch.sequential]
+    groups = [g for g in groups if g]
+    passes = [[g] for g in groups] if cfg.true_sequential else [groups]
+    losses: dict[str, float] = {}
+    kept: dict[str, torch.Tensor] = {}
+    for pass_groups in passes:
+        hessians = _collect_hessians(job, pass_groups)
+        for group, H in zip(pass_groups, hessians):
+            modules = [job.module(n) for n in group]
+            W = torch.cat([m.weight.data for m in modules])  # rows stacked: (Σ out, in)
+            try:
+                qw, loss = gptq_quantize(W, H, spec, damp=cfg.damp, block_size=cfg.block_size,
+                                         act_order=cfg.act_order, static_groups=cfg.static_groups)
+            except GeminiError as exc:
+                raise GeminiError(f"layer {job.index} {'/'.join(group)}: {exc}") from exc
+            qw.scales = qw.scales.to(scales_as).float()  # what the checkpoint will hold
+            start = 0
+            for name, module in zip(group, modules):
+                part = _rows(qw, start, start + module.out_features)
+                start += module.out_features
+                module.weight.data = part.dequantize().to(module.weight.dtype)
+                kept.update({f"{name}.{k}": v for k, v in _kept(part).items()})
+            losses["/".join(group)] = loss
+    return {"err": sum(losses.values()), "modules": losses}, kept
+
+
+def _collect_hessians(job: LayerJob, groups: list[list[str]]) -> list[torch.Tensor]:
+    """One Hessian per group, hooked on the group's first linear (all members read the same input).
+    The layer runs only until every hooked linear has seen a window."""
+    accs = [HessianAccumulator(job.module(g[0]).in_features, job.device) for g in groups]
+    fired: set[int] = set()
+
+    def hook(i: int, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        accs[i].add_batch(args[0].detach())
+        fired.add(i)
+        if len(fired) == len(accs):
+            raise _Stop
+
+    handles = [job.module(g[0]).register_forward_hook(partial(hook, i)) for i, g in enumerate(groups)]
+    try:
+        with torch.no_grad():
+            for h in job.inputs.hidden:
+                fired.clear()
+                try:
+                    layer_output(job.layer, h.to(job.device), job.inputs.kwargs)
+                except _Stop:
+                    pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [acc.H for acc in accs]
+
+
+def _rows(qw: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
+    return QuantizedWeight(qw.q[start:stop], qw.scales[start:stop], qw.zeros[start:stop], qw.g_idx, qw.spec)
+
+
+def _kept(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """Codes as uint8 (a quarter of int32) while the other layers run."""
+    fields = {"q": qw.q.to(torch.uint8), "scales": qw.scales, "zeros": qw.zeros.to(torch.uint8), "g_idx": qw.g_idx}
+    return {k: v.cpu().clone() for k, v in fields.items()}  # own storage: row slices share the stacked one
+
+
+def _collect(kept: dict[str, torch.Tensor], spec: QuantSpec, layers_path: str) -> dict[str, QuantizedWeight]:
+    """"<layer>.<linear>.<field>" tensors -> {full module name: QuantizedWeight}.
+
+    Codes and zeros stay uint8 (the packers accept any integer dtype): int32 codes of the whole model
+    would cost as much memory as its float32 weights."""
+    names = sorted({k.rsplit(".", 1)[0] for k in kept}, key=_layer_order)
+    return {
+        layers_path + name: QuantizedWeight(kept[f"{name}.q"], kept[f"{name}.scales"], kept[f"{name}.zeros"],
+                                            kept[f"{name}.g_idx"], spec)
+        for name in names
+    }
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    index, _, rest = name.partition(".")
+    return int(index), rest

@@ -1,0 +1,57 @@
+"""b-bit codes <-> int32 words, as one dense little-endian bit stream along the last dimension.
+
+Code k of a row occupies bits [k·b, (k+1)·b) of the row's stream; word w holds stream bits
+[32w, 32w + 32). For b in {2, 4, 8} this is the familiar "32/b codes per word, first code in the
+lowest bits"; for b = 3 every 32 codes fill exactly 3 words and codes 10 and 21 straddle two words.
+GPTQ (AutoGPTQ/GPTQModel) and compressed-tensors (>= 0.10) both use this stream layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_WORD = 32
+
+
+def packed_width(n: int, bits: int) -> int:
+    """int32 words holding n codes of `bits` bits."""
+    return -(-n * bits // _WORD)
+
+
+def _layout(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the 32 codes of one chunk (= `bits` words): word index, bit offset, bits spilling over."""
+    start = torch.arange(_WORD, device=device, dtype=torch.int64) * bits
+    offset = start % _WORD
+    return start // _WORD, offset, (offset + bits - _WORD).clamp(min=0)
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes (..., n) integers in [0, 2^bits) -> int32 (..., packed_width(n, bits))."""
+    *lead, n = codes.shape
+    chunks = -(-n // _WORD)
+    values = torch.zeros(*lead, chunks * _WORD, dtype=torch.int64, device=codes.device)
+    values[..., :n] = codes.to(torch.int64) & ((1 << bits) - 1)
+    values = values.reshape(-1, chunks, _WORD)  # (rows, chunks, 32)
+    word, offset, spill = _layout(bits, codes.device)
+    words = torch.zeros(values.shape[0], chunks, bits + 1, dtype=torch.int64, device=codes.device)
+    low = (values << offset) & 0xFFFFFFFF
+    words.scatter_add_(2, word.expand_as(values), low)  # fields never overlap: add == or
+    high = values >> (bits - spill)  # the spilled top bits go to the bottom of the next word
+    words.scatter_add_(2, (word + 1).expand_as(values), torch.where(spill > 0, high, 0))
+    words = words[..., :bits].reshape(*lead, chunks * bits)[..., : packed_width(n, bits)]
+    return (words - ((words >> 31) << 32)).to(torch.int32)  # reinterpret uint32 as int32
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """int32 (..., words) -> codes (..., n) as int32 in [0, 2^bits)."""
+    *lead, width = packed.shape
+    chunks = -(-n // _WORD)
+    words = torch.zeros(*lead, chunks * bits + 1, dtype=torch.int64, device=packed.device)
+    words[..., :width] = packed.to(torch.int64) & 0xFFFFFFFF
+    stream = words[..., : chunks * bits].reshape(-1, chunks, bits)  # (rows, chunks, bits)
+    after = words[..., 1 : chunks * bits + 1].reshape(-1, chunks, bits)
+    word, offset, spill = _layout(bits, packed.device)
+    low = stream[..., word] >> offset
+    high = (after[..., word] << (bits - spill)) * (spill > 0)
+    codes = (low | high) & ((1 << bits) - 1)
+    return codes.reshape(*lead, chunks * _WORD)[..., :n].to(torch.int32)

@@ -1,0 +1,103 @@
+"""compressed-tensors `pack-quantized` (what llm-compressor writes and vLLM reads).
+
+Per quantized linear (out, in) with G groups and b bits:
+- `weight_packed` int32 (out, ⌈in·b/32⌉): codes along the input, bits.py stream layout (the signed
+  compressed-tensors value plus 2^(b−1), i.e. exactly our unsigned code);
+- `weight_scale` (out, G) in the checkpoint's float dtype;
+- `weight_zero_point` int32 (⌈out·b/32⌉, G), asymmetric only: unsigned zero points packed along the
+  output dimension (compressed-tensors stores them signed, minus 2^(b−1), before the same offset);
+- `weight_shape` int64 [out, in];
+- `weight_g_idx` int32 (in,) only with act-order groups (`actorder: group`).
+Strategy `channel` for per-channel, `group` otherwise; linears not quantized are listed in `ignore`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from geminicompress.compress.grid import QuantizedWeight, QuantSpec, group_index
+from geminicompress.compress.packing.bits import pack_bits, unpack_bits
+from geminicompress.compress.packing.qlinear import load_with_dequant_linears
+from geminicompress.errors import GeminiError, InputError
+
+SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+COMPRESSED_TENSORS_VERSION = "0.19.0"  # the layout of that release (dense bit streams for 3-bit)
+
+
+def check_shape(name: str, out_f: int, in_f: int, spec: QuantSpec) -> None:
+    if spec.group_size != -1 and in_f % spec.group_size:
+        raise InputError(f"{name}: group size {spec.group_size} does not divide the {in_f} input features; "
+                         f"choose a divisor of {in_f} (or -1 for per channel)")
+
+
+def pack_ct(qw: QuantizedWeight, scale_dtype: torch.dtype, with_g_idx: bool) -> dict[str, torch.Tensor]:
+    out_f, in_f = qw.q.shape
+    tensors = {
+        "weight_packed": pack_bits(qw.q, qw.spec.bits).contiguous(),  # (out, ⌈in·b/32⌉)
+        "weight_scale": qw.scales.to(scale_dtype).contiguous(),  # (out, G)
+        "weight_shape": torch.tensor([out_f, in_f], dtype=torch.int64),
+    }
+    if not qw.spec.sym:
+        tensors["weight_zero_point"] = pack_bits(qw.zeros.t(), qw.spec.bits).t().contiguous()  # (⌈out·b/32⌉, G)
+    if with_g_idx:
+        tensors["weight_g_idx"] = qw.g_idx.to(torch.int32).contiguous()
+    return tensors
+
+
+def unpack_ct(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> QuantizedWeight:
+    out_f, in_f = (int(v) for v in tensors["weight_shape"].tolist())
+    scales = tensors["weight_scale"].float()  # (out, G)
+    q = unpack_bits(tensors["weight_packed"], spec.bits, in_f)
+    if spec.sym:
+        zeros = torch.full(scales.shape, (spec.maxq + 1) // 2, dtype=torch.int32)
+    else:
+        zeros = unpack_bits(tensors["weight_zero_point"].t(), spec.bits, out_f).t().contiguous()
+    g_idx = tensors.get("weight_g_idx")
+    g_idx = group_index(in_f, spec) if g_idx is None else g_idx.to(torch.int32)
+    return QuantizedWeight(q, scales.contiguous(), zeros, g_idx, spec)
+
+
+def ct_config(spec: QuantSpec, meta: dict[str, Any], ignore: list[str]) -> dict[str, Any]:
+    """`quantization_config` for weight-only INT-b `pack-quantized` (W4A16 and alike)."""
+    act_order = bool(meta.get("act_order", False))
+    actorder = None if not act_order else ("weight" if meta.get("static_groups") else "group")
+    weights = {
+        "num_bits": spec.bits,
+        "type": "int",
+        "symmetric": spec.sym,
+        "strategy": "channel" if spec.group_size == -1 else "group",
+        "group_size": None if spec.group_size == -1 else spec.group_size,
+        "actorder": actorder,
+        "block_structure": None,
+        "dynamic": False,
+        "observer": "minmax",
+        "observer_kwargs": {},
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "version": COMPRESSED_TENSORS_VERSION,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                      "output_activations": None, "format": "pack-quantized"}},
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+    }
+
+
+def load_pack_quantized(path: Path, config: dict, dtype: torch.dtype):
+    """Load a compressed-tensors pack-quantized checkpoint with `DequantLinear`s."""
+    qc = config["quantization_config"]
+    groups = list((qc.get("config_groups") or {}).values())
+    if len(groups) != 1 or not groups[0].get("weights"):
+        raise GeminiError(f"{path}: only one weight-quantization config group is supported, found {len(groups)}")
+    w = groups[0]["weights"]
+    if w.get("type", "int") != "int" or w.get("strategy") not in ("group", "channel"):
+        raise GeminiError(f"{path}: pack-quantized with {w.get('type')}/{w.get('strategy')} weights is not supported")
+    spec = QuantSpec(int(w["num_bits"]), int(w.get("group_size") or -1) if w["strategy"] == "group" else -1,
+                     bool(w.get("symmetric", True)))
+    return load_with_dequant_linears(path, dtype, SUFFIXES, lambda t: unpack_ct(t, spec), bias_key="bias")

@@ -1,0 +1,98 @@
+"""The GPTQ v1 checkpoint format (AutoGPTQ's, read by transformers+GPTQModel and vLLM).
+
+Per quantized linear with `in` inputs, `out` outputs, `G` groups and b bits:
+- `qweight` int32 (in·b/32, out): codes packed along the input dimension (bits.py stream layout);
+- `qzeros`  int32 (G, out·b/32): zero points minus one (the v1 convention) packed along the output;
+- `scales`  fp16 (G, out);
+- `g_idx`   int32 (in,): the group of each input column (j // group_size unless act-order permuted);
+- `bias`    as the model has it.
+`config.json` -> `quantization_config` (and `quantize_config.json`) carry bits, group_size,
+desc_act, sym and checkpoint_format "gptq". A symmetric zero point is 2^(b−1) and stored as 2^(b−1)−1.
+An asymmetric zero point of 0 is stored as −1 ≡ 2^b−1 (masked): we read it back exactly, but
+GPTQModel's v1->v2 conversion adds 1 to the whole word and carries into the neighbour field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from geminicompress.compress.grid import QuantizedWeight, QuantSpec
+from geminicompress.compress.packing.bits import pack_bits, unpack_bits
+from geminicompress.compress.packing.qlinear import load_with_dequant_linears
+from geminicompress.errors import GeminiError, InputError
+
+SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+
+
+def check_shape(name: str, out_f: int, in_f: int, spec: QuantSpec) -> None:
+    """The format needs whole words along both dimensions and whole groups."""
+    if (in_f * spec.bits) % 32 or (out_f * spec.bits) % 32:
+        raise InputError(f"{name}: gptq format packs {spec.bits}-bit codes into 32-bit words, which needs "
+                         f"in/out features ({in_f}/{out_f}) to be multiples of {32 // _gcd32(spec.bits)}; "
+                         "use --format compressed-tensors or dense, or --ignore this module")
+    if spec.group_size != -1 and in_f % spec.group_size:
+        raise InputError(f"{name}: group size {spec.group_size} does not divide the {in_f} input features; "
+                         f"choose a divisor of {in_f} (or -1 for per channel)")
+
+
+def _gcd32(bits: int) -> int:
+    from math import gcd
+
+    return gcd(bits, 32)
+
+
+def pack_gptq(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    bits, maxq = qw.spec.bits, qw.spec.maxq
+    return {
+        "qweight": pack_bits(qw.q, bits).t().contiguous(),  # (out, in) -> (out, in·b/32) -> (in·b/32, out)
+        "qzeros": pack_bits(((qw.zeros - 1) & maxq).t(), bits).contiguous(),  # (G, out·b/32), v1: zero − 1
+        "scales": qw.scales.t().to(torch.float16).contiguous(),  # (G, out)
+        "g_idx": qw.g_idx.to(torch.int32).cpu().contiguous(),  # (in,)
+    }
+
+
+def unpack_gptq(tensors: dict[str, torch.Tensor], spec: QuantSpec, v1: bool = True) -> QuantizedWeight:
+    bits, maxq = spec.bits, spec.maxq
+    g_idx = tensors["g_idx"].to(torch.int32)
+    in_f, out_f = g_idx.numel(), tensors["scales"].shape[1]
+    q = unpack_bits(tensors["qweight"].t(), bits, in_f)  # (out, in)
+    zeros = unpack_bits(tensors["qzeros"], bits, out_f).t()  # (out, G)
+    if v1:
+        zeros = (zeros + 1) & maxq
+    return QuantizedWeight(q.contiguous(), tensors["scales"].t().float().contiguous(), zeros.contiguous(), g_idx, spec)
+
+
+def gptq_config(spec: QuantSpec, meta: dict[str, Any], skipped: list[str]) -> dict[str, Any]:
+    """`quantization_config` as transformers/GPTQModel/vLLM read it."""
+    config = {
+        "quant_method": "gptq",
+        "checkpoint_format": "gptq",
+        "bits": spec.bits,
+        "group_size": spec.group_size,
+        "desc_act": bool(meta.get("act_order", False)),
+        "static_groups": bool(meta.get("static_groups", False)),
+        "sym": spec.sym,
+        "true_sequential": bool(meta.get("true_sequential", True)),
+        "damp_percent": float(meta.get("damp", 0.01)),
+        "pack_dtype": "int32",
+        "lm_head": False,
+        "meta": {"quantizer": [f"geminicompress:{meta.get('version', '')}"]},
+    }
+    if skipped:
+        # GPTQModel's per-module override: "-:<regex>" leaves a matching module in float.
+        config["dynamic"] = {f"-:^{name.replace('.', '[.]')}$": {} for name in skipped}
+    return config
+
+
+def load_gptq(path: Path, config: dict, dtype: torch.dtype):
+    """Load a GPTQ v1 (or v2) checkpoint with `DequantLinear`s in place of the quantized linears."""
+    qc = config["quantization_config"]
+    try:
+        spec = QuantSpec(int(qc["bits"]), int(qc.get("group_size", -1)), bool(qc.get("sym", True)))
+    except KeyError as exc:
+        raise GeminiError(f"{path}: quantization_config lacks {exc}") from exc
+    v1 = str(qc.get("checkpoint_format", "gptq")).lower() != "gptq_v2"
+    return load_with_dequant_linears(path, dtype, SUFFIXES, lambda t: unpack_gptq(t, spec, v1), bias_key="bias")

@@ -1,0 +1,173 @@
+"""The GPTQ stage on tiny models: save -> load gives the in-memory quantized model; bad input fails early."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from geminicompress.cli import app
+from geminicompress.compress.arch import arch_for, get_module
+from geminicompress.compress.grid import QuantSpec, rtn_quantize
+from geminicompress.compress.packing.qlinear import DequantLinear
+from geminicompress.models.loading import LoadedModel, load_model, resolve_model
+from geminicompress.pipeline import run_recipe
+from geminicompress.recipes.loader import recipe_from_stage
+from tiny import save_tiny, tiny_tokenizer
+
+CPU = torch.device("cpu")
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _quantize(model_dir, out, data, **stage):
+    recipe = recipe_from_stage(str(model_dir), {"type": "quantize", "method": "gptq", **stage},
+                               {"data": str(data), "samples": 6, "seq_len": 64}, "test")
+    loaded = load_model(str(model_dir))
+    report = run_recipe(recipe, out, device=CPU, loaded=loaded)
+    return loaded.model, report
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("fmt,stage", [
+    ("gptq", {"bits": 4, "group_size": 32}),
+    ("gptq", {"bits": 3, "group_size": -1, "sym": False, "act_order": True}),
+    ("gptq", {"bits": 2, "group_size": 32, "act_order": True, "static_groups": True, "true_sequential": False}),
+    ("compressed-tensors", {"bits": 4, "group_size": 32, "sym": False}),
+    ("compressed-tensors", {"bits": 8, "group_size": -1, "act_order": True}),
+    ("dense", {"bits": 4, "group_size": 16}),
+])
+def test_saved_checkpoint_loads_back_to_the_quantized_model(tiny_dir, text_file, tmp_path, fmt, stage):
+    out = tmp_path / "out"
+    model, report = _quantize(tiny_dir, out, text_file, format=fmt, **stage)
+    back = load_model(str(out))
+    ids = torch.randint(0, 384, (2, 40), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_logits(back.model, ids), _logits(model, ids), atol=1e-4, rtol=1e-4)
+    q_proj = back.model.model.layers[1].self_attn.q_proj
+    assert isinstance(q_proj, DequantLinear) == (fmt != "dense")
+    assert not isinstance(back.model.lm_head, DequantLinear)  # ignored by default
+    result = report["stages"][0]["result"]
+    assert result["quantized_modules"] == 14 and len(result["layers"]) == 2
+    assert all(layer["err"] > 0 for layer in result["layers"])
+    # every quantized weight lies on its grid: at most 2^bits distinct values per row and group
+    w = q_proj.weight if fmt != "dense" else q_proj.weight.data
+    group = stage["group_size"] if stage["group_size"] > 0 else 64
+    if not stage.get("act_order") or stage.get("static_groups"):
+        assert len(torch.unique(w[0, :group])) <= 2 ** stage["bits"]
+
+
+def test_gptq_beats_rtn_on_the_model_output(tiny_dir, text_file, tmp_path):
+    from geminicompress.data.windows import calibration_windows
+
+    model, _ = _quantize(tiny_dir, tmp_path / "out", text_file, bits=3, group_size=-1, format="dense")
+    rtn = load_model(str(tiny_dir)).model
+    ref = load_model(str(tiny_dir)).model
+    with torch.no_grad():
+        for name in arch_for(rtn).linears:
+            for layer in rtn.model.layers:
+                lin = get_module(layer, name)
+                lin.weight.data = rtn_quantize(lin.weight.data, QuantSpec(3, -1)).dequantize()
+    ids = calibration_windows(tiny_tokenizer(), str(text_file), 4, 64, seed=1)
+    target = _logits(ref, ids)
+    err_gptq = float(((_logits(model, ids) - target) ** 2).mean())
+    err_rtn = float(((_logits(rtn, ids) - target) ** 2).mean())
+    assert err_gptq < err_rtn
+
+
+def test_gptq_config_and_tensors_follow_the_v1_layout(tiny_dir, text_file, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    _quantize(tiny_dir, out, text_file, bits=4, group_size=32)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert {k: qc[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format")} == {
+        "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
+    assert json.loads((out / "quantize_config.json").read_text())["bits"] == 4
+    t = load_file(str(out / "model.safetensors"))
+    prefix = "model.layers.0.mlp.down_proj"  # (out 64, in 128)
+    assert t[f"{prefix}.qweight"].shape == (128 * 4 // 32, 64) and t[f"{prefix}.qweight"].dtype == torch.int32
+    assert t[f"{prefix}.qzeros"].shape == (4, 64 * 4 // 32) and t[f"{prefix}.scales"].shape == (4, 64)
+    assert t[f"{prefix}.scales"].dtype == torch.float16 and t[f"{prefix}.g_idx"].shape == (128,)
+    assert f"{prefix}.weight" not in t and "lm_head.weight" in t
+
+
+def test_ignore_keeps_modules_in_float_and_lists_them(tiny_dir, text_file, tmp_path):
+    out = tmp_path / "out"
+    _quantize(tiny_dir, out, text_file, format="compressed-tensors", group_size=32, ignore=["lm_head", r"mlp\.down_proj"])
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "model.layers.1.mlp.down_proj" in qc["ignore"] and "lm_head" in qc["ignore"]
+    back = load_model(str(out)).model
+    assert isinstance(back.model.layers[1].mlp.down_proj, torch.nn.Linear)
+    assert isinstance(back.model.layers[1].mlp.up_proj, DequantLinear)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "gpt_neox"])
+def test_other_architectures(tmp_path, text_file, kind):
+    """Biases (qwen2, gpt_neox) and a fused qkv (gpt_neox) survive packing."""
+    src = save_tiny(tmp_path / kind, kind)
+    model, _ = _quantize(src, tmp_path / "out", text_file, group_size=32)
+    back = load_model(str(tmp_path / "out")).model
+    ids = torch.randint(0, 384, (1, 30))
+    torch.testing.assert_close(_logits(back, ids), _logits(model, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_resume_restores_finished_layers(tiny_dir, text_file, tmp_path):
+    from geminicompress.compress.gptq import stage as gptq_stage
+    from geminicompress.pipeline import StageContext
+    from geminicompress.progress import NullProgress
+
+    recipe = recipe_from_stage(str(tiny_dir), {"type": "quantize", "method": "gptq", "group_size": 32},
+                               {"data": str(text_file), "samples": 4, "seq_len": 64}, "test")
+    results = []
+    for _ in range(2):
+        loaded = load_model(str(tiny_dir))
+        ctx = StageContext(loaded.model, loaded.tokenizer, resolve_model(str(tiny_dir)), recipe, NullProgress(),
+                           CPU, tmp_path, tmp_path / "state")
+        (tmp_path / "state").mkdir(exist_ok=True)
+        results.append((gptq_stage.run(recipe.stages[0], ctx), loaded.model))
+    (first, a), (second, b) = results
+    assert all(layer.get("resumed") for layer in second["layers"])
+    assert second["total_error"] == first["total_error"]
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def _cli(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--bits", "5"], "bits"),
+    (["--group-size", "48"], "group size 48 does not divide"),
+    (["--samples", "1", "--calib-seq-len", "16"], "calibration tokens"),
+    (["--ignore", ".*"], "no linear layer left"),
+    (["--ignore", "("], "regular expression"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tiny_dir, text_file, tmp_path, extra, message):
+    out = tmp_path / "out"
+    res = _cli("quantize", tiny_dir, "-o", out, "--method", "gptq", "--data", text_file, "--quiet", "--group-size", "32", *extra)
+    assert res.exit_code == 2, res.output
+    assert message in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    assert not out.exists() and not list(tmp_path.glob(".*partial"))
+
+
+def test_cli_writes_gptq_with_a_report(tiny_dir, text_file, tmp_path):
+    out = tmp_path / "out"
+    res = _cli("quantize", tiny_dir, "-o", out, "--method", "gptq", "--bits", "4", "--group-size", "32",
+               "--data", text_file, "--samples", "4", "--calib-seq-len", "64", "--quiet")
+    assert res.exit_code == 0, res.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["export"]["format"] == "gptq" and report["export"]["quantized_modules"] == 14
+    assert load_model(str(out)).format == "gptq"

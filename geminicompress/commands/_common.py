@@ -79,7 +79,7 @@ class RichProgress:
             console.print(f"[dim]{message}[/]", highlight=False)
 
     def warn(self, message: str) -> None:
-        console.print(f"[yellow]warning:[/] {message}", highlight=False)
+        console.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)  # one line, never cut
 
 
 def setup_logging(verbose: bool) -> None:

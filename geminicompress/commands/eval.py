@@ -8,7 +8,17 @@ from typing import List, Optional
 import typer
 
 from geminicompress.commands import _common as c
-from geminicompress.errors import NotAvailableError
+from geminicompress.errors import InputError
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise InputError(f"--batch-sizes must be positive integers separated by commas (e.g. 1,4,8), got '{text}'")
+    return sizes
 
 
 @c.handle_errors
@@ -17,9 +27,55 @@ def eval_(
     baseline: Optional[str] = typer.Option(None, "--baseline", help="Reference MODEL (default: the first MODEL)."),
     data: str = typer.Option("builtin:pydoc", "--data", help="Evaluation text (file, hub dataset, builtin:pydoc)."),
     output: Path = typer.Option(..., "--output", "-o", help="Report directory (report.json, report.md, tradeoff.png)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per perplexity window (default: min(2048, context))."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Evaluate at most this many tokens of DATA."),
+    prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="Prompt tokens for latency (default 512)."),
+    gen_len: Optional[int] = typer.Option(None, "--gen-len", help="Tokens generated per timed run (default 128)."),
+    batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", help="Throughput batch sizes (default 1,4,8)."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", help="Timed runs per measurement (default 5)."),
+    warmup: Optional[int] = typer.Option(None, "--warmup", help="Untimed warm-up runs (default 1)."),
+    no_latency: bool = typer.Option(False, "--no-latency", help="Quality only: skip timing."),
+    tasks: Optional[str] = typer.Option(None, "--tasks", help="lm-eval-harness tasks, comma separated (needs lm-eval)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Draft MODEL: also time speculative decoding of the baseline."),
+    text_column: str = c.TEXT_COLUMN,
+    device: str = c.DEVICE,
+    force: bool = c.FORCE,
+    trust: bool = c.TRUST,
+    allow_pickle: bool = c.PICKLE,
+    quiet: bool = c.QUIET,
 ) -> None:
-    """Compare models on the same text and machine: perplexity, KL, agreement, latency, memory, size."""
+    """Compare models on the same text and machine: perplexity, KL, agreement, latency, memory, size.
+
+    Example:
+
+      geminicompress eval smollm2-demo out-w8a8 --data ../shared/data/wikitext2-test.txt --max-tokens 16384 -o report
+    """
+    from pydantic import ValidationError
+
+    from geminicompress.data import check_data_spec
+    from geminicompress.eval.api import evaluate
+    from geminicompress.eval.table import rich_table
+    from geminicompress.output import OutputDir, check_output_path
+    from geminicompress.recipes.schema import EvalStage
+
+    given = {"seq_len": seq_len, "max_tokens": max_tokens, "prompt_len": prompt_len, "gen_len": gen_len,
+             "repeats": repeats, "warmup": warmup, "draft": draft,
+             "batch_sizes": _batch_sizes(batch_sizes) if batch_sizes is not None else None,
+             "tasks": [t.strip() for t in tasks.split(",") if t.strip()] if tasks is not None else None}
     try:
-        from geminicompress.eval import api  # noqa: F401
-    except ModuleNotFoundError as exc:
-        raise NotAvailableError("eval is not implemented in this version of geminicompress yet") from exc
+        options = EvalStage(type="eval", data=data, text_column=text_column, latency=not no_latency,
+                            **{k: v for k, v in given.items() if v is not None})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise InputError(f"--{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}") from exc
+    check_data_spec(data)
+    check_output_path(output, force)
+    dev = c.parse_device(device)
+    report = evaluate(models, baseline or models[0], data, None, options, c.RichProgress(quiet), device=dev,
+                      trust_remote_code=trust, allow_pickle=allow_pickle)
+    from geminicompress.eval.report import write_report
+
+    with OutputDir(output, force) as tmp:
+        write_report(report, tmp)
+    c.out_console.print(rich_table(report))
+    c.console.print(f"[green]wrote[/] {output}  (report.json, report.md, tradeoff.png)")

@@ -35,3 +35,15 @@ def run(
     dev = c.parse_device(device)
     report = run_recipe(parsed, output, force=force, progress=c.RichProgress(quiet), device=dev, command=sys.argv)
     c.console.print(f"[green]wrote[/] {output}  ({report['total_seconds']:.1f} s; details in {output / 'report.json'})")
+    _print_eval_tables(report, output)
+
+
+def _print_eval_tables(report: dict, output: Path) -> None:
+    """After a recipe with an eval stage, show its table (read back from OUT/<report>)."""
+    import json
+
+    from geminicompress.eval.table import rich_table
+
+    for stage in report["stages"]:
+        if stage["stage"] == "eval" and isinstance(stage.get("result"), dict) and stage["result"].get("report"):
+            c.out_console.print(rich_table(json.loads((output / stage["result"]["report"]).read_text())))

@@ -185,7 +185,8 @@ class DistillStage(_StageBase):
 
 
 class EvalStage(_StageBase):
-    """Quality drift vs latency gain of the pipeline's output against the recipe's input model."""
+    """Quality drift vs latency gain of the pipeline's output against the recipe's input model.
+    `data` is the evaluation text (default: the recipe's calibration data)."""
 
     type: Literal["eval"]
     text_column: str = "text"
@@ -196,9 +197,16 @@ class EvalStage(_StageBase):
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 4, 8])
     repeats: int = Field(5, ge=1)
     warmup: int = Field(1, ge=0)
-    latency: bool = True
-    tasks: list[str] = Field(default_factory=list)
-    draft: str | None = None
+    latency: bool = Field(True, description="false = quality only")
+    tasks: list[str] = Field(default_factory=list, description="lm-eval-harness tasks (optional extra)")
+    draft: str | None = Field(None, description="draft MODEL: also time speculative decoding of the baseline")
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _check_batch_sizes(cls, v: list[int]) -> list[int]:
+        if not v or min(v) < 1:
+            raise ValueError(f"batch sizes must be positive integers, got {v}")
+        return v
 
 
 # --------------------------------------------------------------------------- recipe

@@ -1,0 +1,242 @@
+"""`evaluate`: compare models with a baseline on the same text and machine; used by the `eval`
+command and by the `eval` recipe stage.
+
+Order of work: read DATA once; the baseline first (perplexity, caching its log-probs per window,
+latency, footprint); then each model in turn, loaded, measured and freed, so at most two models are
+in memory (two only when the baseline's log-probs do not fit the disk cache and it must recompute).
+A model that fails (does not load, too short a context, ...) gets one warning line and a note in
+the report; the other models are still evaluated. Only a baseline that does not load stops the run.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from geminicompress import __version__
+from geminicompress.data import pack_windows, read_text, tokenize
+from geminicompress.errors import GeminiError
+from geminicompress.eval.baseline_cache import BaselineCache
+from geminicompress.eval.extras import run_speculative, run_tasks, tasks_available
+from geminicompress.eval.footprint import PeakMemory, count_params, weight_sparsity, weights_size_mb
+from geminicompress.eval.latency import measure_latency
+from geminicompress.eval.quality import measure_quality
+from geminicompress.eval.report import write_report
+from geminicompress.machine import machine, versions
+from geminicompress.models import demo
+from geminicompress.models.loading import LoadedModel, load_model, resolve_model
+from geminicompress.progress import NullProgress, Progress
+from geminicompress.recipes.schema import EvalStage
+
+DEFAULT_SEQ_LEN = 2048
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Baseline:
+    """What later models are compared with."""
+
+    tokenizer: object
+    ids: torch.Tensor  # (N,) the evaluated text's token ids
+    windows: torch.Tensor | None  # (n, T) or None when the text is too short
+    cache: BaselineCache | None
+    perplexity: float | None
+
+
+def stored_dtype(spec: str) -> torch.dtype:
+    """Load a checkpoint in the float dtype it was saved in (so a bf16 model is timed as bf16)."""
+    try:
+        source = resolve_model(spec)
+    except GeminiError:
+        return torch.float32
+    if source.kind != "dir":
+        return torch.float32
+    try:
+        config = json.loads((source.path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return torch.float32
+    return _DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")), torch.float32)
+
+
+def model_context(model) -> int | None:
+    config = model.config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def weights_path(loaded: LoadedModel) -> Path | None:
+    src = loaded.source
+    if src.kind == "demo":
+        return demo.demo_cache_dir()
+    if src.kind == "gguf":
+        return src.path / src.gguf_file
+    return src.path
+
+
+def display_names(specs: list[str]) -> list[str]:
+    """Short unique names: the folder or file name, else the spec as typed."""
+    names: list[str] = []
+    for spec in specs:
+        name = Path(spec.rstrip("/")).name or spec
+        if name in names:
+            name = spec
+        names.append(name)
+    return names
+
+
+def same_tokenizer(a, b, text: str) -> bool:
+    """Equal vocabularies that also split the start of the evaluated text identically."""
+    if a.get_vocab() != b.get_vocab():
+        return False
+    return torch.equal(tokenize(a, text, 4096), tokenize(b, text, 4096))
+
+
+def free(model) -> None:
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def evaluate(
+    models: list[str],
+    baseline: str,
+    data: str,
+    out_dir: Path | None,
+    options: EvalStage,
+    progress: Progress | None = None,
+    *,
+    device: torch.device | None = None,
+    names: dict[str, str] | None = None,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+) -> dict:
+    """Evaluate `baseline` and `models`; return the report (and write it to `out_dir` when given)."""
+    progress = progress or NullProgress()
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    text = read_text(data, options.text_column)
+    specs = list(dict.fromkeys([baseline, *models]))
+    shown = [(names or {}).get(s, n) for s, n in zip(specs, display_names(specs))]
+    load = dict(trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    if options.tasks and not tasks_available():
+        progress.warn("--tasks needs lm-eval-harness (pip install 'geminicompress[lm-eval]'): downstream tasks skipped")
+        options = options.model_copy(update={"tasks": []})
+    entries: list[dict] = []
+    base_model, base = None, None
+    try:
+        for spec, name in zip(specs, shown):
+            entry, kept, state = _evaluate_one(spec, name, text, options, base, device, progress, load)
+            if base is None:
+                base, base_model = state, kept
+            entries.append(entry)
+        speculative = run_speculative(baseline, options, base, device, progress, load) if options.draft else None
+    finally:
+        if base is not None and base.cache is not None:
+            base.cache.close()
+        free(base_model)
+    report = {
+        "geminicompress": __version__,
+        "baseline": shown[0],
+        "data": data,
+        "options": options.model_dump(mode="json", exclude={"type", "data"}),
+        "machine": {**machine(), "device": str(device), "torch_threads": torch.get_num_threads()},
+        "versions": versions(),
+        "models": entries,
+        "speculative": speculative,
+    }
+    if out_dir is not None:
+        write_report(report, out_dir)
+    return report
+
+
+def _new_entry(spec: str, name: str, is_base: bool) -> dict:
+    return {"name": name, "path": spec, "baseline": is_base, "format": None, "dtype": None, "quality": None,
+            "latency": None, "peak_memory_mb": None, "size_mb": None, "params": None, "sparsity": None,
+            "tasks": None, "notes": []}
+
+
+def _evaluate_one(spec, name, text, options, base, device, progress, load):
+    """Measure one model; returns (entry, model kept for recomputing or None, Baseline if this is it)."""
+    is_base = base is None
+    entry = _new_entry(spec, name, is_base)
+
+    def note(message: str) -> None:
+        entry["notes"].append(message)
+        progress.warn(f"{name}: {message}")
+
+    progress.info(f"evaluating {name}" + (" (baseline)" if is_base else ""))
+    with PeakMemory(device) as peak:
+        try:
+            loaded = load_model(spec, dtype=stored_dtype(spec), **load)
+        except GeminiError as exc:
+            if is_base:
+                raise type(exc)(f"baseline: {exc}") from exc  # nothing to compare with
+            entry["error"] = str(exc)
+            note(f"skipped: {exc}")
+            return entry, None, None
+        model = loaded.model.to(device)
+        entry.update(format=loaded.format or "dense", dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+                     size_mb=weights_size_mb(weights_path(loaded)), params=count_params(model),
+                     sparsity=weight_sparsity(model))
+        state, ids = _quality(model, loaded.tokenizer, name, text, options, base, device, progress, entry, note)
+        if options.latency:
+            entry["latency"] = _latency(model, ids, options, device, progress, note)
+        if options.tasks:
+            entry["tasks"] = run_tasks(model, loaded.tokenizer, options.tasks, device, note)
+    entry["peak_memory_mb"] = peak.peak_mb
+    keep = is_base and state.cache is not None and not state.cache.stored
+    if keep:
+        state.cache.model, state.cache.device = model, device
+    else:
+        free(model)
+    return entry, (model if keep else None), state
+
+
+def _quality(model, tok, name, text, options, base, device, progress, entry, note):
+    """Perplexity (+ drift when comparable); returns (Baseline state if this is the baseline, ids)."""
+    comparable = base is not None and base.windows is not None and same_tokenizer(base.tokenizer, tok, text)
+    ids = base.ids if comparable else tokenize(tok, text, options.max_tokens)
+    if base is not None and not comparable and base.windows is not None:
+        note("its tokenizer differs from the baseline's: KL and top-1 agreement skipped (perplexity still measured)")
+    seq_len = options.seq_len or (base.windows.shape[1] if base is not None and base.windows is not None
+                                  else min(DEFAULT_SEQ_LEN, model_context(model) or DEFAULT_SEQ_LEN))
+    context = model_context(model)
+    windows = None
+    if context is not None and seq_len > context:
+        note(f"--seq-len {seq_len} is above its context of {context} tokens: perplexity skipped")
+    else:
+        try:
+            windows = base.windows if comparable else pack_windows(ids, seq_len)
+        except GeminiError as exc:
+            note(f"{exc}: perplexity skipped (use longer --data or a smaller --seq-len)")
+    cache = None
+    if windows is not None:
+        if base is None:
+            cache = BaselineCache(windows.shape[0], windows.shape[1] - 1, model.config.vocab_size)
+        elif comparable and model.config.vocab_size != base.cache.shape[1]:
+            note(f"its output vocabulary ({model.config.vocab_size}) differs from the baseline's "
+                 f"({base.cache.shape[1]}): KL and top-1 agreement skipped")
+            comparable = False
+        entry["quality"] = measure_quality(
+            model, windows, device, label=name, store=cache, against=base.cache if comparable else None,
+            base_ppl=base.perplexity if base is not None else None, progress=progress)
+    state = Baseline(tok, ids, windows, cache, (entry["quality"] or {}).get("perplexity")) if base is None else None
+    return state, ids
+
+
+def _latency(model, ids, options, device, progress, note):
+    context = model_context(model)
+    need = options.prompt_len + options.gen_len
+    if context is not None and need > context:
+        note(f"--prompt-len + --gen-len = {need} is above its context of {context} tokens: latency skipped")
+        return None
+    return measure_latency(model, ids, prompt_len=options.prompt_len, gen_len=options.gen_len,
+                           batch_sizes=options.batch_sizes, repeats=options.repeats, warmup=options.warmup,
+                           device=device, progress=progress)

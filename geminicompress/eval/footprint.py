@@ -1,0 +1,134 @@
+"""What a model costs besides time: peak memory, size on disk, parameter count, weight sparsity.
+
+- Peak memory: on a GPU, `torch.cuda.max_memory_allocated` after a reset. On a CPU, growth of the
+  process's resident set over its value at the start: the kernel's high-water mark (VmHWM, reset
+  through /proc/self/clear_refs) where Linux allows it, else a 5 ms psutil sampler.
+- Size on disk: the weight files of the model (safetensors, pickles, gguf), not tokenizer or config.
+- Parameters: every parameter, plus the logical weights of packed quantized linears (modules with
+  `in_features`/`out_features` whose weight is not a parameter of that shape).
+- Sparsity: fraction of exact zeros in the weights of the linear layers, lm_head excluded (it is
+  never pruned and would only dilute the figure).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import psutil
+import torch
+from torch import nn
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+MB = 1024**2
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+_STATUS = Path("/proc/self/status")
+
+
+def _vm_hwm_bytes() -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_hwm() -> bool:
+    try:
+        _CLEAR_REFS.write_text("5")
+        return _vm_hwm_bytes() is not None
+    except OSError:
+        return False
+
+
+class PeakMemory:
+    """`with PeakMemory(device) as pm: ...` then `pm.peak_mb` (growth in MB during the block)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak_mb: float | None = None
+        self._stop = threading.Event()
+        self._sampled = 0
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+            return self
+        self._proc = psutil.Process()
+        self._start = self._proc.memory_info().rss
+        self._hwm = _reset_hwm()
+        if not self._hwm:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self._sampled = max(self._sampled, self._proc.memory_info().rss)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        elif self._hwm:
+            peak = _vm_hwm_bytes() or 0
+        else:
+            self._stop.set()
+            self._thread.join()
+            peak = max(self._sampled, self._proc.memory_info().rss)
+        self.peak_mb = round(max(peak - self._start, 0) / MB, 1)
+
+
+def weights_size_mb(path: Path | None) -> float | None:
+    """Size of the weight files of a model directory (or of one .gguf file), in MB."""
+    if path is None or not path.exists():
+        return None
+    files = [path] if path.is_file() else [p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)]
+    return round(sum(p.stat().st_size for p in files) / MB, 2)
+
+
+def _dense_weight(module: nn.Module) -> torch.Tensor | None:
+    """The (out, in) weight of a linear-like module when stored unpacked (float or int8 codes)."""
+    w = getattr(module, "weight", None)
+    out_f, in_f = getattr(module, "out_features", None), getattr(module, "in_features", None)
+    if isinstance(w, torch.Tensor) and out_f is not None and tuple(w.shape) == (out_f, in_f):
+        return w
+    return None
+
+
+def _linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules()
+            if hasattr(m, "in_features") and hasattr(m, "out_features") and not n.endswith("lm_head")]
+
+
+def count_params(model: nn.Module) -> int:
+    """Parameters (a tied tensor once); a packed quantized linear counts as in*out (+ bias) instead of
+    whatever packed tensors it holds."""
+    packed = {id(m) for _, m in _linears(model) if not isinstance(_dense_weight(m), nn.Parameter)}
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        if id(module) in packed:
+            bias = getattr(module, "bias", None)
+            total += int(module.in_features) * int(module.out_features) + (bias.numel() if isinstance(bias, torch.Tensor) else 0)
+            seen.update(id(p) for p in module.parameters(recurse=False))
+            continue
+        for p in module.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+    return total
+
+
+def weight_sparsity(model: nn.Module) -> float | None:
+    """Fraction of exact zeros over the unpacked linear weights (lm_head excluded); None if none."""
+    zeros = count = 0
+    for _, m in _linears(model):
+        w = _dense_weight(m)
+        if w is None:
+            continue
+        zeros += int((w == 0).sum())
+        count += w.numel()
+    return round(zeros / count, 6) if count else None

@@ -1,0 +1,124 @@
+"""Latency and throughput of greedy decoding with the KV cache, measured like a benchmark.
+
+One timed run = prefill a (B, P) prompt, then decode `gen_len - 1` more tokens one step at a time,
+always the argmax, never stopping at EOS, so that every model does exactly the same work.
+
+- TTFT (time to first token): prefill + first argmax at batch 1.
+- TPOT (time per output token): decode time / (gen_len - 1) at batch 1 (prefill excluded).
+- throughput: B * gen_len generated tokens / the whole run's time, for each batch size B.
+
+Each batch size gets `warmup` untimed runs, then `repeats` timed runs; we report the median and the
+90th percentile. On a GPU every timestamp is taken after `torch.cuda.synchronize()`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from geminicompress.progress import NullProgress, Progress
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) of the samples."""
+    return float(torch.quantile(torch.tensor(samples, dtype=torch.float64), q / 100.0))
+
+
+def summarize_ms(seconds: list[float]) -> dict[str, float]:
+    ms = [s * 1000.0 for s in seconds]
+    return {"median": round(percentile(ms, 50), 4), "p90": round(percentile(ms, 90), 4)}
+
+
+# transformers >= 5.x names the KV cache `cache`; earlier versions `past_key_values`.
+_CACHE_ARG = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+
+
+def _cache_of(out):
+    return getattr(out, _CACHE_ARG)
+
+
+@dataclass
+class RunTiming:
+    prefill_s: float  # prompt in, first token out
+    decode_s: float  # the remaining gen_len - 1 tokens
+    generated: torch.Tensor  # (B, gen_len) token ids
+
+
+@torch.no_grad()
+def greedy_run(model, prompt: torch.Tensor, gen_len: int, device: torch.device) -> RunTiming:
+    """One greedy generation of exactly `gen_len` tokens after `prompt` (B, P), with the KV cache."""
+    ids = prompt.to(device)
+    sync(device)
+    t0 = time.perf_counter()
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+    sync(device)
+    t1 = time.perf_counter()
+    tokens = [token]
+    for _ in range(gen_len - 1):
+        out = model(input_ids=token, use_cache=True, **{_CACHE_ARG: _cache_of(out)})
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(token)
+    sync(device)
+    t2 = time.perf_counter()
+    return RunTiming(t1 - t0, t2 - t1, torch.cat(tokens, dim=1).cpu())
+
+
+def prompt_batch(ids: torch.Tensor, batch: int, prompt_len: int) -> torch.Tensor:
+    """`batch` distinct prompts of `prompt_len` tokens cut from `ids` (N,), repeating the text if short."""
+    need = batch * prompt_len
+    if ids.numel() < need:
+        ids = ids.repeat(need // max(ids.numel(), 1) + 1)
+    return ids[:need].view(batch, prompt_len)
+
+
+def measure_latency(
+    model,
+    ids: torch.Tensor,
+    *,
+    prompt_len: int,
+    gen_len: int,
+    batch_sizes: list[int],
+    repeats: int,
+    warmup: int,
+    device: torch.device,
+    progress: Progress | None = None,
+) -> dict:
+    """TTFT and TPOT (batch 1) and throughput per batch size; prompts are cut from the token ids `ids`."""
+    progress = progress or NullProgress()
+    sizes = sorted(set(batch_sizes) | {1})
+    runs: dict[int, list[RunTiming]] = {}
+    with progress.task("latency", len(sizes) * (warmup + repeats)) as bar:
+        for b in sizes:
+            prompt = prompt_batch(ids, b, prompt_len)
+            for _ in range(warmup):
+                greedy_run(model, prompt, gen_len, device)
+                bar.advance(1, batch=b)
+            runs[b] = []
+            for _ in range(repeats):
+                runs[b].append(greedy_run(model, prompt, gen_len, device))
+                bar.advance(1, batch=b)
+    one = runs[1]
+    throughput = {
+        str(b): round(b * gen_len / percentile([r.prefill_s + r.decode_s for r in runs[b]], 50), 3)
+        for b in sorted(set(batch_sizes))
+    }
+    return {
+        "ttft_ms": summarize_ms([r.prefill_s for r in one]),
+        "tpot_ms": summarize_ms([r.decode_s / (gen_len - 1) for r in one]) if gen_len > 1 else None,
+        "throughput_tok_s": throughput,
+        "prompt_len": prompt_len,
+        "gen_len": gen_len,
+        "repeats": repeats,
+        "warmup": warmup,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+    }

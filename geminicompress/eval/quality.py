@@ -1,0 +1,57 @@
+"""The quality pass: stream the windows through a model once, scoring perplexity and (for a model
+that shares the baseline's tokenizer) drift against the baseline's cached log-probs.
+
+Only one window's logits live at a time: (T-1, V) for the model and, for drift, the baseline's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from geminicompress.eval.baseline_cache import BaselineCache
+from geminicompress.eval.drift import DriftMeter, ppl_ratio
+from geminicompress.eval.perplexity import PerplexityMeter, token_nll, window_logprobs
+from geminicompress.progress import NullProgress, Progress
+
+
+def measure_quality(
+    model,
+    windows: torch.Tensor,
+    device: torch.device,
+    *,
+    label: str,
+    store: BaselineCache | None = None,
+    against: BaselineCache | None = None,
+    base_ppl: float | None = None,
+    progress: Progress | None = None,
+) -> dict:
+    """Perplexity over `windows` (n, T); with `store` (the baseline) each window's log-probs are
+    cached; with `against` KL/agreement to the cached baseline are measured too."""
+    progress = progress or NullProgress()
+    ppl, drift = PerplexityMeter(), DriftMeter()
+    with progress.task(f"perplexity {label}", windows.shape[0]) as bar:
+        for i, window in enumerate(windows):
+            logp = window_logprobs(model, window, device)  # (T-1, V)
+            ppl.add(token_nll(logp, window))
+            if store is not None:
+                store.put(i, logp)
+            if against is not None:
+                drift.add(against.get(i, window), logp)
+            bar.advance(1, ppl=ppl.perplexity)
+    out = {
+        "perplexity": round(ppl.perplexity, 6),
+        "mean_nll": round(ppl.mean_nll, 8),
+        "tokens": ppl.tokens,
+        "windows": ppl.windows,
+        "seq_len": int(windows.shape[1]),
+        "kl_to_baseline": None,
+        "top1_agreement": None,
+        "ppl_ratio": None,
+    }
+    if store is not None:  # the baseline itself
+        out.update(kl_to_baseline=0.0, top1_agreement=1.0, ppl_ratio=1.0)
+    if against is not None:
+        out.update(kl_to_baseline=round(drift.kl, 8), top1_agreement=round(drift.agreement, 6))
+    if base_ppl:
+        out["ppl_ratio"] = round(ppl_ratio(ppl.perplexity, base_ppl), 6)
+    return out

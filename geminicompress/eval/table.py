@@ -1,0 +1,135 @@
+"""One row per model with deltas against the baseline, as a rich table (terminal) or markdown.
+
+Built from the report dict alone (report.json), so any command can re-render a finished report.
+Deltas are relative changes, `+1.8%` / `−34%` (a true minus sign); KL and agreement are absolute.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich import box
+from rich.table import Table
+
+MINUS = "\u2212"
+COLUMNS = ("model", "ppl", "KL", "top-1", "TTFT ms", "TPOT ms", "tok/s@batch", "peak MB", "size MB", "params", "sparsity")
+_HEADERS = ("model", "ppl", "KL", "top-1", "TTFT\nms", "TPOT\nms", "tok/s\n@batch", "peak\nMB", "size\nMB", "params",
+            "spar-\nsity")  # two-line headers keep the table within 80 columns
+
+
+def pct_change(value: float | None, base: float | None) -> float | None:
+    """Relative change of value against base, in percent."""
+    if value is None or base is None or base == 0:
+        return None
+    return (value / base - 1.0) * 100.0
+
+
+def fmt_delta(value: float | None, base: float | None) -> str:
+    d = pct_change(value, base)
+    if d is None:
+        return ""
+    sign = "+" if d >= 0 else MINUS
+    return f"{sign}{abs(d):.0f}%" if abs(d) >= 100 else f"{sign}{abs(d):.1f}%"
+
+
+def _num(x: float | None, digits: int = 4) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:.{digits}g}" if abs(x) < 10**digits else f"{x:,.0f}"
+
+
+def _with_delta(x: float | None, base: float | None, is_base: bool, digits: int = 4) -> tuple[str, str]:
+    return _num(x, digits), ("" if is_base else fmt_delta(x, base))
+
+
+def _get(d: dict | None, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
+
+
+def _params(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k"
+
+
+Cell = tuple[str, str]  # (value, delta against the baseline or "")
+
+
+def rows(report: dict) -> list[list[Cell]]:
+    """Cells of the table: one row per model, baseline first."""
+    models = report["models"]
+    base = next((m for m in models if m.get("baseline")), models[0])
+    out = []
+    for m in models:
+        is_base = m is base
+        q, lat = m.get("quality") or {}, m.get("latency") or {}
+        tput = lat.get("throughput_tok_s") or {}
+        kl, agree = q.get("kl_to_baseline"), q.get("top1_agreement")
+        sp = m.get("sparsity")
+        out.append([
+            (m["name"], "(baseline)" if is_base else "(failed)" if m.get("error") else ""),
+            _with_delta(q.get("perplexity"), _get(base, "quality", "perplexity"), is_base),
+            ("n/a" if kl is None else f"{kl:.3g}", ""),
+            ("n/a" if agree is None else f"{agree * 100:.1f}%", ""),
+            _with_delta(_get(lat, "ttft_ms", "median"), _get(base, "latency", "ttft_ms", "median"), is_base, 3),
+            _with_delta(_get(lat, "tpot_ms", "median"), _get(base, "latency", "tpot_ms", "median"), is_base, 3),
+            ("\n".join(f"{v:.0f}@{b}" for b, v in tput.items()) or "n/a", ""),
+            (_num(m.get("peak_memory_mb"), 4), ""),
+            _with_delta(m.get("size_mb"), base.get("size_mb"), is_base, 4),
+            (_params(m.get("params")), ""),
+            ("n/a" if sp is None else f"{sp * 100:.1f}%", ""),
+        ])
+    return out
+
+
+def summary_line(report: dict, model: dict) -> str:
+    """`ppl +1.8%  KL 0.012  TPOT −34%  size −71%` for one model against the baseline."""
+    base = next((m for m in report["models"] if m.get("baseline")), report["models"][0])
+    parts = []
+    d = fmt_delta(_get(model, "quality", "perplexity"), _get(base, "quality", "perplexity"))
+    if d:
+        parts.append(f"ppl {d}")
+    kl = _get(model, "quality", "kl_to_baseline")
+    if kl is not None:
+        parts.append(f"KL {kl:.3g}")
+    d = fmt_delta(_get(model, "latency", "tpot_ms", "median"), _get(base, "latency", "tpot_ms", "median"))
+    if d:
+        parts.append(f"TPOT {d}")
+    d = fmt_delta(model.get("size_mb"), base.get("size_mb"))
+    if d:
+        parts.append(f"size {d}")
+    return "  ".join(parts)
+
+
+def caption(report: dict) -> str:
+    o, mach = report["options"], report["machine"]
+    q = next((m["quality"] for m in report["models"] if m.get("quality")), None)
+    tokens = f"{q['tokens']} tokens in {q['windows']} windows of {q['seq_len']}" if q else "no perplexity"
+    lat = "latency off" if not o.get("latency", True) else (
+        f"prompt {o['prompt_len']}, {o['gen_len']} new tokens, median of {o['repeats']}")
+    return f"{report['data']}: {tokens}; {lat}; {mach.get('device')} x{mach.get('torch_threads')} threads"
+
+
+def rich_table(report: dict) -> Table:
+    """The terminal table: deltas under their values so that it fits narrow terminals."""
+    table = Table(title="geminicompress eval", caption=caption(report), box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1),
+                  pad_edge=False)
+    for i, header in enumerate(_HEADERS):
+        table.add_column(header, justify="left" if i == 0 else "right", overflow="fold", no_wrap=i > 0)
+    for row in rows(report):
+        table.add_row(*(f"{v}\n{d}" if d else v for v, d in row))
+    return table
+
+
+def markdown_table(report: dict) -> str:
+    def cell(value: str, delta: str) -> str:
+        return (f"{value} ({delta})" if delta else value).replace("\n", " ").replace("|", "\\|")
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    lines += ["| " + " | ".join([" ".join(row[0]).strip()] + [cell(v, d) for v, d in row[1:]]) + " |"
+              for row in rows(report)]
+    return "\n".join(lines)

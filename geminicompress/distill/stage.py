@@ -1,0 +1,161 @@
+"""The `distill` stage: choose teacher and student, read the training text, train, hand the student on.
+
+Who is who (the pipeline passes one model in memory, `ctx.model`):
+- `student`, `student_layers` or `student_config` given: the teacher is `ctx.model` (or `teacher`), the
+  student is loaded / derived / built from it;
+- none given, and an earlier stage changed the model (prune -> distill): the student is `ctx.model`
+  and the teacher is the recipe's input model, loaded fresh (or `teacher`);
+- none given and distill comes first: a student with half the teacher's layers.
+The student replaces `ctx.model`/`ctx.tokenizer` for the following stages and the export. A pruned
+student (masks from `ctx.masks` or `prune_masks.safetensors`) keeps its zeros.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from geminicompress.data import pack_windows, read_text, tokenize
+from geminicompress.distill import masks as M
+from geminicompress.distill.plot import plot_curve
+from geminicompress.distill.student import (check_tokenizers, derive_student, evenly_mapped, n_params,
+                                            student_from_config)
+from geminicompress.distill.topk_cache import build_topk_cache
+from geminicompress.distill.train import train
+from geminicompress.errors import InputError
+from geminicompress.models.loading import load_model
+from geminicompress.recipes.schema import DistillStage
+
+CURVE = "distill_curve.png"
+
+
+@dataclass
+class Pair:
+    teacher: Any
+    student: Any
+    tokenizer: Any
+    kept: list[int] | None  # teacher layers the student copied, when derived
+    masks: dict[str, torch.Tensor] | None
+    how: str
+
+
+def run(cfg: DistillStage, ctx) -> dict:
+    pair = choose_models(cfg, ctx)
+    t_params, s_params = n_params(pair.teacher), n_params(pair.student)
+    if s_params >= t_params:
+        ctx.progress.warn(f"the student ({s_params / 1e6:.1f}M parameters) is not smaller than the teacher "
+                          f"({t_params / 1e6:.1f}M): distilling anyway")
+    layer_map = _layer_map(cfg, pair)
+    train_w, eval_w = training_windows(cfg, ctx, pair.tokenizer)
+    cache = None
+    if cfg.topk_cache:
+        if cfg.loss.hidden_mse or cfg.loss.hidden_cos:
+            raise InputError("topk_cache stores logits only; hidden-state losses need the teacher online (drop one)")
+        cache = build_topk_cache(pair.teacher, train_w, cfg.topk_cache, ctx.device, cfg.batch_size, progress=ctx.progress)
+    teacher_ppl = _teacher_ppl(pair.teacher, eval_w, ctx.device)
+    ctx.progress.info(f"distilling {pair.how}: teacher {t_params / 1e6:.1f}M -> student {s_params / 1e6:.1f}M "
+                      f"parameters, {len(train_w)} training windows of {cfg.seq_len}")
+    student, history = train(pair.student, None if cache and not layer_map else pair.teacher, train_w, eval_w, cfg,
+                             seed=ctx.recipe.seed, layer_map=layer_map, masks=pair.masks, state_dir=ctx.state_dir,
+                             device=ctx.device, progress=ctx.progress, cache=cache)
+    student = student.to("cpu")
+    ctx.model, ctx.tokenizer = student, pair.tokenizer
+    summary: dict[str, Any] = {"how": pair.how, "teacher_params": t_params, "student_params": s_params,
+                               "student_layers": student.config.num_hidden_layers, "kept_layers": pair.kept}
+    if pair.masks:
+        ctx.masks = {k: v.cpu() for k, v in pair.masks.items()}
+        M.write_masks(ctx.masks, ctx.out_dir)
+        summary["sparsity"] = round(M.sparsity(student, ctx.masks), 6)
+    plot_curve(history.loss, history.ppl, ctx.out_dir / CURVE, f"distill: {pair.how}")
+    steps = max(1, len(history.loss))
+    return {**summary, "steps": history.step, "tokens": history.tokens, "train_seconds": round(history.seconds, 3),
+            "tokens_per_s": round(history.tokens / max(history.seconds, 1e-9), 1),
+            "loss_first": history.loss[0] if history.loss else None, "loss_last": history.loss[-1] if history.loss else None,
+            "loss_curve": history.loss[:: max(1, steps // 200)], "ppl_curve": history.ppl,
+            "teacher_ppl": teacher_ppl, "topk_cache": str(cache.path) if cache else None,
+            "topk_cache_reused": cache.reused if cache else None, "curve_png": CURVE}
+
+
+def choose_models(cfg: DistillStage, ctx) -> Pair:
+    """Teacher, student, tokenizer and masks following the rules in the module docstring."""
+    explicit = cfg.student is not None or cfg.student_layers is not None or cfg.student_config is not None
+    first = _stage_index(cfg, ctx) == 0
+    if not explicit and not first:
+        spec = cfg.teacher or ctx.recipe.model
+        ctx.progress.info(f"loading the teacher {spec} for the model of the previous stages")
+        teacher = _load(spec, ctx)
+        check_tokenizers(teacher.tokenizer, ctx.tokenizer, teacher.model, ctx.model, "(the pipeline's model)")
+        masks = ctx.masks or M.masks_from_zeros(ctx.model)
+        return Pair(teacher.model, ctx.model, ctx.tokenizer, None, _masks(ctx.model, masks), "previous stages' model")
+    if cfg.teacher:
+        loaded = _load(cfg.teacher, ctx)
+        teacher, tokenizer = loaded.model, loaded.tokenizer
+    else:
+        teacher, tokenizer = ctx.model, ctx.tokenizer
+    if cfg.student is not None:
+        loaded = _load(cfg.student, ctx)
+        check_tokenizers(tokenizer, loaded.tokenizer, teacher, loaded.model, cfg.student)
+        masks = (M.read_masks(loaded.source.path) if loaded.source.path and loaded.source.kind == "dir" else None)
+        masks = masks or M.masks_from_zeros(loaded.model)
+        return Pair(teacher, loaded.model, loaded.tokenizer, None, _masks(loaded.model, masks), f"into {cfg.student}")
+    if cfg.student_config is not None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(cfg.student_config)
+        student, kept = student_from_config(teacher, config)
+        return Pair(teacher, student, tokenizer, kept, None, f"into a student from {cfg.student_config}")
+    spec = cfg.student_layers if cfg.student_layers is not None else 0.5
+    student, kept = derive_student(teacher, spec, cfg.mlp_ratio)
+    return Pair(teacher, student, tokenizer, kept, None, f"into {len(kept)} of {teacher.config.num_hidden_layers} layers")
+
+
+def training_windows(cfg: DistillStage, ctx, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed windows (n, seq_len) of DATA: the last `eval_windows` are the held-out split."""
+    data = cfg.data or ctx.recipe.calibration.data
+    needed = cfg.steps * cfg.batch_size * cfg.grad_accum + cfg.eval_windows
+    ids = tokenize(tokenizer, read_text(data, ctx.recipe.calibration.text_column))
+    windows = pack_windows(ids, cfg.seq_len)
+    if len(windows) < cfg.eval_windows + 1:
+        raise InputError(f"{data} gives {len(windows)} windows of {cfg.seq_len} tokens; distillation needs at least "
+                         f"{cfg.eval_windows + 1} (eval_windows + 1): use more text or a shorter seq_len")
+    if len(windows) < needed:
+        epochs = math.ceil((needed - cfg.eval_windows) / (len(windows) - cfg.eval_windows))
+        ctx.progress.info(f"{data} gives {len(windows) - cfg.eval_windows} training windows; {cfg.steps} steps "
+                          f"read them about {epochs} times")
+    return windows[: -cfg.eval_windows], windows[-cfg.eval_windows :]
+
+
+def _stage_index(cfg: DistillStage, ctx) -> int:
+    return next((i for i, s in enumerate(ctx.recipe.stages) if s is cfg), 0)
+
+
+def _load(spec: str, ctx):
+    return load_model(spec, trust_remote_code=ctx.recipe.trust_remote_code, allow_pickle=ctx.recipe.allow_pickle)
+
+
+def _masks(model, masks):
+    return M.check_masks(model, masks) if masks else None
+
+
+def _layer_map(cfg: DistillStage, pair: Pair) -> dict[int, int] | None:
+    if not (cfg.loss.hidden_mse or cfg.loss.hidden_cos):
+        return None
+    n_s, n_t = pair.student.config.num_hidden_layers, pair.teacher.config.num_hidden_layers
+    if cfg.layer_map:
+        bad = [(s, t) for s, t in cfg.layer_map.items() if not (0 <= s < n_s and 0 <= t < n_t)]
+        if bad:
+            raise InputError(f"layer_map {bad[0][0]}: {bad[0][1]} is out of range (student 0..{n_s - 1}, teacher 0..{n_t - 1})")
+        return dict(cfg.layer_map)
+    if pair.kept:
+        return dict(enumerate(pair.kept))
+    return evenly_mapped(n_s, n_t)
+
+
+def _teacher_ppl(teacher, eval_windows: torch.Tensor, device: torch.device) -> float:
+    from geminicompress.distill.train import perplexity
+
+    teacher.to(device)
+    return round(perplexity(teacher, eval_windows, device), 4)

@@ -1,0 +1,146 @@
+"""The student: a smaller model of the teacher's architecture, initialised from the teacher's weights.
+
+DistilBERT-style derivation (Sanh et al., 2019): keep a subset of the teacher's decoder layers (evenly
+spaced, first and last kept) and copy their weights exactly; optionally keep only the MLP channels with
+the largest norms (`mlp_ratio`). The result is an ordinary transformers model of the teacher's
+`model_type`, built from a copy of its config with `num_hidden_layers` (and per-layer lists such as
+`layer_types`) updated, so it saves, loads and generates like any other checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from geminicompress.compress.arch import arch_for
+from geminicompress.errors import InputError
+
+
+def keep_layers(n_layers: int, spec: float | list[int]) -> list[int]:
+    """Teacher layer indices the student keeps: a fraction (evenly spaced, first and last kept) or a list."""
+    if isinstance(spec, list):
+        bad = [i for i in spec if not -n_layers <= i < n_layers]
+        if bad:
+            raise InputError(f"student_layers: layer {bad[0]} is out of range for a teacher with "
+                             f"{n_layers} layers (use 0..{n_layers - 1})")
+        kept = sorted({i % n_layers for i in spec})
+        if len(kept) != len(spec):
+            raise InputError("student_layers: the list names the same layer twice (negative indices count from the end)")
+        return kept
+    n_keep = max(1, round(spec * n_layers))
+    if n_keep == 1:
+        return [0]
+    # (n_keep,) evenly spaced positions over [0, L-1]; with L=30 and 15 kept: 0, 2, 4, ..., 27, 29
+    return sorted({round(i * (n_layers - 1) / (n_keep - 1)) for i in range(n_keep)})
+
+
+def evenly_mapped(n_student: int, n_teacher: int) -> dict[int, int]:
+    """Default student -> teacher layer map for hidden-state losses when the student was not derived."""
+    return {j: round((j + 1) * n_teacher / n_student) - 1 for j in range(n_student)}
+
+
+def student_config(teacher_config: Any, kept: list[int], mlp_ratio: float = 1.0) -> Any:
+    """A copy of the teacher's config for `len(kept)` layers (and a narrower MLP when mlp_ratio < 1)."""
+    config = copy.deepcopy(teacher_config)
+    n_teacher = teacher_config.num_hidden_layers
+    for key, value in teacher_config.to_dict().items():
+        # Per-layer lists (layer_types, sliding-window patterns, ...) follow the kept layers.
+        if isinstance(value, list) and len(value) == n_teacher and key != "architectures":
+            setattr(config, key, [value[i] for i in kept])
+    config.num_hidden_layers = len(kept)
+    if mlp_ratio < 1.0:
+        config.intermediate_size = max(1, round(teacher_config.intermediate_size * mlp_ratio))
+    return config
+
+
+def mlp_channels(layer: nn.Module, mlp_in: tuple[str, ...], mlp_out: tuple[str, ...], keep: int) -> torch.Tensor:
+    """The `keep` MLP channels with the largest norms: product of the input rows' and output column's norms."""
+    modules = dict(layer.named_modules())
+    score = torch.ones(modules[mlp_in[0]].weight.shape[0], dtype=torch.float64)
+    for name in mlp_in:
+        score *= modules[name].weight.detach().double().norm(dim=1)  # rows: (I,)
+    for name in mlp_out:
+        score *= modules[name].weight.detach().double().norm(dim=0)  # columns: (I,)
+    return score.topk(keep).indices.sort().values
+
+
+def derive_student(teacher: nn.Module, spec: float | list[int] = 0.5, mlp_ratio: float = 1.0) -> tuple[nn.Module, list[int]]:
+    """Build the student from `teacher`: kept layers copied exactly, MLP channels selected by norm."""
+    from transformers import AutoModelForCausalLM
+
+    arch = arch_for(teacher)
+    kept = keep_layers(teacher.config.num_hidden_layers, spec)
+    config = student_config(teacher.config, kept, mlp_ratio)
+    dtype = next(teacher.parameters()).dtype
+    student = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    mlp_in, mlp_out = arch.sequential[-2], arch.sequential[-1]
+    teacher_sd = teacher.state_dict()
+    prefix = arch.layers + "."
+    channels = {}
+    if mlp_ratio < 1.0:
+        layers = dict(teacher.named_modules())[arch.layers]
+        channels = {t: mlp_channels(layers[t], mlp_in, mlp_out, config.intermediate_size) for t in kept}
+    state = {}
+    for key in student.state_dict():
+        if not key.startswith(prefix):
+            state[key] = teacher_sd[key]
+            continue
+        j, rest = key[len(prefix):].split(".", 1)
+        t = kept[int(j)]
+        value = teacher_sd[f"{prefix}{t}.{rest}"]
+        if t in channels:
+            value = _select_channels(value, rest, channels[t], mlp_in, mlp_out)
+        state[key] = value
+    student.load_state_dict(state, strict=True)
+    student.generation_config = copy.deepcopy(teacher.generation_config)
+    return student.eval(), kept
+
+
+def _select_channels(value: torch.Tensor, name: str, idx: torch.Tensor, mlp_in: tuple, mlp_out: tuple) -> torch.Tensor:
+    module = name.rsplit(".", 1)[0]
+    if module in mlp_in:
+        return value[idx].clone()  # weight rows (I, H) or bias (I,)
+    if module in mlp_out and name.endswith("weight"):
+        return value[:, idx].clone()  # (H, I)
+    return value
+
+
+def student_from_config(teacher: nn.Module, config: Any) -> tuple[nn.Module, list[int] | None]:
+    """A student from a config of the teacher's architecture: derived from the teacher when only
+    depth/MLP width differ (weights copied), otherwise randomly initialised (returns kept=None)."""
+    from transformers import AutoModelForCausalLM
+
+    t = teacher.config
+    if config.model_type != t.model_type:
+        raise InputError(f"student_config is a '{config.model_type}' model; the teacher is '{t.model_type}' "
+                         "(the student must have the teacher's architecture)")
+    if config.vocab_size != t.vocab_size:
+        raise InputError(f"student_config has vocab_size {config.vocab_size}, the teacher {t.vocab_size}: "
+                         "distillation needs the same tokenizer")
+    same = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    if all(getattr(config, k, None) == getattr(t, k, None) for k in same) and config.num_hidden_layers <= t.num_hidden_layers:
+        ratio = min(1.0, config.intermediate_size / t.intermediate_size)
+        return derive_student(teacher, keep_layers(t.num_hidden_layers, config.num_hidden_layers / t.num_hidden_layers), ratio)
+    dtype = next(teacher.parameters()).dtype
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval(), None
+
+
+def check_tokenizers(teacher_tok: Any, student_tok: Any, teacher: nn.Module, student: nn.Module, where: str) -> None:
+    """Distillation compares logits token by token: both models must share one vocabulary."""
+    t_vocab, s_vocab = teacher_tok.get_vocab(), student_tok.get_vocab()
+    if t_vocab != s_vocab:
+        differ = len(set(t_vocab.items()) ^ set(s_vocab.items()))
+        raise InputError(f"student {where} has a different tokenizer from the teacher's ({len(s_vocab)} vs "
+                         f"{len(t_vocab)} tokens, {differ} entries differ): distillation needs the same tokenizer")
+    t_out, s_out = teacher.get_output_embeddings(), student.get_output_embeddings()
+    if t_out.weight.shape[0] != s_out.weight.shape[0]:
+        raise InputError(f"student {where} predicts {s_out.weight.shape[0]} logits, the teacher "
+                         f"{t_out.weight.shape[0]}: distillation needs the same vocabulary")
+
+
+def n_params(model: nn.Module) -> int:
+    """Distinct parameters (tied embeddings counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -1,0 +1,211 @@
+"""The distillation training loop on `accelerate`: CPU, one GPU, or many (DDP/FSDP/DeepSpeed via
+`accelerate launch`), with mixed precision, gradient accumulation and checkpointing, AdamW with linear
+warm-up and cosine decay, held-out perplexity, and checkpoints that resume exactly.
+
+Exact resume: the data order is a pure function of the micro-step (a seeded permutation per epoch), so
+a checkpoint needs only the step count besides what `accelerator.save_state` keeps (model, optimizer,
+scheduler, RNG states). A checkpoint is written to `ckpt.tmp` and renamed, so a kill never leaves half
+of one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from geminicompress.distill.losses import distill_loss
+from geminicompress.distill.masks import apply_masks, mask_grads
+from geminicompress.distill.topk_cache import TopKCache
+from geminicompress.progress import NullProgress, Progress
+from geminicompress.recipes.schema import DistillStage
+
+CKPT = "ckpt"
+
+
+@dataclass
+class History:
+    """What the run did: per-step losses, the held-out perplexity curve, tokens and time."""
+
+    step: int = 0
+    loss: list[float] = field(default_factory=list)
+    terms: list[dict[str, float]] = field(default_factory=list)
+    ppl: list[tuple[int, float]] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "loss": self.loss, "terms": self.terms, "ppl": self.ppl,
+                "tokens": self.tokens, "seconds": self.seconds}
+
+
+def batch_indices(micro: int, n_windows: int, batch_size: int, seed: int, rank: int = 0, world: int = 1) -> torch.Tensor:
+    """Window indices of one micro-batch: position p in an endless stream of seeded per-epoch permutations."""
+    start = micro * batch_size * world + rank * batch_size
+    out = []
+    for p in range(start, start + batch_size):
+        epoch, i = divmod(p, n_windows)
+        perm = torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        out.append(int(perm[i]))
+    return torch.tensor(out)
+
+
+def lr_lambda(warmup: int, total: int):
+    """Linear warm-up to the peak, then cosine decay to 10% of it."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, windows: torch.Tensor, device: torch.device, batch_size: int = 4) -> float:
+    """exp(mean next-token NLL) over windows (n, T)."""
+    was_training = model.training
+    model.eval()
+    nll, count = 0.0, 0
+    for start in range(0, len(windows), batch_size):
+        ids = windows[start : start + batch_size].to(device)
+        logits = model(ids).logits[:, :-1].float()  # (b, T-1, V)
+        nll += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum"))
+        count += ids[:, 1:].numel()
+    model.train(was_training)
+    return math.exp(nll / count)
+
+
+def train(
+    student: nn.Module,
+    teacher: nn.Module | None,
+    train_windows: torch.Tensor,
+    eval_windows: torch.Tensor,
+    cfg: DistillStage,
+    *,
+    seed: int,
+    layer_map: dict[int, int] | None,
+    masks: dict[str, torch.Tensor] | None,
+    state_dir: Path,
+    device: torch.device,
+    progress: Progress | None = None,
+    cache: TopKCache | None = None,
+) -> tuple[nn.Module, History]:
+    """Train `student` towards `teacher` for cfg.steps optimizer steps; return the unwrapped student."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    progress = progress or NullProgress()
+    acc = Accelerator(mixed_precision=cfg.precision, cpu=device.type == "cpu")
+    set_seed(seed)
+    if cfg.gradient_checkpointing:
+        student.config.use_cache = False
+        student.gradient_checkpointing_enable()
+    student.train()
+    optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.steps))
+    student, optimizer = acc.prepare(student, optimizer)
+    acc.register_for_checkpointing(scheduler)
+    raw = acc.unwrap_model(student)
+    if teacher is not None:
+        teacher.to(acc.device).eval().requires_grad_(False)
+    if masks:
+        masks = {k: v.to(acc.device) for k, v in masks.items()}
+        apply_masks(raw, masks)
+
+    history = History()
+    ckpt = Path(state_dir) / CKPT
+    if cfg.resume and (ckpt / "history.json").is_file():
+        acc.load_state(str(ckpt))
+        history = History(**json.loads((ckpt / "history.json").read_text()))
+        history.ppl = [tuple(x) for x in history.ppl]
+        progress.info(f"resumed distillation at step {history.step} of {cfg.steps}")
+    elif not history.ppl:
+        history.ppl.append((0, perplexity(raw, eval_windows, acc.device)))
+
+    hidden = cfg.loss.hidden_mse > 0 or cfg.loss.hidden_cos > 0
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * train_windows.shape[1] * acc.num_processes
+    with progress.task("distill", cfg.steps) as bar:
+        bar.advance(history.step)
+        while history.step < cfg.steps:
+            t0 = time.perf_counter()
+            loss, terms = _optimizer_step(acc, student, teacher, optimizer, scheduler, train_windows, cfg, seed,
+                                          history.step, layer_map, masks, hidden, cache)
+            history.step += 1
+            history.loss.append(loss)
+            history.terms.append(terms)
+            history.tokens += tokens_per_step
+            history.seconds += time.perf_counter() - t0
+            if history.step % cfg.eval_every == 0 or history.step == cfg.steps:
+                history.ppl.append((history.step, perplexity(raw, eval_windows, acc.device)))
+            if cfg.save_every and history.step % cfg.save_every == 0 and history.step < cfg.steps:
+                _save(acc, ckpt, history)
+            bar.advance(1, loss=loss, tok_s=round(history.tokens / max(history.seconds, 1e-9)),
+                        ppl=history.ppl[-1][1])
+    acc.wait_for_everyone()
+    if cfg.gradient_checkpointing:
+        raw.gradient_checkpointing_disable()
+        raw.config.use_cache = True
+    acc.free_memory()
+    return raw.eval(), history
+
+
+def _optimizer_step(acc, student, teacher, optimizer, scheduler, windows, cfg, seed, step, layer_map, masks,
+                    hidden, cache) -> tuple[float, dict[str, float]]:
+    """cfg.grad_accum micro-batches, one AdamW step; masked weights stay zero. Returns the mean loss."""
+    raw = acc.unwrap_model(student)
+    needs_teacher = hidden or any(getattr(cfg.loss, k) > 0 for k in ("kl", "reverse_kl", "jsd"))
+    total, terms_sum = 0.0, {}
+    for a in range(cfg.grad_accum):
+        micro = step * cfg.grad_accum + a
+        idx = batch_indices(micro, len(windows), cfg.batch_size, seed, acc.process_index, acc.num_processes)
+        ids = windows[idx].to(acc.device)  # (B, T)
+        with torch.no_grad(), acc.autocast():
+            if not needs_teacher:
+                t_logits, t_hidden = None, None
+            elif cache is not None and not hidden:
+                t_logits, t_hidden = cache.get(idx, acc.device), None
+            else:
+                t_out = teacher(ids, output_hidden_states=hidden)
+                t_logits, t_hidden = t_out.logits, t_out.hidden_states
+                if cache is not None:
+                    t_logits = cache.get(idx, acc.device)
+        sync = acc.no_sync(student) if a < cfg.grad_accum - 1 else nullcontext()
+        with sync, acc.autocast():
+            s_out = student(ids, output_hidden_states=hidden)
+            loss, terms = distill_loss(cfg.loss, cfg.temperature, ids, s_out.logits, t_logits,
+                                       s_out.hidden_states, t_hidden, layer_map)
+            acc.backward(loss / cfg.grad_accum)
+        total += float(loss.detach()) / cfg.grad_accum
+        for k, v in terms.items():
+            terms_sum[k] = terms_sum.get(k, 0.0) + v / cfg.grad_accum
+    if masks:
+        mask_grads(raw, masks)
+    acc.clip_grad_norm_(student.parameters(), 1.0)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    if masks:
+        apply_masks(raw, masks)
+    return total, terms_sum
+
+
+def _save(acc, ckpt: Path, history: History) -> None:
+    tmp = ckpt.with_name(CKPT + ".tmp")
+    if acc.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    acc.wait_for_everyone()
+    acc.save_state(str(tmp), safe_serialization=False)
+    if acc.is_main_process:
+        (tmp / "history.json").write_text(json.dumps(history.to_json()))
+        shutil.rmtree(ckpt, ignore_errors=True)
+        tmp.rename(ckpt)
+    acc.wait_for_everyone()

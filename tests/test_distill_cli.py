@@ -1,0 +1,155 @@
+"""`geminicompress distill` end to end on the tiny model, the stage's choice of teacher/student, the
+top-k cache, and the speculative-decoding measurement."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from geminicompress.cli import app
+from geminicompress.distill import stage as distill_stage
+from geminicompress.distill.masks import MASKS_FILE, read_masks
+from geminicompress.distill.student import derive_student
+from geminicompress.distill.topk_cache import build_topk_cache
+from geminicompress.distill.train import train
+from geminicompress.eval.speculative import measure_speculative
+from geminicompress.models.loading import load_model
+from geminicompress.pipeline import StageContext
+from geminicompress.progress import NullProgress
+from geminicompress.recipes.schema import Recipe
+from tiny import save_tiny, tiny_model, tiny_tokenizer
+
+runner = CliRunner()
+CPU = torch.device("cpu")
+FAST = ["--steps", "3", "--seq-len", "32", "--batch-size", "2", "--eval-every", "2", "--warmup-steps", "1", "--quiet"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("teacher") / "t4", num_hidden_layers=4)
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_distill_cli_writes_a_half_depth_student(teacher_dir, text_file, tmp_path):
+    out = tmp_path / "student"
+    res = invoke("distill", "--teacher", teacher_dir, "-o", out, "--data", text_file, *FAST)
+    assert res.exit_code == 0, res.output
+    student = AutoModelForCausalLM.from_pretrained(out)
+    assert student.config.num_hidden_layers == 2
+    report = json.loads((out / "report.json").read_text())
+    result = report["stages"][0]["result"]
+    assert result["kept_layers"] == [0, 3] and result["steps"] == 3 and result["tokens"] == 3 * 2 * 32
+    assert [p[0] for p in result["ppl_curve"]] == [0, 2, 3]
+    assert len(result["loss_curve"]) == 3 and result["tokens_per_s"] > 0
+    assert (out / "distill_curve.png").stat().st_size > 1000
+
+
+def test_layer_list_out_of_range_is_one_line(teacher_dir, text_file, tmp_path):
+    res = invoke("distill", "--teacher", teacher_dir, "-o", tmp_path / "o", "--data", text_file,
+                 "--student-layers", "0,7", *FAST)
+    assert res.exit_code == 2
+    assert "layer 7 is out of range for a teacher with 4 layers" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_mismatched_tokenizers_are_one_line(teacher_dir, text_file, tmp_path):
+    other = tmp_path / "other"
+    tiny_model(num_hidden_layers=1).save_pretrained(other)
+    tok = tiny_tokenizer()
+    tok.add_tokens(["<zzz>"])
+    tok.save_pretrained(other)
+    res = invoke("distill", "--teacher", teacher_dir, "--student", other, "-o", tmp_path / "o", "--data", text_file, *FAST)
+    assert res.exit_code == 2
+    assert "different tokenizer from the teacher's" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+
+
+def test_student_not_smaller_is_allowed_with_a_warning(teacher_dir, text_file, tmp_path):
+    res = runner.invoke(app, ["distill", "--teacher", str(teacher_dir), "-o", str(tmp_path / "o"), "--data",
+                              str(text_file), "--student-layers", "1.0", *FAST])
+    assert res.exit_code == 0, res.output
+    assert "not smaller than the teacher" in res.output
+
+
+def _ctx(recipe, model, tok, tmp_path, masks=None):
+    source = load_model(recipe.model).source
+    return StageContext(model, tok, source, recipe, NullProgress(), CPU, tmp_path, tmp_path, masks=masks)
+
+
+def test_after_a_prune_stage_the_pipeline_model_is_the_student(teacher_dir, text_file, tmp_path):
+    recipe = Recipe.model_validate({"model": str(teacher_dir), "stages": [
+        {"type": "prune", "sparsity": 0.5},
+        {"type": "distill", "data": str(text_file), "steps": 3, "seq_len": 32, "batch_size": 2, "warmup_steps": 1}]})
+    pruned = load_model(str(teacher_dir)).model
+    masks = {}
+    with torch.no_grad():
+        for name, p in pruned.named_parameters():
+            if "layers" in name and p.dim() == 2:
+                masks[name] = torch.rand_like(p) > 0.5
+                p.mul_(masks[name])
+    ctx = _ctx(recipe, pruned, tiny_tokenizer(), tmp_path, masks)
+    summary = distill_stage.run(recipe.stages[1], ctx)
+    assert summary["how"] == "previous stages' model" and summary["student_layers"] == 4
+    assert ctx.model is pruned
+    params = dict(ctx.model.named_parameters())
+    assert all(torch.all(params[n][~m] == 0) for n, m in masks.items())
+    assert summary["sparsity"] == pytest.approx(sum(int((~m).sum()) for m in masks.values())
+                                                / sum(m.numel() for m in masks.values()))
+    back = read_masks(tmp_path)
+    assert (tmp_path / MASKS_FILE).is_file() and all(torch.equal(back[n], m) for n, m in masks.items())
+
+
+def test_first_stage_without_student_derives_half(teacher_dir, text_file, tmp_path):
+    recipe = Recipe.model_validate({"model": str(teacher_dir), "stages": [
+        {"type": "distill", "data": str(text_file), "steps": 2, "seq_len": 32, "batch_size": 2}]})
+    loaded = load_model(str(teacher_dir))
+    ctx = _ctx(recipe, loaded.model, loaded.tokenizer, tmp_path)
+    summary = distill_stage.run(recipe.stages[0], ctx)
+    assert summary["kept_layers"] == [0, 3] and ctx.model.config.num_hidden_layers == 2
+
+
+def test_topk_cache_is_reused_and_matches_online_kl_when_k_is_the_vocabulary(tmp_path):
+    from geminicompress.recipes.schema import DistillStage
+
+    teacher = tiny_model(num_hidden_layers=2)
+    w = torch.randint(0, 384, (10, 16), generator=torch.Generator().manual_seed(0))
+    first = build_topk_cache(teacher, w[:8], 384, CPU, root=tmp_path)
+    again = build_topk_cache(teacher, w[:8], 384, CPU, root=tmp_path)
+    assert not first.reused and again.reused and torch.equal(first.indices, again.indices)
+    cfg = DistillStage(type="distill", steps=3, seq_len=16, batch_size=2, warmup_steps=1, eval_windows=2)
+    runs = []
+    for cache in (None, again):
+        student, _ = derive_student(teacher, 0.5)
+        _, h = train(student, teacher, w[:8], w[8:], cfg, seed=0, layer_map=None, masks=None,
+                     state_dir=tmp_path / str(len(runs)), device=CPU, cache=cache)
+        runs.append(h.loss)
+    # fp16 storage of the cached logits is the only difference
+    torch.testing.assert_close(torch.tensor(runs[0]), torch.tensor(runs[1]), rtol=2e-3, atol=1e-3)
+
+
+def test_speculative_measurement_counts_acceptance():
+    teacher = tiny_model(num_hidden_layers=4)
+    same, _ = derive_student(teacher, 1.0)
+    prompt = torch.randint(1, 384, (1, 6), generator=torch.Generator().manual_seed(0))
+    r = measure_speculative(teacher, same, tiny_tokenizer(), prompt, gen_len=12, repeats=1, warmup=0)
+    assert r["acceptance_rate"] == 1.0 and r["same_output"]
+    assert r["teacher_tokens_per_s"] > 0 and r["speedup"] == pytest.approx(
+        r["assisted_tokens_per_s"] / r["teacher_tokens_per_s"])
+    half, _ = derive_student(teacher, 0.5)
+    r = measure_speculative(teacher, half, tiny_tokenizer(), prompt, gen_len=12, repeats=1, warmup=0)
+    assert 0.0 <= r["acceptance_rate"] < 1.0 and r["same_output"] and r["proposed_tokens"] > 0

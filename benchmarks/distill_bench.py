@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--recovery-lr", type=float, default=1e-4, help="the pruned 30-layer model starts close to its teacher")
     ap.add_argument("--phases", default="kd,ce,latency,recovery")
+    ap.add_argument("--eval-windows", type=int, default=32, help="protocol: 32 windows of 512 (fewer when time is short)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -120,7 +121,7 @@ def main() -> None:
     loaded = load_model("smollm2-demo")
     teacher, tok = loaded.model, loaded.tokenizer
     teacher.requires_grad_(False)
-    n_eval = 4 if args.quick else 32
+    n_eval = 4 if args.quick else args.eval_windows
     eval_w = pack_windows(tokenize(tok, (DATA / "wikitext2-test.txt").read_text(), 16384), 512, n_eval)
     train_all = pack_windows(tokenize(tok, (DATA / "enwiki-sample.txt").read_text()), args.seq_len)
     held_out, train_w = train_all[-2:], train_all[:-2]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -122,6 +124,9 @@ def run_recipe(
     runners = [stage_runner(t) for t in tags]  # fail before loading anything if a stage is missing
     torch.manual_seed(recipe.seed)
     started = time.perf_counter()
+    helper = _helper_rank()
+    if helper:  # another process of `accelerate launch`/torchrun: it trains along, rank 0 writes OUT
+        out, force = out.with_name(f".{out.name}.rank{helper}"), True
     with OutputDir(out, force, fingerprint(recipe)) as tmp:
         t0 = time.perf_counter()
         progress.info(f"loading {recipe.model}")
@@ -156,7 +161,14 @@ def run_recipe(
         }
         write_json(tmp / "report.json", report)
         (tmp / "recipe.yaml").write_text(recipe_yaml(recipe))
+    if helper:
+        shutil.rmtree(out, ignore_errors=True)
     return report
+
+
+def _helper_rank() -> int:
+    """This process's rank when it is not the main process of a multi-process launch, else 0."""
+    return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
 
 
 def _export(ctx: StageContext, recipe: Recipe, tmp: Path, progress: Progress) -> dict:

@@ -153,3 +153,14 @@ def test_speculative_measurement_counts_acceptance():
     half, _ = derive_student(teacher, 0.5)
     r = measure_speculative(teacher, half, tiny_tokenizer(), prompt, gen_len=12, repeats=1, warmup=0)
     assert 0.0 <= r["acceptance_rate"] < 1.0 and r["same_output"] and r["proposed_tokens"] > 0
+
+
+def test_helper_ranks_of_a_multi_process_launch_write_nothing(tiny_dir, tmp_path, monkeypatch):
+    from geminicompress import pipeline
+
+    monkeypatch.setitem(pipeline.STAGES, "prune", "stage_for_tests:zero_first_layer")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    res = invoke("prune", tiny_dir, "-o", tmp_path / "out", "--quiet")
+    assert res.exit_code == 0, res.output
+    assert list(tmp_path.iterdir()) == []  # rank 0 writes OUT; rank 1 leaves no trace

@@ -122,7 +122,7 @@ def train(
         apply_masks(raw, masks)
 
     history = History()
-    ckpt = Path(state_dir) / CKPT
+    ckpt = _shared_path(acc, Path(state_dir) / CKPT)
     if cfg.resume and (ckpt / "history.json").is_file():
         acc.load_state(str(ckpt))
         history = History(**json.loads((ckpt / "history.json").read_text()))
@@ -196,6 +196,15 @@ def _optimizer_step(acc, student, teacher, optimizer, scheduler, windows, cfg, s
     if masks:
         apply_masks(raw, masks)
     return total, terms_sum
+
+
+def _shared_path(acc, path: Path) -> Path:
+    """Rank 0's checkpoint folder, used by every process (each rank's pipeline has its own OUT)."""
+    if acc.num_processes == 1:
+        return path
+    from accelerate.utils import broadcast_object_list
+
+    return Path(broadcast_object_list([str(path)])[0])
 
 
 def _save(acc, ckpt: Path, history: History) -> None:

@@ -196,3 +196,39 @@ def test_eval_stage_at_the_end_of_a_recipe(dirs, text_file, tmp_path, monkeypatc
     assert summary["quality"]["kl_to_baseline"] > 0 and summary["summary"].startswith("ppl ")
     assert ev["models"][1]["sparsity"] > 0  # the zeroed q_proj, read back from disk
     assert (out / "eval" / "tradeoff.png").is_file() and (out / "eval" / "report.md").is_file()
+
+
+FORMATS = [  # (stage module that must exist, command line writing the format)
+    ("geminicompress.compress.gptq.stage", ["quantize", "--method", "gptq", "--bits", "4", "--group-size", "32"]),
+    ("geminicompress.compress.awq.stage", ["quantize", "--method", "awq", "--bits", "4", "--group-size", "32"]),
+    ("geminicompress.compress.int8.stage", ["quantize", "--method", "w8a8"]),
+    ("geminicompress.compress.prune.stage", ["prune", "--sparsity", "0.5"]),
+]
+
+
+@pytest.mark.parametrize("module,cmd", FORMATS, ids=["gptq", "awq", "w8a8", "prune"])
+def test_every_written_format_loads_back_for_eval(module, cmd, dirs, text_file, tmp_path):
+    pytest.importorskip(module, reason="that compression stage is not in this checkout yet")
+    base = dirs[0]
+    out = tmp_path / "compressed"
+    res = runner.invoke(app, [cmd[0], str(base), *cmd[1:], "--samples", "4", "--calib-seq-len", "64", "-o", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    rep = evaluate([str(out)], str(base), str(text_file), None, EvalStage(**{**FAST, "latency": False}))
+    model = rep["models"][1]
+    assert "error" not in model and model["notes"] == []
+    assert 0 < model["quality"]["kl_to_baseline"] < 1.0 and 0 < model["quality"]["top1_agreement"] < 1.0
+    assert model["params"] == rep["models"][0]["params"]  # packed weights count as their logical size
+    if cmd[0] == "prune":
+        assert model["sparsity"] == pytest.approx(0.5, abs=0.02)
+    else:
+        assert model["size_mb"] < rep["models"][0]["size_mb"]
+
+
+def test_draft_model_speculative_result_goes_into_the_report(dirs, text_file):
+    pytest.importorskip("geminicompress.eval.speculative", reason="the distill helper's module is not here yet")
+    base, same, _ = dirs
+    opts = EvalStage(**{**FAST, "latency": False, "draft": str(same), "repeats": 1, "gen_len": 4})
+    rep = evaluate([], str(base), str(text_file), None, opts)
+    spec = rep["speculative"]
+    assert spec["available"] is True and spec["draft"] == str(same) and spec["gen_len"] == 4
+    assert spec["prompt_len"] == 8 and spec["speedup"] > 0

@@ -77,5 +77,5 @@ def eval_(
 
     with OutputDir(output, force) as tmp:
         write_report(report, tmp)
-    c.out_console.print(rich_table(report))
+    c.out_console.print(rich_table(report, c.out_console.width))
     c.console.print(f"[green]wrote[/] {output}  (report.json, report.md, tradeoff.png)")

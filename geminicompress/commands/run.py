@@ -46,4 +46,5 @@ def _print_eval_tables(report: dict, output: Path) -> None:
 
     for stage in report["stages"]:
         if stage["stage"] == "eval" and isinstance(stage.get("result"), dict) and stage["result"].get("report"):
-            c.out_console.print(rich_table(json.loads((output / stage["result"]["report"]).read_text())))
+            report_file = output / stage["result"]["report"]
+            c.out_console.print(rich_table(json.loads(report_file.read_text()), c.out_console.width))

@@ -32,7 +32,8 @@ def run_tasks(model, tokenizer, tasks: list[str], device: torch.device, note: Ca
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, device=str(device))
         results = simple_evaluate(model=lm, tasks=list(tasks))
     except Exception as exc:  # lm-eval raises many unrelated types (offline hub, unknown task names)
-        note(f"lm-eval tasks {','.join(tasks)} failed: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__}")
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        note(f"lm-eval tasks {','.join(tasks)} failed: {reason}")
         return None
     return {task: {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
             for task, metrics in (results or {}).get("results", {}).items()}

@@ -4,6 +4,7 @@
   process's resident set over its value at the start: the kernel's high-water mark (VmHWM, reset
   through /proc/self/clear_refs) where Linux allows it, else a 5 ms psutil sampler.
 - Size on disk: the weight files of the model (safetensors, pickles, gguf), not tokenizer or config.
+- Tensors in memory: exact bytes of parameters and buffers (deterministic, unlike the peak).
 - Parameters: every parameter, plus the logical weights of packed quantized linears (modules with
   `in_features`/`out_features` whose weight is not a parameter of that shape).
 - Sparsity: fraction of exact zeros in the weights of the linear layers, lm_head excluded (it is
@@ -112,7 +113,8 @@ def count_params(model: nn.Module) -> int:
     for module in model.modules():
         if id(module) in packed:
             bias = getattr(module, "bias", None)
-            total += int(module.in_features) * int(module.out_features) + (bias.numel() if isinstance(bias, torch.Tensor) else 0)
+            total += int(module.in_features) * int(module.out_features)
+            total += bias.numel() if isinstance(bias, torch.Tensor) else 0
             seen.update(id(p) for p in module.parameters(recurse=False))
             continue
         for p in module.parameters(recurse=False):
@@ -120,6 +122,15 @@ def count_params(model: nn.Module) -> int:
                 seen.add(id(p))
                 total += p.numel()
     return total
+
+
+def tensor_mb(model: nn.Module) -> float:
+    """Exact bytes held by parameters and buffers (tied tensors once), in MB: the deterministic part
+    of the memory figure, next to the measured (noisier) peak."""
+    seen: dict[int, int] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
+    return round(sum(seen.values()) / MB, 2)
 
 
 def weight_sparsity(model: nn.Module) -> float | None:

@@ -114,14 +114,20 @@ def caption(report: dict) -> str:
     return f"{report['data']}: {tokens}; {lat}; {mach.get('device')} x{mach.get('torch_threads')} threads"
 
 
-def rich_table(report: dict) -> Table:
-    """The terminal table: deltas under their values so that it fits narrow terminals."""
+NARROW = 100  # below this terminal width the table leaves out the columns below (report.md has them all)
+_NARROW_DROP = ("peak MB", "params")
+
+
+def rich_table(report: dict, width: int | None = None) -> Table:
+    """The terminal table: deltas under their values; compact when `width` < NARROW."""
+    keep = [i for i, col in enumerate(COLUMNS) if not (width and width < NARROW and col in _NARROW_DROP)]
     table = Table(title="geminicompress eval", caption=caption(report), box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1),
                   pad_edge=False)
-    for i, header in enumerate(_HEADERS):
-        table.add_column(header, justify="left" if i == 0 else "right", overflow="fold", no_wrap=i > 0)
+    for i in keep:
+        table.add_column(_HEADERS[i], justify="left" if i == 0 else "right", overflow="fold", no_wrap=i > 0,
+                         min_width=10 if i == 0 else None)
     for row in rows(report):
-        table.add_row(*(f"{v}\n{d}" if d else v for v, d in row))
+        table.add_row(*(f"{row[i][0]}\n{row[i][1]}" if row[i][1] else row[i][0] for i in keep))
     return table
 
 

@@ -13,11 +13,11 @@ Each batch size gets `warmup` untimed runs, then `repeats` timed runs; we report
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 
 import torch
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from geminicompress.progress import NullProgress, Progress
 
@@ -37,12 +37,18 @@ def summarize_ms(seconds: list[float]) -> dict[str, float]:
     return {"median": round(percentile(ms, 50), 4), "p90": round(percentile(ms, 90), 4)}
 
 
-# transformers >= 5.x names the KV cache `cache`; earlier versions `past_key_values`.
-_CACHE_ARG = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+def _forward_args(model) -> tuple[str, dict]:
+    """(name of the KV-cache argument, extra prefill kwargs) that this model's forward accepts:
+    transformers >= 5 calls the cache `cache`, earlier versions `past_key_values`; `logits_to_keep=1`
+    (only the last position's logits at prefill, as `generate` does) where supported."""
+    params = inspect.signature(model.forward).parameters
+    cache_arg = "cache" if "cache" in params else "past_key_values"
+    return cache_arg, ({"logits_to_keep": 1} if "logits_to_keep" in params else {})
 
 
 def _cache_of(out):
-    return getattr(out, _CACHE_ARG)
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 @dataclass
@@ -56,15 +62,16 @@ class RunTiming:
 def greedy_run(model, prompt: torch.Tensor, gen_len: int, device: torch.device) -> RunTiming:
     """One greedy generation of exactly `gen_len` tokens after `prompt` (B, P), with the KV cache."""
     ids = prompt.to(device)
+    cache_arg, prefill_kwargs = _forward_args(model)
     sync(device)
     t0 = time.perf_counter()
-    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=ids, use_cache=True, **prefill_kwargs)
     token = out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
     sync(device)
     t1 = time.perf_counter()
     tokens = [token]
     for _ in range(gen_len - 1):
-        out = model(input_ids=token, use_cache=True, **{_CACHE_ARG: _cache_of(out)})
+        out = model(input_ids=token, use_cache=True, **{cache_arg: _cache_of(out)})
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(token)
     sync(device)

@@ -36,6 +36,10 @@ def tradeoff_points(report: dict) -> tuple[str, list[tuple[str, float, float]]]:
     return xlabel, points
 
 
+def _signed(pct: float) -> str:
+    return f"+{pct:.1f}%" if pct >= 0 else f"\u2212{-pct:.1f}%"
+
+
 def plot_tradeoff(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -43,6 +47,7 @@ def plot_tradeoff(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     xlabel, points = tradeoff_points(report)
+    what = "TPOT" if xlabel.startswith("latency") else "size"
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
     ax.axhline(0, color="0.7", lw=0.8)
     ax.axvline(0, color="0.7", lw=0.8)
@@ -50,7 +55,7 @@ def plot_tradeoff(report: dict, path: Path) -> None:
     for name, x, y in points:
         is_base = name == base_name
         ax.scatter([x], [y], s=60, color="0.4" if is_base else "tab:blue", zorder=3)
-        label = f"{name}\n(baseline)" if is_base else f"{name}\nppl {y:+.1f}%, {x:+.1f}% faster"
+        label = f"{name}\n(baseline)" if is_base else f"{name}\nppl {_signed(y)}, {what} {_signed(-x)}"
         ax.annotate(label, (x, y), textcoords="offset points", xytext=(7, 7), fontsize=8.5)
     if not points:
         ax.text(0.5, 0.5, "no model has both perplexity and latency figures", transform=ax.transAxes,

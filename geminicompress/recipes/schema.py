@@ -70,7 +70,9 @@ class AWQStage(_StageBase):
     group_size: int = Field(128, ge=-1)
     zero_point: bool = True
     clip: bool = True
-    n_grid: int = Field(20, ge=1, le=1000)
+    n_grid: int = Field(20, ge=1, le=1000, description="points of the alpha grid in [0, 1) for the scale search")
+    search_windows: int = Field(8, ge=1, description="calibration windows on which the scale search measures the "
+                                "output error (activation statistics use all windows)")
     damp: float = Field(0.01, gt=0.0, lt=1.0)
     block_size: int = Field(128, ge=1)
     search_results: str | None = Field(None, description="re-apply saved scales/clips instead of searching")

@@ -1,0 +1,124 @@
+"""The AWQ GEMM checkpoint layout (AutoAWQ `WQLinear_GEMM`, read by transformers/GPTQModel/vLLM).
+
+Per quantized linear with weight (out, in), 4-bit codes q, groups of `group_size` input columns:
+- `qweight` int32 (in, out/8): row j packs the codes q[:, j] of 8 consecutive outputs into one word,
+  nibble i (bits 4i..4i+3) holding output column AWQ_ORDER[i] of the eight (interleaved for the kernel);
+- `qzeros`  int32 (groups, out/8): the zero points, packed the same way, stored as they are (no −1,
+  unlike GPTQ v1);
+- `scales`  float16 (groups, out).
+w[o, j] = scales[g, o] · (q[o, j] − zeros[g, o]) with g = j // group_size (AWQ has no g_idx).
+config.json: quantization_config = {quant_method: awq, bits: 4, group_size, zero_point, version: gemm}.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from safetensors.torch import save_file
+
+from geminicompress import __version__
+from geminicompress.compress.grid import QuantizedWeight, QuantSpec, group_index
+from geminicompress.compress.packing.export import _float_tensors, _write_config
+from geminicompress.compress.packing.qlinear import load_with_dequant_linears
+from geminicompress.errors import GeminiError, InputError
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i] of its eight
+BITS = 4
+PACK = 32 // BITS
+SUFFIXES = ("qweight", "qzeros", "scales")
+
+
+def check_shape(name: str, out_f: int, in_f: int, spec: QuantSpec) -> None:
+    """Raise InputError when the AWQ GEMM layout cannot hold this (out, in) weight at `spec`."""
+    fix = "use --format compressed-tensors or --format dense"
+    if spec.bits != BITS:
+        raise InputError(f"the AWQ format holds 4-bit weights only, not {spec.bits}-bit: {fix}")
+    if spec.group_size == -1 or in_f % spec.group_size:
+        raise InputError(f"the AWQ format needs a group size dividing every layer's input size; {name} has {in_f} "
+                         f"inputs and the group size is {spec.group_size} (pick a divisor of {in_f}, or {fix})")
+    if out_f % PACK:
+        raise InputError(f"the AWQ format packs 8 outputs per word; {name} has {out_f} outputs: {fix}")
+
+
+def _pack_columns(codes: torch.Tensor) -> torch.Tensor:
+    """(rows, cols) codes in [0, 16) -> int32 (rows, cols/8), AWQ's interleaved nibble order."""
+    rows, cols = codes.shape
+    grouped = codes.to(torch.int64).reshape(rows, cols // PACK, PACK)[..., list(AWQ_ORDER)]
+    shifts = torch.arange(PACK, device=codes.device) * BITS
+    words = (grouped << shifts).sum(-1)  # disjoint nibbles: sum == or
+    return (words - ((words >> 31) << 32)).to(torch.int32)  # uint32 bits as int32
+
+
+def _unpack_columns(packed: torch.Tensor) -> torch.Tensor:
+    """int32 (rows, cols/8) -> int32 codes (rows, cols)."""
+    shifts = torch.arange(PACK, device=packed.device) * BITS
+    nibbles = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF  # (rows, cols/8, 8) in nibble order
+    codes = torch.empty_like(nibbles)
+    codes[..., list(AWQ_ORDER)] = nibbles
+    return codes.reshape(packed.shape[0], -1).to(torch.int32)
+
+
+def pack_awq(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """QuantizedWeight (codes (out, in), scales/zeros (out, groups)) -> qweight, qzeros, scales."""
+    out_f, in_f = qw.q.shape
+    if not torch.equal(qw.g_idx.cpu().long(), group_index(in_f, qw.spec).long()):
+        raise GeminiError("the AWQ format has no g_idx: groups must be consecutive input columns")
+    return {
+        "qweight": _pack_columns(qw.q.t()),  # (in, out/8)
+        "qzeros": _pack_columns(qw.zeros.t()),  # (groups, out/8)
+        "scales": qw.scales.t().to(torch.float16).contiguous(),  # (groups, out)
+    }
+
+
+def unpack_awq(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> QuantizedWeight:
+    q = _unpack_columns(tensors["qweight"]).t().contiguous()  # (out, in)
+    zeros = _unpack_columns(tensors["qzeros"]).t().contiguous()  # (out, groups)
+    scales = tensors["scales"].t().float().contiguous()  # (out, groups)
+    return QuantizedWeight(q, scales, zeros, group_index(q.shape[1], spec), spec)
+
+
+def awq_config(spec: QuantSpec, zero_point: bool, not_converted: list[str]) -> dict[str, Any]:
+    return {"quant_method": "awq", "bits": spec.bits, "group_size": spec.group_size, "zero_point": zero_point,
+            "version": "gemm", "modules_to_not_convert": not_converted or None}
+
+
+def export_awq(model: nn.Module, tokenizer: Any, out: Path, qweights: dict[str, QuantizedWeight],
+               meta: dict[str, Any]) -> dict[str, Any]:
+    """Write model + tokenizer to `out` in the AWQ GEMM layout; return a summary for report.json."""
+    if not qweights:
+        raise InputError("nothing was quantized: no module to export")
+    specs = {qw.spec for qw in qweights.values()}
+    if len(specs) != 1:
+        raise InputError(f"one export holds one quantization spec, got {len(specs)}")
+    spec = specs.pop()
+    for name, qw in qweights.items():
+        check_shape(name, *qw.q.shape, spec)
+    dtype = getattr(torch, meta.get("dtype", "float32"))
+    tensors = _float_tensors(model, dtype, skip={f"{n}.weight" for n in qweights})
+    for name, qw in qweights.items():
+        tensors.update({f"{name}.{k}": v.cpu() for k, v in pack_awq(qw).items()})
+    # modules_to_not_convert is matched by name part: the float linears' last names (e.g. lm_head)
+    not_converted = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                            if isinstance(m, nn.Linear) and n not in qweights})
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    qconfig = awq_config(spec, bool(meta.get("zero_point", not spec.sym)), not_converted)
+    _write_config(model, out, qconfig, dtype)
+    tokenizer.save_pretrained(out)
+    return {"format": "awq", "bits": spec.bits, "group_size": spec.group_size, "zero_point": qconfig["zero_point"],
+            "quantized_modules": len(qweights), "float_modules": not_converted, "version": __version__,
+            "size_bytes": (out / "model.safetensors").stat().st_size}
+
+
+def load_awq(path: Path, config: dict, dtype: torch.dtype) -> nn.Module:
+    """An AWQ GEMM checkpoint as a model whose quantized linears rebuild their weights on the fly."""
+    qc = config["quantization_config"]
+    if int(qc.get("bits", BITS)) != BITS or str(qc.get("version", "gemm")).lower() != "gemm":
+        raise GeminiError(f"{path}: only 4-bit AWQ in the GEMM layout loads here "
+                          f"(got bits={qc.get('bits')}, version={qc.get('version')})")
+    spec = QuantSpec(BITS, int(qc["group_size"]), sym=not qc.get("zero_point", True))
+    return load_with_dequant_linears(Path(path), dtype, SUFFIXES, lambda parts: unpack_awq(parts, spec))

@@ -230,3 +230,18 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path, text_file):
     with pytest.raises(InputError, match="supported: " + ", ".join(sorted(ARCHS))):
         arch_for(model)
     assert config["model_type"] == "llama"
+
+
+@pytest.mark.parametrize("stage", [{"bits": 3, "format": "compressed-tensors"}, {"bits": 4, "format": "dense"},
+                                   {"bits": 4, "format": "awq", "zero_point": False, "clip": False}])
+def test_other_formats_load_back_to_the_quantized_model(tiny_dir, text_file, tmp_path, stage):
+    model, report = _quantize(tiny_dir, tmp_path / "out", text_file, group_size=32, **stage)
+    back = load_model(str(tmp_path / "out"))
+    ids = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_logits(back.model, ids), _logits(model, ids), atol=1e-4, rtol=1e-4)
+    assert report["export"]["format"] == stage["format"]
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "out" / "awq_search" / "awq_search.safetensors"))
+    assert any(".clip." in k for k in saved) == stage.get("clip", True)
+    assert any(".smooth." in k for k in saved)

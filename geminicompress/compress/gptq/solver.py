@@ -58,19 +58,20 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
     Hinv = _inverse_hessian_factor(H, damp)  # upper Cholesky factor of H⁻¹: (in, in)
 
     Q = torch.zeros_like(W)  # codes, permuted order: (out, in)
-    losses = torch.zeros_like(W)
     # group of each column in quantization order: fixed groups follow the original columns
     cols = perm if static else torch.arange(in_f, device=W.device)
     group_of = torch.zeros(in_f, dtype=torch.long, device=W.device) if spec.group_size == -1 else cols // gs
     group_list = group_of.tolist()
     scales: list[torch.Tensor] = []
     zeros: list[torch.Tensor] = []
+    loss = torch.zeros((), device=W.device)
     scale = zero = None
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
         W1 = W[:, i1:i2].clone()  # (out, b)
-        Err1 = torch.zeros_like(W1)
+        Err1 = torch.empty_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
+        inv_d = (1.0 / torch.diag(Hinv1)).tolist()
         for i in range(i2 - i1):
             col = i1 + i
             if static:
@@ -79,20 +80,19 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
                 scale, zero = qparams(_upcoming(W, W1, Err1, Hinv, i1, i, gs), spec)
                 scales.append(scale)
                 zeros.append(zero)
-            w = W1[:, i]
-            d = Hinv1[i, i]
-            q = quantize(w.unsqueeze(1), scale, zero, spec.maxq)  # (out, 1)
-            deq = (scale * (q - zero)).squeeze(1)
-            Q[:, col] = q.squeeze(1)
-            losses[:, col] = (w - deq) ** 2 / d**2 / 2
-            err = (w - deq) / d
-            W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
+            s, z = scale[:, 0], zero[:, 0]  # (out,)
+            w = W1[:, i]  # (out,)
+            q = quantize(w, s, z, spec.maxq)
+            Q[:, col] = q
+            err = (w - s * (q - z)) * inv_d[i]  # (w − q) / [H⁻¹]_jj
             Err1[:, i] = err
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+            W1[:, i + 1:].addr_(err, Hinv1[i, i + 1:], alpha=-1.0)  # eq. 3, inside the block
+        loss += Err1.square().sum() / 2  # Σ (w − q)² / (2 [H⁻¹]_jj²)
+        W[:, i2:].addmm_(Err1, Hinv[i1:i2, i2:], alpha=-1.0)  # the block's lazy update to the rest
 
     if static:
-        scales = [s for s, _ in static]
-        zeros = [z for _, z in static]
+        scales = [sc for sc, _ in static]
+        zeros = [zr for _, zr in static]
     inv = torch.argsort(perm)
     g_idx = group_of[inv].to(torch.int32)
     qw = QuantizedWeight(
@@ -102,7 +102,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
         g_idx=g_idx,
         spec=spec,
     )
-    return qw, float(losses.sum())
+    return qw, float(loss)
 
 
 def _inverse_hessian_factor(H: torch.Tensor, damp: float) -> torch.Tensor:

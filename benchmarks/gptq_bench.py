@@ -1,0 +1,213 @@
+"""GPTQ benchmark: ours vs round-to-nearest vs llm-compressor's GPTQ on the demo model, one run.
+
+Protocol (the project's one benchmark protocol): SmolLM2-135M demo; calibration windows of 512 tokens
+drawn with seed 0 from ../shared/data/enwiki-sample.txt (the same token ids for every method: ours
+draws them through the CLI with the same function and seed, llm-compressor gets them as a file);
+perplexity on the first 16,384 tokens of ../shared/data/wikitext2-test.txt in 32 windows of 512.
+Settings per row: symmetric int weights, lm_head in float, act-order with static groups (llm-compressor's
+default "static" actorder), block 128, damp 0.01. Ours runs as the CLI in a child process
+(`geminicompress quantize ... --format gptq`), llm-compressor in its own venv (gptq_llmc_ref.py,
+compressed-tensors output); both checkpoints are evaluated with our loaders and the same perplexity
+code. Peak RSS is the child process's maximum resident set (os.wait4), the whole run included.
+
+  flock /tmp/gc-bench.lock python benchmarks/gptq_bench.py            # 128 windows, both settings
+  flock /tmp/gc-bench.lock python benchmarks/gptq_bench.py --quick    # 8 windows, ppl on 8 windows
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+LLMC_VENV = Path(os.environ.get("GC_LLMC_VENV", "/work/venvs/llmc"))
+SETTINGS = {"w4-pc": (4, -1), "w3-g64": (3, 64)}
+
+
+def ensure_llmc_venv() -> Path:
+    """Reuse the llm-compressor venv, or create it (it pins its own transformers)."""
+    python = LLMC_VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(LLMC_VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--index-url", "https://download.pytorch.org/whl/cpu",
+                        "torch"], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "llmcompressor==0.14.*", "gguf"], check=True)
+    return python
+
+
+def run_child(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
+    """Run cmd; return (wall seconds, peak RSS in GiB, stdout)."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        text = out.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[:3]} failed ({proc.returncode}):\n{text[-3000:]}")
+    return time.perf_counter() - t0, usage.ru_maxrss / 2**20, text
+
+
+@torch.no_grad()
+def perplexity(model, windows: torch.Tensor, batch: int = 4) -> float:
+    nll, count = 0.0, 0
+    for i in range(0, len(windows), batch):
+        ids = windows[i : i + batch]
+        logits = model(ids).logits[:, :-1].float()
+        nll += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                                       reduction="sum"))
+        count += ids[:, 1:].numel()
+    return math.exp(nll / count)
+
+
+def rtn_model(demo: Path, bits: int, group: int):
+    from geminicompress.compress.arch import arch_for, decoder_layers, get_module
+    from geminicompress.compress.grid import QuantSpec, rtn_quantize
+    from geminicompress.models.loading import load_model
+
+    model = load_model(str(demo)).model
+    spec = QuantSpec(bits, group, True)
+    with torch.no_grad():
+        for layer in decoder_layers(model):
+            for name in arch_for(model).linears:
+                lin = get_module(layer, name)
+                lin.weight.data = rtn_quantize(lin.weight.data, spec).dequantize()
+    return model
+
+
+def ours(demo: Path, out: Path, bits: int, group: int, samples: int) -> dict:
+    cmd = [sys.executable, "-m", "geminicompress", "quantize", str(demo), "-o", str(out), "--method", "gptq",
+           "--bits", str(bits), "--group-size", str(group), "--sym", "--act-order", "--static-groups",
+           "--data", str(DATA / "enwiki-sample.txt"), "--samples", str(samples), "--calib-seq-len", "512",
+           "--format", "gptq", "--device", "cpu", "--force", "--quiet"]
+    wall, rss, _ = run_child(cmd, {"OMP_NUM_THREADS": "2"})
+    report = json.loads((out / "report.json").read_text())
+    stage = report["stages"][0]
+    return {"quantize_seconds": stage["seconds"], "export_seconds": report["export"]["seconds"],
+            "process_seconds": round(wall, 1), "peak_rss_gib": round(rss, 3),
+            "layer_errors": [round(layer["err"], 4) for layer in stage["result"]["layers"]]}
+
+
+def llmc(demo: Path, ids_file: Path, out: Path, bits: int, group: int) -> dict:
+    python = ensure_llmc_venv()
+    cmd = [str(python), str(ROOT / "benchmarks" / "gptq_llmc_ref.py"), "--model", str(demo), "--ids", str(ids_file),
+           "--bits", str(bits), "--group-size", str(group), "--out", str(out)]
+    wall, rss, text = run_child(cmd, {"OMP_NUM_THREADS": "2"})
+    line = [ln for ln in text.splitlines() if ln.startswith("{")][-1]
+    return {"quantize_seconds": round(json.loads(line)["seconds"], 1), "process_seconds": round(wall, 1),
+            "peak_rss_gib": round(rss, 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="8 calibration windows, perplexity on 8 windows")
+    ap.add_argument("--samples", type=int, default=128)
+    ap.add_argument("--settings", default="w4-pc,w3-g64")
+    ap.add_argument("--skip-llmc", action="store_true")
+    ap.add_argument("--work", default=None, help="folder for checkpoints (default: a temporary one)")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+
+    from geminicompress.data.windows import calibration_windows, pack_windows, tokenize
+    from geminicompress.machine import machine, versions
+    from geminicompress.models.loading import _demo_dir, load_model
+
+    samples = 8 if args.quick else args.samples
+    demo = _demo_dir()
+    work = Path(args.work or tempfile.mkdtemp(prefix="gc-gptq-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    base = load_model(str(demo))
+    tok = base.tokenizer
+    ids = calibration_windows(tok, str(DATA / "enwiki-sample.txt"), samples, 512, seed=0)
+    ids_file = work / "calibration_ids.pt"
+    torch.save(ids, ids_file)
+    eval_windows = pack_windows(tokenize(tok, (DATA / "wikitext2-test.txt").read_text(), 16384), 512)
+    if args.quick:
+        eval_windows = eval_windows[:8]
+    fp32_bytes = sum(p.numel() * 4 for p in base.model.parameters())
+    fp32_ppl = round(perplexity(base.model, eval_windows), 3)
+    del base
+    rows: list[dict] = []
+
+    name = "gptq_bench_quick.json" if args.quick else "gptq_bench.json"
+    path = ROOT / "benchmarks" / "results" / name
+    meta = {
+        "benchmark": "gptq", "quick": args.quick, "calibration": f"{samples} x 512 tokens, enwiki-sample.txt, seed 0",
+        "perplexity": f"wikitext2-test.txt, first {eval_windows.numel()} tokens, {len(eval_windows)} x 512",
+        "fp32_model_gib": round(fp32_bytes / 2**30, 3),
+        "machine": machine(), "versions": versions(), "python": platform.python_version(), "threads": 2,
+    }
+
+    rows.append({"setting": "fp32", "method": "none", "ppl": fp32_ppl})
+
+    def record(row: dict) -> None:
+        """Print and write after every row: a long run that is cut short keeps what it measured."""
+        rows.append(row)
+        print({k: v for k, v in row.items() if k != "layer_errors"}, flush=True)
+        bars = check_bars(rows, fp32_bytes)
+        path.write_text(json.dumps({**meta, "rows": rows, "bars": bars}, indent=2) + "\n")
+
+    settings = args.settings.split(",")
+    for setting in settings:  # ours and RTN first: llm-compressor takes the longest
+        bits, group = SETTINGS[setting]
+        t0 = time.perf_counter()
+        model = rtn_model(demo, bits, group)
+        record({"setting": setting, "method": "RTN", "quantize_seconds": round(time.perf_counter() - t0, 1),
+                "ppl": round(perplexity(model, eval_windows), 3)})
+        out = work / f"ours-{setting}"
+        row = {"setting": setting, "method": "ours GPTQ", **ours(demo, out, bits, group, samples)}
+        row["ppl"] = round(perplexity(load_model(str(out)).model, eval_windows), 3)
+        record(row)
+    for setting in [] if args.skip_llmc else settings:
+        bits, group = SETTINGS[setting]
+        out = work / f"llmc-{setting}"
+        row = {"setting": setting, "method": "llm-compressor GPTQ", **llmc(demo, ids_file, out, bits, group)}
+        try:  # its pack-quantized output, read by our compressed-tensors loader
+            row["ppl"] = round(perplexity(load_model(str(out)).model, eval_windows), 3)
+        except Exception as exc:  # keep the timing; say why there is no perplexity
+            row["ppl"], row["error"] = float("nan"), f"{type(exc).__name__}: {exc}"[:300]
+        record(row)
+    print_table(rows, check_bars(rows, fp32_bytes))
+    print(f"wrote {path}")
+
+
+def check_bars(rows: list[dict], fp32_bytes: int) -> dict:
+    bars = {}
+    by = {(r["setting"], r["method"]): r for r in rows}
+    for setting in {r["setting"] for r in rows if r["setting"] != "fp32"}:
+        o, r, l = by.get((setting, "ours GPTQ")), by.get((setting, "RTN")), by.get((setting, "llm-compressor GPTQ"))
+        if not o:
+            continue
+        b = {"ppl_below_rtn": o["ppl"] < r["ppl"],
+             "peak_rss_within_fp32_plus_1gib": o["peak_rss_gib"] <= fp32_bytes / 2**30 + 1}
+        if l:
+            b["ppl_no_worse_than_llmc"] = o["ppl"] <= l["ppl"]
+            b["time_ratio_vs_llmc"] = round(o["quantize_seconds"] / l["quantize_seconds"], 3)
+            b["time_at_most_half_of_llmc"] = b["time_ratio_vs_llmc"] <= 0.5
+        bars[setting] = b
+    return bars
+
+
+def print_table(rows: list[dict], bars: dict) -> None:
+    print(f"{'setting':8} {'method':20} {'ppl':>8} {'quant s':>8} {'peak RSS GiB':>12}")
+    for r in rows:
+        q = r.get("quantize_seconds", "")
+        m = r.get("peak_rss_gib", "")
+        print(f"{r['setting']:8} {r['method']:20} {r['ppl']:8.3f} {q!s:>8} {m!s:>12}")
+    print(json.dumps(bars, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -232,3 +232,23 @@ def test_draft_model_speculative_result_goes_into_the_report(dirs, text_file):
     spec = rep["speculative"]
     assert spec["available"] is True and spec["draft"] == str(same) and spec["gen_len"] == 4
     assert spec["prompt_len"] == 8 and spec["speedup"] > 0
+
+
+def test_tasks_results_go_into_each_models_entry(dirs, text_file, monkeypatch):
+    """Our plumbing around lm-eval-harness's Python API, with a stand-in module (no hub here)."""
+    import sys
+    import types
+
+    calls = []
+    fake = types.ModuleType("lm_eval")
+    fake.simple_evaluate = lambda model, tasks: calls.append(tasks) or {
+        "results": {t: {"acc,none": 0.25, "alias": t} for t in tasks}}
+    models = types.ModuleType("lm_eval.models")
+    hf = types.ModuleType("lm_eval.models.huggingface")
+    hf.HFLM = lambda pretrained, tokenizer, batch_size, device: ("lm", pretrained)
+    for name, mod in {"lm_eval": fake, "lm_eval.models": models, "lm_eval.models.huggingface": hf}.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    opts = EvalStage(**{**FAST, "latency": False, "tasks": ["arc_easy"]})
+    rep = evaluate([str(dirs[1])], str(dirs[0]), str(text_file), None, opts)
+    assert calls == [["arc_easy"], ["arc_easy"]]
+    assert all(m["tasks"] == {"arc_easy": {"acc,none": 0.25}} for m in rep["models"])

@@ -83,6 +83,11 @@ def markdown_report(report: dict) -> str:
             lines.append(f"- **{m['name']}**: {summary_line(report, m)}")
         for note in m.get("notes", []):
             lines.append(f"- {m['name']}: {note}")
+    tasks = [(m["name"], m["tasks"]) for m in report["models"] if m.get("tasks")]
+    if tasks:
+        lines += ["", "## Downstream tasks (lm-eval-harness)", ""]
+        lines += [f"- {name}: " + "; ".join(f"{task} " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+                                            for task, metrics in scores.items()) for name, scores in tasks]
     spec = report.get("speculative")
     if spec:
         lines += ["", "## Speculative decoding", "", "```", *(f"{k}: {v}" for k, v in spec.items()), "```"]

@@ -43,5 +43,32 @@ def prune(
              "ignore": ignore or None, "format": format}
     stage = {"type": "prune", **{k: v for k, v in given.items() if v is not None}}
     cal = c.calibration_options(data, text_column, samples, calib_seq_len)
-    c.run_single_stage(model, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed, quiet,
-                       source="prune options")
+    report = c.run_single_stage(model, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed,
+                                quiet, source="prune options")
+    if not quiet:
+        c.out_console.print(sparsity_table(report["stages"][0]["result"]))
+
+
+def sparsity_table(summary: dict):
+    """Per-layer sparsity: one row per decoder layer, one column per linear (from report.json's rows)."""
+    from rich.table import Table
+
+    rows = summary["layers"]
+    linears = list(dict.fromkeys(r["linear"] for r in rows))
+    table = Table(title=f"{summary['method']} ({summary['pattern'] or summary['scope']}): "
+                        f"{summary['achieved_sparsity']:.2%} of {summary['prunable_params']:,} weights pruned")
+    table.add_column("layer", justify="right")
+    for linear in linears:
+        table.add_column(linear.rsplit(".", 1)[-1], justify="right")
+    table.add_column("all", justify="right", style="bold")
+    for layer in dict.fromkeys(r["layer"] for r in rows):
+        mine = {r["linear"]: r for r in rows if r["layer"] == layer}
+        cells = [_cell(mine[n]["sparsity"]) if n in mine else "-" for n in linears]
+        overall = sum(r["zeros"] for r in mine.values()) / sum(r["params"] for r in mine.values())
+        table.add_row(str(layer), *cells, f"{overall:.1%}")
+    return table
+
+
+def _cell(sparsity: float) -> str:
+    text = f"{sparsity:.1%}"
+    return f"[red]{text}[/]" if sparsity > 0.9 else text

@@ -118,6 +118,11 @@ class PruneStage(_StageBase):
             if "scope" in self.model_fields_set:
                 raise ValueError("an N:M pattern is per group of M weights; it cannot use scope 'global'")
             object.__setattr__(self, "scope", "layer")
+        if self.pattern and "sparsity" in self.model_fields_set:
+            n, m = (int(v) for v in self.pattern.split(":"))
+            if abs(self.sparsity - n / m) > 1e-9:
+                raise ValueError(f"pattern {self.pattern} prunes exactly {n}/{m} = {n / m:g} of the weights; "
+                                 f"leave out sparsity (got {self.sparsity})")
         return self
 
 

@@ -1,0 +1,200 @@
+"""Pruning benchmark: global vs layer magnitude vs Wanda vs SparseGPT (and 2:4 of each) vs llm-compressor.
+
+Protocol (the project's one benchmark protocol): SmolLM2-135M demo; calibration windows of 512 tokens
+drawn with seed 0 from ../shared/data/enwiki-sample.txt, the same token ids for every calibrated method
+(llm-compressor gets them as a file); perplexity on the first 16,384 tokens of
+../shared/data/wikitext2-test.txt in 32 windows of 512. Prunable weights: every linear of the decoder
+blocks (lm_head and embeddings stay dense). Our rows run the real `prune` stage in-process on a fresh
+copy of the model; llm-compressor's SparseGPTModifier (block 128, dampening 0.01) runs in its own venv
+(prune_llmc_ref.py) and its dense output is evaluated with the same perplexity code.
+Also: the time of global magnitude pruning of the demo model (threshold + masks + zeroing), median of 3.
+
+  flock /tmp/gc-bench.lock python benchmarks/prune_bench.py            # 32 calibration windows, ppl on 32
+  flock /tmp/gc-bench.lock python benchmarks/prune_bench.py --windows 8 --eval-windows 16   # what fit here
+  flock /tmp/gc-bench.lock python benchmarks/prune_bench.py --quick    # 2 windows, ppl on 4 windows
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+LLMC_VENV = Path(os.environ.get("GC_LLMC_VENV", "/work/venvs/llmc"))
+# (method, scope, sparsity, pattern), most important first: a run cut short still answers the bars.
+LLMC = ("llm-compressor sparsegpt", "layer", 0.5, None)
+CONFIGS = [("magnitude", "global", 0.4, None), ("magnitude", "global", 0.5, None),
+           ("magnitude", "layer", 0.4, None), ("magnitude", "layer", 0.5, None),
+           ("sparsegpt", "layer", 0.5, None), LLMC, ("wanda", "layer", 0.5, None),
+           ("sparsegpt", "layer", 0.5, "2:4"), ("wanda", "layer", 0.5, "2:4"), ("magnitude", "layer", 0.5, "2:4"),
+           ("wanda", "layer", 0.4, None), ("sparsegpt", "layer", 0.4, None)]
+
+def ensure_llmc_venv() -> Path:
+    """Reuse the llm-compressor venv, or create it (it pins its own transformers)."""
+    python = LLMC_VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(LLMC_VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--index-url", "https://download.pytorch.org/whl/cpu",
+                        "torch"], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "llmcompressor==0.14.*", "gguf"], check=True)
+    return python
+
+
+@torch.no_grad()
+def perplexity(model, windows: torch.Tensor, batch: int = 4) -> float:
+    nll, count = 0.0, 0
+    for i in range(0, len(windows), batch):
+        ids = windows[i : i + batch]
+        logits = model(ids).logits[:, :-1].float()
+        nll += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                                       reduction="sum"))
+        count += ids[:, 1:].numel()
+    return math.exp(nll / count)
+
+
+def prune_in_process(demo: Path, calib: torch.Tensor, method: str, scope: str, sparsity: float,
+                     pattern: str | None, work: Path) -> tuple[object, dict]:
+    """Fresh demo model through the real prune stage (no export); returns (model, stage summary)."""
+    from geminicompress.compress.prune.stage import run
+    from geminicompress.models.loading import load_model
+    from geminicompress.pipeline import StageContext
+    from geminicompress.progress import NullProgress
+    from geminicompress.recipes.schema import PruneStage, Recipe
+
+    loaded = load_model(str(demo))
+    stage = {"type": "prune", "method": method, "scope": scope}
+    stage.update({"pattern": pattern} if pattern else {"sparsity": sparsity})
+    data = str(DATA / "enwiki-sample.txt")
+    recipe = Recipe(model=str(demo), calibration={"data": data, "samples": calib.shape[0], "seq_len": calib.shape[1]},
+                    stages=[stage])
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    ctx = StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, NullProgress(), torch.device("cpu"),
+                       work, None)
+    ctx._calibration[(data, calib.shape[0], calib.shape[1], recipe.seed)] = calib  # same ids for every row
+    summary = run(PruneStage(**stage), ctx)
+    shutil.rmtree(work, ignore_errors=True)
+    return loaded.model, summary
+
+
+def run_llmc(demo: Path, ids_file: Path, out: Path, sparsity: float) -> dict:
+    python = ensure_llmc_venv()
+    t0 = time.perf_counter()
+    proc = subprocess.run([str(python), str(ROOT / "benchmarks" / "prune_llmc_ref.py"), "--model", str(demo),
+                           "--ids", str(ids_file), "--sparsity", str(sparsity), "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llm-compressor failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    info["wall_seconds"] = time.perf_counter() - t0
+    return info
+
+
+def llmc_row(demo: Path, calib: torch.Tensor, eval_ids: torch.Tensor, work: Path, sparsity: float) -> dict:
+    from geminicompress.models.loading import load_model
+
+    ids_file = work / "ids.pt"
+    torch.save(calib, ids_file)
+    out = work / "llmc-sgpt"
+    info = run_llmc(demo, ids_file, out, sparsity)
+    ppl = perplexity(load_model(str(out)).model, eval_ids)
+    shutil.rmtree(out, ignore_errors=True)
+    return {"tool": "llm-compressor", "method": "sparsegpt", "scope": "layer", "pattern": None, "requested": sparsity,
+            "achieved": info["sparsity"], "ppl": ppl, "prune_seconds": info["seconds"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="2 calibration windows, perplexity on 4 windows")
+    ap.add_argument("--windows", type=int, default=32, help="calibration windows of 512 tokens")
+    ap.add_argument("--eval-windows", type=int, default=32, help="perplexity windows of 512 tokens")
+    ap.add_argument("--no-ref", action="store_true", help="skip llm-compressor")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+
+    from geminicompress.data.windows import calibration_windows, pack_windows, tokenize
+    from geminicompress.machine import machine, versions
+    from geminicompress.models.loading import _demo_dir, load_model
+
+    demo = _demo_dir()
+    n_cal, n_eval = (2, 4) if args.quick else (args.windows, args.eval_windows)
+    tok = load_model(str(demo)).tokenizer
+    eval_ids = pack_windows(tokenize(tok, (DATA / "wikitext2-test.txt").read_text(), 16384), 512, n_eval)
+    calib = calibration_windows(tok, str(DATA / "enwiki-sample.txt"), n_cal, 512, 0)
+    name = "prune_bench_quick" if args.quick else "prune_bench"
+    result_path = ROOT / "benchmarks" / "results" / f"{name}.json"
+    results: dict = {"protocol": {"calibration_windows": n_cal, "seq_len": 512, "eval_windows": n_eval,
+                                  "eval_tokens": int(eval_ids.numel())},
+                     "machine": machine(), "versions": versions(), "rows": []}
+
+    def save() -> None:
+        result_path.write_text(json.dumps(results, indent=2) + "\n")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    t0 = time.perf_counter()
+    results["dense_ppl"] = perplexity(load_model(str(demo)).model, eval_ids)
+    log(f"dense ppl {results['dense_ppl']:.2f} ({time.perf_counter() - t0:.0f} s)")
+    save()
+    work = Path(tempfile.mkdtemp(prefix="prune-bench-"))
+    for method, scope, sparsity, pattern in CONFIGS:
+        t0 = time.perf_counter()
+        if method.startswith("llm-compressor"):
+            if not args.no_ref:
+                try:
+                    results["rows"].append(llmc_row(demo, calib, eval_ids, work, sparsity))
+                except RuntimeError as exc:  # recorded, not hidden: the table says the reference failed
+                    results["llmc_error"] = str(exc)[-2000:]
+                    save()
+                    log(f"llm-compressor failed: {str(exc)[-500:]}")
+                    continue
+                save()
+                log(f"llm-compressor sparsegpt {sparsity:.2f} -> {results['rows'][-1]['achieved']:.4f}  "
+                    f"ppl {results['rows'][-1]['ppl']:8.2f}  ({time.perf_counter() - t0:.0f} s)")
+            continue
+        model, summary = prune_in_process(demo, calib, method, scope, sparsity, pattern, work / "out")
+        ppl = perplexity(model, eval_ids)
+        row = {"tool": "geminicompress", "method": method, "scope": scope, "pattern": pattern,
+               "requested": summary["requested_sparsity"], "achieved": summary["achieved_sparsity"],
+               "ppl": ppl, "prune_seconds": summary["prune_seconds"],
+               "max_layer_sparsity": max(r["sparsity"] for r in summary["layers"]),
+               "min_layer_sparsity": min(r["sparsity"] for r in summary["layers"])}
+        if (method, scope, sparsity, pattern) == ("magnitude", "global", 0.4, None):
+            timings = [summary["prune_seconds"]]
+            for _ in range(2):
+                timings.append(prune_in_process(demo, calib, method, scope, sparsity, pattern, work / "out")[1]["prune_seconds"])
+            results["global_magnitude_40_seconds"] = {"median": statistics.median(timings), "runs": timings}
+            log(f"global magnitude 40% timing: {timings}")
+        results["rows"].append(row)
+        save()
+        log(f"{method:9s} {pattern or scope:6s} {row['requested']:.2f} -> {row['achieved']:.4f}  ppl {ppl:8.2f}  "
+            f"prune {row['prune_seconds']:.1f} s  ({time.perf_counter() - t0:.0f} s)")
+        del model
+    shutil.rmtree(work, ignore_errors=True)
+    print_table(results)
+
+
+def print_table(results: dict) -> None:
+    print(f"\n| tool | method | scope / pattern | sparsity (achieved) | wikitext2 ppl | prune time (s) |")
+    print("|---|---|---|---|---|---|")
+    print(f"| - | dense | - | 0 | {results['dense_ppl']:.2f} | - |")
+    for r in results["rows"]:
+        print(f"| {r['tool']} | {r['method']} | {r['pattern'] or r['scope']} | {r['requested']:.0%} ({r['achieved']:.4f}) "
+              f"| {r['ppl']:.2f} | {r['prune_seconds']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

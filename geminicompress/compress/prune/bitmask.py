@@ -1,0 +1,105 @@
+"""The compressed-tensors sparse-bitmask layouts, so that a pruned checkpoint shrinks with its sparsity.
+
+For a weight `<module>.weight` (out, in) with keep-mask K, the file holds instead (compressed-tensors'
+BitmaskCompressor / Sparse24BitMaskCompressor layout, keys without the `.weight` suffix):
+- `<module>.compressed`: the kept values in row-major order; 1-D for `sparse-bitmask`,
+  (out, in/2) for `sparse-24-bitmask` (exactly 2 kept of every 4);
+- `<module>.bitmask`: K packed 8 columns per uint8 along each row, little bit order: (out, ceil(in/8));
+- `<module>.shape`: the dense shape, int64 (2, 1);
+- `<module>.row_offsets` (`sparse-bitmask` only): index into `compressed` of each row's first value, (out,).
+config.json -> quantization_config = {quant_method: compressed-tensors, sparsity_config: {format, ...}}.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+SUFFIXES = ("compressed", "bitmask", "shape", "row_offsets")
+_BITS = 1 << torch.arange(8, dtype=torch.int32)  # little bit order: column 8j+b -> bit b of byte j
+
+
+def pack_bits(keep: Tensor) -> Tensor:
+    """(rows, cols) bool -> (rows, ceil(cols/8)) uint8."""
+    rows, cols = keep.shape
+    padded = torch.zeros(rows, -(-cols // 8) * 8, dtype=torch.int32)
+    padded[:, :cols] = keep.to(torch.int32)
+    return (padded.view(rows, -1, 8) * _BITS).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed: Tensor, cols: int) -> Tensor:
+    """(rows, ceil(cols/8)) uint8 -> (rows, cols) bool."""
+    bits = (packed.to(torch.int32).unsqueeze(-1) & _BITS) != 0  # (rows, bytes, 8)
+    return bits.flatten(1)[:, :cols]
+
+
+def compress(weight: Tensor, keep: Tensor, two_four: bool) -> dict[str, Tensor]:
+    """The layout's tensors for one weight (suffix -> tensor). `keep`: (out, in) bool, True = stored."""
+    rows, cols = weight.shape
+    values = weight[keep]  # (nnz,), row-major
+    out = {"compressed": values.reshape(rows, cols // 2) if two_four else values,
+           "bitmask": pack_bits(keep), "shape": torch.tensor([rows, cols], dtype=torch.int64).reshape(-1, 1)}
+    if not two_four:
+        counts = keep.sum(1)
+        out["row_offsets"] = counts.cumsum(0) - counts
+    return out
+
+
+def decompress(parts: dict[str, Tensor]) -> Tensor:
+    """Dense weight from one module's layout tensors (either layout)."""
+    rows, cols = (int(v) for v in parts["shape"].flatten())
+    keep = unpack_bits(parts["bitmask"], cols)
+    values = parts["compressed"].flatten()
+    dense = torch.zeros(rows, cols, dtype=values.dtype)
+    dense[keep] = values
+    return dense
+
+
+def sparsity_config(fmt: str, structure: str, global_sparsity: float, ignore: list[str]) -> dict[str, Any]:
+    return {"format": fmt, "global_sparsity": round(global_sparsity, 6), "sparsity_structure": structure,
+            "targets": ["Linear"], "ignore": ignore}
+
+
+def bitmask_exporter(dtype: str, masks: dict[str, Tensor], structure: str,
+                     global_sparsity: float) -> Callable[[Any, Any, Path], dict]:
+    """Exporter writing `masks`' weights (param name -> keep-mask) in a sparse-bitmask layout; the rest dense."""
+    two_four = structure == "2:4"
+    fmt = "sparse-24-bitmask" if two_four else "sparse-bitmask"
+
+    def export(model: Any, tokenizer: Any, out: Path) -> dict:
+        model = model.to(getattr(torch, dtype))
+        tensors: dict[str, Tensor] = {}
+        seen: set[int] = set()
+        for name, tensor in model.state_dict().items():
+            if tensor.data_ptr() in seen and tensor.numel():  # tied weights are stored once
+                continue
+            seen.add(tensor.data_ptr())
+            tensor = tensor.detach().cpu().contiguous()
+            if name in masks:
+                keep = masks[name].cpu() & (tensor != 0) if not two_four else masks[name].cpu()
+                parts = compress(tensor, keep, two_four)
+                tensors.update({f"{name.removesuffix('.weight')}.{k}": v for k, v in parts.items()})
+            else:
+                tensors[name] = tensor
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        model.config.save_pretrained(out)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        ignore = [n for n in linears if f"{n}.weight" not in masks]
+        config = json.loads((out / "config.json").read_text())
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": fmt,
+            "sparsity_config": sparsity_config(fmt, structure, global_sparsity, ignore),
+        }
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return {"format": f"compressed-tensors:{fmt}", "dtype": dtype, "sparsity_structure": structure}
+
+    return export

@@ -1,0 +1,176 @@
+"""The `prune` stage: choose the prunable weights, compute keep-masks with the chosen method, zero the rest.
+
+Prunable weights: the linears of the decoder blocks (`arch.linears` under `arch.layers`), minus the
+modules matching an `ignore` regex. Methods:
+- magnitude, scope global: one |w| threshold over all of them (`threshold.py`, streamed, exact count);
+- magnitude, scope layer: the same sparsity in every linear;
+- wanda / sparsegpt: layer by layer over calibration windows (`layerwise.run_layerwise`), each decoder
+  layer seeing the outputs of the already-pruned layers before it.
+Any method with an N:M pattern prunes N of every M input columns.
+
+Artifacts: `ctx.masks` (param name -> bool keep-mask) for a following distill stage, the same masks in
+OUT/prune_masks.safetensors, OUT/prune_sparsity.png, and the per-layer table in the returned summary.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Any
+
+import torch
+import torch.nn as nn
+from safetensors.torch import save_file
+
+from geminicompress.compress.arch import Arch, arch_for, get_module
+from geminicompress.compress.hessian import HessianAccumulator
+from geminicompress.compress.layerwise import LayerJob, run_layerwise
+from geminicompress.compress.prune import report
+from geminicompress.compress.prune.bitmask import bitmask_exporter
+from geminicompress.compress.prune.load import MASKS_FILE
+from geminicompress.compress.prune.masks import Pattern, parse_pattern, pattern_mask
+from geminicompress.compress.prune.sparsegpt import sparsegpt_prune
+from geminicompress.compress.prune.threshold import global_threshold, prune_mask
+from geminicompress.compress.prune.wanda import InputNorms, wanda_mask
+from geminicompress.errors import InputError
+from geminicompress.recipes.schema import PruneStage
+
+HISTOGRAM_FILE = "prune_sparsity.png"
+
+
+def prunable_weights(model: nn.Module, arch: Arch, ignore: list[str], check_ignore: bool) -> dict[str, nn.Linear]:
+    """Param name ("model.layers.0.mlp.up_proj.weight") -> its linear, in model order, minus `ignore`."""
+    try:
+        patterns = [re.compile(p) for p in ignore]
+    except re.error as exc:
+        raise InputError(f"ignore pattern '{exc.pattern}' is not a regular expression: {exc}") from exc
+    if check_ignore:
+        names = [n for n, _ in model.named_modules()]
+        for p in patterns:
+            if not any(p.search(n) for n in names):
+                raise InputError(f"ignore pattern '{p.pattern}' matches no module of the model "
+                                 f"(module names look like '{names[-2] if len(names) > 1 else names[0]}')")
+    layers = get_module(model, arch.layers)
+    out: dict[str, nn.Linear] = {}
+    for i in range(len(layers)):
+        for linear in arch.linears:
+            name = f"{arch.layers}.{i}.{linear}"
+            if not any(p.search(name) for p in patterns):
+                out[f"{name}.weight"] = get_module(model, name)
+    if not out:
+        raise InputError("the ignore patterns exclude every decoder linear layer: nothing left to prune")
+    return out
+
+
+def _check_pattern(targets: dict[str, nn.Linear], pattern: Pattern | None, block_size: int) -> None:
+    if pattern is None:
+        return
+    n, m = pattern
+    for name, lin in targets.items():
+        if lin.in_features % m:
+            raise InputError(f"{name} has {lin.in_features} input columns, not a multiple of M={m} in pattern {n}:{m}")
+    if block_size % m:
+        raise InputError(f"block_size {block_size} must be a multiple of M={m} so that N:M groups do not straddle blocks")
+
+
+@torch.no_grad()
+def magnitude_global(weights: list[torch.Tensor], sparsity: float) -> tuple[list[torch.Tensor], float]:
+    """Keep-masks from one |w| threshold over all `weights` (exactly round(sparsity · total) pruned)."""
+    k = round(sparsity * sum(w.numel() for w in weights))
+    th = global_threshold(weights, k)
+    return [~prune_mask(w, th.value, n) for w, n in zip(weights, th.ties)], th.value
+
+
+@torch.no_grad()
+def _magnitude(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern | None) -> tuple[dict, dict]:
+    weights = [lin.weight for lin in targets.values()]
+    if cfg.scope == "global":
+        keeps, value = magnitude_global(weights, cfg.sparsity)
+        extra = {"threshold": value if math.isfinite(value) else None}
+    else:
+        keeps = [pattern_mask(w.detach().abs().float(), cfg.sparsity, pattern, per_row=False) for w in weights]
+        extra = {}
+    return dict(zip(targets, keeps)), extra
+
+
+def _layer_fn(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern | None):
+    """The per-decoder-layer step of Wanda / SparseGPT for `run_layerwise`."""
+
+    @torch.no_grad()
+    def process(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        names = [n for n in job.arch.linears if f"{job.arch.layers}.{job.index}.{n}.weight" in targets]
+        linears = {n: job.module(n) for n in names}
+        if cfg.method == "wanda":
+            stats = {n: InputNorms(lin.in_features, job.device) for n, lin in linears.items()}
+        else:
+            stats = {n: HessianAccumulator(lin.in_features, job.device) for n, lin in linears.items()}
+        job.forward({lin: (lambda x, y, acc=stats[n]: acc.add_batch(x)) for n, lin in linears.items()})
+        kept: dict[str, torch.Tensor] = {}
+        zeros = total = 0
+        for n, lin in linears.items():
+            W = lin.weight
+            if cfg.method == "wanda":
+                keep = wanda_mask(W, stats[n].norms(), cfg.sparsity, pattern)
+                W.masked_fill_(~keep, 0.0)
+            else:
+                new, keep = sparsegpt_prune(W, stats[n].H, cfg.sparsity, pattern, cfg.block_size, cfg.damp)
+                W.copy_(new)
+            stats[n] = None  # free the Hessian before the next linear's solve
+            kept[f"{n}.keep"] = keep.cpu()
+            zeros += int((W == 0).sum())
+            total += W.numel()
+        return {"sparsity": zeros / max(1, total)}, kept
+
+    return process
+
+
+def _calibrated(cfg: PruneStage, ctx: Any, arch: Arch, targets: dict[str, nn.Linear],
+                pattern: Pattern | None) -> tuple[dict, dict]:
+    windows = ctx.calibration(cfg.data)
+    _, kept = run_layerwise(ctx.model, windows, _layer_fn(cfg, targets, pattern), device=ctx.device,
+                            progress=ctx.progress, state_dir=ctx.state_dir, description=f"{cfg.method} layers")
+    masks = {f"{arch.layers}.{k.removesuffix('.keep')}.weight": v.bool() for k, v in kept.items()}
+    return {name: masks[name] for name in targets}, {"calibration_windows": int(windows.shape[0]),
+                                                     "calibration_seq_len": int(windows.shape[1])}
+
+
+def run(cfg: PruneStage, ctx: Any) -> dict[str, Any]:
+    """Prune `ctx.model` in place; set `ctx.masks`; write the masks file and the histogram into OUT."""
+    t0 = time.perf_counter()
+    arch = arch_for(ctx.model)
+    targets = prunable_weights(ctx.model, arch, cfg.ignore, check_ignore="ignore" in cfg.model_fields_set)
+    pattern = parse_pattern(cfg.pattern)
+    _check_pattern(targets, pattern, cfg.block_size)
+    if cfg.method == "magnitude":
+        keeps, extra = _magnitude(cfg, targets, pattern)
+        with torch.no_grad():
+            for name, lin in targets.items():
+                lin.weight.masked_fill_(~keeps[name].to(lin.weight.device), 0.0)
+    else:
+        keeps, extra = _calibrated(cfg, ctx, arch, targets, pattern)
+    seconds = time.perf_counter() - t0
+
+    ctx.masks = {name: keep.cpu() for name, keep in keeps.items()}
+    save_file(ctx.masks, str(ctx.out_dir / MASKS_FILE))
+    rows = report.layer_rows({name: lin.weight.detach() for name, lin in targets.items()}, arch.layers)
+    achieved = report.overall(rows)
+    requested = pattern[0] / pattern[1] if pattern else cfg.sparsity
+    title = f"{cfg.method} {cfg.pattern or cfg.scope}: {achieved:.2%} of {sum(r['params'] for r in rows):,} weights"
+    report.write_histogram(rows, ctx.out_dir / HISTOGRAM_FILE, title)
+    high = [r for r in rows if r["sparsity"] > report.HIGH]
+    if cfg.scope == "global":
+        for r in high:
+            ctx.progress.warn(f"{r['name']} lost {r['sparsity']:.1%} of its weights under the global threshold")
+    ctx.progress.info(f"pruned {achieved:.2%} of {len(rows)} linear layers' weights ({cfg.method}, {cfg.pattern or cfg.scope})")
+    if cfg.format == "compressed-tensors":
+        structure = cfg.pattern or "unstructured"
+        ctx.exporter = bitmask_exporter(ctx.recipe.output.dtype, ctx.masks, structure, achieved)
+    return {
+        "method": cfg.method, "scope": cfg.scope, "pattern": cfg.pattern,
+        "requested_sparsity": requested, "achieved_sparsity": round(achieved, 6),
+        "prunable_params": sum(r["params"] for r in rows), "pruned_params": sum(r["zeros"] for r in rows),
+        "prune_seconds": round(seconds, 3), **extra,
+        "layers_over_90pct": [r["name"] for r in high],
+        "masks_file": MASKS_FILE, "histogram_file": HISTOGRAM_FILE, "layers": rows,
+    }

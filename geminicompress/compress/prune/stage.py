@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 import re
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -94,29 +95,45 @@ def _magnitude(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern 
     return dict(zip(targets, keeps)), extra
 
 
+@contextmanager
+def _solver_threads(device: torch.device) -> Iterator[None]:
+    """One CPU thread for the SparseGPT column loop (thousands of small vector ops, where more threads
+    only add synchronisation; the GPTQ stage measured 0.25 s vs 6 s per weight). GPUs are unaffected."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _layer_fn(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern | None):
     """The per-decoder-layer step of Wanda / SparseGPT for `run_layerwise`."""
 
     @torch.no_grad()
     def process(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        names = [n for n in job.arch.linears if f"{job.arch.layers}.{job.index}.{n}.weight" in targets]
-        linears = {n: job.module(n) for n in names}
-        if cfg.method == "wanda":
-            stats = {n: InputNorms(lin.in_features, job.device) for n, lin in linears.items()}
-        else:
-            stats = {n: HessianAccumulator(lin.in_features, job.device) for n, lin in linears.items()}
-        job.forward({lin: (lambda x, y, acc=stats[n]: acc.add_batch(x)) for n, lin in linears.items()})
+        prefix = f"{job.arch.layers}.{job.index}"
+        # linears of one `sequential` group read the same input: one statistic per group
+        groups = [[n for n in g if f"{prefix}.{n}.weight" in targets] for g in job.arch.sequential]
+        groups = [g for g in groups if g]
+        stats: dict[str, Any] = {}
+        for g in groups:
+            columns = job.module(g[0]).in_features
+            stat = InputNorms(columns, job.device) if cfg.method == "wanda" else HessianAccumulator(columns, job.device)
+            stats.update({n: stat for n in g})
+        job.forward({job.module(g[0]): (lambda x, y, acc=stats[g[0]]: acc.add_batch(x)) for g in groups})
         kept: dict[str, torch.Tensor] = {}
         zeros = total = 0
-        for n, lin in linears.items():
-            W = lin.weight
+        for n in (n for g in groups for n in g):
+            W = job.module(n).weight
             if cfg.method == "wanda":
                 keep = wanda_mask(W, stats[n].norms(), cfg.sparsity, pattern)
                 W.masked_fill_(~keep, 0.0)
             else:
-                new, keep = sparsegpt_prune(W, stats[n].H, cfg.sparsity, pattern, cfg.block_size, cfg.damp)
+                with _solver_threads(job.device):
+                    new, keep = sparsegpt_prune(W, stats[n].H, cfg.sparsity, pattern, cfg.block_size, cfg.damp)
                 W.copy_(new)
-            stats[n] = None  # free the Hessian before the next linear's solve
             kept[f"{n}.keep"] = keep.cpu()
             zeros += int((W == 0).sum())
             total += W.numel()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -29,14 +29,18 @@ from geminicompress.compress.layerwise import LayerJob, layer_output, run_layerw
 from geminicompress.compress.packing.export import check_exportable, export_quantized, scale_dtype
 from geminicompress.errors import GeminiError, InputError
 
-KEPT = ("q", "scales", "zeros", "g_idx")
+if TYPE_CHECKING:
+    from geminicompress.pipeline import StageContext
+    from geminicompress.recipes.schema import GPTQStage
 
 
 class _Stop(Exception):
     """Raised by a hook once every observed linear has run: the rest of the layer is not needed."""
 
 
-def run(cfg, ctx) -> dict[str, Any]:
+def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
+    """Quantize ctx.model in place (fake-quantized weights), set the exporter for cfg.format, and
+    return the summary for report.json (per-layer GPTQ losses included). Bad input fails before work."""
     model = ctx.model
     arch = arch_for(model)
     spec = QuantSpec(cfg.bits, cfg.group_size, cfg.sym)
@@ -79,7 +83,7 @@ def quantizable(model: nn.Module, arch: Arch, ignore: list[str]) -> list[str]:
     return [n for n in names if isinstance(get_module(model, n), nn.Linear) and not any(p.search(n) for p in patterns)]
 
 
-def _quantize_layer(job: LayerJob, *, cfg, spec: QuantSpec, scales_as: torch.dtype,
+def _quantize_layer(job: LayerJob, *, cfg: GPTQStage, spec: QuantSpec, scales_as: torch.dtype,
                     targets: set[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Quantize the linears of one decoder layer in place; return ({err, modules}, kept tensors)."""
     groups = [[n for n in group if f"{job.index}.{n}" in targets] for group in job.arch.sequential]

@@ -43,6 +43,12 @@ class Int8Stage(_StageBase):
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="module name patterns to keep in float")
     format: Literal["compressed-tensors"] = "compressed-tensors"
 
+    @model_validator(mode="after")
+    def _smoothquant_needs_w8a8(self) -> "Int8Stage":
+        if self.smoothquant_alpha is not None and self.method != "w8a8":
+            raise ValueError("smoothquant_alpha applies to method w8a8 only (int8 keeps activations in float)")
+        return self
+
 
 class GPTQStage(_StageBase):
     """GPTQ (Frantar et al., 2022): Hessian-aware rounding, layer by layer."""

@@ -1,0 +1,188 @@
+"""INT8 linear modules that replace `nn.Linear`: weight-only (W8A16) and weights+activations (W8A8).
+
+Both hold exactly what goes on disk, as buffers named like compressed-tensors' `int-quantized` layout:
+`weight` int8 (out, in) and `weight_scale` float32 (out, 1) (plus `bias` when the linear had one),
+so `state_dict()` is the checkpoint and `load_state_dict()` reads it back.
+
+W8A8 runs on PyTorch's fbgemm dynamic quantized linear (`torch.ops.quantized.linear_dynamic`): INT8 x INT8
+products with INT32 accumulation (AVX-512 VNNI where the CPU has it). That kernel quantizes its input
+with one (asymmetric, uint8) range per call. We make the range per token: each row of X is mapped onto
+[-1, 1] first (x = h·x̂ + m with m, h the row's mid-point and half-range) and the output is mapped back
+(y = h·(x̂ Ŵ^T) + m·Σ_j Ŵ_ij). Each token therefore uses all 256 levels between its own min and max:
+at least as fine as the symmetric per-token grid that `strategy: token` in the checkpoint asks for
+(which is what vLLM's kernels use when serving the same file). Where fbgemm is unavailable
+(a GPU tensor, a torch without quantized ops) a reference path computes the same quantities with
+float matmuls on fake-quantized tensors.
+
+W8A16 keeps activations in float; the int8 codes go through fbgemm's fp16-weight GEMM (exact for
+integers up to 2048) and the per-row scale is applied to the (tokens, out) result rather than to the
+(out, in) weight.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from geminicompress.compress.int8.quant import dequantize, fake_quantize_tokens, quantize_weight
+
+
+class _Int8Base(nn.Module):
+    """int8 `weight` (out, in) + float32 `weight_scale` (out, 1) + optional float `bias`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("weight_scale", torch.ones(out_features, 1, dtype=torch.float32))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "_Int8Base":
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype)
+        q, scale = quantize_weight(linear.weight.data)
+        module.weight.copy_(q)
+        module.weight_scale.copy_(scale)
+        if linear.bias is not None:
+            module.bias.copy_(linear.bias.data)
+        return module.to(linear.weight.device)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.weight, self.weight_scale, dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8WeightOnlyLinear(_Int8Base):
+    """W8A16: y = (x @ q^T) * scale^T + b with float activations.
+
+    On CPU the int8 codes are packed once into fbgemm's fp16 GEMM (`linear_dynamic_fp16`): integers in
+    [-127, 127] are exact in fp16, the kernel widens them to fp32 in registers and keeps x in fp32, so
+    the result equals the float matmul with the dequantized weight while streaming 2 bytes per weight
+    instead of 4. Elsewhere the codes are converted to x's dtype per call."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        self._packed = None
+
+    @property
+    def kernel(self) -> str:
+        return "fbgemm-fp16-codes" if fbgemm_available() else "dequant-matmul"
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        self._packed = None
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        self._packed = None
+        return super()._apply(fn, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and fbgemm_available():
+            if self._packed is None:
+                self._packed = torch.ops.quantized.linear_prepack_fp16(self.weight.float(), None)
+            y = torch.ops.quantized.linear_dynamic_fp16(x.float(), self._packed).to(x.dtype)  # (..., out)
+        else:
+            y = F.linear(x, self.weight.to(x.dtype))
+        y = y * self.weight_scale.view(-1).to(x.dtype)
+        return y + self.bias if self.bias is not None else y
+
+
+class W8A8Linear(_Int8Base):
+    """W8A8: int8 per-channel weights, int8 per-token dynamic activations, INT8 GEMM on CPU (fbgemm)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        self._packed = None  # fbgemm packed weight, built from the buffers on first use
+
+    @property
+    def kernel(self) -> str:
+        return "fbgemm-dynamic" if fbgemm_available() else "reference"
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        self._packed = None  # new codes: repack on next call
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        self._packed = None
+        return super()._apply(fn, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or not fbgemm_available():
+            return self.reference_forward(x)
+        if self._packed is None:
+            self._packed = pack_weight(self.weight, self.weight_scale)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float()  # (tokens, in)
+        if x2.shape[0] == 1:  # one token: the kernel's per-tensor range is already this token's range
+            y = torch.ops.quantized.linear_dynamic(x2, self._packed, _reduce_range())
+        else:  # map every token onto [-1, 1] so the kernel's one range is each token's own range
+            lo, hi = x2.aminmax(dim=1, keepdim=True)  # (tokens, 1)
+            mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-12)
+            y = torch.ops.quantized.linear_dynamic((x2 - mid) / half, self._packed, _reduce_range())
+            y = torch.addcmul(mid * self._row_sums(), y, half)  # x = half·x̂ + mid: y = half·(x̂ W^T) + mid·ΣW
+        y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        return y + self.bias if self.bias is not None else y
+
+    def _row_sums(self) -> torch.Tensor:
+        """Σ_j Ŵ_ij of the dequantized weight, (1, out); cached with the packed weight."""
+        if getattr(self, "_sums", None) is None or self._sums_of is not self._packed:
+            self._sums = self.dequantized_weight().sum(dim=1).unsqueeze(0)
+            self._sums_of = self._packed
+        return self._sums
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The same math with float matmuls: fake-quantized tokens times the dequantized weight."""
+        y = F.linear(fake_quantize_tokens(x.float()), self.dequantized_weight(torch.float32)).to(x.dtype)
+        return y + self.bias if self.bias is not None else y
+
+
+# --------------------------------------------------------------------------- fbgemm plumbing
+
+
+@functools.lru_cache(maxsize=1)
+def fbgemm_available() -> bool:
+    """True when this torch has the quantized CPU ops and an x86/fbgemm engine."""
+    engines = torch.backends.quantized.supported_engines
+    return hasattr(torch.ops.quantized, "linear_dynamic") and ("x86" in engines or "fbgemm" in engines)
+
+
+@functools.lru_cache(maxsize=1)
+def _reduce_range() -> bool:
+    """fbgemm's non-VNNI kernels sum u8·s8 pairs in int16 and can saturate; 7-bit activations avoid
+    that. CPUs with AVX-512 VNNI / AVX-VNNI accumulate in int32 and keep the full 8 bits."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return True
+    return not ("avx512_vnni" in flags or "avx_vnni" in flags)
+
+
+@contextmanager
+def _engine(name: str) -> Iterator[None]:
+    old = torch.backends.quantized.engine
+    torch.backends.quantized.engine = name
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = old
+
+
+def pack_weight(q: torch.Tensor, scale: torch.Tensor):
+    """fbgemm's packed per-channel int8 weight.  q: (out, in) int8, scale: (out, 1)."""
+    engine = "x86" if "x86" in torch.backends.quantized.supported_engines else "fbgemm"
+    zeros = torch.zeros(q.shape[0], dtype=torch.long)
+    with warnings.catch_warnings(), _engine(engine):
+        warnings.simplefilter("ignore")  # quantized-tensor constructors are deprecated but still the CPU path
+        qw = torch._make_per_channel_quantized_tensor(q.cpu(), scale.view(-1).double().cpu(), zeros, 0)
+        return torch.ops.quantized.linear_prepack(qw, None)
+
+
+MODULES: dict[str, type[_Int8Base]] = {"int8": Int8WeightOnlyLinear, "w8a8": W8A8Linear}

@@ -1,0 +1,126 @@
+"""SmoothQuant (Xiao et al., 2023): move activation outliers into the weights before W8A8 quantization.
+
+For a linear Y = X W^T whose input X has a few channels with huge magnitudes, pick per input channel j
+
+    s_j = max|X_:,j|^α / max|W_:,j|^(1-α)                                       (Eq. 4 of the paper)
+
+and compute Y = (X diag(s)^-1) (W diag(s))^T instead. X / s is easier to quantize per token, W · s
+a little harder per output channel; α balances the two. diag(s)^-1 is folded into the op that
+produces X (a RMSNorm/LayerNorm weight, or the rows of a preceding linear such as up_proj whose output
+is only multiplied element-wise before it reaches down_proj), so the smoothed model costs nothing
+extra at run time. Which op feeds which linears comes from the architecture table (`arch.py`).
+
+`smooth_scales` and `fold` are pure tensor math; `activation_maxima` runs the calibration forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from geminicompress.compress.arch import Arch, SmoothGroup, get_module
+
+
+@dataclass(frozen=True)
+class Smoothing:
+    """One foldable group in one decoder layer: full module names of the producer and its consumers."""
+
+    prev: str
+    linears: tuple[str, ...]
+
+
+def smooth_scales(act_max: torch.Tensor, weight_max: torch.Tensor, alpha: float) -> torch.Tensor:
+    """s = act_max^α / weight_max^(1-α), per input channel.  act_max, weight_max: (in,) -> s: (in,).
+
+    Channels never seen active (act_max = 0) or with all-zero weights keep s = 1."""
+    act_max, weight_max = act_max.float(), weight_max.float()
+    s = act_max.pow(alpha) / weight_max.pow(1.0 - alpha)
+    keep = (act_max <= 0) | (weight_max <= 0) | ~torch.isfinite(s)
+    return torch.where(keep, torch.ones_like(s), s.clamp(min=1e-5))
+
+
+def weight_column_max(linears: list[nn.Linear]) -> torch.Tensor:
+    """max over all rows of all linears of |W[:, j]|.  -> (in,)"""
+    return torch.stack([lin.weight.detach().float().abs().amax(dim=0) for lin in linears]).amax(dim=0)
+
+
+@torch.no_grad()
+def fold(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor, norm_offset: float = 0.0) -> None:
+    """Divide `prev`'s output channels by s and multiply the linears' input columns by s (in place).
+
+    prev: a norm with `weight` (in,) (and maybe `bias`), effective scale `norm_offset + weight`;
+    or a linear whose output rows are the channels.  s: (in,)."""
+    s = s.to(linears[0].weight.device)
+    if isinstance(prev, nn.Linear):
+        prev.weight.div_(s.view(-1, 1).to(prev.weight.dtype))
+    else:
+        w = prev.weight
+        w.copy_(((norm_offset + w.float()) / s - norm_offset).to(w.dtype))
+    if getattr(prev, "bias", None) is not None:
+        prev.bias.div_(s.to(prev.bias.dtype))
+    for lin in linears:
+        lin.weight.mul_(s.view(1, -1).to(lin.weight.dtype))
+
+
+def foldable_groups(model: nn.Module, arch: Arch, quantized: set[str]) -> tuple[list[Smoothing], list[str]]:
+    """The smoothing groups that can be folded: every consumer is a linear we quantize and the producer
+    is a norm, or a linear whose output width equals the consumers' input width (not v_proj -> o_proj
+    under grouped-query attention). Returns (groups, reasons for the groups skipped)."""
+    layers = get_module(model, arch.layers)
+    groups, skipped = [], []
+    for i in range(len(layers)):
+        for group in arch.smooth:
+            name = _full(arch, i, group)
+            why = _why_not(model, name, quantized)
+            if why:
+                skipped.append(f"{name.prev} -> {', '.join(n.rsplit('.', 1)[-1] for n in name.linears)}: {why}")
+            else:
+                groups.append(name)
+    return groups, skipped
+
+
+def _full(arch: Arch, i: int, group: SmoothGroup) -> Smoothing:
+    base = f"{arch.layers}.{i}"
+    return Smoothing(f"{base}.{group.prev}", tuple(f"{base}.{n}" for n in group.linears))
+
+
+def _why_not(model: nn.Module, group: Smoothing, quantized: set[str]) -> str | None:
+    if not all(n in quantized for n in group.linears):
+        return "a consumer is kept in float"
+    prev = get_module(model, group.prev)
+    width = get_module(model, group.linears[0]).in_features
+    if isinstance(prev, nn.Linear):
+        return None if prev.out_features == width else f"shapes differ ({prev.out_features} -> {width})"
+    weight = getattr(prev, "weight", None)
+    if weight is None or weight.dim() != 1 or weight.numel() != width:
+        return "the producer has no per-channel weight to fold into"
+    return None
+
+
+@torch.no_grad()
+def activation_maxima(model: nn.Module, windows: torch.Tensor, names: list[str], progress=None) -> dict[str, torch.Tensor]:
+    """max |x| per input channel of each named linear over all calibration tokens.
+
+    windows: (n, T) token ids, run one window at a time.  -> {name: (in,) float32}"""
+    maxima: dict[str, torch.Tensor] = {}
+
+    def hook(name: str):
+        def record(_module: nn.Module, args: tuple) -> None:
+            x = args[0].detach().float().abs().reshape(-1, args[0].shape[-1]).amax(dim=0)  # (in,)
+            maxima[name] = torch.maximum(maxima[name], x) if name in maxima else x
+
+        return record
+
+    handles = [get_module(model, n).register_forward_pre_hook(hook(n)) for n in names]
+    device = next(model.parameters()).device
+    try:
+        for window in windows:
+            model(window.unsqueeze(0).to(device), use_cache=False)
+            if progress is not None:
+                progress.advance(1)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: m.cpu() for n, m in maxima.items()}

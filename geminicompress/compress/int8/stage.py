@@ -1,0 +1,112 @@
+"""The `quantize` stage for methods `int8` (W8A16) and `w8a8`: optional SmoothQuant, then per-channel
+INT8 of every linear not ignored, each swapped for the fast module of `modules.py`.
+
+Steps: pick the linears (`ignore` regexes; a tied output head always stays float) -> SmoothQuant
+(w8a8 with `smoothquant_alpha`: calibrate per-channel activation maxima, fold scales) -> replace the
+linears -> set the exporter to the compressed-tensors `int-quantized` writer. The summary lists what
+was done to every linear (goes into report.json).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from geminicompress.compress.arch import arch_for, get_module, set_module
+from geminicompress.compress.int8 import smoothquant as sq
+from geminicompress.compress.int8.export import int_quantized_exporter
+from geminicompress.compress.int8.modules import MODULES
+from geminicompress.errors import InputError
+from geminicompress.recipes.schema import Int8Stage
+
+
+def run(cfg: Int8Stage, ctx: Any) -> dict:
+    model: nn.Module = ctx.model
+    targets, kept = select_linears(model, cfg.ignore, explicit="ignore" in cfg.model_fields_set)
+    if not targets:
+        raise InputError("the ignore patterns leave no linear layer to quantize")
+    smoothing: dict[str, Any] = {"alpha": None}
+    smoothed: dict[str, float] = {}
+    if cfg.smoothquant_alpha is not None:
+        smoothing, smoothed = _smooth(model, cfg, ctx, set(targets))
+    layers = []
+    with torch.no_grad(), ctx.progress.task(f"{cfg.method}: quantizing linears", len(targets)) as bar:
+        for name in targets:
+            linear = get_module(model, name)
+            module = MODULES[cfg.method].from_linear(linear)
+            err = _relative_error(linear.weight, module.dequantized_weight())
+            set_module(model, name, module)
+            layers.append({"name": name, "shape": [module.out_features, module.in_features], "kernel": module.kernel,
+                           "smoothquant_max_scale": smoothed.get(name), "weight_rel_error": round(err, 6)})
+            bar.advance(1)
+    ctx.exporter = int_quantized_exporter(cfg.method, ctx.recipe.output.dtype)
+    return {
+        "method": cfg.method,
+        "weights": "int8 symmetric per output channel",
+        "activations": "int8 dynamic per token" if cfg.method == "w8a8" else "float (weight-only)",
+        "quantized": len(targets),
+        "kept_float": kept,
+        "smoothquant": smoothing,
+        "layers": layers,
+    }
+
+
+def select_linears(model: nn.Module, ignore: list[str], explicit: bool) -> tuple[list[str], dict[str, str]]:
+    """(names of linears to quantize, {kept linear: why}).  A user-given pattern matching no linear is
+    an InputError: it is almost always a typo."""
+    try:
+        patterns = [(p, re.compile(p)) for p in ignore]
+    except re.error as exc:
+        raise InputError(f"ignore pattern '{exc.pattern}' is not a valid regular expression: {exc}") from exc
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    tied_head = _tied_output_name(model)
+    targets, kept = [], {}
+    for name in linears:
+        hit = next((p for p, rx in patterns if rx.search(name)), None)
+        if hit is not None:
+            kept[name] = f"ignore '{hit}'"
+        elif name == tied_head:
+            kept[name] = "output head tied to the input embeddings"
+        else:
+            targets.append(name)
+    if explicit:
+        for p, rx in patterns:
+            if not any(rx.search(n) for n in linears):
+                example = linears[0] if linears else "none"
+                raise InputError(f"ignore pattern '{p}' matches no linear layer (names look like '{example}')")
+    return targets, kept
+
+
+def _tied_output_name(model: nn.Module) -> str | None:
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if out is None or inp is None or out.weight is not inp.weight:
+        return None
+    return next(name for name, m in model.named_modules() if m is out)
+
+
+def _smooth(model: nn.Module, cfg: Int8Stage, ctx: Any, quantized: set[str]) -> tuple[dict, dict[str, float]]:
+    """Calibrate and fold SmoothQuant scales; return (summary, {linear: max scale})."""
+    arch = arch_for(model)
+    groups, skipped = sq.foldable_groups(model, arch, quantized)
+    windows = ctx.calibration(cfg.data)
+    with ctx.progress.task("smoothquant: calibrating", len(windows)) as bar:
+        maxima = sq.activation_maxima(model, windows, [g.linears[0] for g in groups], bar)
+    smoothed: dict[str, float] = {}
+    with torch.no_grad():
+        for g in groups:
+            linears = [get_module(model, n) for n in g.linears]
+            s = sq.smooth_scales(maxima[g.linears[0]], sq.weight_column_max(linears), cfg.smoothquant_alpha)
+            sq.fold(get_module(model, g.prev), linears, s, arch.norm_offset)
+            smoothed.update({n: round(float(s.max()), 4) for n in g.linears})
+    summary = {"alpha": cfg.smoothquant_alpha, "calibration_windows": int(windows.shape[0]),
+               "folded_groups": len(groups), "skipped_groups": skipped}
+    return summary, smoothed
+
+
+def _relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
+    w = w.detach().float()
+    return float((w - w_hat.to(w.device)).norm() / w.norm().clamp_min(1e-12))

@@ -1,0 +1,123 @@
+"""INT8 math, modules and SmoothQuant folding on small tensors with known answers."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from geminicompress.compress.int8 import smoothquant as sq
+from geminicompress.compress.int8.modules import Int8WeightOnlyLinear, W8A8Linear, fbgemm_available
+from geminicompress.compress.int8.quant import channel_scales, dequantize, fake_quantize_tokens, quantize, quantize_weight
+
+
+def test_channel_scales_and_codes_known_answer():
+    w = torch.tensor([[0.3, -1.27, 0.127], [0.0, 0.0, 0.0], [2.54, 0.0, -1.0]])
+    scale = channel_scales(w)
+    assert torch.allclose(scale, torch.tensor([[0.01], [1.0], [0.02]]))
+    q = quantize(w, scale)
+    assert q.dtype == torch.int8
+    assert q.tolist() == [[30, -127, 13], [0, 0, 0], [127, 0, -50]]
+    assert torch.allclose(dequantize(q, scale), torch.tensor([[0.3, -1.27, 0.13], [0, 0, 0], [2.54, 0.0, -1.0]]))
+
+
+def test_round_trip_error_is_at_most_half_a_step():
+    torch.manual_seed(0)
+    w = torch.randn(64, 96) * torch.logspace(-3, 1, 64).unsqueeze(1)  # rows of very different magnitude
+    q, scale = quantize_weight(w)
+    assert int(q.min()) >= -127 and int(q.max()) <= 127
+    assert (q.abs().amax(dim=1) == 127).all()  # every row uses the full grid
+    err = (w - dequantize(q, scale)).abs()
+    assert (err <= scale / 2 + 1e-7 * w.abs()).all()
+
+
+def test_token_fake_quant_is_per_row():
+    x = torch.tensor([[1000.0, 1.0, -500.0], [0.01, -0.02, 0.005]])
+    y = fake_quantize_tokens(x)
+    step = x.abs().amax(dim=1, keepdim=True) / 127
+    assert ((x - y).abs() <= step / 2 * (1 + 1e-5)).all()
+    assert y[1].abs().min() > 0  # the small row keeps its own resolution
+
+
+def _bound(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """|x Ŵ^T - y| <= max|x_t| / 254 · Σ_j |Ŵ_ij|: half an 8-bit step per activation, per token."""
+    r = x.abs().amax(dim=-1, keepdim=True)
+    return r / 254 * module.dequantized_weight().abs().sum(dim=1) * 1.001 + 1e-5
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_w8a8_matches_int8_math_within_activation_rounding(tokens):
+    torch.manual_seed(1)
+    linear = nn.Linear(96, 40)
+    module = W8A8Linear.from_linear(linear)
+    x = torch.randn(tokens, 96)
+    x[:, 5] *= 50  # an outlier channel
+    exact = nn.functional.linear(x, module.dequantized_weight(), linear.bias)  # weights int8, activations float
+    for y in (module(x), module.reference_forward(x)):
+        assert y.shape == (tokens, 40)
+        assert ((y - exact).abs() <= _bound(module, x)).all()
+
+
+def test_w8a8_uses_fbgemm_on_cpu_and_keeps_batch_shape():
+    module = W8A8Linear.from_linear(nn.Linear(32, 16, bias=False))
+    assert module.kernel == ("fbgemm-dynamic" if fbgemm_available() else "reference")
+    assert module(torch.randn(2, 3, 32)).shape == (2, 3, 16)
+
+
+def test_weight_only_linear_is_exact_given_int8_weights():
+    torch.manual_seed(2)
+    linear = nn.Linear(48, 24)
+    module = Int8WeightOnlyLinear.from_linear(linear)
+    x = torch.randn(2, 5, 48)
+    exact = nn.functional.linear(x, module.dequantized_weight(), linear.bias)
+    assert torch.allclose(module(x), exact, atol=1e-5)
+    state = module.state_dict()
+    assert state["weight"].dtype == torch.int8 and state["weight_scale"].shape == (24, 1)
+
+
+def test_w8a8_repacks_after_loading_new_weights():
+    a = W8A8Linear.from_linear(nn.Linear(16, 8, bias=False))
+    b = W8A8Linear.from_linear(nn.Linear(16, 8, bias=False))
+    x = torch.randn(3, 16)
+    a(x)  # packs a's weight
+    a.load_state_dict(b.state_dict())
+    assert torch.equal(a(x), b(x))
+
+
+def test_smooth_scales_known_answer():
+    s = sq.smooth_scales(torch.tensor([4.0, 1.0, 0.0]), torch.tensor([1.0, 4.0, 2.0]), alpha=0.5)
+    assert torch.allclose(s, torch.tensor([2.0, 0.5, 1.0]))
+    assert torch.allclose(sq.smooth_scales(torch.tensor([8.0]), torch.tensor([2.0]), alpha=1.0), torch.tensor([8.0]))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+def test_folding_leaves_the_float_model_unchanged(kind):
+    from tiny import tiny_model
+
+    model = tiny_model(kind)
+    ids = torch.randint(0, 384, (1, 24))
+    before = model(ids).logits
+    from geminicompress.compress.arch import arch_for, get_module
+
+    arch = arch_for(model)
+    linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    groups, skipped = sq.foldable_groups(model, arch, linears)
+    assert len(groups) == 2 * 3 and len(skipped) == 2  # v_proj -> o_proj differs in width under GQA
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for g in groups:
+            lins = [get_module(model, n) for n in g.linears]
+            sq.fold(get_module(model, g.prev), lins, torch.rand(lins[0].in_features) * 4 + 0.25, arch.norm_offset)
+    assert torch.allclose(model(ids).logits, before, atol=1e-4)
+
+
+def test_activation_maxima_are_per_channel_over_all_tokens():
+    from tiny import tiny_model
+
+    model = tiny_model()
+    name = "model.layers.0.mlp.down_proj"
+    seen = []
+    handle = model.model.layers[0].mlp.down_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach()))
+    windows = torch.randint(0, 384, (3, 16))
+    maxima = sq.activation_maxima(model, windows, [name])
+    handle.remove()
+    expected = torch.cat([s.reshape(-1, s.shape[-1]) for s in seen]).abs().amax(dim=0)
+    assert torch.allclose(maxima[name], expected)

@@ -1,0 +1,118 @@
+"""The int8 / w8a8 stage on a tiny Llama: accuracy against fp32, the on-disk format, round trip, CLI errors."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from geminicompress.cli import app
+from geminicompress.compress.int8 import stage
+from geminicompress.compress.int8.modules import Int8WeightOnlyLinear, W8A8Linear
+from geminicompress.models.loading import load_model
+from geminicompress.progress import NullProgress
+from geminicompress.recipes.schema import Int8Stage, Recipe
+
+runner = CliRunner()
+
+
+def _ctx(model, tok):
+    recipe = Recipe(model="tiny", stages=[{"type": "quantize", "method": "w8a8"}])
+    windows = torch.randint(0, 384, (4, 64), generator=torch.Generator().manual_seed(0))
+    return SimpleNamespace(model=model, tokenizer=tok, recipe=recipe, progress=NullProgress(), exporter=None,
+                           calibration=lambda data=None, samples=None, seq_len=None: windows)
+
+
+def _logit_errors(model, reference, ids):
+    with torch.no_grad():
+        a, b = model(ids).logits, reference(ids).logits
+    return float((a - b).norm() / b.norm()), float((a.argmax(-1) == b.argmax(-1)).float().mean())
+
+
+# Measured on this random tiny model: relative error 0.020 (int8), 0.027 (w8a8, with or without SmoothQuant).
+@pytest.mark.parametrize("method,alpha,tolerance", [("int8", None, 0.03), ("w8a8", None, 0.04), ("w8a8", 0.5, 0.04)])
+def test_logits_stay_close_to_fp32(method, alpha, tolerance, tok):
+    """Tolerance: ||Δlogits|| / ||logits|| over 2 x 32 tokens, and >= 85% of the fp32 top-1 tokens kept."""
+    from tiny import tiny_model
+
+    reference, model = tiny_model(), tiny_model()
+    ctx = _ctx(model, tok)
+    summary = stage.run(Int8Stage(method=method, smoothquant_alpha=alpha), ctx)
+    cls = W8A8Linear if method == "w8a8" else Int8WeightOnlyLinear
+    assert sum(isinstance(m, cls) for m in model.modules()) == summary["quantized"] == 14
+    assert summary["kept_float"] == {"lm_head": "ignore 'lm_head'"}
+    assert len(summary["layers"]) == 14 and all(l["weight_rel_error"] < 0.01 for l in summary["layers"])
+    assert summary["smoothquant"].get("folded_groups", 0) == (6 if alpha is not None else 0)
+    ids = torch.randint(0, 384, (2, 32), generator=torch.Generator().manual_seed(1))
+    relative_error, top1_agreement = _logit_errors(model, reference, ids)
+    assert relative_error < tolerance
+    assert top1_agreement >= 0.85
+
+
+@pytest.mark.parametrize("method", ["int8", "w8a8"])
+def test_save_load_round_trip_is_identical(method, tok, tmp_path):
+    from tiny import tiny_model
+
+    model = tiny_model()
+    ctx = _ctx(model, tok)
+    stage.run(Int8Stage(method=method, smoothquant_alpha=0.5 if method == "w8a8" else None), ctx)
+    info = ctx.exporter(model, tok, tmp_path)
+    assert info["quantized_linears"] == 14
+    loaded = load_model(str(tmp_path))
+    assert loaded.format == "compressed-tensors:int-quantized"
+    cls = W8A8Linear if method == "w8a8" else Int8WeightOnlyLinear
+    assert isinstance(loaded.model.model.layers[1].mlp.down_proj, cls)
+    ids = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(loaded.model(ids).logits, model(ids).logits)
+
+
+def test_checkpoint_layout_is_compressed_tensors_int_quantized(tiny_dir, tmp_path):
+    out = tmp_path / "w8a8"
+    res = runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), "--method", "w8a8", "--quiet"])
+    assert res.exit_code == 0, res.output
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_method"], qc["format"], qc["ignore"]) == ("compressed-tensors", "int-quantized", ["lm_head"])
+    group = qc["config_groups"]["group_0"]
+    assert group["targets"] == ["Linear"]
+    w, a = group["weights"], group["input_activations"]
+    assert (w["num_bits"], w["type"], w["symmetric"], w["strategy"], w["dynamic"]) == (8, "int", True, "channel", False)
+    assert (a["num_bits"], a["type"], a["symmetric"], a["strategy"], a["dynamic"]) == (8, "int", True, "token", True)
+    with safe_open(out / "model.safetensors", "pt") as f:
+        q = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+        s = f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale")
+        assert q.dtype == torch.int8 and q.shape == (64, 64) and s.shape == (64, 1)
+        assert int(q.abs().max()) == 127 and int(q.min()) >= -127
+        assert f.get_tensor("lm_head.weight").dtype == torch.float32
+        assert not any(k.endswith("zero_point") for k in f.keys())
+    report = json.loads((out / "report.json").read_text())
+    assert report["stages"][0]["result"]["quantized"] == 14
+
+
+def test_weight_only_declares_no_activation_quantization(tiny_dir, tmp_path):
+    out = tmp_path / "int8"
+    res = runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), "--method", "int8", "--quiet"])
+    assert res.exit_code == 0, res.output
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["input_activations"] is None
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--method", "int8", "--bits", "4"], "bits"),
+    (["--method", "w8a8", "--bits", "16"], "bits"),
+    (["--method", "w8a8", "--smoothquant-alpha", "1.5"], "smoothquant_alpha"),
+    (["--method", "w8a8", "--smoothquant-alpha", "-0.1"], "smoothquant_alpha"),
+    (["--method", "int8", "--smoothquant-alpha", "0.5"], "w8a8 only"),
+    (["--method", "w8a8", "--ignore", "lm_head", "--ignore", "no_such_layer"], "no_such_layer"),
+    (["--method", "w8a8", "--ignore", "(unclosed"], "regular expression"),
+    (["--method", "w8a8", "--ignore", "."], "no linear layer"),
+])
+def test_bad_options_are_one_line_exit_2_nothing_written(args, message, tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), "--quiet", *args])
+    assert res.exit_code == 2, res.output
+    assert message in res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+    assert not out.exists() and not list(tmp_path.glob(".*partial"))

@@ -40,7 +40,7 @@ def write_histogram(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         picked = [(i, r["sparsity"]) for i, r in enumerate(rows) if r["linear"] == linear]
         ax_bar.bar([i for i, _ in picked], [s for _, s in picked], width=1.0, label=linear, color=f"C{j}")
     ax_bar.axhline(HIGH, color="red", linestyle=":", linewidth=1)
-    ax_bar.set(xlabel="pruned linear (model order)", ylabel="sparsity", ylim=(0, 1), title=title)
+    ax_bar.set(xlabel="pruned linear (model order)", ylabel="sparsity", ylim=(0, 1.25), title=title)
     ax_bar.legend(fontsize=7, ncol=min(4, len(linears)), loc="upper right")
     ax_hist.hist([r["sparsity"] for r in rows], bins=40, range=(0, 1), color="C0")
     ax_hist.set(xlabel="sparsity", ylabel="linears", title="per-layer sparsity")

@@ -41,7 +41,7 @@ def ensure_llmc() -> Path:
     venv = LLMC_PY.parent.parent
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(LLMC_PY), "-m", "pip", "install"]
-    subprocess.run(pip + ["torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu"], check=True)
+    subprocess.run(pip + ["torch==2.13.0"], check=True)
     subprocess.run(pip + ["llmcompressor==0.14.*", "gguf"], check=True)
     return LLMC_PY
 

@@ -46,8 +46,7 @@ def ensure_llmc_venv() -> Path:
     python = LLMC_VENV / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(LLMC_VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", 
-                        "torch==2.13.0"], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", "llmcompressor==0.14.*", "gguf"], check=True)
     return python
 

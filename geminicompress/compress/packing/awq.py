@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from geminicompress import __version__
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, group_index
-from geminicompress.compress.packing.export import _float_tensors, _write_config
+from geminicompress.compress.packing.export import _float_tensors, _write_config, single_spec
 from geminicompress.compress.packing.qlinear import load_with_dequant_linears
 from geminicompress.errors import GeminiError, InputError
 
@@ -88,12 +88,7 @@ def awq_config(spec: QuantSpec, zero_point: bool, not_converted: list[str]) -> d
 def export_awq(model: nn.Module, tokenizer: Any, out: Path, qweights: dict[str, QuantizedWeight],
                meta: dict[str, Any]) -> dict[str, Any]:
     """Write model + tokenizer to `out` in the AWQ GEMM layout; return a summary for report.json."""
-    if not qweights:
-        raise InputError("nothing was quantized: no module to export")
-    specs = {qw.spec for qw in qweights.values()}
-    if len(specs) != 1:
-        raise InputError(f"one export holds one quantization spec, got {len(specs)}")
-    spec = specs.pop()
+    spec = single_spec(qweights)
     for name, qw in qweights.items():
         check_shape(name, *qw.q.shape, spec)
     dtype = getattr(torch, meta.get("dtype", "float32"))

@@ -45,18 +45,23 @@ def check_exportable(model: nn.Module, shapes: dict[str, tuple[int, int]], spec:
             check(name, out_f, in_f, spec)
 
 
+def single_spec(qweights: dict[str, QuantizedWeight]) -> QuantSpec:
+    """The one quantization spec shared by every weight of an export (each format stores one)."""
+    if not qweights:
+        raise InputError("nothing was quantized: no module to export")
+    specs = {qw.spec for qw in qweights.values()}
+    if len(specs) != 1:
+        raise InputError(f"one export holds one quantization spec, got {len(specs)}")
+    return specs.pop()
+
+
 def export_quantized(model: nn.Module, tokenizer: Any, out: Path, qweights: dict[str, QuantizedWeight],
                      fmt: str, meta: dict[str, Any]) -> dict[str, Any]:
     """Write model + tokenizer to `out` in `fmt`; return a summary for report.json."""
     if fmt == "awq":
         export_awq = getattr(importlib.import_module("geminicompress.compress.packing.awq"), "export_awq")
         return export_awq(model, tokenizer, out, qweights, meta)
-    if not qweights:
-        raise InputError("nothing was quantized: no module to export")
-    specs = {qw.spec for qw in qweights.values()}
-    if len(specs) != 1:
-        raise InputError(f"one export holds one quantization spec, got {len(specs)}")
-    spec = specs.pop()
+    spec = single_spec(qweights)
     check_exportable(model, {n: tuple(qw.q.shape) for n, qw in qweights.items()}, spec, fmt)
     dtype = getattr(torch, meta.get("dtype", "float32"))
     out = Path(out)

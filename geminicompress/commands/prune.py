@@ -19,6 +19,7 @@ def prune(
     scope: Optional[str] = typer.Option(None, "--scope", help="global: one threshold over all layers (magnitude only, default); layer: the same sparsity in every layer."),
     pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M semi-structured sparsity, e.g. 2:4 (implies --scope layer)."),
     ignore: Optional[List[str]] = typer.Option(None, "--ignore", help="Module name pattern (regex) never pruned; repeatable (default lm_head, embed_tokens)."),
+    true_sequential: Optional[bool] = typer.Option(None, "--true-sequential/--no-true-sequential", help="wanda/sparsegpt: prune attention, then MLP, each from inputs through the already-pruned linears, in one pass per layer (default on)."),
     format: Optional[str] = typer.Option(None, "--format", help="dense (default; exact zeros) or compressed-tensors (sparse-bitmask, smaller on disk)."),
     data: Optional[str] = c.DATA,
     text_column: str = c.TEXT_COLUMN,
@@ -40,7 +41,7 @@ def prune(
       geminicompress prune smollm2-demo -o out-24 --method wanda --pattern 2:4
     """
     given = {"sparsity": sparsity, "method": method, "scope": scope, "pattern": pattern,
-             "ignore": ignore or None, "format": format}
+             "ignore": ignore or None, "true_sequential": true_sequential, "format": format}
     stage = {"type": "prune", **{k: v for k, v in given.items() if v is not None}}
     cal = c.calibration_options(data, text_column, samples, calib_seq_len)
     report = c.run_single_stage(model, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed,

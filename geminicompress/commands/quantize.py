@@ -26,6 +26,7 @@ def quantize(
     act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order", help="gptq: quantize columns by decreasing Hessian diagonal."),
     static_groups: Optional[bool] = typer.Option(None, "--static-groups/--no-static-groups", help="gptq with --act-order: fix groups before reordering so g_idx stays monotone."),
     true_sequential: Optional[bool] = typer.Option(None, "--true-sequential/--no-true-sequential", help="gptq: quantize attention before MLP inside each layer (default on)."),
+    one_pass: Optional[bool] = typer.Option(None, "--one-pass/--multi-pass", help="gptq true-sequential: one pass over the windows per layer (default; holds a layer's activations for every window) or one pass per group of linears (less memory, slower)."),
     damp: Optional[float] = typer.Option(None, "--damp", help="gptq: dampening as a fraction of the mean Hessian diagonal (default 0.01)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="gptq: columns per lazy-update block (default 128)."),
     smoothquant_alpha: Optional[float] = typer.Option(None, "--smoothquant-alpha", help="w8a8: SmoothQuant strength in [0, 1], calibrated on --data."),
@@ -57,7 +58,7 @@ def quantize(
         raise InputError(f"--method '{method}' is not one of {', '.join(METHODS)}")
     given = {
         "bits": bits, "group_size": group_size, "sym": sym, "zero_point": zero_point, "act_order": act_order,
-        "static_groups": static_groups, "true_sequential": true_sequential, "damp": damp, "block_size": block_size,
+        "static_groups": static_groups, "true_sequential": true_sequential, "one_pass": one_pass, "damp": damp, "block_size": block_size,
         "smoothquant_alpha": smoothquant_alpha, "clip": clip, "n_grid": n_grid, "search_results": search_results,
         "ignore": ignore or None, "format": format,
     }

@@ -25,6 +25,7 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from geminicompress.compress.arch import Arch, arch_for, get_module
+from geminicompress.compress.onepass import one_pass
 from geminicompress.progress import NullProgress, Progress
 
 
@@ -131,6 +132,7 @@ class LayerJob:
     inputs: LayerInputs
     device: torch.device
     arch: Arch
+    outputs: list[torch.Tensor] | None = None  # set by `one_pass`: the next layer's inputs, already computed
 
     def forward(self, observe: dict[nn.Module, Callable[[torch.Tensor, torch.Tensor], None]] | None = None,
                 keep_outputs: bool = False) -> list[torch.Tensor]:
@@ -138,6 +140,18 @@ class LayerJob:
 
     def module(self, name: str) -> nn.Module:
         return get_module(self.layer, name)
+
+    def one_pass(self, groups: list[list[str]], observe: Callable[[int, torch.Tensor], None],
+                 solve: Callable[[int], None], batch: int = 4) -> None:
+        """Solve the groups of linears (names, in execution order) in one pass over the windows
+        (onepass.py): observe(g, x) sees group g's input for every batch of windows, solve(g) runs once
+        all have, before group g computes anything. The solved layer's outputs become `self.outputs`."""
+        hidden = self.inputs.hidden
+        batches = [torch.cat([h.to(self.device) for h in hidden[i:i + batch]]) for i in range(0, len(hidden), batch)]
+        results = one_pass(lambda h: layer_output(self.layer, h, self.inputs.kwargs), batches,
+                           [[self.module(n) for n in g] for g in groups], observe, solve)
+        storage = hidden[0].device
+        self.outputs = [y.unsqueeze(0).to(storage) for out in results for y in out]
 
 
 # A method processes one layer in place and returns (summary for report.json, tensors to keep).
@@ -162,15 +176,18 @@ def run_layerwise(model: nn.Module, windows: torch.Tensor, process: LayerFn, *, 
         for i, layer in enumerate(layers):
             layer.to(device)
             done = _restore(state_dir, i, layer)
+            job = None
             if done is not None:
                 summary, tensors = done
                 summary = {**summary, "resumed": True}
             else:
-                summary, tensors = process(LayerJob(i, layer, inputs, device, arch))
+                job = LayerJob(i, layer, inputs, device, arch)
+                summary, tensors = process(job)
                 _save(state_dir, i, layer, summary, tensors)
             kept.update({f"{i}.{k}": v for k, v in tensors.items()})
             summaries.append({"layer": i, **summary})
-            inputs = LayerInputs(forward_layer(layer, inputs, device), inputs.kwargs)
+            outputs = job.outputs if job is not None and job.outputs is not None else None
+            inputs = LayerInputs(outputs or forward_layer(layer, inputs, device), inputs.kwargs)
             layer.to("cpu" if device.type != "cpu" else device)
             bar.advance(1, **{k: v for k, v in summary.items() if isinstance(v, (int, float)) and k != "layer"})
     _move_outside_layers(model, layers, torch.device("cpu"))

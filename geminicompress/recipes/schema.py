@@ -61,6 +61,8 @@ class GPTQStage(_StageBase):
     act_order: bool = False
     static_groups: bool = False
     true_sequential: bool = True
+    one_pass: bool = Field(True, description="true-sequential in one pass over the windows per layer (holds every "
+                           "window's activations of one layer); false re-runs the layer per group (less memory)")
     damp: float = Field(0.01, gt=0.0, lt=1.0, description="dampening, fraction of the mean Hessian diagonal")
     block_size: int = Field(128, ge=1)
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
@@ -102,6 +104,8 @@ class PruneStage(_StageBase):
     ignore: list[str] = Field(default_factory=lambda: ["lm_head", "embed_tokens"])
     damp: float = Field(0.01, gt=0.0, lt=1.0, description="SparseGPT dampening")
     block_size: int = Field(128, ge=1)
+    true_sequential: bool = Field(True, description="wanda/sparsegpt: prune each group of a layer from inputs that "
+                                  "went through the already-pruned groups (one pass); false: all from the dense layer")
     format: Literal["dense", "compressed-tensors"] = "dense"
 
     @field_validator("pattern")
@@ -124,6 +128,8 @@ class PruneStage(_StageBase):
             if "scope" in self.model_fields_set:
                 raise ValueError("an N:M pattern is per group of M weights; it cannot use scope 'global'")
             object.__setattr__(self, "scope", "layer")
+        if self.method == "magnitude" and "true_sequential" in self.model_fields_set:
+            raise ValueError("true_sequential applies to the calibrated methods (wanda, sparsegpt), not magnitude")
         if self.pattern and "sparsity" in self.model_fields_set:
             n, m = (int(v) for v in self.pattern.split(":"))
             if abs(self.sparsity - n / m) > 1e-9:

@@ -7,7 +7,9 @@ that layer and its activations on the device; quantized outputs feed the next la
 2. solve the group as one stacked weight (GPTQ's rows are independent given H), write the
    fake-quantized weights back so later groups and layers see the quantized model;
 3. with `true_sequential` each group of `arch.sequential` is collected after the previous one is
-   quantized (the paper's order); without, all Hessians of the layer come from one pass.
+   quantized (the paper's order): by default in one pass over the windows that pauses before each
+   group (onepass.py), or with `one_pass` off by re-running the layer per group (less memory);
+   without `true_sequential`, all Hessians of the layer come from one pass of the unquantized layer.
 The codes/scales/zeros/g_idx are kept and packed at export (packing/export.py).
 """
 
@@ -88,29 +90,40 @@ def _quantize_layer(job: LayerJob, *, cfg: GPTQStage, spec: QuantSpec, scales_as
     """Quantize the linears of one decoder layer in place; return ({err, modules}, kept tensors)."""
     groups = [[n for n in group if f"{job.index}.{n}" in targets] for group in job.arch.sequential]
     groups = [g for g in groups if g]
-    passes = [[g] for g in groups] if cfg.true_sequential else [groups]
     losses: dict[str, float] = {}
     kept: dict[str, torch.Tensor] = {}
-    for pass_groups in passes:
-        hessians = _collect_hessians(job, pass_groups)
-        for group, H in zip(pass_groups, hessians):
-            modules = [job.module(n) for n in group]
-            W = torch.cat([m.weight.data for m in modules])  # rows stacked: (Σ out, in)
-            try:
-                with _solver_threads(job.device):
-                    qw, loss = gptq_quantize(W, H, spec, damp=cfg.damp, block_size=cfg.block_size,
-                                             act_order=cfg.act_order, static_groups=cfg.static_groups)
-            except GeminiError as exc:
-                raise GeminiError(f"layer {job.index} {'/'.join(group)}: {exc}") from exc
-            qw.scales = qw.scales.to(scales_as).float()  # what the checkpoint will hold
-            start = 0
-            for name, module in zip(group, modules):
-                part = _rows(qw, start, start + module.out_features)
-                start += module.out_features
-                module.weight.data = part.dequantize().to(module.weight.dtype)
-                kept.update({f"{name}.{k}": v for k, v in _kept(part).items()})
-            losses["/".join(group)] = loss
+    solve = partial(_solve_group, job, cfg=cfg, spec=spec, scales_as=scales_as, losses=losses, kept=kept)
+    if cfg.true_sequential and cfg.one_pass:
+        accs = [HessianAccumulator(job.module(g[0]).in_features, job.device) for g in groups]
+        job.one_pass(groups, lambda i, x: accs[i].add_batch(x), lambda i: solve(groups[i], accs[i].H))
+    else:
+        passes = [[g] for g in groups] if cfg.true_sequential else [groups]
+        for pass_groups in passes:
+            for group, H in zip(pass_groups, _collect_hessians(job, pass_groups)):
+                solve(group, H)
     return {"err": sum(losses.values()), "modules": losses}, kept
+
+
+def _solve_group(job: LayerJob, group: list[str], H: torch.Tensor, *, cfg: GPTQStage, spec: QuantSpec,
+                 scales_as: torch.dtype, losses: dict[str, float], kept: dict[str, torch.Tensor]) -> None:
+    """GPTQ on the group's stacked weight (rows are independent given H); write the fake-quantized
+    weights back in place (the loaded weights' memory is reused) and keep the codes for export."""
+    modules = [job.module(n) for n in group]
+    W = torch.cat([m.weight.data for m in modules])  # rows stacked: (Σ out, in)
+    try:
+        with _solver_threads(job.device):
+            qw, loss = gptq_quantize(W, H, spec, damp=cfg.damp, block_size=cfg.block_size,
+                                     act_order=cfg.act_order, static_groups=cfg.static_groups)
+    except GeminiError as exc:
+        raise GeminiError(f"layer {job.index} {'/'.join(group)}: {exc}") from exc
+    qw.scales = qw.scales.to(scales_as).float()  # what the checkpoint will hold
+    start = 0
+    for name, module in zip(group, modules):
+        part = _rows(qw, start, start + module.out_features)
+        start += module.out_features
+        module.weight.data.copy_(part.dequantize())
+        kept.update({f"{name}.{k}": v for k, v in _kept(part).items()})
+    losses["/".join(group)] = loss
 
 
 @contextmanager

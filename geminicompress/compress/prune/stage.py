@@ -5,7 +5,9 @@ modules matching an `ignore` regex. Methods:
 - magnitude, scope global: one |w| threshold over all of them (`threshold.py`, streamed, exact count);
 - magnitude, scope layer: the same sparsity in every linear;
 - wanda / sparsegpt: layer by layer over calibration windows (`layerwise.run_layerwise`), each decoder
-  layer seeing the outputs of the already-pruned layers before it.
+  layer seeing the outputs of the already-pruned layers before it; with `true_sequential` (default)
+  each group of linears inside a layer also sees inputs through the already-pruned groups before it,
+  in one pass over the windows (`onepass.py`).
 Any method with an N:M pattern prunes N of every M input columns.
 
 Artifacts: `ctx.masks` (param name -> bool keep-mask) for a following distill stage, the same masks in
@@ -122,21 +124,29 @@ def _layer_fn(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern |
             columns = job.module(g[0]).in_features
             stat = InputNorms(columns, job.device) if cfg.method == "wanda" else HessianAccumulator(columns, job.device)
             stats.update({n: stat for n in g})
-        job.forward({job.module(g[0]): (lambda x, y, acc=stats[g[0]]: acc.add_batch(x)) for g in groups})
         kept: dict[str, torch.Tensor] = {}
-        zeros = total = 0
-        for n in (n for g in groups for n in g):
-            W = job.module(n).weight
-            if cfg.method == "wanda":
-                keep = wanda_mask(W, stats[n].norms(), cfg.sparsity, pattern)
-                W.masked_fill_(~keep, 0.0)
-            else:
-                with _solver_threads(job.device):
-                    new, keep = sparsegpt_prune(W, stats[n].H, cfg.sparsity, pattern, cfg.block_size, cfg.damp)
-                W.copy_(new)
-            kept[f"{n}.keep"] = keep.cpu()
-            zeros += int((W == 0).sum())
-            total += W.numel()
+        counts = [0, 0]  # zeros, total
+
+        def solve(names: list[str]) -> None:
+            for n in names:
+                W = job.module(n).weight
+                if cfg.method == "wanda":
+                    keep = wanda_mask(W, stats[n].norms(), cfg.sparsity, pattern)
+                    W.masked_fill_(~keep, 0.0)
+                else:
+                    with _solver_threads(job.device):
+                        new, keep = sparsegpt_prune(W, stats[n].H, cfg.sparsity, pattern, cfg.block_size, cfg.damp)
+                    W.copy_(new)
+                kept[f"{n}.keep"] = keep.cpu()
+                counts[0] += int((W == 0).sum())
+                counts[1] += W.numel()
+
+        if cfg.true_sequential:  # each group from inputs through the already-pruned groups, one pass
+            job.one_pass(groups, lambda i, x: stats[groups[i][0]].add_batch(x), lambda i: solve(groups[i]))
+        else:  # every statistic from the dense layer, then prune all
+            job.forward({job.module(g[0]): (lambda x, y, acc=stats[g[0]]: acc.add_batch(x)) for g in groups})
+            solve([n for g in groups for n in g])
+        zeros, total = counts
         return {"sparsity": zeros / max(1, total)}, kept
 
     return process

@@ -19,57 +19,23 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
-LLMC_PY = Path("/work/venvs/llmc/bin/python")
-RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DATA, RESULTS, ROOT, calibration_ids, ensure_llmc_venv, eval_windows, perplexity, round_to_nearest  # noqa: E402
 
-
-def ensure_llmc() -> Path:
-    """The llm-compressor venv: reused when present, created (CPU torch first) when missing."""
-    if LLMC_PY.is_file():
-        return LLMC_PY
-    venv = LLMC_PY.parent.parent
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(LLMC_PY), "-m", "pip", "install"]
-    subprocess.run(pip + ["torch==2.13.0"], check=True)
-    subprocess.run(pip + ["llmcompressor==0.14.*", "gguf"], check=True)
-    return LLMC_PY
-
-
-@torch.no_grad()
-def perplexity(model, windows: torch.Tensor) -> float:
-    """exp(mean NLL of the next token) over all scored positions of all windows (n, T)."""
-    nll, count = 0.0, 0
-    for row in windows:
-        logits = model(input_ids=row.view(1, -1), use_cache=False).logits[0, :-1].float()
-        nll += float(F.cross_entropy(logits, row[1:], reduction="sum"))
-        count += row.numel() - 1
-    return math.exp(nll / count)
 
 
 def rtn_model(model_dir: Path, bits: int, group: int, layers: int | None):
-    from geminicompress.compress.arch import arch_for, decoder_layers, get_module
-    from geminicompress.compress.grid import QuantSpec, rtn_quantize
     from geminicompress.models.loading import load_model
 
     model = truncate(load_model(str(model_dir)).model, layers)
-    spec = QuantSpec(bits, group, sym=False)  # AWQ's grid: asymmetric with zero points
-    with torch.no_grad():
-        for layer in decoder_layers(model):
-            for name in arch_for(model).linears:
-                lin = get_module(layer, name)
-                lin.weight.data = rtn_quantize(lin.weight.data, spec).dequantize()
-    return model
+    return round_to_nearest(model, bits, group, sym=False)  # AWQ's grid: asymmetric with zero points
 
 
 def truncate(model, layers: int | None):
@@ -103,7 +69,7 @@ def run_llmc(model_dir: Path, ids_file: Path, key: str, bits: int, group: int, c
     out = cache / f"llmc-{key}-w{bits}g{group}-l{layers}"
     stamp = cache / f"llmc-{key}-w{bits}g{group}-l{layers}.json"
     if not (stamp.is_file() and stamp.read_text().strip() and (layers or (out / "config.json").is_file())):
-        py = ensure_llmc()
+        py = ensure_llmc_venv()
         cmd = [str(py), str(ROOT / "benchmarks" / "awq_llmc_ref.py"), "--model", str(model_dir), "--ids", str(ids_file),
                "--bits", str(bits), "--group-size", str(group), "--out", str(out), "--layers", str(layers)]
         res = subprocess.run(cmd, capture_output=True, text=True)
@@ -134,7 +100,6 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
 
-    from geminicompress.data import calibration_windows, pack_windows, tokenize
     from geminicompress.machine import machine, versions
     from geminicompress.models.loading import _demo_dir, load_model
 
@@ -143,10 +108,8 @@ def main() -> None:
     layers = 2 if args.quick else None
     n_cal = 4 if args.quick else args.windows
     configs = [(4, 64)] if args.quick else [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
-    eval_ids = pack_windows(tokenize(tok, (DATA / "wikitext2-test.txt").read_text(), 16384), 512)
-    if args.quick:
-        eval_ids = eval_ids[:4]
-    ids = calibration_windows(tok, str(DATA / "enwiki-sample.txt"), n_cal, 512, seed=0)
+    eval_ids = eval_windows(tok, 4 if args.quick else None)
+    ids = calibration_ids(tok, n_cal)
     key = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:12]
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
@@ -28,28 +27,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layers", type=int, default=0, help="keep only the first N decoder layers (timing runs)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, forward_quantize
-    from datasets import Dataset
-    from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+    from llmc_common import load, timed_oneshot
 
-    from llmcompressor.pipelines.cache import IntermediatesCache
-
-    # llm-compressor 0.14 pins cached activations, which fails on a machine without an accelerator.
-    if not torch.cuda.is_available():
-        IntermediatesCache.pin_memory = lambda self, index: None
-
-    ids = torch.load(args.ids)  # (n, T)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    if args.layers:
-        model.model.layers = model.model.layers[: args.layers]
-        model.config.num_hidden_layers = args.layers
-    tok = AutoTokenizer.from_pretrained(args.model)
-    data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+    model, tok, data, ids = load(args.model, args.ids, args.threads, args.layers)
     weights = QuantizationArgs(num_bits=args.bits, type="int", symmetric=False, strategy="group",
                                group_size=args.group_size)
     recipe = [
@@ -57,10 +41,7 @@ def main() -> None:
         QuantizationModifier(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
                              ignore=["lm_head"]),
     ]
-    t0 = time.perf_counter()
-    oneshot(model=model, dataset=data, recipe=recipe, num_calibration_samples=ids.shape[0],
-            max_seq_length=ids.shape[1], shuffle_calibration_samples=False)
-    seconds = time.perf_counter() - t0
+    seconds = timed_oneshot(model, data, ids, recipe)
 
     state = {}
     with torch.no_grad():

@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
-import platform
 import statistics
 import sys
 import time
@@ -37,7 +35,8 @@ from geminicompress.data import pack_windows, tokenize  # noqa: E402
 from geminicompress.distill.masks import sparsity  # noqa: E402
 from geminicompress.distill.plot import plot_curve  # noqa: E402
 from geminicompress.distill.student import derive_student, n_params  # noqa: E402
-from geminicompress.distill.train import perplexity, train  # noqa: E402
+from geminicompress.distill.train import train  # noqa: E402
+from geminicompress.eval.perplexity import perplexity  # noqa: E402
 from geminicompress.eval.speculative import generation_speed, measure_speculative  # noqa: E402
 from geminicompress.machine import machine, versions  # noqa: E402
 from geminicompress.models.loading import load_model  # noqa: E402

@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,61 +26,16 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
-LLMC_VENV = Path(os.environ.get("GC_LLMC_VENV", "/work/venvs/llmc"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DATA, RESULTS, ROOT, calibration_ids, ensure_llmc_venv, eval_windows, perplexity, round_to_nearest, run_child  # noqa: E402
+
 SETTINGS = {"w4-pc": (4, -1), "w3-g64": (3, 64)}
 
 
-def ensure_llmc_venv() -> Path:
-    """Reuse the llm-compressor venv, or create it (it pins its own transformers)."""
-    python = LLMC_VENV / "bin" / "python"
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(LLMC_VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "llmcompressor==0.14.*", "gguf"], check=True)
-    return python
-
-
-def run_child(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
-    """Run cmd; return (wall seconds, peak RSS in GiB, stdout)."""
-    t0 = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=ROOT)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        text = out.read()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{cmd[:3]} failed ({proc.returncode}):\n{text[-3000:]}")
-    return time.perf_counter() - t0, usage.ru_maxrss / 2**20, text
-
-
-@torch.no_grad()
-def perplexity(model, windows: torch.Tensor, batch: int = 4) -> float:
-    nll, count = 0.0, 0
-    for i in range(0, len(windows), batch):
-        ids = windows[i : i + batch]
-        logits = model(ids).logits[:, :-1].float()
-        nll += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                       reduction="sum"))
-        count += ids[:, 1:].numel()
-    return math.exp(nll / count)
-
-
 def rtn_model(demo: Path, bits: int, group: int):
-    from geminicompress.compress.arch import arch_for, decoder_layers, get_module
-    from geminicompress.compress.grid import QuantSpec, rtn_quantize
     from geminicompress.models.loading import load_model
 
-    model = load_model(str(demo)).model
-    spec = QuantSpec(bits, group, True)
-    with torch.no_grad():
-        for layer in decoder_layers(model):
-            for name in arch_for(model).linears:
-                lin = get_module(layer, name)
-                lin.weight.data = rtn_quantize(lin.weight.data, spec).dequantize()
-    return model
+    return round_to_nearest(load_model(str(demo)).model, bits, group, sym=True)
 
 
 def ours(demo: Path, out: Path, bits: int, group: int, samples: int) -> dict:
@@ -119,7 +71,6 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
 
-    from geminicompress.data.windows import calibration_windows, pack_windows, tokenize
     from geminicompress.machine import machine, versions
     from geminicompress.models.loading import _demo_dir, load_model
 
@@ -129,22 +80,20 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     base = load_model(str(demo))
     tok = base.tokenizer
-    ids = calibration_windows(tok, str(DATA / "enwiki-sample.txt"), samples, 512, seed=0)
+    ids = calibration_ids(tok, samples)
     ids_file = work / "calibration_ids.pt"
     torch.save(ids, ids_file)
-    eval_windows = pack_windows(tokenize(tok, (DATA / "wikitext2-test.txt").read_text(), 16384), 512)
-    if args.quick:
-        eval_windows = eval_windows[:8]
+    eval_ids = eval_windows(tok, 8 if args.quick else None)
     fp32_bytes = sum(p.numel() * 4 for p in base.model.parameters())
-    fp32_ppl = round(perplexity(base.model, eval_windows), 3)
+    fp32_ppl = round(perplexity(base.model, eval_ids), 3)
     del base
     rows: list[dict] = []
 
     name = "gptq_bench_quick.json" if args.quick else "gptq_bench.json"
-    path = ROOT / "benchmarks" / "results" / name
+    path = RESULTS / name
     meta = {
         "benchmark": "gptq", "quick": args.quick, "calibration": f"{samples} x 512 tokens, enwiki-sample.txt, seed 0",
-        "perplexity": f"wikitext2-test.txt, first {eval_windows.numel()} tokens, {len(eval_windows)} x 512",
+        "perplexity": f"wikitext2-test.txt, first {eval_ids.numel()} tokens, {len(eval_ids)} x 512",
         "fp32_model_gib": round(fp32_bytes / 2**30, 3),
         "machine": machine(), "versions": versions(), "python": platform.python_version(), "threads": 2,
     }
@@ -164,17 +113,17 @@ def main() -> None:
         t0 = time.perf_counter()
         model = rtn_model(demo, bits, group)
         record({"setting": setting, "method": "RTN", "quantize_seconds": round(time.perf_counter() - t0, 1),
-                "ppl": round(perplexity(model, eval_windows), 3)})
+                "ppl": round(perplexity(model, eval_ids), 3)})
         out = work / f"ours-{setting}"
         row = {"setting": setting, "method": "ours GPTQ", **ours(demo, out, bits, group, samples)}
-        row["ppl"] = round(perplexity(load_model(str(out)).model, eval_windows), 3)
+        row["ppl"] = round(perplexity(load_model(str(out)).model, eval_ids), 3)
         record(row)
     for setting in [] if args.skip_llmc else settings:
         bits, group = SETTINGS[setting]
         out = work / f"llmc-{setting}"
         row = {"setting": setting, "method": "llm-compressor GPTQ", **llmc(demo, ids_file, out, bits, group)}
         try:  # its pack-quantized output, read by our compressed-tensors loader
-            row["ppl"] = round(perplexity(load_model(str(out)).model, eval_windows), 3)
+            row["ppl"] = round(perplexity(load_model(str(out)).model, eval_ids), 3)
         except Exception as exc:  # keep the timing; say why there is no perplexity
             row["ppl"], row["error"] = float("nan"), f"{type(exc).__name__}: {exc}"[:300]
         record(row)

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
-import torch
 
 
 def main() -> None:
@@ -27,23 +25,11 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    from datasets import Dataset
-    from llmcompressor import oneshot
     from llmcompressor.modifiers.gptq import GPTQModifier
-    from llmcompressor.pipelines.cache import IntermediatesCache
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from llmc_common import load, timed_oneshot
 
-    # llm-compressor 0.14 pins cached activations, which fails on a machine without an accelerator.
-    if not torch.cuda.is_available():
-        IntermediatesCache.pin_memory = lambda self, index: None
-
-    ids = torch.load(args.ids)  # (n, T)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(args.model)
-    data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+    model, tok, data, ids = load(args.model, args.ids, args.threads)
     if args.group_size in (-1, 0):
         weights = QuantizationArgs(num_bits=args.bits, type="int", symmetric=True, strategy="channel")
     else:
@@ -51,10 +37,7 @@ def main() -> None:
                                    group_size=args.group_size)
     recipe = GPTQModifier(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
                           ignore=["lm_head"])
-    t0 = time.perf_counter()
-    oneshot(model=model, dataset=data, recipe=recipe, num_calibration_samples=ids.shape[0],
-            max_seq_length=ids.shape[1], shuffle_calibration_samples=False)
-    seconds = time.perf_counter() - t0
+    seconds = timed_oneshot(model, data, ids, recipe)
     model.save_pretrained(args.out, save_compressed=True)
     tok.save_pretrained(args.out)
     print(json.dumps({"seconds": seconds}))

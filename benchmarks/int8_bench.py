@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -104,14 +103,7 @@ def torchao_variant(model, kind: str):
 # --------------------------------------------------------------------------- measurements
 
 
-@torch.no_grad()
-def perplexity(model, windows: torch.Tensor) -> float:
-    nll, count = 0.0, 0
-    for w in windows:
-        logits = model(w.unsqueeze(0), use_cache=False).logits[0, :-1].float()
-        nll += float(nn.functional.cross_entropy(logits, w[1:], reduction="sum"))
-        count += w.numel() - 1
-    return math.exp(nll / count)
+from common import perplexity  # noqa: E402  (the package's, batched)
 
 
 @torch.no_grad()

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import shutil
 import statistics
 import subprocess
@@ -30,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
-LLMC_VENV = Path(os.environ.get("GC_LLMC_VENV", "/work/venvs/llmc"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DATA, RESULTS, ROOT, calibration_ids, ensure_llmc_venv, eval_windows, perplexity  # noqa: E402
+
 # (method, scope, sparsity, pattern), most important first: a run cut short still answers the bars.
 LLMC = ("llm-compressor sparsegpt", "layer", 0.5, None)
 CONFIGS = [("magnitude", "global", 0.4, None), ("magnitude", "global", 0.5, None),
@@ -40,28 +38,6 @@ CONFIGS = [("magnitude", "global", 0.4, None), ("magnitude", "global", 0.5, None
            ("sparsegpt", "layer", 0.5, None), LLMC, ("wanda", "layer", 0.5, None),
            ("sparsegpt", "layer", 0.5, "2:4"), ("wanda", "layer", 0.5, "2:4"), ("magnitude", "layer", 0.5, "2:4"),
            ("wanda", "layer", 0.4, None), ("sparsegpt", "layer", 0.4, None)]
-
-def ensure_llmc_venv() -> Path:
-    """Reuse the llm-compressor venv, or create it (it pins its own transformers)."""
-    python = LLMC_VENV / "bin" / "python"
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(LLMC_VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "llmcompressor==0.14.*", "gguf"], check=True)
-    return python
-
-
-@torch.no_grad()
-def perplexity(model, windows: torch.Tensor, batch: int = 4) -> float:
-    nll, count = 0.0, 0
-    for i in range(0, len(windows), batch):
-        ids = windows[i : i + batch]
-        logits = model(ids).logits[:, :-1].float()
-        nll += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                       reduction="sum"))
-        count += ids[:, 1:].numel()
-    return math.exp(nll / count)
-
 
 def prune_in_process(demo: Path, calib: torch.Tensor, method: str, scope: str, sparsity: float,
                      pattern: str | None, work: Path) -> tuple[object, dict]:
@@ -123,17 +99,16 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
 
-    from geminicompress.data.windows import calibration_windows, pack_windows, tokenize
     from geminicompress.machine import machine, versions
     from geminicompress.models.loading import _demo_dir, load_model
 
     demo = _demo_dir()
     n_cal, n_eval = (2, 4) if args.quick else (args.windows, args.eval_windows)
     tok = load_model(str(demo)).tokenizer
-    eval_ids = pack_windows(tokenize(tok, (DATA / "wikitext2-test.txt").read_text(), 16384), 512, n_eval)
-    calib = calibration_windows(tok, str(DATA / "enwiki-sample.txt"), n_cal, 512, 0)
+    eval_ids = eval_windows(tok, n_eval)
+    calib = calibration_ids(tok, n_cal)
     name = "prune_bench_quick" if args.quick else "prune_bench"
-    result_path = ROOT / "benchmarks" / "results" / f"{name}.json"
+    result_path = RESULTS / f"{name}.json"
     results: dict = {"protocol": {"calibration_windows": n_cal, "seq_len": 512, "eval_windows": n_eval,
                                   "eval_tokens": int(eval_ids.numel())},
                      "machine": machine(), "versions": versions(), "rows": []}
@@ -187,7 +162,7 @@ def main() -> None:
 
 
 def print_table(results: dict) -> None:
-    print(f"\n| tool | method | scope / pattern | sparsity (achieved) | wikitext2 ppl | prune time (s) |")
+    print("\n| tool | method | scope / pattern | sparsity (achieved) | wikitext2 ppl | prune time (s) |")
     print("|---|---|---|---|---|---|")
     print(f"| - | dense | - | 0 | {results['dense_ppl']:.2f} | - |")
     for r in results["rows"]:

@@ -24,6 +24,7 @@ import torch.nn as nn
 from geminicompress.distill.losses import distill_loss
 from geminicompress.distill.masks import apply_masks, mask_grads
 from geminicompress.distill.topk_cache import TopKCache
+from geminicompress.eval.perplexity import perplexity
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.schema import DistillStage
 
@@ -67,21 +68,6 @@ def lr_lambda(warmup: int, total: int):
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return f
-
-
-@torch.no_grad()
-def perplexity(model: nn.Module, windows: torch.Tensor, device: torch.device, batch_size: int = 4) -> float:
-    """exp(mean next-token NLL) over windows (n, T)."""
-    was_training = model.training
-    model.eval()
-    nll, count = 0.0, 0
-    for start in range(0, len(windows), batch_size):
-        ids = windows[start : start + batch_size].to(device)
-        logits = model(ids).logits[:, :-1].float()  # (b, T-1, V)
-        nll += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum"))
-        count += ids[:, 1:].numel()
-    model.train(was_training)
-    return math.exp(nll / count)
 
 
 def train(

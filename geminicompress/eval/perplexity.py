@@ -50,3 +50,19 @@ class PerplexityMeter:
     @property
     def perplexity(self) -> float:
         return math.exp(self.mean_nll) if self.tokens else float("nan")
+
+
+@torch.no_grad()
+def perplexity(model, windows: torch.Tensor, device: torch.device | str = "cpu", batch_size: int = 4) -> float:
+    """exp(mean next-token NLL) over windows (n, T), `batch_size` windows per forward (the same value as
+    the per-window meter up to float rounding). Used by training evaluations and the benchmarks."""
+    was_training = model.training
+    model.eval()
+    nll, count = 0.0, 0
+    for start in range(0, len(windows), batch_size):
+        ids = windows[start : start + batch_size].to(device)
+        logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()  # (b, T-1, V)
+        nll += float(F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum"))
+        count += ids[:, 1:].numel()
+    model.train(was_training)
+    return math.exp(nll / count)

@@ -1,0 +1,86 @@
+"""What every benchmark shares: paths, the one benchmark protocol, the llm-compressor venv, child runs.
+
+The protocol (so that figures compare across issues): the demo model (SmolLM2-135M), perplexity on the
+first 16,384 tokens of ../shared/data/wikitext2-test.txt in 512-token windows, calibration windows of
+512 tokens drawn with a fixed seed from ../shared/data/enwiki-sample.txt. Perplexity is the package's
+own (`geminicompress.eval.perplexity.perplexity`), so benchmarks and `geminicompress eval` agree.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+RESULTS = ROOT / "benchmarks" / "results"
+LLMC_VENV = Path(os.environ.get("GC_LLMC_VENV", "/work/venvs/llmc"))
+EVAL_TOKENS = 16384
+SEQ_LEN = 512
+
+
+def eval_windows(tokenizer, n: int | None = None) -> torch.Tensor:
+    """The perplexity windows: (32, 512) from the start of wikitext2-test.txt, or the first n of them."""
+    from geminicompress.data.windows import pack_windows, tokenize
+
+    ids = tokenize(tokenizer, (DATA / "wikitext2-test.txt").read_text(), EVAL_TOKENS)
+    return pack_windows(ids, SEQ_LEN, n)
+
+
+def calibration_ids(tokenizer, n: int, seed: int = 0) -> torch.Tensor:
+    """n calibration windows of 512 tokens from enwiki-sample.txt: the ids every method gets."""
+    from geminicompress.data.windows import calibration_windows
+
+    return calibration_windows(tokenizer, str(DATA / "enwiki-sample.txt"), n, SEQ_LEN, seed)
+
+
+def perplexity(model, windows: torch.Tensor) -> float:
+    from geminicompress.eval.perplexity import perplexity as ppl
+
+    return ppl(model, windows, "cpu", batch_size=4)
+
+
+@torch.no_grad()
+def round_to_nearest(model, bits: int, group: int, sym: bool):
+    """The RTN baseline: every decoder linear quantized to the nearest grid point in place; returns model."""
+    from geminicompress.compress.arch import arch_for, decoder_layers, get_module
+    from geminicompress.compress.grid import QuantSpec, rtn_quantize
+
+    spec = QuantSpec(bits, group, sym)
+    for layer in decoder_layers(model):
+        for name in arch_for(model).linears:
+            lin = get_module(layer, name)
+            lin.weight.data.copy_(rtn_quantize(lin.weight.data, spec).dequantize())
+    return model
+
+
+def ensure_llmc_venv() -> Path:
+    """The llm-compressor venv's python: reused when present, else created with the local CPU torch wheel
+    first (a plain install would pull a CUDA build), then llmcompressor, which pins its own transformers."""
+    python = LLMC_VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(LLMC_VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "llmcompressor==0.14.*", "gguf"], check=True)
+    return python
+
+
+def run_child(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
+    """Run cmd from the repository root; return (wall seconds, the child's peak RSS in GiB, its output).
+    Raises RuntimeError with the output's tail when it fails."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        text = out.read()
+    if code != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd[:3]))} failed ({code}):\n{text[-3000:]}")
+    return time.perf_counter() - t0, usage.ru_maxrss / 2**20, text

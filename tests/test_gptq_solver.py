@@ -108,3 +108,41 @@ def test_block_size_does_not_change_the_result():
         qw, loss = gptq_quantize(W, H, spec, block_size=block)
         assert (qw.q == ref.q).float().mean() > 0.99
         assert abs(loss - loss_ref) < 1e-3 * loss_ref
+
+
+def _textbook_gptq(W, H, spec, damp=0.01, act_order=False, static_groups=False):
+    """Algorithm 1 of the paper without any batching: quantize column j, update every later column at once."""
+    from geminicompress.compress.grid import qparams, quantize
+
+    W, H = W.clone().double(), H.clone().double()
+    in_f = W.shape[1]
+    gs = in_f if spec.group_size == -1 else spec.group_size
+    static = [qparams(W[:, g:g + gs].float(), spec) for g in range(0, in_f, gs)] if (static_groups or spec.group_size == -1) else None
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(in_f)
+    W, H = W[:, perm], H[perm][:, perm]
+    H += damp * torch.diag(H).mean() * torch.eye(in_f, dtype=H.dtype)
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    Q = torch.zeros_like(W)
+    for j in range(in_f):
+        if static is not None:
+            scale, zero = static[int(perm[j]) // gs]
+        elif j % gs == 0:
+            scale, zero = qparams(W[:, j:j + gs].float(), spec)
+        s, z = scale[:, 0].double(), zero[:, 0].double()
+        Q[:, j] = quantize(W[:, j], s, z, spec.maxq)
+        err = (W[:, j] - s * (Q[:, j] - z)) / U[j, j]
+        W[:, j + 1:] -= torch.outer(err, U[j, j + 1:])
+    return Q[:, torch.argsort(perm)].to(torch.int32)
+
+
+@pytest.mark.parametrize("group,act_order,static_groups,block", [(-1, True, False, 128), (16, False, False, 24),
+                                                                 (16, True, True, 40), (32, True, False, 20),
+                                                                 (48, False, False, 128)])
+def test_blocked_solver_equals_the_textbook_algorithm(group, act_order, static_groups, block):
+    """Lazy blocks, rank-1 sub-blocks and the transposed layout change only the order of the sums."""
+    X = _correlated(d=96)
+    W = torch.randn(24, 96, generator=torch.Generator().manual_seed(3))
+    spec = QuantSpec(3, group, sym=False)
+    qw, _ = gptq_quantize(W, _hessian(X), spec, block_size=block, act_order=act_order, static_groups=static_groups)
+    ref = _textbook_gptq(W, _hessian(X), spec, act_order=act_order, static_groups=static_groups)
+    assert (qw.q == ref).float().mean() > 0.995

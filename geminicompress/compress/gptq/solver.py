@@ -18,10 +18,14 @@ Options as in the reference implementation and AutoGPTQ:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, qparams, quantize
 from geminicompress.errors import GeminiError
+
+_SUB_BLOCK = 32  # columns per rank-1 sub-block (the rest of the work goes through matmuls)
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: float = 0.01, block_size: int = 128,
@@ -54,41 +58,53 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
         static = [qparams(W[:, g:g + gs], spec) for g in range(0, in_f, gs)]
 
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(in_f, device=W.device)
-    W, H = W[:, perm], H[perm][:, perm]
+    H = H[perm][:, perm]
     Hinv = _inverse_hessian_factor(H, damp)  # upper Cholesky factor of H⁻¹: (in, in)
+    Wt = W[:, perm].t().contiguous()  # (in, out): column j of W is the contiguous row j here
 
-    Q = torch.zeros_like(W)  # codes, permuted order: (out, in)
+    Q = torch.zeros_like(Wt)  # codes, quantization order: (in, out)
     # group of each column in quantization order: fixed groups follow the original columns
     cols = perm if static else torch.arange(in_f, device=W.device)
     group_of = torch.zeros(in_f, dtype=torch.long, device=W.device) if spec.group_size == -1 else cols // gs
     group_list = group_of.tolist()
+    # error updates: rank-1 inside sub-blocks of `sub` columns, one matmul per sub-block to the rest of
+    # the block, one per block to the remaining columns (the same sums, mostly as matmuls). A new dynamic
+    # group starts on a sub-block boundary (sub divides gs), where every update so far has been applied.
+    sub = math.gcd(_SUB_BLOCK, gs) if not static else _SUB_BLOCK
     scales: list[torch.Tensor] = []
     zeros: list[torch.Tensor] = []
     loss = torch.zeros((), device=W.device)
     scale = zero = None
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
-        W1 = W[:, i1:i2].clone()  # (out, b)
+        b = i2 - i1
+        W1 = Wt[i1:i2].clone()  # (b, out)
         Err1 = torch.empty_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
         inv_d = (1.0 / torch.diag(Hinv1)).tolist()
-        for i in range(i2 - i1):
-            col = i1 + i
-            if static:
-                scale, zero = static[group_list[col]]
-            elif col % gs == 0:  # a new group starts here, in quantization order
-                scale, zero = qparams(_upcoming(W, W1, Err1, Hinv, i1, i, gs), spec)
-                scales.append(scale)
-                zeros.append(zero)
-            s, z = scale[:, 0], zero[:, 0]  # (out,)
-            w = W1[:, i]  # (out,)
-            q = quantize(w, s, z, spec.maxq)
-            Q[:, col] = q
-            err = (w - s * (q - z)) * inv_d[i]  # (w − q) / [H⁻¹]_jj
-            Err1[:, i] = err
-            W1[:, i + 1:].addr_(err, Hinv1[i, i + 1:], alpha=-1.0)  # eq. 3, inside the block
+        # sub-blocks end at absolute multiples of `sub` (and at the block's end), so group starts align
+        for j1, j2 in _spans(i1, i2, sub):
+            for i in range(j1, j2):
+                col = i1 + i
+                if static:
+                    scale, zero = static[group_list[col]]
+                elif col % gs == 0:  # a new group starts here, in quantization order
+                    scale, zero = qparams(_upcoming(Wt, W1, Err1, Hinv, i1, i, gs), spec)
+                    scales.append(scale)
+                    zeros.append(zero)
+                s, z = scale[:, 0], zero[:, 0]  # (out,)
+                w = W1[i]  # (out,)
+                q = quantize(w, s, z, spec.maxq)
+                Q[col] = q
+                err = (w - s * (q - z)) * inv_d[i]  # (w − q) / [H⁻¹]_jj
+                Err1[i] = err
+                if i + 1 < j2:
+                    W1[i + 1:j2].addr_(Hinv1[i, i + 1:j2], err, alpha=-1.0)  # eq. 3, inside the sub-block
+            if j2 < b:
+                W1[j2:].addmm_(Hinv1[j1:j2, j2:].t(), Err1[j1:j2], alpha=-1.0)  # to the rest of the block
         loss += Err1.square().sum() / 2  # Σ (w − q)² / (2 [H⁻¹]_jj²)
-        W[:, i2:].addmm_(Err1, Hinv[i1:i2, i2:], alpha=-1.0)  # the block's lazy update to the rest
+        if i2 < in_f:
+            Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1.0)  # the block's lazy update to the rest
 
     if static:
         scales = [sc for sc, _ in static]
@@ -96,7 +112,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
     inv = torch.argsort(perm)
     g_idx = group_of[inv].to(torch.int32)
     qw = QuantizedWeight(
-        q=Q[:, inv].to(torch.int32),
+        q=Q[inv].t().to(torch.int32),
         scales=torch.cat(scales, dim=1),  # (out, groups)
         zeros=torch.cat(zeros, dim=1).to(torch.int32),
         g_idx=g_idx,
@@ -119,17 +135,24 @@ def _inverse_hessian_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
                       "raise --damp (e.g. 0.1) or use more calibration tokens")
 
 
-def _upcoming(W: torch.Tensor, W1: torch.Tensor, Err1: torch.Tensor, Hinv: torch.Tensor,
-              i1: int, i: int, gs: int) -> torch.Tensor:
-    """The next `gs` columns from block-local position i, with every update made so far applied.
+def _spans(i1: int, i2: int, sub: int) -> list[tuple[int, int]]:
+    """Block-local (start, stop) of the sub-blocks of columns [i1, i2), cut at absolute multiples of sub."""
+    cuts = [i1] + list(range((i1 // sub + 1) * sub, i2, sub)) + [i2]
+    return [(a - i1, b - i1) for a, b in zip(cuts, cuts[1:])]
 
-    Columns inside the block are current in W1; columns past the block (a group wider than the rest
-    of the block) still lack the lazy update from this block's first i columns, applied here.
+
+def _upcoming(Wt: torch.Tensor, W1: torch.Tensor, Err1: torch.Tensor, Hinv: torch.Tensor,
+              i1: int, i: int, gs: int) -> torch.Tensor:
+    """The next `gs` columns from block-local position i, with every update made so far applied, as
+    (out, gs). Layouts are transposed: Wt (in, out), W1 and Err1 (block, out).
+
+    Rows inside the block are current in W1 (i starts a sub-block); rows past the block (a group wider
+    than the rest of the block) still lack the lazy update from this block's first i rows, applied here.
     """
-    i2 = i1 + W1.shape[1]
-    inside = W1[:, i:i + gs]
-    missing = gs - inside.shape[1]
-    if missing <= 0:
-        return inside
-    beyond = W[:, i2:i2 + missing] - Err1[:, :i] @ Hinv[i1:i1 + i, i2:i2 + missing]
-    return torch.cat([inside, beyond], dim=1)
+    i2 = i1 + W1.shape[0]
+    inside = W1[i:i + gs]
+    missing = gs - inside.shape[0]
+    if missing > 0:
+        beyond = Wt[i2:i2 + missing] - Hinv[i1:i1 + i, i2:i2 + missing].t() @ Err1[:i]
+        inside = torch.cat([inside, beyond], dim=0)
+    return inside.t()

@@ -103,6 +103,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--recovery-lr", type=float, default=1e-4, help="the pruned 30-layer model starts close to its teacher")
     ap.add_argument("--phases", default="kd,ce,latency,recovery")
+    ap.add_argument("--student-dir", default="/tmp/gc-distill-bench-kd-student",
+                    help="the KD student is saved here, and a run with --phases latency alone reuses it")
     ap.add_argument("--eval-windows", type=int, default=32, help="protocol: 32 windows of 512 (fewer when time is short)")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -165,6 +167,7 @@ def main() -> None:
     if "kd" in phases:
         kd_student, res["kd"] = run(copy.deepcopy(base), {"kl": 1.0}, label="KD (forward KL, T=1)")
         res["kd"]["ppl"] = ppl(kd_student)
+        kd_student.save_pretrained(args.student_dir)
         plot_curve(res["kd"]["loss"], res["kd"]["held_out_ppl"], RESULTS / f"{name}_kd_curve.png", "KD: 30 -> 15 layers")
         save()
     if "ce" in phases:
@@ -176,15 +179,25 @@ def main() -> None:
         prompt = eval_w[0:1, :128]
         gen = 16 if args.quick else 64
         reps = 1 if args.quick else 5
+        if kd_student is None and (Path(args.student_dir) / "config.json").is_file():
+            kd_student = load_model(args.student_dir).model  # the KD student of an earlier run
+            res["latency_student"] = f"KD student loaded from {args.student_dir}"
         student = kd_student if kd_student is not None else base
         res["latency"] = {"prompt_len": 128, "gen_len": gen, "repeats": reps}
-        for label, model in (("teacher", teacher), ("student", student), ("teacher", teacher), ("student", student)):
+        # the architecture knob: 15 layers with MLPs at half width (latency only: it does not depend on training)
+        narrow, _ = derive_student(teacher, 0.5, mlp_ratio=0.5)
+        models = (("teacher", teacher), ("student", student), ("student_mlp_half", narrow))
+        for label, model in models + models:  # interleaved, twice: drift in machine speed hits all alike
             speed = generation_speed(model.eval(), prompt, gen, reps, 1)
             res["latency"].setdefault(label, []).append(speed["s_per_token"])
         t = statistics.median(res["latency"]["teacher"])
         s = statistics.median(res["latency"]["student"])
+        n = statistics.median(res["latency"]["student_mlp_half"])
         res["latency"]["ratio"] = s / t
-        log.info(f"  s/token teacher {t * 1e3:.1f} ms, student {s * 1e3:.1f} ms, ratio {s / t:.3f}")
+        res["latency"]["ratio_mlp_half"] = n / t
+        res["latency"]["params"] = {"teacher": n_params(teacher), "student": n_params(student), "student_mlp_half": n_params(narrow)}
+        log.info(f"  s/token teacher {t * 1e3:.1f} ms, student {s * 1e3:.1f} ms (ratio {s / t:.3f}), "
+                 f"half-width MLP student {n * 1e3:.1f} ms (ratio {n / t:.3f})")
         spec = measure_speculative(teacher, student, tok, prompt, gen, reps, 1)
         res["speculative"] = spec
         log.info(f"  speculative: speed-up {spec['speedup']:.2f}x acceptance {spec['acceptance_rate']:.2f}")
@@ -219,6 +232,8 @@ def _table(res: dict) -> None:
             print(f"| {label} | {value:.2f} |")
     if "latency" in res:
         print(f"\ntime per output token, student / teacher: {res['latency']['ratio']:.3f}")
+        if "ratio_mlp_half" in res["latency"]:
+            print(f"time per output token, half-width-MLP student / teacher: {res['latency']['ratio_mlp_half']:.3f}")
     if "recovery" in res:
         r = res["recovery"]
         print(f"recovery: pruned {r['pruned_ppl']:.2f} ({r['drift_before']:+.1%}) -> {r['recovered_ppl']:.2f} "

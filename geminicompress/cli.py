@@ -7,6 +7,7 @@ import typer
 from geminicompress import __version__
 from geminicompress.commands import distill, eval as eval_cmd, prune, quantize, recipes, run, validate
 from geminicompress.commands._common import setup_logging
+from geminicompress.memory import return_freed_memory
 
 app = typer.Typer(
     name="geminicompress",
@@ -32,6 +33,7 @@ def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
     setup_logging(verbose)
+    return_freed_memory()  # resident memory tracks live tensors (memory.py)
 
 
 app.command("quantize")(quantize.quantize)

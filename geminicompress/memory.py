@@ -1,0 +1,29 @@
+"""Give freed tensor memory back to the operating system (glibc), so resident memory tracks what is live.
+
+glibc serves allocations above a threshold with mmap and returns them on free, but it raises that
+threshold (up to 32 MB) every time such a block is freed. After that, the activation-sized buffers of
+layer-by-layer calibration (a few MB each) come from the heap, whose freed pages stay resident: on the
+demo model, GPTQ's resident memory grew by ~0.8 GB in the first layer that way (measured; 1.26 GB
+anonymous after layer 0 against 0.53 GB with a fixed threshold). Fixing the threshold at 1 MB (which
+also switches off the dynamic adjustment) keeps big buffers on mmap. A no-op where glibc is absent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+_M_MMAP_THRESHOLD = -3  # mallopt parameter numbers, from glibc's malloc.h
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def return_freed_memory() -> bool:
+    """Set glibc's mmap threshold to 1 MB; True if it was set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):  # musl or another libc without mallopt
+        return False

@@ -146,3 +146,14 @@ def test_blocked_solver_equals_the_textbook_algorithm(group, act_order, static_g
     qw, _ = gptq_quantize(W, _hessian(X), spec, block_size=block, act_order=act_order, static_groups=static_groups)
     ref = _textbook_gptq(W, _hessian(X), spec, act_order=act_order, static_groups=static_groups)
     assert (qw.q == ref).float().mean() > 0.995
+
+
+def test_hessian_accumulator_equals_two_over_n_xtx_over_uneven_batches():
+    from geminicompress.compress.hessian import HessianAccumulator
+
+    X = _correlated(n=300, d=12)
+    acc = HessianAccumulator(12)
+    for lo, hi in ((0, 7), (7, 107), (107, 300)):
+        acc.add_batch(X[lo:hi].view(1, hi - lo, 12))
+    torch.testing.assert_close(acc.H, 2 * X.T @ X / 300, rtol=1e-5, atol=1e-6)
+    assert acc.tokens == 300

@@ -18,7 +18,6 @@ class HessianAccumulator:
     def add_batch(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).to(self.H.device, torch.float32)  # (t, in)
         t = x.shape[0]
-        self.H *= self.tokens / (self.tokens + t)
+        # H ← H·n/(n+t) + 2/(n+t)·xᵀx in one call: no scaled copy of x
+        self.H.addmm_(x.t(), x, beta=self.tokens / (self.tokens + t), alpha=2.0 / (self.tokens + t))
         self.tokens += t
-        x = x * (2.0 / self.tokens) ** 0.5
-        self.H.addmm_(x.t(), x)

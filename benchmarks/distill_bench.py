@@ -105,12 +105,13 @@ def main() -> None:
     ap.add_argument("--phases", default="kd,ce,latency,recovery")
     ap.add_argument("--student-dir", default="/tmp/gc-distill-bench-kd-student",
                     help="the KD student is saved here, and a run with --phases latency alone reuses it")
+    ap.add_argument("--name", default=None, help="results file name (default distill_bench)")
     ap.add_argument("--eval-windows", type=int, default=32, help="protocol: 32 windows of 512 (fewer when time is short)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(0)
     log = Log()
-    name = "distill_bench_quick" if args.quick else "distill_bench"
+    name = args.name or ("distill_bench_quick" if args.quick else "distill_bench")
     out_json = RESULTS / f"{name}.json"
     res = json.loads(out_json.read_text()) if out_json.is_file() else {}
     res.update({"machine": machine(), "versions": versions(), "command": " ".join(sys.argv), "args": vars(args)})

@@ -31,16 +31,26 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA, RESULTS, ROOT, calibration_ids, ensure_llmc_venv, eval_windows, perplexity  # noqa: E402
 
-# (method, scope, sparsity, pattern), most important first: a run cut short still answers the bars.
-LLMC = ("llm-compressor sparsegpt", "layer", 0.5, None)
-CONFIGS = [("magnitude", "global", 0.4, None), ("magnitude", "global", 0.5, None),
-           ("magnitude", "layer", 0.4, None), ("magnitude", "layer", 0.5, None),
-           ("sparsegpt", "layer", 0.5, None), LLMC, ("wanda", "layer", 0.5, None),
-           ("sparsegpt", "layer", 0.5, "2:4"), ("wanda", "layer", 0.5, "2:4"), ("magnitude", "layer", 0.5, "2:4"),
-           ("wanda", "layer", 0.4, None), ("sparsegpt", "layer", 0.4, None)]
+# (method, scope, sparsity, pattern, true_sequential), most important first: a run cut short still answers
+# the bars. true_sequential=False is the papers' and llm-compressor's order (all statistics from the dense layer).
+LLMC = ("llm-compressor sparsegpt", "layer", 0.5, None, False)
+CONFIGS = [("magnitude", "global", 0.4, None, True), ("magnitude", "global", 0.5, None, True),
+           ("magnitude", "layer", 0.4, None, True), ("magnitude", "layer", 0.5, None, True),
+           ("sparsegpt", "layer", 0.5, None, True), LLMC, ("sparsegpt", "layer", 0.5, None, False),
+           ("wanda", "layer", 0.5, None, True), ("wanda", "layer", 0.5, None, False),
+           ("sparsegpt", "layer", 0.5, "2:4", True), ("wanda", "layer", 0.5, "2:4", True),
+           ("magnitude", "layer", 0.5, "2:4", True), ("wanda", "layer", 0.4, None, True),
+           ("sparsegpt", "layer", 0.4, None, True)]
+
+
+def label(config: tuple) -> str:
+    """e.g. sparsegpt-layer-0.5 or sparsegpt-layer-0.5-nts (not true-sequential), for --rows."""
+    method, scope, sparsity, pattern, seq = config
+    name = f"{method.split()[-1] if method.startswith('llm') else method}-{pattern or scope}-{sparsity}"
+    return ("llmc-" if method.startswith("llm") else "") + name + ("" if seq or method.startswith("llm") else "-nts")
 
 def prune_in_process(demo: Path, calib: torch.Tensor, method: str, scope: str, sparsity: float,
-                     pattern: str | None, work: Path) -> tuple[object, dict]:
+                     pattern: str | None, work: Path, true_sequential: bool = True) -> tuple[object, dict]:
     """Fresh demo model through the real prune stage (no export); returns (model, stage summary)."""
     from geminicompress.compress.prune.stage import run
     from geminicompress.models.loading import load_model
@@ -50,6 +60,8 @@ def prune_in_process(demo: Path, calib: torch.Tensor, method: str, scope: str, s
 
     loaded = load_model(str(demo))
     stage = {"type": "prune", "method": method, "scope": scope}
+    if method != "magnitude":
+        stage["true_sequential"] = true_sequential
     stage.update({"pattern": pattern} if pattern else {"sparsity": sparsity})
     data = str(DATA / "enwiki-sample.txt")
     recipe = Recipe(model=str(demo), calibration={"data": data, "samples": calib.shape[0], "seq_len": calib.shape[1]},
@@ -96,6 +108,8 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=32, help="calibration windows of 512 tokens")
     ap.add_argument("--eval-windows", type=int, default=32, help="perplexity windows of 512 tokens")
     ap.add_argument("--no-ref", action="store_true", help="skip llm-compressor")
+    ap.add_argument("--rows", default=None, help="only these rows, comma-separated labels "
+                    "(e.g. sparsegpt-layer-0.5-nts), appended to the existing results file")
     args = ap.parse_args()
     torch.set_num_threads(2)
 
@@ -112,6 +126,17 @@ def main() -> None:
     results: dict = {"protocol": {"calibration_windows": n_cal, "seq_len": 512, "eval_windows": n_eval,
                                   "eval_tokens": int(eval_ids.numel())},
                      "machine": machine(), "versions": versions(), "rows": []}
+    configs = CONFIGS
+    if args.rows:
+        wanted = args.rows.split(",")
+        unknown = set(wanted) - {label(c) for c in CONFIGS}
+        if unknown:
+            raise SystemExit(f"unknown rows {sorted(unknown)}; known: {', '.join(label(c) for c in CONFIGS)}")
+        configs = [c for c in CONFIGS if label(c) in wanted]
+        if result_path.is_file():  # append to the earlier run on the same protocol
+            earlier = json.loads(result_path.read_text())
+            if earlier["protocol"] == results["protocol"]:
+                results = earlier
 
     def save() -> None:
         result_path.write_text(json.dumps(results, indent=2) + "\n")
@@ -119,12 +144,13 @@ def main() -> None:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
-    t0 = time.perf_counter()
-    results["dense_ppl"] = perplexity(load_model(str(demo)).model, eval_ids)
-    log(f"dense ppl {results['dense_ppl']:.2f} ({time.perf_counter() - t0:.0f} s)")
-    save()
+    if "dense_ppl" not in results:
+        t0 = time.perf_counter()
+        results["dense_ppl"] = perplexity(load_model(str(demo)).model, eval_ids)
+        log(f"dense ppl {results['dense_ppl']:.2f} ({time.perf_counter() - t0:.0f} s)")
+        save()
     work = Path(tempfile.mkdtemp(prefix="prune-bench-"))
-    for method, scope, sparsity, pattern in CONFIGS:
+    for method, scope, sparsity, pattern, seq in configs:
         t0 = time.perf_counter()
         if method.startswith("llm-compressor"):
             if not args.no_ref:
@@ -139,9 +165,10 @@ def main() -> None:
                 log(f"llm-compressor sparsegpt {sparsity:.2f} -> {results['rows'][-1]['achieved']:.4f}  "
                     f"ppl {results['rows'][-1]['ppl']:8.2f}  ({time.perf_counter() - t0:.0f} s)")
             continue
-        model, summary = prune_in_process(demo, calib, method, scope, sparsity, pattern, work / "out")
+        model, summary = prune_in_process(demo, calib, method, scope, sparsity, pattern, work / "out", seq)
         ppl = perplexity(model, eval_ids)
         row = {"tool": "geminicompress", "method": method, "scope": scope, "pattern": pattern,
+               "true_sequential": seq if method != "magnitude" else None,
                "requested": summary["requested_sparsity"], "achieved": summary["achieved_sparsity"],
                "ppl": ppl, "prune_seconds": summary["prune_seconds"],
                "max_layer_sparsity": max(r["sparsity"] for r in summary["layers"]),
@@ -154,7 +181,7 @@ def main() -> None:
             log(f"global magnitude 40% timing: {timings}")
         results["rows"].append(row)
         save()
-        log(f"{method:9s} {pattern or scope:6s} {row['requested']:.2f} -> {row['achieved']:.4f}  ppl {ppl:8.2f}  "
+        log(f"{label((method, scope, sparsity, pattern, seq)):28s} {row['requested']:.2f} -> {row['achieved']:.4f}  ppl {ppl:8.2f}  "
             f"prune {row['prune_seconds']:.1f} s  ({time.perf_counter() - t0:.0f} s)")
         del model
     shutil.rmtree(work, ignore_errors=True)
@@ -166,7 +193,8 @@ def print_table(results: dict) -> None:
     print("|---|---|---|---|---|---|")
     print(f"| - | dense | - | 0 | {results['dense_ppl']:.2f} | - |")
     for r in results["rows"]:
-        print(f"| {r['tool']} | {r['method']} | {r['pattern'] or r['scope']} | {r['requested']:.0%} ({r['achieved']:.4f}) "
+        method = r["method"] + (" (not true-sequential)" if r.get("true_sequential") is False else "")
+        print(f"| {r['tool']} | {method} | {r['pattern'] or r['scope']} | {r['requested']:.0%} ({r['achieved']:.4f}) "
               f"| {r['ppl']:.2f} | {r['prune_seconds']:.1f} |")
 
 

@@ -67,6 +67,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--settings", default="w4-pc,w3-g64")
     ap.add_argument("--skip-llmc", action="store_true")
+    ap.add_argument("--reuse-llmc", default=None, metavar="JSON",
+                    help="take the llm-compressor rows from an earlier results file of the same protocol and "
+                         "machine instead of re-running them (marked in the rows)")
     ap.add_argument("--work", default=None, help="folder for checkpoints (default: a temporary one)")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -118,7 +121,14 @@ def main() -> None:
         row = {"setting": setting, "method": "ours GPTQ", **ours(demo, out, bits, group, samples)}
         row["ppl"] = round(perplexity(load_model(str(out)).model, eval_ids), 3)
         record(row)
-    for setting in [] if args.skip_llmc else settings:
+    if args.reuse_llmc:
+        earlier = json.loads(Path(args.reuse_llmc).read_text())
+        if earlier["calibration"] != meta["calibration"] or earlier["perplexity"] != meta["perplexity"]:
+            raise SystemExit(f"{args.reuse_llmc} used another protocol")
+        for row in earlier["rows"]:
+            if row["method"] == "llm-compressor GPTQ" and row["setting"] in settings:
+                record({**row, "reused_from": args.reuse_llmc})
+    for setting in [] if args.skip_llmc or args.reuse_llmc else settings:
         bits, group = SETTINGS[setting]
         out = work / f"llmc-{setting}"
         row = {"setting": setting, "method": "llm-compressor GPTQ", **llmc(demo, ids_file, out, bits, group)}

@@ -7,8 +7,8 @@ what was written to disk (ours loaded back through our AWQ / dense loaders). llm
 own venv (benchmarks/awq_llmc_ref.py) on the very same token ids and writes a dense fake-quantized
 checkpoint. Search time = wall time of the quantize stage (ours) / of `oneshot` (llm-compressor).
 
-  flock /tmp/gc-bench.lock python benchmarks/awq_bench.py            # 32 windows, 4-bit g64 and 3-bit g64
-  flock /tmp/gc-bench.lock python benchmarks/awq_bench.py --quick    # 2 layers, 4 windows: a smoke test
+  python benchmarks/awq_bench.py            # 32 windows, 4-bit g64 and 3-bit g64
+  python benchmarks/awq_bench.py --quick    # 2 layers, 4 windows: a smoke test
 
 llm-compressor's outputs are cached by (token-id hash, bits, group size) under --cache, so a rerun of
 this script reuses them; delete the cache to time them again.

@@ -1,6 +1,6 @@
 """Distillation benchmark on the demo model (SmolLM2-135M, 30 layers), CPU.
 
-Run under the shared lock:  flock /tmp/gc-bench.lock python benchmarks/distill_bench.py [--quick]
+Run alone on the machine:  python benchmarks/distill_bench.py [--quick]
 
 1. A 15-layer student (every other layer, first and last kept, weights copied) is trained for the same
    token budget on ../shared/data/enwiki-sample.txt (a) by knowledge distillation (forward KL to the

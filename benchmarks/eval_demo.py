@@ -6,7 +6,7 @@
 2. fp32 vs bf16 of the demo model through `evaluate` (the same code as `geminicompress eval`):
    perplexity, KL, top-1 agreement, TTFT/TPOT/throughput, memory, size.
 
-    flock /tmp/gc-bench.lock python benchmarks/eval_demo.py            # full run
+    python benchmarks/eval_demo.py            # full run
     python benchmarks/eval_demo.py --quick                             # 4 windows, short timings
 Writes benchmarks/results/eval_demo.json and the eval report under benchmarks/results/eval_demo/.
 """
@@ -88,7 +88,7 @@ def main() -> None:
         "machine": machine(),
         "versions": versions(),
         "threads": args.threads,
-        "command": "flock /tmp/gc-bench.lock python benchmarks/eval_demo.py" + (" --quick" if args.quick else "")
+        "command": "python benchmarks/eval_demo.py" + (" --quick" if args.quick else "")
         + (f" --threads {args.threads}" if args.threads != 2 else ""),
     }
     name = "eval_demo_quick" if args.quick else "eval_demo"

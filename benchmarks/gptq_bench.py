@@ -10,8 +10,8 @@ default "static" actorder), block 128, damp 0.01. Ours runs as the CLI in a chil
 compressed-tensors output); both checkpoints are evaluated with our loaders and the same perplexity
 code. Peak RSS is the child process's maximum resident set (os.wait4), the whole run included.
 
-  flock /tmp/gc-bench.lock python benchmarks/gptq_bench.py            # 128 windows, both settings
-  flock /tmp/gc-bench.lock python benchmarks/gptq_bench.py --quick    # 8 windows, ppl on 8 windows
+  python benchmarks/gptq_bench.py            # 128 windows, both settings
+  python benchmarks/gptq_bench.py --quick    # 8 windows, ppl on 8 windows
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ Decode: a 128-token prompt, then 32 greedy steps with a KV cache, batch 1; the m
 all repeats is the time per output token (TPOT). Prefill: one forward of a 512-token window. Timings are
 interleaved across variants (round robin) so that machine load drifts hit every variant alike.
 
-    flock /tmp/gc-bench.lock python benchmarks/int8_bench.py            # full run
-    flock /tmp/gc-bench.lock python benchmarks/int8_bench.py --quick    # 8 windows, 2 repeats
+    python benchmarks/int8_bench.py            # full run
+    python benchmarks/int8_bench.py --quick    # 8 windows, 2 repeats
 
 torchao is optional: when it is not importable, the script creates /work/venvs/torchao
 (--system-site-packages, `pip install --no-deps torchao`) and re-runs itself there; --no-torchao skips it.

@@ -9,9 +9,9 @@ copy of the model; llm-compressor's SparseGPTModifier (block 128, dampening 0.01
 (prune_llmc_ref.py) and its dense output is evaluated with the same perplexity code.
 Also: the time of global magnitude pruning of the demo model (threshold + masks + zeroing), median of 3.
 
-  flock /tmp/gc-bench.lock python benchmarks/prune_bench.py            # 32 calibration windows, ppl on 32
-  flock /tmp/gc-bench.lock python benchmarks/prune_bench.py --windows 8 --eval-windows 16   # what fit here
-  flock /tmp/gc-bench.lock python benchmarks/prune_bench.py --quick    # 2 windows, ppl on 4 windows
+  python benchmarks/prune_bench.py            # 32 calibration windows, ppl on 32
+  python benchmarks/prune_bench.py --windows 8 --eval-windows 16   # what fit here
+  python benchmarks/prune_bench.py --quick    # 2 windows, ppl on 4 windows
 """
 
 from __future__ import annotations

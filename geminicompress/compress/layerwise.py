@@ -16,6 +16,7 @@ storing activations on disk.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -186,8 +187,10 @@ def run_layerwise(model: nn.Module, windows: torch.Tensor, process: LayerFn, *, 
                 _save(state_dir, i, layer, summary, tensors)
             kept.update({f"{i}.{k}": v for k, v in tensors.items()})
             summaries.append({"layer": i, **summary})
-            outputs = job.outputs if job is not None and job.outputs is not None else None
-            inputs = LayerInputs(outputs or forward_layer(layer, inputs, device), inputs.kwargs)
+            outputs = job.outputs if job is not None else None  # a one-pass method already ran the layer
+            if outputs is None:
+                outputs = forward_layer(layer, inputs, device)
+            inputs = LayerInputs(outputs, inputs.kwargs)
             layer.to("cpu" if device.type != "cpu" else device)
             bar.advance(1, **{k: v for k, v in summary.items() if isinstance(v, (int, float)) and k != "layer"})
     _move_outside_layers(model, layers, torch.device("cpu"))
@@ -222,6 +225,22 @@ def _restore(state_dir: Path | None, i: int, layer: nn.Module) -> tuple[dict, di
     layer.to(device)
     tensors = {k[5:]: v for k, v in flat.items() if k.startswith("kept.")}
     return json.loads(meta.read_text()), tensors
+
+
+@contextmanager
+def solver_threads(device: torch.device) -> Iterator[None]:
+    """One CPU thread for a column-by-column solver (GPTQ, SparseGPT): its loop is thousands of ops on
+    (out,)-sized vectors, where a second thread only adds synchronisation (measured: 0.25 s vs 6 s for a
+    1536x576 weight on a busy 2-core machine). GPUs are unaffected."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def iter_linears(layer: nn.Module, arch: Arch) -> Iterator[tuple[str, nn.Linear]]:

@@ -16,9 +16,8 @@ The codes/scales/zeros/g_idx are kept and packed at export (packing/export.py).
 from __future__ import annotations
 
 import re
-from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -27,7 +26,7 @@ from geminicompress.compress.arch import Arch, arch_for, get_module
 from geminicompress.compress.gptq.solver import gptq_quantize
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec
 from geminicompress.compress.hessian import HessianAccumulator
-from geminicompress.compress.layerwise import LayerJob, layer_output, run_layerwise
+from geminicompress.compress.layerwise import LayerJob, layer_output, run_layerwise, solver_threads
 from geminicompress.compress.packing.export import check_exportable, export_quantized, scale_dtype
 from geminicompress.errors import GeminiError, InputError
 
@@ -111,7 +110,7 @@ def _solve_group(job: LayerJob, group: list[str], H: torch.Tensor, *, cfg: GPTQS
     modules = [job.module(n) for n in group]
     W = torch.cat([m.weight.data for m in modules])  # rows stacked: (Σ out, in)
     try:
-        with _solver_threads(job.device):
+        with solver_threads(job.device):
             qw, loss = gptq_quantize(W, H, spec, damp=cfg.damp, block_size=cfg.block_size,
                                      act_order=cfg.act_order, static_groups=cfg.static_groups)
     except GeminiError as exc:
@@ -124,22 +123,6 @@ def _solve_group(job: LayerJob, group: list[str], H: torch.Tensor, *, cfg: GPTQS
         module.weight.data.copy_(part.dequantize())
         kept.update({f"{name}.{k}": v for k, v in _kept(part).items()})
     losses["/".join(group)] = loss
-
-
-@contextmanager
-def _solver_threads(device: torch.device) -> Iterator[None]:
-    """One CPU thread for the solver: its column loop is thousands of ops on (out,)-sized vectors, where
-    a second thread only adds synchronisation (measured: 0.25 s vs 6 s for a 1536x576 weight on a busy
-    2-core machine). GPUs are unaffected."""
-    if device.type != "cpu":
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _collect_hessians(job: LayerJob, groups: list[list[str]], batch: int = 4) -> list[torch.Tensor]:

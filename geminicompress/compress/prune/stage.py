@@ -19,8 +19,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -28,7 +27,7 @@ from safetensors.torch import save_file
 
 from geminicompress.compress.arch import Arch, arch_for, get_module
 from geminicompress.compress.hessian import HessianAccumulator
-from geminicompress.compress.layerwise import LayerJob, run_layerwise
+from geminicompress.compress.layerwise import LayerJob, run_layerwise, solver_threads
 from geminicompress.compress.prune import report
 from geminicompress.compress.prune.bitmask import bitmask_exporter
 from geminicompress.compress.prune.load import MASKS_FILE
@@ -97,19 +96,6 @@ def _magnitude(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern 
     return dict(zip(targets, keeps)), extra
 
 
-@contextmanager
-def _solver_threads(device: torch.device) -> Iterator[None]:
-    """One CPU thread for the SparseGPT column loop (thousands of small vector ops, where more threads
-    only add synchronisation; the GPTQ stage measured 0.25 s vs 6 s per weight). GPUs are unaffected."""
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _layer_fn(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern | None):
     """The per-decoder-layer step of Wanda / SparseGPT for `run_layerwise`."""
 
@@ -134,7 +120,7 @@ def _layer_fn(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern |
                     keep = wanda_mask(W, stats[n].norms(), cfg.sparsity, pattern)
                     W.masked_fill_(~keep, 0.0)
                 else:
-                    with _solver_threads(job.device):
+                    with solver_threads(job.device):
                         new, keep = sparsegpt_prune(W, stats[n].H, cfg.sparsity, pattern, cfg.block_size, cfg.damp)
                     W.copy_(new)
                 kept[f"{n}.keep"] = keep.cpu()

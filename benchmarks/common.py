@@ -72,15 +72,17 @@ def ensure_llmc_venv() -> Path:
 
 
 def run_child(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
-    """Run cmd from the repository root; return (wall seconds, the child's peak RSS in GiB, its output).
+    """Run cmd from the repository root; return (wall seconds, the child's own peak RSS in GiB, its output).
+    The peak is taken through peak_rss.py (see there: a child's ru_maxrss includes this process's peak).
     Raises RuntimeError with the output's tail when it fails."""
     t0 = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=ROOT)
-        _, status, usage = os.wait4(proc.pid, 0)
-        code = os.waitstatus_to_exitcode(status)
+    with tempfile.TemporaryFile("w+") as out, tempfile.NamedTemporaryFile("r") as rss:
+        wrapped = [sys.executable, str(ROOT / "benchmarks" / "peak_rss.py"), rss.name, "--", *map(str, cmd)]
+        code = subprocess.run(wrapped, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                              cwd=ROOT).returncode
         out.seek(0)
         text = out.read()
+        kib = int(rss.read() or 0)
     if code != 0:
         raise RuntimeError(f"{' '.join(map(str, cmd[:3]))} failed ({code}):\n{text[-3000:]}")
-    return time.perf_counter() - t0, usage.ru_maxrss / 2**20, text
+    return time.perf_counter() - t0, kib / 2**20, text

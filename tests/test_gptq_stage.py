@@ -171,3 +171,29 @@ def test_cli_writes_gptq_with_a_report(tiny_dir, text_file, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["export"]["format"] == "gptq" and report["export"]["quantized_modules"] == 14
     assert load_model(str(out)).format == "gptq"
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_neox"])
+def test_bfloat16_calibration_keeps_float32_weights_on_the_grid_and_matches_float32_quality(tmp_path, text_file, kind):
+    """calib_dtype bfloat16: layers compute in bf16 while calibrating, but the model comes back float32,
+    every weight is exactly the dequantized code the export writes, and the output error is about the
+    float32 calibration's (GPTQ's error feedback turns bf16 noise into different roundings of many
+    weights, so codes are not compared one by one) and below round-to-nearest's."""
+    from geminicompress.data.windows import calibration_windows
+
+    src = save_tiny(tmp_path / kind, kind)
+    ref, _ = _quantize(src, tmp_path / "f32", text_file, bits=3, group_size=-1, format="gptq")
+    model, _ = _quantize(src, tmp_path / "bf16", text_file, bits=3, group_size=-1, format="gptq",
+                         calib_dtype="bfloat16")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    back = load_model(str(tmp_path / "bf16")).model  # dequantized from the packed codes
+    ids = calibration_windows(tiny_tokenizer(), str(text_file), 4, 64, seed=1)
+    torch.testing.assert_close(_logits(back, ids), _logits(model, ids), atol=1e-4, rtol=1e-4)
+    rtn = load_model(str(src)).model
+    with torch.no_grad():
+        for name, module in rtn.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in name:
+                module.weight.data = rtn_quantize(module.weight.data, QuantSpec(3, -1)).dequantize()
+    target = _logits(load_model(str(src)).model, ids)
+    err = {k: float(((_logits(m, ids) - target) ** 2).mean()) for k, m in [("f32", ref), ("bf16", model), ("rtn", rtn)]}
+    assert err["bf16"] < 1.25 * err["f32"] and err["bf16"] < err["rtn"]

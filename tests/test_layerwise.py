@@ -58,3 +58,30 @@ def test_unsupported_architecture_names_supported_ones():
     model.config.model_type = "bloom"
     with pytest.raises(InputError, match="supported: .*llama"):
         arch_for(model)
+
+
+def test_computing_in_runs_bf16_and_hands_back_the_float32_masters():
+    from geminicompress.compress.layerwise import computing_in
+
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    original = layer[0].weight.data.clone()
+    exact = torch.full((8, 8), 1 / 3)  # not representable in bf16
+    with computing_in(layer, torch.bfloat16) as master:
+        assert layer[0].weight.dtype == torch.bfloat16 and layer(torch.ones(1, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+        torch.testing.assert_close(master["0.weight"], original, atol=0, rtol=0)
+        master["0.weight"].copy_(exact)
+    assert layer[0].weight.dtype == torch.float32 and torch.equal(layer[0].weight.data, exact)
+    with computing_in(layer, torch.float32) as master:
+        assert master is None
+
+
+def test_hessian_from_bf16_inputs_is_within_a_percent_of_float32():
+    from geminicompress.compress.hessian import HessianAccumulator
+
+    x = torch.randn(4, 256, 48, generator=torch.Generator().manual_seed(0)).bfloat16()
+    f32, b16 = HessianAccumulator(48), HessianAccumulator(48)
+    for batch in x:
+        f32.add_batch(batch.float())
+        b16.add_batch(batch)
+    assert b16.H.dtype == torch.float32
+    assert float((b16.H - f32.H).norm() / f32.H.norm()) < 0.01

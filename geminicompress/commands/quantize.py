@@ -29,6 +29,7 @@ def quantize(
     one_pass: Optional[bool] = typer.Option(None, "--one-pass/--multi-pass", help="gptq true-sequential: one pass over the windows per layer (default; holds a layer's activations for every window) or one pass per group of linears (less memory, slower)."),
     damp: Optional[float] = typer.Option(None, "--damp", help="gptq: dampening as a fraction of the mean Hessian diagonal (default 0.01)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="gptq: columns per lazy-update block (default 128)."),
+    calib_dtype: Optional[str] = typer.Option(None, "--calib-dtype", help="gptq: float32 (default) or bfloat16: the dtype layers compute in while calibrating; the solver and the saved weights stay float32. bfloat16 is faster on GPUs and on CPUs with AVX512-BF16."),
     smoothquant_alpha: Optional[float] = typer.Option(None, "--smoothquant-alpha", help="w8a8: SmoothQuant strength in [0, 1], calibrated on --data."),
     clip: Optional[bool] = typer.Option(None, "--clip/--no-clip", help="awq: search a clipping range per group (default on)."),
     n_grid: Optional[int] = typer.Option(None, "--n-grid", help="awq: points in the alpha grid (default 20)."),
@@ -59,6 +60,7 @@ def quantize(
     given = {
         "bits": bits, "group_size": group_size, "sym": sym, "zero_point": zero_point, "act_order": act_order,
         "static_groups": static_groups, "true_sequential": true_sequential, "one_pass": one_pass, "damp": damp, "block_size": block_size,
+        "calib_dtype": calib_dtype,
         "smoothquant_alpha": smoothquant_alpha, "clip": clip, "n_grid": n_grid, "search_results": search_results,
         "ignore": ignore or None, "format": format,
     }

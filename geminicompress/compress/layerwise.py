@@ -7,6 +7,11 @@ The GPTQ paper's memory-bounded scheme:
    layer over the inputs to get the next layer's inputs; move it back.
 Only one decoder layer and one set of activations are on the device at a time.
 
+Calibration dtype: the layer may compute in bfloat16 (`calib_dtype`) while its weights stay float32:
+the forward passes and the activations between layers are bfloat16 (about 1.7x faster matmuls on a CPU
+with AVX512-BF16, half the activation memory), while a method reads and writes the float32 master weights
+through `LayerJob.weight`/`set_weight`, so what it solves and exports is not rounded to bfloat16.
+
 Resumable: after each layer, its weights (and any tensors the method wants to keep, e.g. integer codes
 for packing) go to `state_dir/layer_XXXX.safetensors` with a JSON summary. A restarted run restores the
 finished layers and recomputes the activations through them (cheap next to the solver) instead of
@@ -47,12 +52,35 @@ class LayerInputs:
     kwargs: dict[str, Any]
 
 
-def _to(value: Any, device: torch.device) -> Any:
+def _to(value: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
+    """value on device; its floating tensors (rotary cos/sin, an additive mask) also in dtype when given."""
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        return value.to(device, dtype) if dtype is not None and value.is_floating_point() else value.to(device)
     if isinstance(value, tuple):
-        return tuple(_to(v, device) for v in value)
+        return tuple(_to(v, device, dtype) for v in value)
     return value
+
+
+@contextmanager
+def computing_in(layer: nn.Module, dtype: torch.dtype) -> Iterator[dict[str, torch.Tensor] | None]:
+    """Run the layer in `dtype` inside the block; yields the float parameters it had ({name: tensor}, the
+    master copies a method updates), or None when the layer already computes in dtype. Afterwards the
+    layer holds the master tensors again (with whatever the method wrote into them)."""
+    params = dict(layer.named_parameters())
+    if all(p.dtype == dtype for p in params.values()):
+        yield None
+        return
+    master = {n: p.data for n, p in params.items()}
+    buffers = {n: b for n, b in layer.named_buffers()}
+    layer.to(dtype)
+    try:
+        yield master
+    finally:
+        for n, p in params.items():
+            p.data = master[n]
+        for n, b in buffers.items():
+            owner, _, leaf = n.rpartition(".")
+            layer.get_submodule(owner)._buffers[leaf] = b
 
 
 def _move_outside_layers(model: nn.Module, layers: nn.ModuleList, device: torch.device) -> None:
@@ -69,8 +97,9 @@ def _move_outside_layers(model: nn.Module, layers: nn.ModuleList, device: torch.
 
 @torch.no_grad()
 def capture_inputs(model: nn.Module, windows: torch.Tensor, device: torch.device,
-                   storage: torch.device = torch.device("cpu")) -> LayerInputs:
-    """Run each window (n, T) up to decoder layer 0 and record that layer's inputs."""
+                   storage: torch.device = torch.device("cpu"), dtype: torch.dtype | None = None) -> LayerInputs:
+    """Run each window (n, T) up to decoder layer 0 and record that layer's inputs (floating tensors cast
+    to `dtype` when given: the dtype the layers will compute in)."""
     layers = get_module(model, arch_for(model).layers)
     _move_outside_layers(model, layers, device)
     hidden: list[torch.Tensor] = []
@@ -78,7 +107,7 @@ def capture_inputs(model: nn.Module, windows: torch.Tensor, device: torch.device
 
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         h = args[0] if args else kwargs["hidden_states"]
-        hidden.append(h.detach().to(storage))
+        hidden.append(h.detach().to(storage, dtype or h.dtype))
         if not captured:
             captured.update({k: v for k, v in kwargs.items() if k != "hidden_states"})
         raise _StopForward
@@ -94,7 +123,7 @@ def capture_inputs(model: nn.Module, windows: torch.Tensor, device: torch.device
         handle.remove()
     for key in ("cache", "past_key_values", "past_key_value", "use_cache"):
         captured.pop(key, None)
-    kwargs = {k: _to(v, device) for k, v in captured.items()}
+    kwargs = {k: _to(v, device, dtype) for k, v in captured.items()}
     return LayerInputs(hidden, kwargs)
 
 
@@ -134,6 +163,7 @@ class LayerJob:
     device: torch.device
     arch: Arch
     outputs: list[torch.Tensor] | None = None  # set by `one_pass`: the next layer's inputs, already computed
+    master: dict[str, torch.Tensor] | None = None  # float32 parameters while the layer computes in a lower dtype
 
     def forward(self, observe: dict[nn.Module, Callable[[torch.Tensor, torch.Tensor], None]] | None = None,
                 keep_outputs: bool = False) -> list[torch.Tensor]:
@@ -141,6 +171,16 @@ class LayerJob:
 
     def module(self, name: str) -> nn.Module:
         return get_module(self.layer, name)
+
+    def weight(self, name: str) -> torch.Tensor:
+        """Linear `name`'s weight at full precision (the master copy when the layer computes in bfloat16)."""
+        return self.master[f"{name}.weight"] if self.master is not None else self.module(name).weight.data
+
+    def set_weight(self, name: str, value: torch.Tensor) -> None:
+        """Write a solved weight into the master copy and into the weight the layer computes with."""
+        self.weight(name).copy_(value)
+        if self.master is not None:
+            self.module(name).weight.data.copy_(value)
 
     def one_pass(self, groups: list[list[str]], observe: Callable[[int, torch.Tensor], None],
                  solve: Callable[[int], None], batch: int = 4) -> None:
@@ -160,9 +200,12 @@ LayerFn = Callable[[LayerJob], tuple[dict[str, Any], dict[str, torch.Tensor]]]
 
 
 def run_layerwise(model: nn.Module, windows: torch.Tensor, process: LayerFn, *, device: torch.device,
-                  progress: Progress | None = None, state_dir: Path | None = None,
-                  description: str = "layers") -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+                  progress: Progress | None = None, state_dir: Path | None = None, description: str = "layers",
+                  calib_dtype: torch.dtype | None = None) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
     """Apply `process` to every decoder layer in order, feeding each layer the modified previous one.
+
+    calib_dtype: the dtype the layers compute in during calibration (None: their own). With a lower one,
+    `process` must read and write weights through `LayerJob.weight`/`set_weight`.
 
     Returns the per-layer summaries and the kept tensors of all layers, keyed
     `"<layer index>.<name>"` as the method named them (e.g. "3.self_attn.q_proj.q").
@@ -170,26 +213,28 @@ def run_layerwise(model: nn.Module, windows: torch.Tensor, process: LayerFn, *, 
     progress = progress or NullProgress()
     arch = arch_for(model)
     layers = get_module(model, arch.layers)
-    inputs = capture_inputs(model, windows, device)
+    inputs = capture_inputs(model, windows, device, dtype=calib_dtype)
     summaries: list[dict[str, Any]] = []
     kept: dict[str, torch.Tensor] = {}
     with progress.task(description, total=len(layers)) as bar:
         for i, layer in enumerate(layers):
             layer.to(device)
             done = _restore(state_dir, i, layer)
-            job = None
-            if done is not None:
-                summary, tensors = done
-                summary = {**summary, "resumed": True}
-            else:
-                job = LayerJob(i, layer, inputs, device, arch)
-                summary, tensors = process(job)
-                _save(state_dir, i, layer, summary, tensors)
+            with computing_in(layer, calib_dtype or next(layer.parameters()).dtype) as master:
+                job = None
+                if done is not None:
+                    summary, tensors = done
+                    summary = {**summary, "resumed": True}
+                else:
+                    job = LayerJob(i, layer, inputs, device, arch, master=master)
+                    summary, tensors = process(job)
+                outputs = job.outputs if job is not None else None  # a one-pass method already ran the layer
+                if outputs is None:
+                    outputs = forward_layer(layer, inputs, device)
+            if job is not None:
+                _save(state_dir, i, layer, summary, tensors)  # the master weights, after computing_in
             kept.update({f"{i}.{k}": v for k, v in tensors.items()})
             summaries.append({"layer": i, **summary})
-            outputs = job.outputs if job is not None else None  # a one-pass method already ran the layer
-            if outputs is None:
-                outputs = forward_layer(layer, inputs, device)
             inputs = LayerInputs(outputs, inputs.kwargs)
             layer.to("cpu" if device.type != "cpu" else device)
             bar.advance(1, **{k: v for k, v in summary.items() if isinstance(v, (int, float)) and k != "layer"})

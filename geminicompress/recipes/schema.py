@@ -65,6 +65,9 @@ class GPTQStage(_StageBase):
                            "window's activations of one layer); false re-runs the layer per group (less memory)")
     damp: float = Field(0.01, gt=0.0, lt=1.0, description="dampening, fraction of the mean Hessian diagonal")
     block_size: int = Field(128, ge=1)
+    calib_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype the layers compute in while calibrating (forwards and Hessian products); "
+        "the solver always works on float32 weights. bfloat16 is faster on GPUs and on CPUs with AVX512-BF16/AMX")
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
     format: Literal["gptq", "compressed-tensors", "dense"] = "gptq"
 

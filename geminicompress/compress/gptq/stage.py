@@ -10,6 +10,8 @@ that layer and its activations on the device; quantized outputs feed the next la
    quantized (the paper's order): by default in one pass over the windows that pauses before each
    group (onepass.py), or with `one_pass` off by re-running the layer per group (less memory);
    without `true_sequential`, all Hessians of the layer come from one pass of the unquantized layer.
+With `calib_dtype: bfloat16` the layer computes (forwards, Hessian products) in bfloat16 while the
+solver reads and writes float32 master weights (layerwise.computing_in).
 The codes/scales/zeros/g_idx are kept and packed at export (packing/export.py).
 """
 
@@ -61,10 +63,11 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
     process = partial(_quantize_layer, cfg=cfg, spec=spec, scales_as=scales_as,
                       targets={n.removeprefix(layers_path) for n in targets})
     summaries, kept = run_layerwise(model, windows, process, device=ctx.device, progress=ctx.progress,
-                                    state_dir=ctx.state_dir, description=f"gptq {spec.bits}-bit")
+                                    state_dir=ctx.state_dir, description=f"gptq {spec.bits}-bit",
+                                    calib_dtype=getattr(torch, cfg.calib_dtype))
     qweights = _collect(kept, spec, layers_path)
     meta = {"dtype": ctx.recipe.output.dtype, "act_order": cfg.act_order, "static_groups": cfg.static_groups,
-            "true_sequential": cfg.true_sequential, "damp": cfg.damp}
+            "true_sequential": cfg.true_sequential, "damp": cfg.damp, "calib_dtype": cfg.calib_dtype}
     ctx.exporter = lambda m, tok, out: export_quantized(m, tok, out, qweights, cfg.format, meta)
     return {
         "bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym, "format": cfg.format,
@@ -108,7 +111,7 @@ def _solve_group(job: LayerJob, group: list[str], H: torch.Tensor, *, cfg: GPTQS
     """GPTQ on the group's stacked weight (rows are independent given H); write the fake-quantized
     weights back in place (the loaded weights' memory is reused) and keep the codes for export."""
     modules = [job.module(n) for n in group]
-    W = torch.cat([m.weight.data for m in modules])  # rows stacked: (Σ out, in)
+    W = torch.cat([job.weight(n) for n in group])  # rows stacked: (Σ out, in), float32 master weights
     try:
         with solver_threads(job.device):
             qw, loss = gptq_quantize(W, H, spec, damp=cfg.damp, block_size=cfg.block_size,
@@ -120,7 +123,7 @@ def _solve_group(job: LayerJob, group: list[str], H: torch.Tensor, *, cfg: GPTQS
     for name, module in zip(group, modules):
         part = _rows(qw, start, start + module.out_features)
         start += module.out_features
-        module.weight.data.copy_(part.dequantize())
+        job.set_weight(name, part.dequantize())
         kept.update({f"{name}.{k}": v for k, v in _kept(part).items()})
     losses["/".join(group)] = loss
 

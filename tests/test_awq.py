@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-import torch.nn as nn
 from typer.testing import CliRunner
 
 from geminicompress.cli import app

@@ -10,7 +10,7 @@ from geminicompress.cli import app
 from geminicompress.compress.arch import arch_for, get_module
 from geminicompress.compress.grid import QuantSpec, rtn_quantize
 from geminicompress.compress.packing.qlinear import DequantLinear
-from geminicompress.models.loading import LoadedModel, load_model, resolve_model
+from geminicompress.models.loading import load_model, resolve_model
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage
 from tiny import save_tiny, tiny_tokenizer

@@ -106,6 +106,8 @@ def main() -> None:
     ap.add_argument("--student-dir", default="/tmp/gc-distill-bench-kd-student",
                     help="the KD student is saved here, and a run with --phases latency alone reuses it")
     ap.add_argument("--name", default=None, help="results file name (default distill_bench)")
+    ap.add_argument("--mlp-ratio", type=float, default=1.0,
+                    help="student MLP width as a fraction of the teacher's (0.5: half-width MLPs, the latency knob)")
     ap.add_argument("--eval-windows", type=int, default=32, help="protocol: 32 windows of 512 (fewer when time is short)")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -159,8 +161,9 @@ def main() -> None:
     if "teacher_ppl" not in res or args.quick:
         res["teacher_ppl"] = ppl(teacher)
         save()
-    base, kept = derive_student(teacher, 0.5)
-    res["student"] = {"kept_layers": kept, "params": n_params(base), "teacher_params": n_params(teacher)}
+    base, kept = derive_student(teacher, 0.5, mlp_ratio=args.mlp_ratio)
+    res["student"] = {"kept_layers": kept, "mlp_ratio": args.mlp_ratio, "params": n_params(base),
+                      "teacher_params": n_params(teacher)}
     if "kd" in phases or "ce" in phases:
         res["undistilled_ppl"] = ppl(base)
         save()

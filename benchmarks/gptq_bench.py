@@ -8,7 +8,11 @@ Settings per row: symmetric int weights, lm_head in float, act-order with static
 default "static" actorder), block 128, damp 0.01. Ours runs as the CLI in a child process
 (`geminicompress quantize ... --format gptq`), llm-compressor in its own venv (gptq_llmc_ref.py,
 compressed-tensors output); both checkpoints are evaluated with our loaders and the same perplexity
-code. Peak RSS is the child process's maximum resident set (os.wait4), the whole run included.
+code. Peak RSS is the child process's own maximum resident set, the whole run included (measured
+through peak_rss.py: a child's ru_maxrss would include this parent's peak).
+--calib-dtypes float32,bfloat16 adds our bf16-calibration rows; --llmc-dtypes float32,bfloat16 adds
+llm-compressor on the model loaded in bf16 (it calibrates in the model's dtype), so that a bf16 speed-up
+is compared with the reference's own bf16 speed-up too.
 
   python benchmarks/gptq_bench.py            # 128 windows, both settings
   python benchmarks/gptq_bench.py --quick    # 8 windows, ppl on 8 windows
@@ -30,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA, RESULTS, ROOT, calibration_ids, ensure_llmc_venv, eval_windows, perplexity, round_to_nearest, run_child  # noqa: E402
 
 SETTINGS = {"w4-pc": (4, -1), "w3-g64": (3, 64)}
+OURS = {"float32": "ours GPTQ", "bfloat16": "ours GPTQ, bf16 calibration"}
+LLMC = {"float32": "llm-compressor GPTQ", "bfloat16": "llm-compressor GPTQ, bf16 model"}
 
 
 def rtn_model(demo: Path, bits: int, group: int):
@@ -38,11 +44,11 @@ def rtn_model(demo: Path, bits: int, group: int):
     return round_to_nearest(load_model(str(demo)).model, bits, group, sym=True)
 
 
-def ours(demo: Path, out: Path, bits: int, group: int, samples: int) -> dict:
+def ours(demo: Path, out: Path, bits: int, group: int, samples: int, calib_dtype: str) -> dict:
     cmd = [sys.executable, "-m", "geminicompress", "quantize", str(demo), "-o", str(out), "--method", "gptq",
            "--bits", str(bits), "--group-size", str(group), "--sym", "--act-order", "--static-groups",
            "--data", str(DATA / "enwiki-sample.txt"), "--samples", str(samples), "--calib-seq-len", "512",
-           "--format", "gptq", "--device", "cpu", "--force", "--quiet"]
+           "--calib-dtype", calib_dtype, "--format", "gptq", "--device", "cpu", "--force", "--quiet"]
     wall, rss, _ = run_child(cmd, {"OMP_NUM_THREADS": "2"})
     report = json.loads((out / "report.json").read_text())
     stage = report["stages"][0]
@@ -51,10 +57,10 @@ def ours(demo: Path, out: Path, bits: int, group: int, samples: int) -> dict:
             "layer_errors": [round(layer["err"], 4) for layer in stage["result"]["layers"]]}
 
 
-def llmc(demo: Path, ids_file: Path, out: Path, bits: int, group: int) -> dict:
+def llmc(demo: Path, ids_file: Path, out: Path, bits: int, group: int, dtype: str) -> dict:
     python = ensure_llmc_venv()
     cmd = [str(python), str(ROOT / "benchmarks" / "gptq_llmc_ref.py"), "--model", str(demo), "--ids", str(ids_file),
-           "--bits", str(bits), "--group-size", str(group), "--out", str(out)]
+           "--bits", str(bits), "--group-size", str(group), "--out", str(out), "--dtype", dtype]
     wall, rss, text = run_child(cmd, {"OMP_NUM_THREADS": "2"})
     line = [ln for ln in text.splitlines() if ln.startswith("{")][-1]
     return {"quantize_seconds": round(json.loads(line)["seconds"], 1), "process_seconds": round(wall, 1),
@@ -70,6 +76,10 @@ def main() -> None:
     ap.add_argument("--reuse-llmc", default=None, metavar="JSON",
                     help="take the llm-compressor rows from an earlier results file of the same protocol and "
                          "machine instead of re-running them (marked in the rows)")
+    ap.add_argument("--calib-dtypes", default="float32",
+                    help="ours: one row per calibration dtype (float32, bfloat16); the solver is float32 in both")
+    ap.add_argument("--llmc-dtypes", default="float32",
+                    help="llm-compressor: one row per model dtype it is loaded in (float32, bfloat16)")
     ap.add_argument("--work", default=None, help="folder for checkpoints (default: a temporary one)")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -117,21 +127,23 @@ def main() -> None:
         model = rtn_model(demo, bits, group)
         record({"setting": setting, "method": "RTN", "quantize_seconds": round(time.perf_counter() - t0, 1),
                 "ppl": round(perplexity(model, eval_ids), 3)})
-        out = work / f"ours-{setting}"
-        row = {"setting": setting, "method": "ours GPTQ", **ours(demo, out, bits, group, samples)}
-        row["ppl"] = round(perplexity(load_model(str(out)).model, eval_ids), 3)
-        record(row)
+        for dtype in args.calib_dtypes.split(","):
+            out = work / f"ours-{setting}-{dtype}"
+            row = {"setting": setting, "method": OURS[dtype], **ours(demo, out, bits, group, samples, dtype)}
+            row["ppl"] = round(perplexity(load_model(str(out)).model, eval_ids), 3)
+            record(row)
     if args.reuse_llmc:
         earlier = json.loads(Path(args.reuse_llmc).read_text())
         if earlier["calibration"] != meta["calibration"] or earlier["perplexity"] != meta["perplexity"]:
             raise SystemExit(f"{args.reuse_llmc} used another protocol")
         for row in earlier["rows"]:
-            if row["method"] == "llm-compressor GPTQ" and row["setting"] in settings:
+            if row["method"] in LLMC.values() and row["setting"] in settings:
                 record({**row, "reused_from": args.reuse_llmc})
-    for setting in [] if args.skip_llmc or args.reuse_llmc else settings:
+    runs = [] if args.skip_llmc or args.reuse_llmc else [(s, d) for s in settings for d in args.llmc_dtypes.split(",")]
+    for setting, dtype in runs:
         bits, group = SETTINGS[setting]
-        out = work / f"llmc-{setting}"
-        row = {"setting": setting, "method": "llm-compressor GPTQ", **llmc(demo, ids_file, out, bits, group)}
+        out = work / f"llmc-{setting}-{dtype}"
+        row = {"setting": setting, "method": LLMC[dtype], **llmc(demo, ids_file, out, bits, group, dtype)}
         try:  # its pack-quantized output, read by our compressed-tensors loader
             row["ppl"] = round(perplexity(load_model(str(out)).model, eval_ids), 3)
         except Exception as exc:  # keep the timing; say why there is no perplexity
@@ -142,28 +154,33 @@ def main() -> None:
 
 
 def check_bars(rows: list[dict], fp32_bytes: int) -> dict:
+    """Per setting and per ours-variant: the issue's bars against llm-compressor's float32 run (its
+    bf16-model run, when present, is compared as well, under `vs_llmc_bf16`)."""
     bars = {}
     by = {(r["setting"], r["method"]): r for r in rows}
     for setting in {r["setting"] for r in rows if r["setting"] != "fp32"}:
-        o, r, l = by.get((setting, "ours GPTQ")), by.get((setting, "RTN")), by.get((setting, "llm-compressor GPTQ"))
-        if not o:
-            continue
-        b = {"ppl_below_rtn": o["ppl"] < r["ppl"],
-             "peak_rss_within_fp32_plus_1gib": o["peak_rss_gib"] <= fp32_bytes / 2**30 + 1}
-        if l:
-            b["ppl_no_worse_than_llmc"] = o["ppl"] <= l["ppl"]
-            b["time_ratio_vs_llmc"] = round(o["quantize_seconds"] / l["quantize_seconds"], 3)
-            b["time_at_most_half_of_llmc"] = b["time_ratio_vs_llmc"] <= 0.5
-        bars[setting] = b
+        r = by.get((setting, "RTN"))
+        for dtype, label in OURS.items():
+            o = by.get((setting, label))
+            if not o:
+                continue
+            b = {"ppl_below_rtn": o["ppl"] < r["ppl"],
+                 "peak_rss_within_fp32_plus_1gib": o["peak_rss_gib"] <= fp32_bytes / 2**30 + 1}
+            for key, ref in (("", by.get((setting, LLMC["float32"]))), ("vs_llmc_bf16_", by.get((setting, LLMC["bfloat16"])))):
+                if ref:
+                    b[key + "ppl_no_worse_than_llmc"] = o["ppl"] <= ref["ppl"]
+                    b[key + "time_ratio_vs_llmc"] = round(o["quantize_seconds"] / ref["quantize_seconds"], 3)
+                    b[key + "time_at_most_half_of_llmc"] = b[key + "time_ratio_vs_llmc"] <= 0.5
+            bars[f"{setting} {label}"] = b
     return bars
 
 
 def print_table(rows: list[dict], bars: dict) -> None:
-    print(f"{'setting':8} {'method':20} {'ppl':>8} {'quant s':>8} {'peak RSS GiB':>12}")
+    print(f"{'setting':8} {'method':34} {'ppl':>8} {'quant s':>8} {'peak RSS GiB':>12}")
     for r in rows:
         q = r.get("quantize_seconds", "")
         m = r.get("peak_rss_gib", "")
-        print(f"{r['setting']:8} {r['method']:20} {r['ppl']:8.3f} {q!s:>8} {m!s:>12}")
+        print(f"{r['setting']:8} {r['method']:34} {r['ppl']:8.3f} {q!s:>8} {m!s:>12}")
     print(json.dumps(bars, indent=1))
 
 

@@ -15,7 +15,6 @@ import argparse
 import json
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -24,12 +23,14 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=-1)
     ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the dtype the model is loaded in: llm-compressor calibrates in the model's dtype")
     args = ap.parse_args()
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmc_common import load, timed_oneshot
 
-    model, tok, data, ids = load(args.model, args.ids, args.threads)
+    model, tok, data, ids = load(args.model, args.ids, args.threads, dtype=args.dtype)
     if args.group_size in (-1, 0):
         weights = QuantizationArgs(num_bits=args.bits, type="int", symmetric=True, strategy="channel")
     else:

@@ -11,8 +11,8 @@ import time
 import torch
 
 
-def load(model_dir: str, ids_file: str, threads: int, layers: int = 0):
-    """(model in float32, tokenizer, calibration Dataset, ids) with llm-compressor 0.14's CPU fix applied."""
+def load(model_dir: str, ids_file: str, threads: int, layers: int = 0, dtype: str = "float32"):
+    """(model in `dtype`, tokenizer, calibration Dataset, ids) with llm-compressor 0.14's CPU fix applied."""
     torch.set_num_threads(threads)
     from datasets import Dataset
     from llmcompressor.pipelines.cache import IntermediatesCache
@@ -22,7 +22,7 @@ def load(model_dir: str, ids_file: str, threads: int, layers: int = 0):
     if not torch.cuda.is_available():
         IntermediatesCache.pin_memory = lambda self, index: None
     ids = torch.load(ids_file)  # (n, T)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     if layers:  # timing runs on the first layers only
         model.model.layers = model.model.layers[:layers]
         model.config.num_hidden_layers = layers

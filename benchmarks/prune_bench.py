@@ -108,6 +108,9 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=32, help="calibration windows of 512 tokens")
     ap.add_argument("--eval-windows", type=int, default=32, help="perplexity windows of 512 tokens")
     ap.add_argument("--no-ref", action="store_true", help="skip llm-compressor")
+    ap.add_argument("--seed", type=int, default=0, help="calibration draw (the protocol's is 0; others measure the "
+                    "spread that a 'no worse than' comparison has to beat)")
+    ap.add_argument("--name", default=None, help="results file name (default prune_bench, prune_bench_seedN)")
     ap.add_argument("--rows", default=None, help="only these rows, comma-separated labels "
                     "(e.g. sparsegpt-layer-0.5-nts), appended to the existing results file")
     args = ap.parse_args()
@@ -120,11 +123,11 @@ def main() -> None:
     n_cal, n_eval = (2, 4) if args.quick else (args.windows, args.eval_windows)
     tok = load_model(str(demo)).tokenizer
     eval_ids = eval_windows(tok, n_eval)
-    calib = calibration_ids(tok, n_cal)
-    name = "prune_bench_quick" if args.quick else "prune_bench"
+    calib = calibration_ids(tok, n_cal, seed=args.seed)
+    name = args.name or ("prune_bench_quick" if args.quick else "prune_bench" + (f"_seed{args.seed}" if args.seed else ""))
     result_path = RESULTS / f"{name}.json"
     results: dict = {"protocol": {"calibration_windows": n_cal, "seq_len": 512, "eval_windows": n_eval,
-                                  "eval_tokens": int(eval_ids.numel())},
+                                  "eval_tokens": int(eval_ids.numel()), "calibration_seed": args.seed},
                      "machine": machine(), "versions": versions(), "rows": []}
     configs = CONFIGS
     if args.rows:
@@ -135,7 +138,7 @@ def main() -> None:
         configs = [c for c in CONFIGS if label(c) in wanted]
         if result_path.is_file():  # append to the earlier run on the same protocol
             earlier = json.loads(result_path.read_text())
-            if earlier["protocol"] == results["protocol"]:
+            if {"calibration_seed": 0, **earlier["protocol"]} == results["protocol"]:
                 results = earlier
 
     def save() -> None:

@@ -157,3 +157,20 @@ def test_hessian_accumulator_equals_two_over_n_xtx_over_uneven_batches():
         acc.add_batch(X[lo:hi].view(1, hi - lo, 12))
     torch.testing.assert_close(acc.H, 2 * X.T @ X / 300, rtol=1e-5, atol=1e-6)
     assert acc.tokens == 300
+
+
+@pytest.mark.parametrize("d", [767, 1300])  # 1 and 3 blocks of ~512 columns
+def test_blocked_hessian_accumulator_is_symmetric_and_exact_also_when_read_between_batches(d):
+    from geminicompress.compress.hessian import HessianAccumulator
+
+    X = torch.randn(500, d, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    acc = HessianAccumulator(d)
+    acc.add_batch(X[:200].float())
+    torch.testing.assert_close(acc.H.double(), 2 * X[:200].T @ X[:200] / 200, rtol=1e-4, atol=1e-4)
+    acc.add_batch(X[200:].float())
+    H = acc.H
+    torch.testing.assert_close(H.double(), 2 * X.T @ X / 500, rtol=1e-4, atol=1e-4)
+    e = acc._edges
+    assert len(e) == (4 if d > 1000 else 2)
+    for a in range(len(e) - 2):  # blocks below the diagonal mirror those above it exactly
+        assert torch.equal(H[e[a + 1]:, e[a]:e[a + 1]], H[e[a]:e[a + 1], e[a + 1]:].T)

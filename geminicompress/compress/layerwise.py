@@ -11,6 +11,7 @@ Calibration dtype: the layer may compute in bfloat16 (`calib_dtype`) while its w
 the forward passes and the activations between layers are bfloat16 (about 1.7x faster matmuls on a CPU
 with AVX512-BF16, half the activation memory), while a method reads and writes the float32 master weights
 through `LayerJob.weight`/`set_weight`, so what it solves and exports is not rounded to bfloat16.
+Statistics taken from the bfloat16 activations (Hessians) are still computed in float32 (hessian.py).
 
 Resumable: after each layer, its weights (and any tensors the method wants to keep, e.g. integer codes
 for packing) go to `state_dir/layer_XXXX.safetensors` with a JSON summary. A restarted run restores the

@@ -66,8 +66,8 @@ class GPTQStage(_StageBase):
     damp: float = Field(0.01, gt=0.0, lt=1.0, description="dampening, fraction of the mean Hessian diagonal")
     block_size: int = Field(128, ge=1)
     calib_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="dtype the layers compute in while calibrating (forwards and Hessian products); "
-        "the solver always works on float32 weights. bfloat16 is faster on GPUs and on CPUs with AVX512-BF16/AMX")
+        "float32", description="dtype the layers compute in while calibrating (their forward passes); "
+        "Hessians and the solver are always float32. bfloat16 is faster on GPUs and on CPUs with AVX512-BF16/AMX")
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
     format: Literal["gptq", "compressed-tensors", "dense"] = "gptq"
 

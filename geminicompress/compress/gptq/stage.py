@@ -10,8 +10,9 @@ that layer and its activations on the device; quantized outputs feed the next la
    quantized (the paper's order): by default in one pass over the windows that pauses before each
    group (onepass.py), or with `one_pass` off by re-running the layer per group (less memory);
    without `true_sequential`, all Hessians of the layer come from one pass of the unquantized layer.
-With `calib_dtype: bfloat16` the layer computes (forwards, Hessian products) in bfloat16 while the
-solver reads and writes float32 master weights (layerwise.computing_in).
+With `calib_dtype: bfloat16` the layer's forward passes compute in bfloat16 while the Hessians are
+float32 products of those activations and the solver reads and writes float32 master weights
+(layerwise.computing_in).
 The codes/scales/zeros/g_idx are kept and packed at export (packing/export.py).
 """
 

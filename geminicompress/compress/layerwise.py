@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from geminicompress.compress.arch import Arch, arch_for, get_module
 from geminicompress.compress.onepass import one_pass
+from geminicompress.memory import release_free_heap
 from geminicompress.progress import NullProgress, Progress
 
 
@@ -237,6 +238,7 @@ def run_layerwise(model: nn.Module, windows: torch.Tensor, process: LayerFn, *, 
             kept.update({f"{i}.{k}": v for k, v in tensors.items()})
             summaries.append({"layer": i, **summary})
             inputs = LayerInputs(outputs, inputs.kwargs)
+            release_free_heap()  # the layer's freed small buffers leave resident memory (memory.py)
             layer.to("cpu" if device.type != "cpu" else device)
             bar.advance(1, **{k: v for k, v in summary.items() if isinstance(v, (int, float)) and k != "layer"})
     _move_outside_layers(model, layers, torch.device("cpu"))

@@ -172,6 +172,7 @@ def main() -> None:
         kd_student, res["kd"] = run(copy.deepcopy(base), {"kl": 1.0}, label="KD (forward KL, T=1)")
         res["kd"]["ppl"] = ppl(kd_student)
         kd_student.save_pretrained(args.student_dir)
+        tok.save_pretrained(args.student_dir)  # a loadable model directory (load_model needs the tokenizer)
         plot_curve(res["kd"]["loss"], res["kd"]["held_out_ppl"], RESULTS / f"{name}_kd_curve.png", "KD: 30 -> 15 layers")
         save()
     if "ce" in phases:

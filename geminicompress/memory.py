@@ -24,6 +24,7 @@ MMAP_THRESHOLD_BYTES = 1 << 20
 
 
 def _libc() -> ctypes.CDLL | None:
+    """The C library on Linux (glibc or another), None elsewhere."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -43,10 +44,7 @@ def release_free_heap() -> bool:
 
 def return_freed_memory() -> bool:
     """Set glibc's mmap threshold to 1 MB; True if it was set."""
-    if not sys.platform.startswith("linux"):
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):  # musl or another libc without mallopt
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
-    except (OSError, AttributeError):  # musl or another libc without mallopt
-        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from geminicompress.memory import release_free_heap, return_freed_memory
+from geminicompress.memory import return_freed_memory
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt exists on Linux only")
@@ -15,7 +15,7 @@ def test_glibc_accepts_the_fixed_mmap_threshold():
 
 _PROBE = """
 import torch
-from geminicompress.memory import release_free_heap, return_freed_memory
+from geminicompress.memory import return_freed_memory
 def anon():
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon"))
 return_freed_memory()

@@ -68,7 +68,7 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
                                     calib_dtype=getattr(torch, cfg.calib_dtype))
     qweights = _collect(kept, spec, layers_path)
     meta = {"dtype": ctx.recipe.output.dtype, "act_order": cfg.act_order, "static_groups": cfg.static_groups,
-            "true_sequential": cfg.true_sequential, "damp": cfg.damp, "calib_dtype": cfg.calib_dtype}
+            "true_sequential": cfg.true_sequential, "damp": cfg.damp}
     ctx.exporter = lambda m, tok, out: export_quantized(m, tok, out, qweights, cfg.format, meta)
     return {
         "bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym, "format": cfg.format,

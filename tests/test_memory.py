@@ -15,7 +15,7 @@ def test_glibc_accepts_the_fixed_mmap_threshold():
 
 _PROBE = """
 import torch
-from geminicompress.memory import return_freed_memory
+from geminicompress.memory import release_free_heap, return_freed_memory
 def anon():
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon"))
 return_freed_memory()

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from geminicompress.cli import app
 from geminicompress.compress.arch import arch_for, get_module
-from geminicompress.compress.grid import QuantSpec, rtn_quantize
+from geminicompress.compress.grid import QuantizedWeight, QuantSpec, rtn_quantize
 from geminicompress.compress.packing.qlinear import DequantLinear
 from geminicompress.models.loading import load_model, resolve_model
 from geminicompress.pipeline import run_recipe
@@ -197,3 +197,17 @@ def test_bfloat16_calibration_keeps_float32_weights_on_the_grid_and_matches_floa
     target = _logits(load_model(str(src)).model, ids)
     err = {k: float(((_logits(m, ids) - target) ** 2).mean()) for k, m in [("f32", ref), ("bf16", model), ("rtn", rtn)]}
     assert err["bf16"] < 1.25 * err["f32"] and err["bf16"] < err["rtn"]
+
+
+@pytest.mark.parametrize("bits,in_f", [(2, 8), (3, 10), (4, 6), (4, 5), (8, 6)])
+def test_kept_codes_round_trip_through_nibble_packing(bits, in_f):
+    """Codes kept between layers (two per byte up to 4 bits) come back identical at export."""
+    from geminicompress.compress.gptq.stage import _codes, _kept
+
+    q = torch.randint(0, 2 ** bits, (7, in_f), generator=torch.Generator().manual_seed(bits), dtype=torch.int32)
+    g_idx = torch.zeros(in_f, dtype=torch.int32)
+    qw = QuantizedWeight(q, torch.ones(7, 1), torch.zeros(7, 1, dtype=torch.int32), g_idx, QuantSpec(bits, -1))
+    kept = _kept(qw)
+    packed = bits <= 4 and in_f % 2 == 0
+    assert kept["q"].shape == (7, in_f // 2 if packed else in_f)
+    assert torch.equal(_codes(kept["q"], kept["g_idx"]).to(torch.int32), q)

@@ -33,8 +33,11 @@ from safetensors.torch import load_file, save_file
 
 from geminicompress.compress.arch import Arch, arch_for, get_module
 from geminicompress.compress.onepass import one_pass
-from geminicompress.memory import release_free_heap
+from geminicompress.memory import heap_reuse, release_free_heap
 from geminicompress.progress import NullProgress, Progress
+
+
+BATCH_WINDOWS = 4  # calibration windows per forward batch
 
 
 class _StopForward(Exception):
@@ -52,6 +55,15 @@ class LayerInputs:
 
     hidden: list[torch.Tensor]
     kwargs: dict[str, Any]
+    batches: list[torch.Tensor] | None = None  # (b, T, d) tensors that `hidden` are views of, when known
+
+    def batched(self, size: int, device: torch.device) -> list[torch.Tensor]:
+        """The windows as (size, T, d) batches on the device: the stored batch tensors themselves when they
+        have that size (no copy), else concatenated."""
+        if self.batches is not None and all(b.shape[0] == size for b in self.batches[:-1]):
+            return [b.to(device) for b in self.batches]
+        h = self.hidden
+        return [torch.cat([x.to(device) for x in h[i:i + size]]) for i in range(0, len(h), size)]
 
 
 def _to(value: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
@@ -126,7 +138,9 @@ def capture_inputs(model: nn.Module, windows: torch.Tensor, device: torch.device
     for key in ("cache", "past_key_values", "past_key_value", "use_cache"):
         captured.pop(key, None)
     kwargs = {k: _to(v, device, dtype) for k, v in captured.items()}
-    return LayerInputs(hidden, kwargs)
+    batches = LayerInputs(hidden, kwargs).batched(BATCH_WINDOWS, storage)
+    del hidden  # the per-window copies; the windows become views of the batches
+    return LayerInputs([y.unsqueeze(0) for b in batches for y in b], kwargs, batches)
 
 
 def layer_output(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
@@ -165,6 +179,7 @@ class LayerJob:
     device: torch.device
     arch: Arch
     outputs: list[torch.Tensor] | None = None  # set by `one_pass`: the next layer's inputs, already computed
+    output_batches: list[torch.Tensor] | None = None  # the (b, T, d) tensors `outputs` are views of
     master: dict[str, torch.Tensor] | None = None  # float32 parameters while the layer computes in a lower dtype
 
     def forward(self, observe: dict[nn.Module, Callable[[torch.Tensor, torch.Tensor], None]] | None = None,
@@ -185,16 +200,16 @@ class LayerJob:
             self.module(name).weight.data.copy_(value)
 
     def one_pass(self, groups: list[list[str]], observe: Callable[[int, torch.Tensor], None],
-                 solve: Callable[[int], None], batch: int = 4) -> None:
+                 solve: Callable[[int], None], batch: int = BATCH_WINDOWS) -> None:
         """Solve the groups of linears (names, in execution order) in one pass over the windows
         (onepass.py): observe(g, x) sees group g's input for every batch of windows, solve(g) runs once
         all have, before group g computes anything. The solved layer's outputs become `self.outputs`."""
-        hidden = self.inputs.hidden
-        batches = [torch.cat([h.to(self.device) for h in hidden[i:i + batch]]) for i in range(0, len(hidden), batch)]
+        batches = self.inputs.batched(batch, self.device)
         results = one_pass(lambda h: layer_output(self.layer, h, self.inputs.kwargs), batches,
                            [[self.module(n) for n in g] for g in groups], observe, solve)
-        storage = hidden[0].device
-        self.outputs = [y.unsqueeze(0).to(storage) for out in results for y in out]
+        storage = self.inputs.hidden[0].device
+        self.output_batches = [out.to(storage) for out in results]
+        self.outputs = [y.unsqueeze(0) for out in self.output_batches for y in out]  # views, no copy
 
 
 # A method processes one layer in place and returns (summary for report.json, tensors to keep).
@@ -218,7 +233,7 @@ def run_layerwise(model: nn.Module, windows: torch.Tensor, process: LayerFn, *, 
     inputs = capture_inputs(model, windows, device, dtype=calib_dtype)
     summaries: list[dict[str, Any]] = []
     kept: dict[str, torch.Tensor] = {}
-    with progress.task(description, total=len(layers)) as bar:
+    with progress.task(description, total=len(layers)) as bar, heap_reuse():
         for i, layer in enumerate(layers):
             layer.to(device)
             done = _restore(state_dir, i, layer)
@@ -231,13 +246,14 @@ def run_layerwise(model: nn.Module, windows: torch.Tensor, process: LayerFn, *, 
                     job = LayerJob(i, layer, inputs, device, arch, master=master)
                     summary, tensors = process(job)
                 outputs = job.outputs if job is not None else None  # a one-pass method already ran the layer
+                batches = job.output_batches if job is not None else None
                 if outputs is None:
                     outputs = forward_layer(layer, inputs, device)
             if job is not None:
                 _save(state_dir, i, layer, summary, tensors)  # the master weights, after computing_in
             kept.update({f"{i}.{k}": v for k, v in tensors.items()})
             summaries.append({"layer": i, **summary})
-            inputs = LayerInputs(outputs, inputs.kwargs)
+            inputs = LayerInputs(outputs, inputs.kwargs, batches)
             release_free_heap()  # the layer's freed small buffers leave resident memory (memory.py)
             layer.to("cpu" if device.type != "cpu" else device)
             bar.advance(1, **{k: v for k, v in summary.items() if isinstance(v, (int, float)) and k != "layer"})

@@ -5,14 +5,21 @@ after another, each from inputs that already went through the solved groups befo
 that re-runs the layer once per group (q/k/v, then o, then gate/up, then down: about three layer
 passes plus one for the outputs). Here every calibration window runs through the layer exactly once:
 
-- the windows run in batches, each batch in its own thread, but only one thread runs at a time (the
-  caller hands the turn to one thread and waits until it pauses), so nothing runs in parallel and the
-  math is the same as a plain loop over batches;
+- the windows run in batches, each batch's forward in its own greenlet (a paused call stack on the same
+  OS thread): the driver switches to one batch at a time and gets control back when it pauses, so
+  nothing runs in parallel and the math is the same as a plain loop over batches;
 - a forward pre-hook on every member of a group hands its input to `observe(group, x)` and pauses the
-  thread at the group's first member;
+  batch at the group's first member;
 - once every batch is paused at that group, `solve(group)` runs (it quantizes or prunes the group's
   weights in place from the statistics of *all* windows), and the batches resume: each linear runs
   once, already solved, and the layer's outputs are those of the solved layer.
+
+Why greenlets and not threads: every OS thread that runs a parallel torch op gets its own OpenMP team.
+With more libgomp-managed threads than CPUs, libgomp stops spinning between parallel regions (a
+"throttled" spin of at most 1,000 iterations) and every small parallel op pays a futex wake-up. With one
+thread per batch that made the whole calibration slower; measured on 2 cores, the GPTQ solve of the
+demo's down_proj took 203 ms inside the threaded pass and 112 ms alone. Greenlets keep a single thread.
+Torch's grad mode is per thread, so it is set once around the whole pass.
 
 The price is memory: every batch's activations of this one layer are alive at the same time (about
 windows · seq_len · (intermediate + 2·hidden) · 4 bytes at the MLP's down projection). Stages offer
@@ -21,54 +28,16 @@ the per-group passes (`layerwise.LayerJob.forward`) as the low-memory alternativ
 
 from __future__ import annotations
 
-import queue
-import threading
 from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
+from greenlet import getcurrent, greenlet
 
 from geminicompress.errors import GeminiError
 
-
-class _Abort(BaseException):
-    """Unwinds a paused batch thread when the pass is abandoned (an error elsewhere)."""
-
-
-class _Batch(threading.Thread):
-    """Runs `fn()` under no_grad once told to start; pauses inside hooks until resumed."""
-
-    def __init__(self, fn: Callable[[], torch.Tensor], done: queue.Queue) -> None:
-        super().__init__(daemon=True)
-        self.fn = fn
-        self.done = done  # the caller waits on it: this thread paused or finished
-        self.turn = threading.Semaphore(0)
-        self.paused_at: int | None = None
-        self.result: torch.Tensor | None = None
-        self.error: BaseException | None = None
-        self.abort = False
-
-    def run(self) -> None:
-        self.turn.acquire()
-        try:
-            if not self.abort:
-                with torch.no_grad():  # grad mode is per thread
-                    self.result = self.fn()
-        except _Abort:
-            pass
-        except BaseException as exc:  # handed to the caller's thread, which re-raises it
-            self.error = exc
-        finally:
-            self.paused_at = None
-            self.done.put(self)
-
-    def pause(self, group: int) -> None:
-        self.paused_at = group
-        self.done.put(self)
-        self.turn.acquire()
-        if self.abort:
-            raise _Abort
+_FINISHED = -1
 
 
 def one_pass(forward: Callable[[torch.Tensor], torch.Tensor], batches: Sequence[torch.Tensor],
@@ -80,54 +49,44 @@ def one_pass(forward: Callable[[torch.Tensor], torch.Tensor], batches: Sequence[
     input of every batch; solve(g) is called once all batches reached group g. Groups may fire in any
     order, but the same order for every batch. Returns the forward results, one per batch.
     """
-    done: queue.Queue = queue.Queue()
     solved: set[int] = set()
+    results: list[torch.Tensor | None] = [None] * len(batches)
+    driver = getcurrent()
+    workers: dict[greenlet, int] = {}
 
     def pre_hook(g: int, module: nn.Module, args: tuple[Any, ...]) -> None:
-        worker = threading.current_thread()
-        if g in solved or not isinstance(worker, _Batch):
+        me = getcurrent()
+        if g in solved or me not in workers:
             return
         observe(g, args[0].detach())
-        worker.pause(g)
+        driver.switch(g)  # pause here; the driver resumes this batch once group g is solved
+
+    def run(i: int) -> int:
+        results[i] = forward(batches[i])
+        return _FINISHED
 
     handles = [m.register_forward_pre_hook(partial(pre_hook, g)) for g, group in enumerate(groups) for m in group]
-    workers = [_Batch(partial(forward, b), done) for b in batches]
-
-    def turn(worker: _Batch) -> None:
-        worker.turn.release()
-        back = done.get()
-        assert back is worker, "only one batch thread runs at a time"
-        if worker.error is not None:
-            raise worker.error
-
+    batch_runs = [greenlet(partial(run, i), parent=driver) for i in range(len(batches))]
+    workers.update({w: i for i, w in enumerate(batch_runs)})
     try:
-        for worker in workers:
-            worker.start()
-            turn(worker)
-        while True:
-            points = {w.paused_at for w in workers}
-            if points == {None}:
-                break
-            if len(points) != 1:
-                raise GeminiError("calibration batches took different paths through the layer; "
-                                  "run with the per-group passes instead (--multi-pass)")
-            g = points.pop()
-            solve(g)
-            solved.add(g)
-            for worker in workers:
-                turn(worker)
+        with torch.no_grad():
+            points = {w.switch() for w in batch_runs}  # each runs until it pauses at a group (or ends)
+            while points != {_FINISHED}:
+                if len(points) != 1:
+                    raise GeminiError("calibration batches took different paths through the layer; "
+                                      "run with the per-group passes instead (--multi-pass)")
+                g = points.pop()
+                solve(g)
+                solved.add(g)
+                points = {w.switch() for w in batch_runs}
     finally:
         for handle in handles:
             handle.remove()
-        for worker in workers:  # after an error: unwind the paused threads so none is left behind
-            if worker.is_alive():
-                worker.abort = True
-                worker.turn.release()
-        for worker in workers:
-            if worker.ident is not None:
-                worker.join()
+        for w in batch_runs:  # after an error: unwind the paused batches so none is left behind
+            if w:
+                w.throw()
     missing = set(range(len(groups))) - solved
     if missing:
         raise GeminiError(f"the layer's forward never used group(s) {sorted(missing)}; "
                           "run with the per-group passes instead (--multi-pass)")
-    return [w.result for w in workers]
+    return results  # type: ignore[return-value]

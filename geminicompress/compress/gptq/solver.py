@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, qparams, quantize
@@ -84,22 +85,18 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
         inv_d = (1.0 / torch.diag(Hinv1)).tolist()
         # sub-blocks end at absolute multiples of `sub` (and at the block's end), so group starts align
         for j1, j2 in _spans(i1, i2, sub):
+            params = []  # (scale, zero) of each column of the sub-block, as (out,) vectors
             for i in range(j1, j2):
                 col = i1 + i
                 if static:
                     scale, zero = static[group_list[col]]
-                elif col % gs == 0:  # a new group starts here, in quantization order
+                elif col % gs == 0:  # a new group starts here (always a sub-block start), in quantization order
                     scale, zero = qparams(_upcoming(Wt, W1, Err1, Hinv, i1, i, gs), spec)
                     scales.append(scale)
                     zeros.append(zero)
-                s, z = scale[:, 0], zero[:, 0]  # (out,)
-                w = W1[i]  # (out,)
-                q = quantize(w, s, z, spec.maxq)
-                Q[col] = q
-                err = (w - s * (q - z)) * inv_d[i]  # (w − q) / [H⁻¹]_jj
-                Err1[i] = err
-                if i + 1 < j2:
-                    W1[i + 1:j2].addr_(Hinv1[i, i + 1:j2], err, alpha=-1.0)  # eq. 3, inside the sub-block
+                params.append((scale[:, 0], zero[:, 0]))
+            _quantize_columns(W1[j1:j2], Err1[j1:j2], Q[i1 + j1:i1 + j2], Hinv1[j1:j2, j1:j2], params,
+                              inv_d[j1:j2], spec.maxq)
             if j2 < b:
                 W1[j2:].addmm_(Hinv1[j1:j2, j2:].t(), Err1[j1:j2], alpha=-1.0)  # to the rest of the block
         loss += Err1.square().sum() / 2  # Σ (w − q)² / (2 [H⁻¹]_jj²)
@@ -119,6 +116,47 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
         spec=spec,
     )
     return qw, float(loss)
+
+
+def _quantize_columns(W: torch.Tensor, Err: torch.Tensor, Q: torch.Tensor, Hinv: torch.Tensor,
+                      params: list[tuple[torch.Tensor, torch.Tensor]], inv_d: list[float], maxq: int) -> None:
+    """Quantize the k consecutive columns of a sub-block one after the other, in place (eq. 3):
+    W, Err, Q: (k, out) rows of the transposed weight, its scaled errors and its codes; Hinv: (k, k).
+
+    Left-looking: column i first takes the updates of the columns before it in one product,
+    w_i −= Σ_{j<i} [H⁻¹]_ji · err_j, then is quantized. The same sums as GPTQ's rank-1 updates after every
+    column, in one operation instead of a shrinking rank-1 update per column. On the CPU the loop runs
+    on numpy views of the same memory: per column it is ~10 operations on (out,) vectors, where torch's
+    per-call overhead (~3 µs) costs more than the arithmetic (measured 9-15 vs 26 µs per column)."""
+    if W.device.type == "cpu":
+        _columns_numpy(W.numpy(), Err.numpy(), Q.numpy(), Hinv.numpy(),
+                       [(s.numpy(), z.numpy()) for s, z in params], inv_d, maxq)
+        return
+    for i, (s, z) in enumerate(params):
+        w = W[i]
+        if i:
+            w.sub_(Hinv[:i, i] @ Err[:i])
+        q = torch.clamp(torch.round(w / s) + z, 0, maxq)
+        Q[i] = q
+        Err[i] = (w - s * (q - z)) * inv_d[i]
+
+
+def _columns_numpy(W: np.ndarray, Err: np.ndarray, Q: np.ndarray, Hinv: np.ndarray,
+                   params: list[tuple[np.ndarray, np.ndarray]], inv_d: list[float], maxq: int) -> None:
+    """`_quantize_columns` on numpy arrays, written into the given buffers (no temporaries but one)."""
+    deq = np.empty(W.shape[1], dtype=W.dtype)
+    for i, (s, z) in enumerate(params):
+        w, q, e = W[i], Q[i], Err[i]
+        if i:
+            w -= Hinv[:i, i] @ Err[:i]
+        np.divide(w, s, out=q)  # q = clamp(round(w / s) + z, 0, maxq), as grid.quantize
+        np.rint(q, out=q)  # half to even, like torch.round
+        q += z
+        np.clip(q, 0, maxq, out=q)
+        np.subtract(q, z, out=deq)
+        np.multiply(deq, s, out=deq)
+        np.subtract(w, deq, out=e)
+        e *= inv_d[i]  # (w − q) / [H⁻¹]_jj
 
 
 def _inverse_hessian_factor(H: torch.Tensor, damp: float) -> torch.Tensor:

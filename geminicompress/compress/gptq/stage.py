@@ -29,7 +29,7 @@ from geminicompress.compress.arch import Arch, arch_for, get_module
 from geminicompress.compress.gptq.solver import gptq_quantize
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec
 from geminicompress.compress.hessian import HessianAccumulator
-from geminicompress.compress.layerwise import LayerJob, layer_output, run_layerwise, solver_threads
+from geminicompress.compress.layerwise import LayerJob, layer_output, run_layerwise
 from geminicompress.compress.packing.export import check_exportable, export_quantized, scale_dtype
 from geminicompress.errors import GeminiError, InputError
 
@@ -114,9 +114,8 @@ def _solve_group(job: LayerJob, group: list[str], H: torch.Tensor, *, cfg: GPTQS
     modules = [job.module(n) for n in group]
     W = torch.cat([job.weight(n) for n in group])  # rows stacked: (Σ out, in), float32 master weights
     try:
-        with solver_threads(job.device):
-            qw, loss = gptq_quantize(W, H, spec, damp=cfg.damp, block_size=cfg.block_size,
-                                     act_order=cfg.act_order, static_groups=cfg.static_groups)
+        qw, loss = gptq_quantize(W, H, spec, damp=cfg.damp, block_size=cfg.block_size,
+                                 act_order=cfg.act_order, static_groups=cfg.static_groups)
     except GeminiError as exc:
         raise GeminiError(f"layer {job.index} {'/'.join(group)}: {exc}") from exc
     qw.scales = qw.scales.to(scales_as).float()  # what the checkpoint will hold
@@ -163,9 +162,20 @@ def _rows(qw: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
 
 
 def _kept(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
-    """Codes as uint8 (a quarter of int32) while the other layers run."""
-    fields = {"q": qw.q.to(torch.uint8), "scales": qw.scales, "zeros": qw.zeros.to(torch.uint8), "g_idx": qw.g_idx}
+    """Codes as uint8 while the other layers run (a quarter of int32), two to a byte up to 4 bits (an eighth):
+    the kept codes of every layer done so far are alive at the end of calibration, its memory peak."""
+    q = qw.q.to(torch.uint8)
+    if qw.spec.bits <= 4 and q.shape[1] % 2 == 0:
+        q = q[:, 0::2] | (q[:, 1::2] << 4)
+    fields = {"q": q, "scales": qw.scales, "zeros": qw.zeros.to(torch.uint8), "g_idx": qw.g_idx}
     return {k: v.cpu().clone() for k, v in fields.items()}  # own storage: row slices share the stacked one
+
+
+def _codes(q: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
+    """Undo `_kept`'s nibble packing: (out, in) codes; g_idx has one entry per input column."""
+    if q.shape[1] == g_idx.numel():
+        return q
+    return torch.stack([q & 15, q >> 4], dim=-1).reshape(q.shape[0], -1)
 
 
 def _collect(kept: dict[str, torch.Tensor], spec: QuantSpec, layers_path: str) -> dict[str, QuantizedWeight]:
@@ -175,8 +185,8 @@ def _collect(kept: dict[str, torch.Tensor], spec: QuantSpec, layers_path: str) -
     would cost as much memory as its float32 weights."""
     names = sorted({k.rsplit(".", 1)[0] for k in kept}, key=_layer_order)
     return {
-        layers_path + name: QuantizedWeight(kept[f"{name}.q"], kept[f"{name}.scales"], kept[f"{name}.zeros"],
-                                            kept[f"{name}.g_idx"], spec)
+        layers_path + name: QuantizedWeight(_codes(kept[f"{name}.q"], kept[f"{name}.g_idx"]), kept[f"{name}.scales"],
+                                            kept[f"{name}.zeros"], kept[f"{name}.g_idx"], spec)
         for name in names
     }
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from functools import partial
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,7 +67,7 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
     summaries, kept = run_layerwise(model, windows, process, device=ctx.device, progress=ctx.progress,
                                     state_dir=ctx.state_dir, description=f"gptq {spec.bits}-bit",
                                     calib_dtype=getattr(torch, cfg.calib_dtype))
-    qweights = _collect(kept, spec, layers_path)
+    qweights = _KeptCodes(kept, spec, layers_path)
     meta = {"dtype": ctx.recipe.output.dtype, "act_order": cfg.act_order, "static_groups": cfg.static_groups,
             "true_sequential": cfg.true_sequential, "damp": cfg.damp}
     ctx.exporter = lambda m, tok, out: export_quantized(m, tok, out, qweights, cfg.format, meta)
@@ -178,17 +179,34 @@ def _codes(q: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
     return torch.stack([q & 15, q >> 4], dim=-1).reshape(q.shape[0], -1)
 
 
-def _collect(kept: dict[str, torch.Tensor], spec: QuantSpec, layers_path: str) -> dict[str, QuantizedWeight]:
-    """"<layer>.<linear>.<field>" tensors -> {full module name: QuantizedWeight}.
+class _KeptCodes(Mapping[str, QuantizedWeight]):
+    """{full module name: QuantizedWeight} over the "<layer>.<linear>.<field>" tensors kept per layer, built
+    on access: the exporter packs one module at a time, so the unpacked codes of one module at a time are
+    alive, not those of the whole model next to their packed copies (export is the run's memory peak).
 
     Codes and zeros stay uint8 (the packers accept any integer dtype): int32 codes of the whole model
     would cost as much memory as its float32 weights."""
-    names = sorted({k.rsplit(".", 1)[0] for k in kept}, key=_layer_order)
-    return {
-        layers_path + name: QuantizedWeight(_codes(kept[f"{name}.q"], kept[f"{name}.g_idx"]), kept[f"{name}.scales"],
-                                            kept[f"{name}.zeros"], kept[f"{name}.g_idx"], spec)
-        for name in names
-    }
+
+    def __init__(self, kept: dict[str, torch.Tensor], spec: QuantSpec, layers_path: str) -> None:
+        self._kept, self._spec, self._path = kept, spec, layers_path
+        self._names = sorted({k.rsplit(".", 1)[0] for k in kept}, key=_layer_order)
+
+    def __getitem__(self, key: str) -> QuantizedWeight:
+        name = key.removeprefix(self._path)
+        if not key.startswith(self._path) or f"{name}.q" not in self._kept:
+            raise KeyError(key)
+        k = self._kept
+        return QuantizedWeight(_codes(k[f"{name}.q"], k[f"{name}.g_idx"]), k[f"{name}.scales"], k[f"{name}.zeros"],
+                               k[f"{name}.g_idx"], self._spec)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and key.startswith(self._path) and f"{key.removeprefix(self._path)}.q" in self._kept
+
+    def __iter__(self) -> Iterator[str]:
+        return (self._path + n for n in self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def _layer_order(name: str) -> tuple[int, str]:

@@ -57,6 +57,11 @@ class LayerInputs:
     kwargs: dict[str, Any]
     batches: list[torch.Tensor] | None = None  # (b, T, d) tensors that `hidden` are views of, when known
 
+    @classmethod
+    def of_batches(cls, batches: list[torch.Tensor], kwargs: dict[str, Any]) -> LayerInputs:
+        """Inputs kept as (b, T, d) batch tensors, with every window a (1, T, d) view of them (no copy)."""
+        return cls([y.unsqueeze(0) for b in batches for y in b], kwargs, batches)
+
     def batched(self, size: int, device: torch.device) -> list[torch.Tensor]:
         """The windows as (size, T, d) batches on the device: the stored batch tensors themselves when they
         have that size (no copy), else concatenated."""
@@ -140,7 +145,7 @@ def capture_inputs(model: nn.Module, windows: torch.Tensor, device: torch.device
     kwargs = {k: _to(v, device, dtype) for k, v in captured.items()}
     batches = LayerInputs(hidden, kwargs).batched(BATCH_WINDOWS, storage)
     del hidden  # the per-window copies; the windows become views of the batches
-    return LayerInputs([y.unsqueeze(0) for b in batches for y in b], kwargs, batches)
+    return LayerInputs.of_batches(batches, kwargs)
 
 
 def layer_output(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
@@ -178,8 +183,7 @@ class LayerJob:
     inputs: LayerInputs
     device: torch.device
     arch: Arch
-    outputs: list[torch.Tensor] | None = None  # set by `one_pass`: the next layer's inputs, already computed
-    output_batches: list[torch.Tensor] | None = None  # the (b, T, d) tensors `outputs` are views of
+    output_batches: list[torch.Tensor] | None = None  # set by `one_pass`: the next layer's inputs, (b, T, d)
     master: dict[str, torch.Tensor] | None = None  # float32 parameters while the layer computes in a lower dtype
 
     def forward(self, observe: dict[nn.Module, Callable[[torch.Tensor, torch.Tensor], None]] | None = None,
@@ -188,6 +192,11 @@ class LayerJob:
 
     def module(self, name: str) -> nn.Module:
         return get_module(self.layer, name)
+
+    @property
+    def outputs(self) -> list[torch.Tensor] | None:
+        """The one-pass outputs per window, (1, T, d) views of `output_batches`; None before `one_pass`."""
+        return None if self.output_batches is None else LayerInputs.of_batches(self.output_batches, {}).hidden
 
     def weight(self, name: str) -> torch.Tensor:
         """Linear `name`'s weight at full precision (the master copy when the layer computes in bfloat16)."""
@@ -203,13 +212,12 @@ class LayerJob:
                  solve: Callable[[int], None], batch: int = BATCH_WINDOWS) -> None:
         """Solve the groups of linears (names, in execution order) in one pass over the windows
         (onepass.py): observe(g, x) sees group g's input for every batch of windows, solve(g) runs once
-        all have, before group g computes anything. The solved layer's outputs become `self.outputs`."""
+        all have, before group g computes anything. The solved layer's outputs become `self.output_batches`."""
         batches = self.inputs.batched(batch, self.device)
         results = one_pass(lambda h: layer_output(self.layer, h, self.inputs.kwargs), batches,
                            [[self.module(n) for n in g] for g in groups], observe, solve)
         storage = self.inputs.hidden[0].device
         self.output_batches = [out.to(storage) for out in results]
-        self.outputs = [y.unsqueeze(0) for out in self.output_batches for y in out]  # views, no copy
 
 
 # A method processes one layer in place and returns (summary for report.json, tensors to keep).
@@ -245,15 +253,14 @@ def run_layerwise(model: nn.Module, windows: torch.Tensor, process: LayerFn, *, 
                 else:
                     job = LayerJob(i, layer, inputs, device, arch, master=master)
                     summary, tensors = process(job)
-                outputs = job.outputs if job is not None else None  # a one-pass method already ran the layer
-                batches = job.output_batches if job is not None else None
-                if outputs is None:
-                    outputs = forward_layer(layer, inputs, device)
+                batches = job.output_batches if job is not None else None  # a one-pass method already ran the layer
+                next_inputs = (LayerInputs.of_batches(batches, inputs.kwargs) if batches is not None
+                               else LayerInputs(forward_layer(layer, inputs, device), inputs.kwargs))
             if job is not None:
                 _save(state_dir, i, layer, summary, tensors)  # the master weights, after computing_in
             kept.update({f"{i}.{k}": v for k, v in tensors.items()})
             summaries.append({"layer": i, **summary})
-            inputs = LayerInputs(outputs, inputs.kwargs, batches)
+            inputs = next_inputs
             release_free_heap()  # the layer's freed small buffers leave resident memory (memory.py)
             layer.to("cpu" if device.type != "cpu" else device)
             bar.advance(1, **{k: v for k, v in summary.items() if isinstance(v, (int, float)) and k != "layer"})
@@ -293,9 +300,10 @@ def _restore(state_dir: Path | None, i: int, layer: nn.Module) -> tuple[dict, di
 
 @contextmanager
 def solver_threads(device: torch.device) -> Iterator[None]:
-    """One CPU thread for a column-by-column solver (GPTQ, SparseGPT): its loop is thousands of ops on
-    (out,)-sized vectors, where a second thread only adds synchronisation (measured: 0.25 s vs 6 s for a
-    1536x576 weight on a busy 2-core machine). GPUs are unaffected."""
+    """One CPU thread for a column-by-column solver written in torch ops (SparseGPT): its loop is thousands of
+    ops on (out,)-sized vectors, where a second thread only adds synchronisation (measured: 0.25 s vs 6 s
+    for a 1536x576 weight on a busy 2-core machine). GPUs are unaffected. (GPTQ's column loop runs on
+    numpy on the CPU and needs no such limit: gptq/solver.py.)"""
     if device.type != "cpu":
         yield
         return

@@ -136,7 +136,7 @@ def _quantize_columns(W: torch.Tensor, Err: torch.Tensor, Q: torch.Tensor, Hinv:
         w = W[i]
         if i:
             w.sub_(Hinv[:i, i] @ Err[:i])
-        q = torch.clamp(torch.round(w / s) + z, 0, maxq)
+        q = quantize(w, s, z, maxq)
         Q[i] = q
         Err[i] = (w - s * (q - z)) * inv_d[i]
 

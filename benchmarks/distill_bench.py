@@ -10,7 +10,8 @@ Run alone on the machine:  python benchmarks/distill_bench.py [--quick]
    plus the KD student as a speculative draft for the teacher (assisted generation).
 3. Recovery: the demo model pruned to 40% global magnitude (decoder linears), perplexity drift against
    the dense model before and after distilling from the dense original for the same token budget,
-   with the pruned zeros kept.
+   with the pruned zeros kept; with --reconstruct N, the pruned layers are first refit to the dense ones
+   in closed form on N calibration windows (distill/reconstruct.py), and the drift after that is reported too.
 Each phase's result is written to benchmarks/results/distill_bench.json as soon as it is known.
 """
 
@@ -31,9 +32,11 @@ DATA = ROOT.parent / "shared" / "data"
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
+from common import calibration_ids  # noqa: E402
 from geminicompress.data import pack_windows, tokenize  # noqa: E402
 from geminicompress.distill.masks import sparsity  # noqa: E402
 from geminicompress.distill.plot import plot_curve  # noqa: E402
+from geminicompress.distill.reconstruct import reconstruct  # noqa: E402
 from geminicompress.distill.student import derive_student, n_params  # noqa: E402
 from geminicompress.distill.train import train  # noqa: E402
 from geminicompress.eval.perplexity import perplexity  # noqa: E402
@@ -103,6 +106,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--recovery-lr", type=float, default=1e-4, help="the pruned 30-layer model starts close to its teacher")
     ap.add_argument("--phases", default="kd,ce,latency,recovery")
+    ap.add_argument("--reconstruct", type=int, default=0, metavar="N",
+                    help="recovery: first refit the pruned layers to the dense ones on N calibration windows (0: off)")
+    ap.add_argument("--recovery-loss", default='{"kl": 1.0}', help="recovery loss weights as JSON")
     ap.add_argument("--student-dir", default="/tmp/gc-distill-bench-kd-student",
                     help="the KD student is saved here, and a run with --phases latency alone reuses it")
     ap.add_argument("--name", default=None, help="results file name (default distill_bench)")
@@ -147,12 +153,12 @@ def main() -> None:
         log.info(f"  ppl {value:.3f} ({time.perf_counter() - t0:.0f} s)")
         return value
 
-    def run(student, loss, masks=None, label="", lr=args.lr):
+    def run(student, loss, masks=None, label="", lr=args.lr, layer_map=None):
         import tempfile
 
         log.info(f"training {label}: {loss}")
         with tempfile.TemporaryDirectory() as state:
-            trained, h = train(student, teacher, train_w, held_out, cfg(lr, **loss), seed=0, layer_map=None, masks=masks,
+            trained, h = train(student, teacher, train_w, held_out, cfg(lr, **loss), seed=0, layer_map=layer_map, masks=masks,
                                state_dir=Path(state), device=CPU, progress=log)
         return trained, {"loss": h.loss, "held_out_ppl": h.ppl, "tokens": h.tokens, "train_seconds": h.seconds,
                          "tokens_per_s": h.tokens / h.seconds}
@@ -214,8 +220,17 @@ def main() -> None:
         pruned = copy.deepcopy(teacher).requires_grad_(True)
         masks = prune_global_magnitude(pruned, 0.4)
         rec = {"sparsity_before": sparsity(pruned, masks), "dense_ppl": res["teacher_ppl"], "pruned_ppl": ppl(pruned)}
-        pruned, train_info = run(pruned, {"kl": 1.0}, masks=masks, label="recovery (pruned 40% -> KD from dense)",
-                                lr=args.recovery_lr)
+        if args.reconstruct:
+            windows = calibration_ids(tok, args.reconstruct)
+            log.info(f"reconstructing the pruned layers on {len(windows)} calibration windows")
+            rebuilt = reconstruct(pruned, teacher, windows, masks, device=CPU, progress=log)
+            rec["reconstruct"] = {k: rebuilt[k] for k in ("windows", "seq_len", "damp", "seconds")}
+            rec["reconstructed_ppl"] = ppl(pruned)
+            rec["drift_reconstructed"] = rec["reconstructed_ppl"] / rec["dense_ppl"] - 1
+        loss = json.loads(args.recovery_loss)
+        layer_map = {i: i for i in range(pruned.config.num_hidden_layers)}  # hidden losses: layer i to layer i
+        pruned, train_info = run(pruned, loss, masks=masks, label="recovery (pruned 40% -> KD from dense)",
+                                 lr=args.recovery_lr, layer_map=layer_map)
         rec.update(train_info)
         rec["recovered_ppl"] = ppl(pruned)
         rec["sparsity_after"] = sparsity(pruned, masks)
@@ -244,6 +259,8 @@ def _table(res: dict) -> None:
             print(f"time per output token, half-width-MLP student / teacher: {res['latency']['ratio_mlp_half']:.3f}")
     if "recovery" in res:
         r = res["recovery"]
+        if "reconstructed_ppl" in r:
+            print(f"recovery: reconstructed (no training) {r['reconstructed_ppl']:.2f} ({r['drift_reconstructed']:+.1%})")
         print(f"recovery: pruned {r['pruned_ppl']:.2f} ({r['drift_before']:+.1%}) -> {r['recovered_ppl']:.2f} "
               f"({r['drift_after']:+.1%}), sparsity {r['sparsity_after']:.3f}")
 

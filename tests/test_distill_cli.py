@@ -164,3 +164,32 @@ def test_helper_ranks_of_a_multi_process_launch_write_nothing(tiny_dir, tmp_path
     res = invoke("prune", tiny_dir, "-o", tmp_path / "out", "--quiet")
     assert res.exit_code == 0, res.output
     assert list(tmp_path.iterdir()) == []  # rank 0 writes OUT; rank 1 leaves no trace
+
+
+def test_reconstruct_refits_a_pruned_student_before_training(teacher_dir, text_file, tmp_path):
+    pruned = tmp_path / "pruned"
+    res = invoke("prune", teacher_dir, "-o", pruned, "--sparsity", "0.5", "--quiet")
+    assert res.exit_code == 0, res.output
+    masks = read_masks(pruned)
+    out = tmp_path / "recovered"
+    res = invoke("distill", "--teacher", teacher_dir, "--student", pruned, "--reconstruct", "--samples", "6",
+                 "-o", out, "--data", text_file, *FAST)
+    assert res.exit_code == 0, res.output
+    result = json.loads((out / "report.json").read_text())["stages"][0]["result"]
+    rebuilt = result["reconstruct"]
+    assert rebuilt["windows"] == 6 and len(rebuilt["layers"]) == 4
+    assert all(row["error_after"] < row["error_before"] for row in rebuilt["layers"])
+    params = dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())
+    assert all(torch.all(params[n][~m] == 0) for n, m in masks.items())
+
+
+def test_reconstruct_needs_a_pruned_copy_of_the_teacher(teacher_dir, text_file, tmp_path):
+    res = invoke("distill", "--teacher", teacher_dir, "--student-layers", "0.5", "--reconstruct", "-o",
+                 tmp_path / "a", "--data", text_file, *FAST)
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1
+    assert "reconstruct needs a student with the teacher's layers" in res.output
+    res = invoke("distill", "--teacher", teacher_dir, "--student", teacher_dir, "--reconstruct", "-o",
+                 tmp_path / "b", "--data", text_file, *FAST)
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1
+    assert "this student has no masks and no pruned zeros" in res.output
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -39,8 +39,10 @@ def distill(
     student_layers: Optional[str] = typer.Option(None, "--student-layers", help="Derive the student: fraction of teacher layers (0.5) or indices (0,2,4,...)."),
     student_config: Optional[str] = typer.Option(None, "--student-config", help="A config.json for a student of the teacher's architecture."),
     mlp_ratio: Optional[float] = typer.Option(None, "--mlp-ratio", help="Keep this fraction of MLP channels in a derived student (default 1.0)."),
+    reconstruct: Optional[bool] = typer.Option(None, "--reconstruct/--no-reconstruct", help="For a pruned student (--student PRUNED): first refit its pruned layers to the teacher's in closed form on calibration windows, then train (sparse recovery)."),
     data: Optional[str] = typer.Option(None, "--data", help="Training text (file, hub dataset, builtin:pydoc)."),
     text_column: str = c.TEXT_COLUMN,
+    samples: Optional[int] = typer.Option(None, "--samples", help="Calibration windows of DATA for --reconstruct (default 128)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (default 200)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per training window (default 512)."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Windows per micro-batch (default 4)."),
@@ -71,7 +73,8 @@ def distill(
       accelerate launch -m geminicompress distill --teacher big-model --student small-model --data train.jsonl -o out
     """
     given = {
-        "student": student, "student_config": student_config, "mlp_ratio": mlp_ratio, "data": data,
+        "student": student, "student_config": student_config, "mlp_ratio": mlp_ratio, "reconstruct": reconstruct,
+        "data": data,
         "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "grad_accum": grad_accum, "lr": lr,
         "warmup_steps": warmup_steps, "temperature": temperature, "topk_cache": topk_cache, "precision": precision,
         "gradient_checkpointing": gradient_checkpointing, "eval_every": eval_every, "save_every": save_every,
@@ -80,6 +83,6 @@ def distill(
         "loss": _parse_loss(loss) if loss is not None else None,
     }
     stage = {"type": "distill", **{k: v for k, v in given.items() if v is not None}}
-    cal = {"text_column": text_column}
+    cal: dict = {"text_column": text_column, **({"samples": samples} if samples is not None else {})}
     c.run_single_stage(teacher, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed, quiet,
                        source="distill options")

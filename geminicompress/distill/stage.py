@@ -7,7 +7,8 @@ Who is who (the pipeline passes one model in memory, `ctx.model`):
   and the teacher is the recipe's input model, loaded fresh (or `teacher`);
 - none given and distill comes first: a student with half the teacher's layers.
 The student replaces `ctx.model`/`ctx.tokenizer` for the following stages and the export. A pruned
-student (masks from `ctx.masks` or `prune_masks.safetensors`) keeps its zeros.
+student (masks from `ctx.masks` or `prune_masks.safetensors`) keeps its zeros; with `reconstruct` its
+pruned linears are first refit to the teacher's, layer by layer, on calibration windows (reconstruct.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.distill import masks as M
 from geminicompress.distill.plot import plot_curve
+from geminicompress.distill.reconstruct import check_same_shape, reconstruct
 from geminicompress.distill.student import (check_tokenizers, derive_student, evenly_mapped, n_params,
                                             student_from_config)
 from geminicompress.distill.topk_cache import build_topk_cache
@@ -44,12 +46,15 @@ class Pair:
 
 def run(cfg: DistillStage, ctx) -> dict:
     pair = choose_models(cfg, ctx)
+    if cfg.reconstruct:
+        _check_reconstructible(pair)
     t_params, s_params = n_params(pair.teacher), n_params(pair.student)
-    if s_params >= t_params:
+    if s_params >= t_params and not pair.masks:  # a pruned student is smaller by its zeros
         ctx.progress.warn(f"the student ({s_params / 1e6:.1f}M parameters) is not smaller than the teacher "
                           f"({t_params / 1e6:.1f}M): distilling anyway")
     layer_map = _layer_map(cfg, pair)
     train_w, eval_w = training_windows(cfg, ctx, pair.tokenizer)
+    rebuilt = _reconstruct(cfg, ctx, pair) if cfg.reconstruct else None
     cache = None
     if cfg.topk_cache:
         if cfg.loss.hidden_mse or cfg.loss.hidden_cos:
@@ -75,7 +80,7 @@ def run(cfg: DistillStage, ctx) -> dict:
             "tokens_per_s": round(history.tokens / max(history.seconds, 1e-9), 1),
             "loss_first": history.loss[0] if history.loss else None, "loss_last": history.loss[-1] if history.loss else None,
             "loss_curve": history.loss[:: max(1, steps // 200)], "ppl_curve": history.ppl,
-            "teacher_ppl": teacher_ppl, "topk_cache": str(cache.path) if cache else None,
+            "teacher_ppl": teacher_ppl, "reconstruct": rebuilt, "topk_cache": str(cache.path) if cache else None,
             "topk_cache_reused": cache.reused if cache else None, "curve_png": CURVE}
 
 
@@ -126,6 +131,27 @@ def training_windows(cfg: DistillStage, ctx, tokenizer) -> tuple[torch.Tensor, t
         ctx.progress.info(f"{data} gives {len(windows) - cfg.eval_windows} training windows; {cfg.steps} steps "
                           f"read them about {epochs} times")
     return windows[: -cfg.eval_windows], windows[-cfg.eval_windows :]
+
+
+def _check_reconstructible(pair: Pair) -> None:
+    check_same_shape(pair.student, pair.teacher)
+    if not pair.masks:
+        raise InputError("reconstruct refits a pruned student, and this student has no masks and no pruned zeros: "
+                         "prune it first (a prune stage before distill), or drop reconstruct")
+
+
+def _reconstruct(cfg: DistillStage, ctx, pair: Pair) -> dict[str, Any]:
+    """The layer-wise refit of a pruned student to its teacher (reconstruct.py) on calibration windows."""
+    windows = ctx.calibration(cfg.data)
+    state = ctx.state_dir / "reconstruct"
+    state.mkdir(parents=True, exist_ok=True)
+    summary = reconstruct(pair.student, pair.teacher, windows, pair.masks, device=ctx.device, progress=ctx.progress,
+                          state_dir=state)
+    last = summary["layers"][-1]
+    ctx.progress.info(f"reconstructed {len(summary['layers'])} layers on {summary['windows']} windows in "
+                      f"{summary['seconds']:.0f} s (last layer's output error {last['error_before']:.3g} -> "
+                      f"{last['error_after']:.3g} of its norm)")
+    return summary
 
 
 def _stage_index(cfg: DistillStage, ctx) -> int:

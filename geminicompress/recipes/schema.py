@@ -168,6 +168,8 @@ class DistillStage(_StageBase):
     student_layers: float | list[int] | None = Field(None, description="fraction or list of teacher layers to keep")
     student_config: str | None = Field(None, description="a config.json for a student of the teacher's architecture")
     mlp_ratio: float = Field(1.0, gt=0.0, le=1.0, description="keep this fraction of MLP channels")
+    reconstruct: bool = Field(False, description="before training a pruned student, refit its pruned linears to the "
+                              "teacher's in closed form, layer by layer on calibration windows (masks kept)")
     steps: int = Field(200, ge=1)
     seq_len: int = Field(512, ge=8)
     batch_size: int = Field(4, ge=1)

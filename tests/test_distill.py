@@ -10,7 +10,7 @@ from geminicompress.distill.student import derive_student, keep_layers, student_
 from geminicompress.distill.train import batch_indices, train
 from geminicompress.errors import InputError
 from geminicompress.recipes.schema import DistillStage
-from tiny import tiny_model
+from tiny import prune_in_place, tiny_model
 
 CPU = torch.device("cpu")
 
@@ -183,14 +183,7 @@ def test_resume_continues_the_same_loss_trajectory(tmp_path):
 
 def _pruned_tiny(fraction=0.5):
     model = tiny_model(num_hidden_layers=2)
-    masks = {}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and "layers" in name:
-                cut = p.abs().flatten().kthvalue(int(fraction * p.numel())).values
-                masks[name] = p.abs() > cut
-                p.mul_(masks[name])
-    return model, masks
+    return model, prune_in_place(model, fraction)
 
 
 def test_masks_survive_training(tmp_path):

@@ -10,7 +10,7 @@ from geminicompress.compress.arch import arch_for, get_module
 from geminicompress.compress.prune.refit import refit_masked, subset_solve
 from geminicompress.distill.reconstruct import reconstruct
 from geminicompress.errors import InputError
-from tiny import tiny_model
+from tiny import prune_in_place, tiny_model
 
 CPU = torch.device("cpu")
 
@@ -74,14 +74,7 @@ def test_subset_solve_does_not_depend_on_the_batch_size():
 
 def _pruned_copy(teacher, fraction=0.5):
     student = copy.deepcopy(teacher)
-    masks = {}
-    with torch.no_grad():
-        for name, p in student.named_parameters():
-            if p.dim() == 2 and ".layers." in name:
-                cut = p.abs().flatten().kthvalue(int(fraction * p.numel())).values
-                masks[name] = p.abs() > cut
-                p.mul_(masks[name])
-    return student, masks
+    return student, prune_in_place(student, fraction)
 
 
 def _windows(n=8, t=32, seed=0):

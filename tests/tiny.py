@@ -77,3 +77,15 @@ def save_tiny(path: Path, kind: str = "llama", seed: int = 0, **overrides) -> Pa
     tiny_model(kind, seed, **overrides).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+def prune_in_place(model, fraction: float = 0.5) -> dict:
+    """Zero the `fraction` smallest |w| of every 2-D decoder-layer weight; return the keep-masks by name."""
+    masks = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and ".layers." in name:
+                cut = p.abs().flatten().kthvalue(int(fraction * p.numel())).values
+                masks[name] = p.abs() > cut
+                p.mul_(masks[name])
+    return masks

@@ -193,3 +193,23 @@ def test_reconstruct_needs_a_pruned_copy_of_the_teacher(teacher_dir, text_file, 
     assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1
     assert "this student has no masks and no pruned zeros" in res.output
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_prune_then_distill_with_reconstruct_in_a_recipe(teacher_dir, text_file, tmp_path):
+    recipe = tmp_path / "recover.yaml"
+    recipe.write_text(f"""model: {teacher_dir}
+calibration: {{data: {text_file}, samples: 4, seq_len: 32}}
+stages:
+  - {{type: prune, sparsity: 0.5}}
+  - {{type: distill, data: {text_file}, reconstruct: true, steps: 2, seq_len: 32, batch_size: 2, warmup_steps: 1}}
+""")
+    out = tmp_path / "out"
+    res = invoke("run", recipe, "-o", out, "--quiet")
+    assert res.exit_code == 0, res.output
+    stages = json.loads((out / "report.json").read_text())["stages"]
+    rebuilt = stages[1]["result"]["reconstruct"]
+    assert rebuilt["windows"] == 4 and rebuilt["seq_len"] == 32
+    assert all(row["error_after"] < row["error_before"] for row in rebuilt["layers"])
+    masks = read_masks(out)
+    params = dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())
+    assert masks and all(torch.all(params[n][~m] == 0) for n, m in masks.items())

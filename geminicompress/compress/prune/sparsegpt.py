@@ -14,16 +14,12 @@ import torch
 from torch import Tensor
 
 from geminicompress.compress.prune.masks import Pattern
+from geminicompress.compress.prune.refit import damped_hessian
 
 
 def inverse_hessian_factor(H: Tensor, damp: float) -> Tensor:
     """Upper Cholesky factor of (H + damp·mean(diag H)·I)⁻¹. H: (in, in); dead inputs get H_jj = 1."""
-    H = H.clone().float()
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
-    idx = torch.arange(H.shape[0], device=H.device)
-    H[idx, idx] += damp * torch.mean(torch.diag(H))
-    L = torch.linalg.cholesky(H)
+    L = torch.linalg.cholesky(damped_hessian(H, damp))
     return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
 
 

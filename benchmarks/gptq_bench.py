@@ -4,8 +4,9 @@ Protocol (the project's one benchmark protocol): SmolLM2-135M demo; calibration 
 drawn with seed 0 from ../shared/data/enwiki-sample.txt (the same token ids for every method: ours
 draws them through the CLI with the same function and seed, llm-compressor gets them as a file);
 perplexity on the first 16,384 tokens of ../shared/data/wikitext2-test.txt in 32 windows of 512.
-Settings per row: symmetric int weights, lm_head in float, act-order with static groups (llm-compressor's
-default "static" actorder), block 128, damp 0.01. Ours runs as the CLI in a child process
+Settings per row: symmetric int weights, lm_head in float; ours with the flags `quantize --method gptq`
+uses by default (GPTQStage's defaults: docs/gptq-defaults.md), plus any given with --flags;
+llm-compressor with its own defaults. Ours runs as the CLI in a child process
 (`geminicompress quantize ... --format gptq`), llm-compressor in its own venv (gptq_llmc_ref.py,
 compressed-tensors output); both checkpoints are evaluated with our loaders and the same perplexity
 code. Peak RSS is the child process's own maximum resident set, the whole run included (measured
@@ -14,8 +15,10 @@ through peak_rss.py: a child's ru_maxrss would include this parent's peak).
 llm-compressor on the model loaded in bf16 (it calibrates in the model's dtype), so that a bf16 speed-up
 is compared with the reference's own bf16 speed-up too.
 
-  python benchmarks/gptq_bench.py            # 128 windows, both settings
+  python benchmarks/gptq_bench.py            # 128 windows, w4-pc and w3-g64
   python benchmarks/gptq_bench.py --quick    # 8 windows, ppl on 8 windows
+  python benchmarks/gptq_bench.py --samples 32 --settings w4-g64,w4-pc,w3-g64 --skip-llmc --name gptq_bench_defaults
+  python benchmarks/gptq_bench.py ... --flags="--no-act-order --first-token-weight 1"   # the former defaults
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA, RESULTS, ROOT, calibration_ids, ensure_llmc_venv, eval_windows, perplexity, round_to_nearest, run_child  # noqa: E402
 
-SETTINGS = {"w4-pc": (4, -1), "w3-g64": (3, 64)}
+SETTINGS = {"w4-pc": (4, -1), "w3-g64": (3, 64), "w4-g64": (4, 64)}
 OURS = {"float32": "ours GPTQ", "bfloat16": "ours GPTQ, bf16 calibration"}
 LLMC = {"float32": "llm-compressor GPTQ", "bfloat16": "llm-compressor GPTQ, bf16 model"}
 
@@ -44,15 +47,15 @@ def rtn_model(demo: Path, bits: int, group: int):
     return round_to_nearest(load_model(str(demo)).model, bits, group, sym=True)
 
 
-def ours(demo: Path, out: Path, bits: int, group: int, samples: int, calib_dtype: str) -> dict:
+def ours(demo: Path, out: Path, bits: int, group: int, samples: int, calib_dtype: str, flags: list[str]) -> dict:
     cmd = [sys.executable, "-m", "geminicompress", "quantize", str(demo), "-o", str(out), "--method", "gptq",
-           "--bits", str(bits), "--group-size", str(group), "--sym", "--act-order", "--static-groups",
+           "--bits", str(bits), "--group-size", str(group), *flags,
            "--data", str(DATA / "enwiki-sample.txt"), "--samples", str(samples), "--calib-seq-len", "512",
            "--calib-dtype", calib_dtype, "--format", "gptq", "--device", "cpu", "--force", "--quiet"]
     wall, rss, _ = run_child(cmd, {"OMP_NUM_THREADS": "2"})
     report = json.loads((out / "report.json").read_text())
     stage = report["stages"][0]
-    return {"quantize_seconds": stage["seconds"], "export_seconds": report["export"]["seconds"],
+    return {"flags": flags, "quantize_seconds": stage["seconds"], "export_seconds": report["export"]["seconds"],
             "process_seconds": round(wall, 1), "peak_rss_gib": round(rss, 3),
             "layer_errors": [round(layer["err"], 4) for layer in stage["result"]["layers"]]}
 
@@ -80,6 +83,8 @@ def main() -> None:
                     help="ours: one row per calibration dtype (float32, bfloat16); the solver is float32 in both")
     ap.add_argument("--llmc-dtypes", default="float32",
                     help="llm-compressor: one row per model dtype it is loaded in (float32, bfloat16)")
+    ap.add_argument("--flags", default="", help="extra quantize flags for our rows (default: none, the defaults)")
+    ap.add_argument("--name", default=None, help="results file name without .json (default gptq_bench[_quick])")
     ap.add_argument("--work", default=None, help="folder for checkpoints (default: a temporary one)")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -102,7 +107,7 @@ def main() -> None:
     del base
     rows: list[dict] = []
 
-    name = "gptq_bench_quick.json" if args.quick else "gptq_bench.json"
+    name = f"{args.name}.json" if args.name else "gptq_bench_quick.json" if args.quick else "gptq_bench.json"
     path = RESULTS / name
     meta = {
         "benchmark": "gptq", "quick": args.quick, "calibration": f"{samples} x 512 tokens, enwiki-sample.txt, seed 0",
@@ -129,7 +134,7 @@ def main() -> None:
                 "ppl": round(perplexity(model, eval_ids), 3)})
         for dtype in args.calib_dtypes.split(","):
             out = work / f"ours-{setting}-{dtype}"
-            row = {"setting": setting, "method": OURS[dtype], **ours(demo, out, bits, group, samples, dtype)}
+            row = {"setting": setting, "method": OURS[dtype], **ours(demo, out, bits, group, samples, dtype, args.flags.split())}
             row["ppl"] = round(perplexity(load_model(str(out)).model, eval_ids), 3)
             record(row)
     if args.reuse_llmc:

@@ -13,6 +13,7 @@ from geminicompress.compress.packing.qlinear import DequantLinear
 from geminicompress.models.loading import load_model, resolve_model
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.recipes.schema import GPTQStage
 from tiny import save_tiny, tiny_tokenizer
 
 CPU = torch.device("cpu")
@@ -63,7 +64,8 @@ def test_saved_checkpoint_loads_back_to_the_quantized_model(tiny_dir, text_file,
     # every quantized weight lies on its grid: at most 2^bits distinct values per row and group
     w = q_proj.weight if fmt != "dense" else q_proj.weight.data
     group = stage["group_size"] if stage["group_size"] > 0 else 64
-    if not stage.get("act_order") or stage.get("static_groups"):
+    act_order = stage.get("act_order", GPTQStage.model_fields["act_order"].default)
+    if not act_order or stage.get("static_groups", GPTQStage.model_fields["static_groups"].default):
         assert len(torch.unique(w[0, :group])) <= 2 ** stage["bits"]
 
 
@@ -92,7 +94,7 @@ def test_gptq_config_and_tensors_follow_the_v1_layout(tiny_dir, text_file, tmp_p
     _quantize(tiny_dir, out, text_file, bits=4, group_size=32)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert {k: qc[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format")} == {
-        "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
+        "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": True, "checkpoint_format": "gptq"}
     assert json.loads((out / "quantize_config.json").read_text())["bits"] == 4
     t = load_file(str(out / "model.safetensors"))
     prefix = "model.layers.0.mlp.down_proj"  # (out 64, in 128)

@@ -23,11 +23,12 @@ def quantize(
     group_size: Optional[int] = typer.Option(None, "--group-size", help="Input columns sharing a scale (default 128); -1 or 0 = per output channel."),
     sym: Optional[bool] = typer.Option(None, "--sym/--asym", help="gptq: symmetric (default) or asymmetric with zero points."),
     zero_point: Optional[bool] = typer.Option(None, "--zero-point/--no-zero-point", help="awq: asymmetric with zero points (default) or symmetric."),
-    act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order", help="gptq: quantize columns by decreasing Hessian diagonal."),
-    static_groups: Optional[bool] = typer.Option(None, "--static-groups/--no-static-groups", help="gptq with --act-order: fix groups before reordering so g_idx stays monotone."),
+    act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order", help="gptq: quantize columns by decreasing Hessian diagonal (default on)."),
+    static_groups: Optional[bool] = typer.Option(None, "--static-groups/--no-static-groups", help="gptq with --act-order: fix groups before reordering so g_idx stays monotone (default off: lower quality on the demo model, see docs/gptq-defaults.md)."),
     true_sequential: Optional[bool] = typer.Option(None, "--true-sequential/--no-true-sequential", help="gptq: quantize attention before MLP inside each layer (default on)."),
     one_pass: Optional[bool] = typer.Option(None, "--one-pass/--multi-pass", help="gptq true-sequential: one pass over the windows per layer (default; holds a layer's activations for every window) or one pass per group of linears (less memory, slower)."),
     damp: Optional[float] = typer.Option(None, "--damp", help="gptq: dampening as a fraction of the mean Hessian diagonal (default 0.01)."),
+    first_token_weight: Optional[float] = typer.Option(None, "--first-token-weight", help="gptq: weight of each calibration window's first token (the attention sink) in the Hessians (default 16; 1 = every token alike)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="gptq: columns per lazy-update block (default 128)."),
     calib_dtype: Optional[str] = typer.Option(None, "--calib-dtype", help="gptq: float32 (default) or bfloat16: the dtype layers compute in while calibrating; the solver and the saved weights stay float32. bfloat16 is faster on GPUs and on CPUs with AVX512-BF16."),
     smoothquant_alpha: Optional[float] = typer.Option(None, "--smoothquant-alpha", help="w8a8: SmoothQuant strength in [0, 1], calibrated on --data."),
@@ -59,7 +60,7 @@ def quantize(
         raise InputError(f"--method '{method}' is not one of {', '.join(METHODS)}")
     given = {
         "bits": bits, "group_size": group_size, "sym": sym, "zero_point": zero_point, "act_order": act_order,
-        "static_groups": static_groups, "true_sequential": true_sequential, "one_pass": one_pass, "damp": damp, "block_size": block_size,
+        "static_groups": static_groups, "true_sequential": true_sequential, "one_pass": one_pass, "damp": damp, "first_token_weight": first_token_weight, "block_size": block_size,
         "calib_dtype": calib_dtype,
         "smoothquant_alpha": smoothquant_alpha, "clip": clip, "n_grid": n_grid, "search_results": search_results,
         "ignore": ignore or None, "format": format,

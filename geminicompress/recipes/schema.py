@@ -58,12 +58,16 @@ class GPTQStage(_StageBase):
     bits: Literal[2, 3, 4, 8] = 4
     group_size: int = Field(128, ge=-1, description="input columns per scale; -1 or 0 = per output channel")
     sym: bool = True
-    act_order: bool = False
+    # defaults measured on the demo model (docs/gptq-defaults.md): act-order with groups in quantization
+    # order and the first token weighted 16x beat every other setting tried, at 4-bit g64/per-channel and 3-bit
+    act_order: bool = True
     static_groups: bool = False
     true_sequential: bool = True
     one_pass: bool = Field(True, description="true-sequential in one pass over the windows per layer (holds every "
                            "window's activations of one layer); false re-runs the layer per group (less memory)")
     damp: float = Field(0.01, gt=0.0, lt=1.0, description="dampening, fraction of the mean Hessian diagonal")
+    first_token_weight: float = Field(16.0, ge=1.0, description="weight of each calibration window's first token "
+                                      "(the attention sink) in the Hessians: see compress/hessian.py")
     block_size: int = Field(128, ge=1)
     calib_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="dtype the layers compute in while calibrating (their forward passes); "

@@ -69,7 +69,8 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
                                     calib_dtype=getattr(torch, cfg.calib_dtype))
     qweights = _KeptCodes(kept, spec, layers_path)
     meta = {"dtype": ctx.recipe.output.dtype, "act_order": cfg.act_order, "static_groups": cfg.static_groups,
-            "true_sequential": cfg.true_sequential, "damp": cfg.damp}
+            "true_sequential": cfg.true_sequential, "damp": cfg.damp,
+            "first_token_weight": cfg.first_token_weight}
     ctx.exporter = lambda m, tok, out: export_quantized(m, tok, out, qweights, cfg.format, meta)
     return {
         "bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym, "format": cfg.format,
@@ -98,12 +99,12 @@ def _quantize_layer(job: LayerJob, *, cfg: GPTQStage, spec: QuantSpec, scales_as
     kept: dict[str, torch.Tensor] = {}
     solve = partial(_solve_group, job, cfg=cfg, spec=spec, scales_as=scales_as, losses=losses, kept=kept)
     if cfg.true_sequential and cfg.one_pass:
-        accs = [HessianAccumulator(job.module(g[0]).in_features, job.device) for g in groups]
+        accs = [HessianAccumulator(job.module(g[0]).in_features, job.device, cfg.first_token_weight) for g in groups]
         job.one_pass(groups, lambda i, x: accs[i].add_batch(x), lambda i: solve(groups[i], accs[i].H))
     else:
         passes = [[g] for g in groups] if cfg.true_sequential else [groups]
         for pass_groups in passes:
-            for group, H in zip(pass_groups, _collect_hessians(job, pass_groups)):
+            for group, H in zip(pass_groups, _collect_hessians(job, pass_groups, cfg.first_token_weight)):
                 solve(group, H)
     return {"err": sum(losses.values()), "modules": losses}, kept
 
@@ -129,10 +130,11 @@ def _solve_group(job: LayerJob, group: list[str], H: torch.Tensor, *, cfg: GPTQS
     losses["/".join(group)] = loss
 
 
-def _collect_hessians(job: LayerJob, groups: list[list[str]], batch: int = 4) -> list[torch.Tensor]:
+def _collect_hessians(job: LayerJob, groups: list[list[str]], first_token_weight: float = 1.0,
+                      batch: int = 4) -> list[torch.Tensor]:
     """One Hessian per group, hooked on the group's first linear (all members read the same input).
     Windows run `batch` at a time, and the layer only until every hooked linear has seen them."""
-    accs = [HessianAccumulator(job.module(g[0]).in_features, job.device) for g in groups]
+    accs = [HessianAccumulator(job.module(g[0]).in_features, job.device, first_token_weight) for g in groups]
     fired: set[int] = set()
 
     def hook(i: int, module: nn.Module, args: tuple, output: torch.Tensor) -> None:

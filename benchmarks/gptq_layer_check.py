@@ -2,7 +2,8 @@
 
 For each group of linears that read the same input (q/k/v, o, gate/up, down) of every decoder layer, the
 Hessian H = 2/N · Σ xᵀx of the *unquantized* model's inputs on the calibration windows (one forward pass
-with hooks: the solver's check, not the true-sequential pipeline), then per linear (rows of the stacked
+with hooks: the solver's check, not the true-sequential pipeline; the solver gets H with the first tokens
+weighted as the stage weights them), then per linear (rows of the stacked
 solve) the relative output error on those inputs
 
     ‖X(Ŵ − W)ᵀ‖² / ‖XWᵀ‖² = tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)
@@ -58,7 +59,7 @@ def collect(model, ids: torch.Tensor, batch: int = 4) -> dict[tuple[int, tuple[s
     finally:
         for h in handles:
             h.remove()
-    return {k: {"H": v["acc"].H.clone(), "x0": torch.cat(v["x0"])} for k, v in stats.items()}
+    return {k: {"H": v["acc"].H.clone(), "x0": torch.cat(v["x0"]), "tokens": v["acc"].tokens} for k, v in stats.items()}
 
 
 def main() -> None:
@@ -86,9 +87,11 @@ def main() -> None:
     layers = decoder_layers(model)
     rows, worse = [], []
     for (i, group), s in stats.items():
-        H, x0 = s["H"], s["x0"]
+        H, x0 = s["H"], s["x0"]  # errors are measured with the plain H, every token alike
         W = torch.cat([get_module(layers[i], n).weight.detach().float() for n in group])  # (Σ out, in)
-        qw, _ = gptq_quantize(W, H, spec, damp=cfg.damp, block_size=cfg.block_size, act_order=cfg.act_order,
+        # the solver gets the Hessian the stage builds: first tokens counted first_token_weight times
+        Hw = H + (cfg.first_token_weight - 1.0) * 2.0 / s["tokens"] * x0.T @ x0
+        qw, _ = gptq_quantize(W, Hw, spec, damp=cfg.damp, block_size=cfg.block_size, act_order=cfg.act_order,
                               static_groups=cfg.static_groups)
         dg, dr = qw.dequantize() - W, rtn_quantize(W, spec).dequantize() - W
         start = 0
@@ -110,7 +113,7 @@ def main() -> None:
         "check": "gptq vs rtn output error, every decoder linear, unquantized-model inputs",
         "calibration": f"{args.samples} x 512 tokens, enwiki-sample.txt, seed 0",
         "spec": {"bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym},
-        "gptq_flags": {k: getattr(cfg, k) for k in ("act_order", "static_groups", "damp", "block_size")},
+        "gptq_flags": {k: getattr(cfg, k) for k in ("act_order", "static_groups", "damp", "first_token_weight", "block_size")},
         "bar_gptq_le_rtn_every_linear": not worse, "linears": len(rows), "gptq_worse": worse,
         "mean_ratio_gptq_over_rtn": sum(r["gptq_rel_output_error"] / r["rtn_rel_output_error"] for r in rows) / len(rows),
         "v_proj_pos0_mean_ratio_gptq_over_rtn": sum(r["gptq_rel_error_pos0"] / r["rtn_rel_error_pos0"] for r in v) / len(v),

@@ -26,8 +26,8 @@ import torch
 
 from geminicompress import __version__
 from geminicompress.data.windows import calibration_windows
-from geminicompress.errors import NotAvailableError
 from geminicompress.machine import machine, versions
+from geminicompress.methods import METHODS
 from geminicompress.models.loading import LoadedModel, ModelSource, load_model
 from geminicompress.output import OutputDir, write_json
 from geminicompress.progress import NullProgress, Progress
@@ -35,11 +35,7 @@ from geminicompress.recipes.loader import recipe_yaml
 from geminicompress.recipes.schema import Recipe, stage_tag
 
 STAGES: dict[str, str] = {
-    "quantize:int8": "geminicompress.compress.int8.stage:run",
-    "quantize:w8a8": "geminicompress.compress.int8.stage:run",
-    "quantize:gptq": "geminicompress.compress.gptq.stage:run",
-    "quantize:awq": "geminicompress.compress.awq.stage:run",
-    "quantize:awq+gptq": "geminicompress.compress.awq.stage:run",
+    **{f"quantize:{name}": m.runner for name, m in METHODS.items()},
     "prune": "geminicompress.compress.prune.stage:run",
     "distill": "geminicompress.distill.stage:run",
     "eval": "geminicompress.eval.stage:run",
@@ -76,13 +72,7 @@ class StageContext:
 
 def stage_runner(tag: str) -> Callable[[Any, StageContext], dict]:
     module_name, func = STAGES[tag].split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("geminicompress"):
-            raise NotAvailableError(f"stage '{tag}' is not implemented in this version of geminicompress yet") from exc
-        raise
-    return getattr(module, func)
+    return getattr(importlib.import_module(module_name), func)
 
 
 def fingerprint(recipe: Recipe) -> str:

@@ -13,7 +13,8 @@ from geminicompress.compress.int8 import stage
 from geminicompress.compress.int8.modules import Int8WeightOnlyLinear, W8A8Linear
 from geminicompress.models.loading import load_model
 from geminicompress.progress import NullProgress
-from geminicompress.recipes.schema import Int8Stage, Recipe
+from geminicompress.recipes.quantize import Int8Stage
+from geminicompress.recipes.schema import Recipe
 
 runner = CliRunner()
 

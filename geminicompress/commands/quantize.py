@@ -1,4 +1,4 @@
-"""`geminicompress quantize`: one quantization stage (int8, w8a8, gptq, awq, awq+gptq)."""
+"""`geminicompress quantize`: one quantization stage; the methods come from the registry (methods.py)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import typer
 
 from geminicompress.commands import _common as c
 from geminicompress.errors import InputError
+from geminicompress.methods import METHODS
 
-METHODS = ("int8", "w8a8", "gptq", "awq", "awq+gptq")
+_METHOD_HELP = "; ".join(f"{name}: {m.help}" for name, m in METHODS.items())
 
 
 @c.handle_errors
 def quantize(
     model: str = typer.Argument(..., help="MODEL: hub id, local directory, .gguf file, or smollm2-demo."),
     output: Path = c.OUT,
-    method: str = typer.Option(..., "--method", "-m", help="int8 (weight-only W8A16), w8a8 (INT8 weights and "
-                               "activations, fast on CPU), gptq, awq, or awq+gptq."),
+    method: str = typer.Option(..., "--method", "-m", help=f"{_METHOD_HELP}."),
     bits: Optional[int] = typer.Option(None, "--bits", help="Weight bits: 8 for int8/w8a8; 2, 3, 4 or 8 for gptq/awq (default 4)."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="Input columns sharing a scale (default 128); -1 or 0 = per output channel."),
     sym: Optional[bool] = typer.Option(None, "--sym/--asym", help="gptq: symmetric (default) or asymmetric with zero points."),
@@ -53,6 +53,8 @@ def quantize(
 
       geminicompress quantize smollm2-demo -o out-w8a8 --method w8a8
 
+      geminicompress quantize smollm2-demo -o out-rtn --method rtn --bits 4 --group-size 64
+
       geminicompress quantize HuggingFaceTB/SmolLM2-135M -o out-gptq --method gptq --bits 4 --group-size 64 --data wiki.txt
     """
     if method not in METHODS:
@@ -72,9 +74,7 @@ def quantize(
 
 
 def _check_applicable(method: str, stage: dict) -> None:
-    from geminicompress.recipes.schema import AWQStage, GPTQStage, Int8Stage
-
-    cls = {"int8": Int8Stage, "w8a8": Int8Stage, "gptq": GPTQStage, "awq": AWQStage, "awq+gptq": AWQStage}[method]
+    cls = METHODS[method].config
     for key in stage:
         if key not in cls.model_fields:
             raise InputError(f"--{key.replace('_', '-')} does not apply to --method {method}")

@@ -28,10 +28,10 @@ from geminicompress.compress.awq import results
 from geminicompress.compress.awq.fold import fold_problem, fold_scales
 from geminicompress.compress.awq.search import apply_clip, linear_error, scaled_weights, search_clip, search_scales
 from geminicompress.compress.gptq.solver import gptq_quantize
-from geminicompress.compress.gptq.stage import quantizable
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, rtn_quantize
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.layerwise import LayerJob, run_layerwise
+from geminicompress.compress.targets import decoder_linears
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.checkpoint import check_shapes, scale_dtype, write_quantized
 
@@ -44,7 +44,7 @@ def run(cfg, ctx) -> dict[str, Any]:
     model = ctx.model
     arch = arch_for(model)
     spec = QuantSpec(cfg.bits, cfg.group_size, sym=not cfg.zero_point)
-    targets = quantizable(model, arch, cfg.ignore)
+    targets = decoder_linears(model, arch, cfg.ignore, check="ignore" in cfg.model_fields_set)
     if not targets:
         raise InputError("the model has no linear layer left to quantize (check --ignore)")
     shapes = {name: tuple(get_module(model, name).weight.shape) for name in targets}

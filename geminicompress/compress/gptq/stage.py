@@ -18,7 +18,6 @@ The codes/scales/zeros/g_idx are kept and packed at export (formats/).
 
 from __future__ import annotations
 
-import re
 from functools import partial
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -26,17 +25,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import Arch, arch_for, get_module
+from geminicompress.compress.arch import arch_for, get_module
 from geminicompress.compress.gptq.solver import gptq_quantize
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.layerwise import LayerJob, layer_output, run_layerwise
+from geminicompress.compress.targets import decoder_linears
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.checkpoint import check_shapes, scale_dtype, write_quantized
 
 if TYPE_CHECKING:
     from geminicompress.pipeline import StageContext
-    from geminicompress.recipes.schema import GPTQStage
+    from geminicompress.recipes.quantize import GPTQStage
 
 
 class _Stop(Exception):
@@ -49,7 +49,7 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
     model = ctx.model
     arch = arch_for(model)
     spec = QuantSpec(cfg.bits, cfg.group_size, cfg.sym)
-    targets = quantizable(model, arch, cfg.ignore)
+    targets = decoder_linears(model, arch, cfg.ignore, check="ignore" in cfg.model_fields_set)
     if not targets:
         raise InputError("the model has no linear layer left to quantize (check --ignore)")
     shapes = {name: tuple(get_module(model, name).weight.shape) for name in targets}
@@ -76,17 +76,6 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
         "calibration_tokens": int(windows.numel()), "quantized_modules": len(qweights),
         "total_error": sum(s["err"] for s in summaries), "layers": summaries,
     }
-
-
-def quantizable(model: nn.Module, arch: Arch, ignore: list[str]) -> list[str]:
-    """Full names of the decoder-layer linears GPTQ quantizes, minus those matching an ignore regex."""
-    try:
-        patterns = [re.compile(p) for p in ignore]
-    except re.error as exc:
-        raise InputError(f"ignore pattern is not a valid regular expression: {exc}") from exc
-    layers = get_module(model, arch.layers)
-    names = [f"{arch.layers}.{i}.{lin}" for i in range(len(layers)) for lin in arch.linears]
-    return [n for n in names if isinstance(get_module(model, n), nn.Linear) and not any(p.search(n) for p in patterns)]
 
 
 def _quantize_layer(job: LayerJob, *, cfg: GPTQStage, spec: QuantSpec, scales_as: torch.dtype,

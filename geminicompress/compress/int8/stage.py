@@ -9,7 +9,6 @@ was done to every linear (goes into report.json).
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -18,9 +17,10 @@ import torch.nn as nn
 from geminicompress.compress.arch import arch_for, get_module, set_module
 from geminicompress.compress.int8 import smoothquant as sq
 from geminicompress.compress.int8.modules import MODULES
+from geminicompress.compress.targets import check_patterns_match, compile_patterns
 from geminicompress.errors import InputError
 from geminicompress.formats import int_quantized
-from geminicompress.recipes.schema import Int8Stage
+from geminicompress.recipes.quantize import Int8Stage
 
 
 def run(cfg: Int8Stage, ctx: Any) -> dict:
@@ -57,26 +57,20 @@ def run(cfg: Int8Stage, ctx: Any) -> dict:
 def select_linears(model: nn.Module, ignore: list[str], explicit: bool) -> tuple[list[str], dict[str, str]]:
     """(names of linears to quantize, {kept linear: why}).  A user-given pattern matching no linear is
     an InputError: it is almost always a typo."""
-    try:
-        patterns = [(p, re.compile(p)) for p in ignore]
-    except re.error as exc:
-        raise InputError(f"ignore pattern '{exc.pattern}' is not a valid regular expression: {exc}") from exc
+    patterns = compile_patterns(ignore)
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if explicit:
+        check_patterns_match(patterns, linears)
     tied_head = _tied_output_name(model)
     targets, kept = [], {}
     for name in linears:
-        hit = next((p for p, rx in patterns if rx.search(name)), None)
+        hit = next((rx.pattern for rx in patterns if rx.search(name)), None)
         if hit is not None:
             kept[name] = f"ignore '{hit}'"
         elif name == tied_head:
             kept[name] = "output head tied to the input embeddings"
         else:
             targets.append(name)
-    if explicit:
-        for p, rx in patterns:
-            if not any(rx.search(n) for n in linears):
-                example = linears[0] if linears else "none"
-                raise InputError(f"ignore pattern '{p}' matches no linear layer (names look like '{example}')")
     return targets, kept
 
 

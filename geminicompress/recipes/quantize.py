@@ -1,0 +1,68 @@
+"""Configs of the quantization methods that predate the method registry (`geminicompress/methods.py`
+maps each method name to its config class, runner, default format and whether it calibrates)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from geminicompress.recipes.base import StageBase
+
+
+class Int8Stage(StageBase):
+    """INT8: `int8` = weight-only (W8A16); `w8a8` = INT8 weights and dynamic INT8 activations."""
+
+    type: Literal["quantize"] = "quantize"
+    method: Literal["int8", "w8a8"]
+    bits: Literal[8] = 8
+    smoothquant_alpha: float | None = Field(None, ge=0.0, le=1.0, description="SmoothQuant migration strength")
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="module name patterns to keep in float")
+    format: Literal["compressed-tensors"] = "compressed-tensors"
+
+    @model_validator(mode="after")
+    def _smoothquant_needs_w8a8(self) -> "Int8Stage":
+        if self.smoothquant_alpha is not None and self.method != "w8a8":
+            raise ValueError("smoothquant_alpha applies to method w8a8 only (int8 keeps activations in float)")
+        return self
+
+
+class GPTQStage(StageBase):
+    """GPTQ (Frantar et al., 2022): Hessian-aware rounding, layer by layer."""
+
+    type: Literal["quantize"] = "quantize"
+    method: Literal["gptq"]
+    bits: Literal[2, 3, 4, 8] = 4
+    group_size: int = Field(128, ge=-1, description="input columns per scale; -1 or 0 = per output channel")
+    sym: bool = True
+    act_order: bool = False
+    static_groups: bool = False
+    true_sequential: bool = True
+    one_pass: bool = Field(True, description="true-sequential in one pass over the windows per layer (holds every "
+                           "window's activations of one layer); false re-runs the layer per group (less memory)")
+    damp: float = Field(0.01, gt=0.0, lt=1.0, description="dampening, fraction of the mean Hessian diagonal")
+    block_size: int = Field(128, ge=1)
+    calib_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype the layers compute in while calibrating (their forward passes); "
+        "Hessians and the solver are always float32. bfloat16 is faster on GPUs and on CPUs with AVX512-BF16/AMX")
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+    format: Literal["gptq", "compressed-tensors", "dense"] = "gptq"
+
+
+class AWQStage(StageBase):
+    """AWQ (Lin et al., 2023): activation-aware scaling (+ clipping), then RTN or GPTQ."""
+
+    type: Literal["quantize"] = "quantize"
+    method: Literal["awq", "awq+gptq"]
+    bits: Literal[2, 3, 4, 8] = 4
+    group_size: int = Field(128, ge=-1)
+    zero_point: bool = True
+    clip: bool = True
+    n_grid: int = Field(20, ge=1, le=1000, description="points of the alpha grid in [0, 1) for the scale search")
+    search_windows: int = Field(8, ge=1, description="calibration windows on which the scale search measures the "
+                                "output error (activation statistics use all windows)")
+    damp: float = Field(0.01, gt=0.0, lt=1.0)
+    block_size: int = Field(128, ge=1)
+    search_results: str | None = Field(None, description="re-apply saved scales/clips instead of searching")
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+    format: Literal["awq", "compressed-tensors", "dense"] = "awq"

@@ -21,7 +21,7 @@ import torch.nn as nn
 from geminicompress import __version__
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, group_index
 from geminicompress.errors import GeminiError, InputError
-from geminicompress.formats.checkpoint import float_linears, float_tensors, save_weights, single_spec, write_config
+from geminicompress.formats.checkpoint import single_spec, write_packed
 from geminicompress.formats.dequant import load_with_dequant_linears
 
 KEY = "awq"
@@ -93,19 +93,22 @@ def awq_config(spec: QuantSpec, zero_point: bool, not_converted: list[str]) -> d
 def write(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, meta: dict[str, Any]) -> dict[str, Any]:
     """Write model + tokenizer to `out` in the AWQ GEMM layout; return a summary for report.json."""
     spec = single_spec(qweights)
-    dtype = getattr(torch, meta.get("dtype", "float32"))
-    tensors = float_tensors(model, dtype, skip={f"{n}.weight" for n in qweights})
-    for name, qw in qweights.items():
-        tensors.update({f"{name}.{k}": v.cpu() for k, v in pack_awq(qw).items()})
-    # modules_to_not_convert is matched by name part: the float linears' last names (e.g. lm_head)
-    not_converted = sorted({n.rsplit(".", 1)[-1] for n in float_linears(model, qweights)})
-    size = save_weights(tensors, out)
-    qconfig = awq_config(spec, bool(meta.get("zero_point", not spec.sym)), not_converted)
-    write_config(model, out, qconfig, dtype)
-    tokenizer.save_pretrained(out)
-    return {"format": KEY, "bits": spec.bits, "group_size": spec.group_size, "zero_point": qconfig["zero_point"],
+    zero_point = bool(meta.get("zero_point", not spec.sym))
+
+    def qconfig(not_quantized: list[str]) -> dict[str, Any]:
+        # modules_to_not_convert is matched by name part: the float linears' last names (e.g. lm_head)
+        return awq_config(spec, zero_point, _last_names(not_quantized))
+
+    size, not_quantized = write_packed(model, tokenizer, out, qweights, getattr(torch, meta.get("dtype", "float32")),
+                                       pack_awq, qconfig)
+    not_converted = _last_names(not_quantized)
+    return {"format": KEY, "bits": spec.bits, "group_size": spec.group_size, "zero_point": zero_point,
             "quantized_modules": len(qweights), "float_modules": not_converted, "version": __version__,
             "size_bytes": size}
+
+
+def _last_names(names: list[str]) -> list[str]:
+    return sorted({n.rsplit(".", 1)[-1] for n in names})
 
 
 def load(path: Path, config: dict, dtype: torch.dtype) -> nn.Module:

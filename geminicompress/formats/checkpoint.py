@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -59,6 +59,22 @@ def save_weights(tensors: dict[str, torch.Tensor], out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
     return (out / WEIGHTS).stat().st_size
+
+
+def write_packed(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, dtype: torch.dtype,
+                 pack: Callable[[Any], dict[str, torch.Tensor]],
+                 qconfig: Callable[[list[str]], dict[str, Any]]) -> tuple[int, list[str]]:
+    """What every packed format does: float tensors in `dtype` except the quantized weights, each quantized
+    module's `pack(qw)` tensors under its name, config.json with `qconfig(float linears)`, the tokenizer.
+    Returns (bytes written, the float linears)."""
+    tensors = float_tensors(model, dtype, skip={f"{n}.weight" for n in qweights})
+    for name, qw in qweights.items():
+        tensors.update({f"{name}.{k}": v.cpu() for k, v in pack(qw).items()})
+    not_quantized = float_linears(model, qweights)
+    size = save_weights(tensors, out)
+    write_config(model, out, qconfig(not_quantized), dtype)
+    tokenizer.save_pretrained(out)
+    return size, not_quantized
 
 
 def write_config(model: nn.Module, out: Path, qconfig: dict[str, Any] | None, dtype: torch.dtype | None) -> None:

@@ -25,8 +25,7 @@ from geminicompress import __version__
 from geminicompress.compress.arch import arch_for
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec
 from geminicompress.formats.bits import pack_bits, unpack_bits
-from geminicompress.formats.checkpoint import (float_linears, float_tensors, quantized_summary, save_weights,
-                                               single_spec, write_config)
+from geminicompress.formats.checkpoint import quantized_summary, single_spec, write_packed
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.dequant import load_with_dequant_linears
 
@@ -101,18 +100,16 @@ def gptq_config(spec: QuantSpec, meta: dict[str, Any], skipped: list[str]) -> di
 def write(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, meta: dict[str, Any]) -> dict[str, Any]:
     """Write model + tokenizer in GPTQ v1 (+ quantize_config.json); float tensors in meta["dtype"]."""
     spec = single_spec(qweights)
-    dtype = getattr(torch, meta.get("dtype", "float32"))
-    tensors = float_tensors(model, dtype, skip={f"{n}.weight" for n in qweights})
-    for name, qw in qweights.items():
-        tensors.update({f"{name}.{k}": v.cpu() for k, v in pack_gptq(qw).items()})
-    not_quantized = float_linears(model, qweights)
     layers = arch_for(model).layers + "."
-    qconfig = gptq_config(spec, {**meta, "version": __version__}, [n for n in not_quantized if n.startswith(layers)])
-    size = save_weights(tensors, out)
-    write_config(model, out, qconfig, dtype)
-    quantize_config = {k: v for k, v in qconfig.items() if k not in ("meta", "dynamic")}
+    meta = {**meta, "version": __version__}
+
+    def qconfig(not_quantized: list[str]) -> dict[str, Any]:
+        return gptq_config(spec, meta, [n for n in not_quantized if n.startswith(layers)])
+
+    size, not_quantized = write_packed(model, tokenizer, out, qweights, getattr(torch, meta.get("dtype", "float32")),
+                                       pack_gptq, qconfig)
+    quantize_config = {k: v for k, v in qconfig(not_quantized).items() if k not in ("meta", "dynamic")}
     (out / "quantize_config.json").write_text(json.dumps(quantize_config, indent=2) + "\n")
-    tokenizer.save_pretrained(out)
     return quantized_summary(KEY, spec, qweights, not_quantized, size)
 
 

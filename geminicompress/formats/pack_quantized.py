@@ -23,8 +23,8 @@ from geminicompress import __version__
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, group_index
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.bits import pack_bits, unpack_bits
-from geminicompress.formats.checkpoint import (compressed_tensors_format, float_linears, float_tensors, quantized_summary, save_weights,
-                                               scale_dtype, single_spec, write_config)
+from geminicompress.formats.checkpoint import (compressed_tensors_format, quantized_summary, scale_dtype, single_spec,
+                                               write_packed)
 from geminicompress.formats.dequant import load_with_dequant_linears
 
 KEY = "compressed-tensors:pack-quantized"
@@ -102,16 +102,11 @@ def write(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, meta: dict
     """Write model + tokenizer as compressed-tensors pack-quantized; float tensors in meta["dtype"]."""
     spec = single_spec(qweights)
     dtype_name = meta.get("dtype", "float32")
-    dtype = getattr(torch, dtype_name)
-    tensors = float_tensors(model, dtype, skip={f"{n}.weight" for n in qweights})
     with_g_idx = bool(meta.get("act_order")) and not meta.get("static_groups")
-    for name, qw in qweights.items():
-        packed = pack_ct(qw, scale_dtype("compressed-tensors", dtype_name), with_g_idx)
-        tensors.update({f"{name}.{k}": v.cpu() for k, v in packed.items()})
-    not_quantized = float_linears(model, qweights)
-    size = save_weights(tensors, out)
-    write_config(model, out, ct_config(spec, {**meta, "version": __version__}, not_quantized), dtype)
-    tokenizer.save_pretrained(out)
+    scales_as = scale_dtype("compressed-tensors", dtype_name)
+    size, not_quantized = write_packed(model, tokenizer, out, qweights, getattr(torch, dtype_name),
+                                       lambda qw: pack_ct(qw, scales_as, with_g_idx),
+                                       lambda ignore: ct_config(spec, {**meta, "version": __version__}, ignore))
     return quantized_summary("compressed-tensors", spec, qweights, not_quantized, size)
 
 

@@ -8,6 +8,7 @@ almost always a typo.
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 import torch.nn as nn
 
@@ -40,3 +41,10 @@ def decoder_linears(model: nn.Module, arch: Arch, ignore: list[str], check: bool
     if check:
         check_patterns_match(patterns, [n for n, m in model.named_modules() if isinstance(m, nn.Linear)])
     return [n for n in names if not any(p.search(n) for p in patterns)]
+
+
+def present_groups(arch: Arch, present: Callable[[str], bool]) -> list[list[str]]:
+    """`arch.sequential` (groups of linears reading one input, in execution order) restricted to the
+    linears for which `present(name)` holds; groups left empty are dropped."""
+    groups = [[n for n in group if present(n)] for group in arch.sequential]
+    return [g for g in groups if g]

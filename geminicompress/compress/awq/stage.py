@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from geminicompress.compress.arch import SmoothGroup, arch_for, get_module
 from geminicompress.compress.awq import results
-from geminicompress.compress.awq.fold import fold_problem, fold_scales
+from geminicompress.compress.fold import fold_problem, fold_scales
 from geminicompress.compress.awq.search import apply_clip, linear_error, scaled_weights, search_clip, search_scales
 from geminicompress.compress.gptq.solver import gptq_quantize
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, rtn_quantize

@@ -30,7 +30,7 @@ from geminicompress.compress.gptq.solver import gptq_quantize
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.layerwise import LayerJob, layer_output, run_layerwise
-from geminicompress.compress.targets import decoder_linears
+from geminicompress.compress.targets import decoder_linears, present_groups
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.checkpoint import check_shapes, scale_dtype, write_quantized
 
@@ -81,8 +81,7 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
 def _quantize_layer(job: LayerJob, *, cfg: GPTQStage, spec: QuantSpec, scales_as: torch.dtype,
                     targets: set[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Quantize the linears of one decoder layer in place; return ({err, modules}, kept tensors)."""
-    groups = [[n for n in group if f"{job.index}.{n}" in targets] for group in job.arch.sequential]
-    groups = [g for g in groups if g]
+    groups = present_groups(job.arch, lambda n: f"{job.index}.{n}" in targets)
     losses: dict[str, float] = {}
     kept: dict[str, torch.Tensor] = {}
     solve = partial(_solve_group, job, cfg=cfg, spec=spec, scales_as=scales_as, losses=losses, kept=kept)

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from geminicompress.compress.arch import arch_for, get_module, set_module
 from geminicompress.compress.int8 import smoothquant as sq
+from geminicompress.compress.fold import fold_scales
 from geminicompress.compress.int8.modules import MODULES
 from geminicompress.compress.targets import check_patterns_match, compile_patterns
 from geminicompress.errors import InputError
@@ -94,7 +95,7 @@ def _smooth(model: nn.Module, cfg: Int8Stage, ctx: Any, quantized: set[str]) -> 
         for g in groups:
             linears = [get_module(model, n) for n in g.linears]
             s = sq.smooth_scales(maxima[g.linears[0]], sq.weight_column_max(linears), cfg.smoothquant_alpha)
-            sq.fold(get_module(model, g.prev), linears, s, arch.norm_offset)
+            fold_scales(get_module(model, g.prev), linears, s, arch.norm_offset)
             smoothed.update({n: round(float(s.max()), 4) for n in g.linears})
     summary = {"alpha": cfg.smoothquant_alpha, "calibration_windows": int(windows.shape[0]),
                "folded_groups": len(groups), "skipped_groups": skipped}

@@ -10,7 +10,7 @@ teacher's dense linear as closely as its mask allows:
 Groups of linears go in true-sequential order in one pass over the windows (`onepass.py`), as SparseGPT
 does; each layer's inputs come through the student's already-refit layers. This is layer-wise
 distillation with an exact solution, the mask untouched; the logit-level training that follows starts
-far closer to the teacher (the README's recovery benchmark).
+far closer to the teacher (docs/benchmarks.md, distillation).
 """
 
 from __future__ import annotations

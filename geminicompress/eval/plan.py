@@ -93,7 +93,8 @@ def config_params(config: dict) -> int | None:
     attn = 2 * h * heads * head_dim + 2 * h * kv * head_dim  # q, o + k, v
     mlp = 3 * h * inter  # gate, up, down
     embed = vocab * h * (1 if config.get("tie_word_embeddings", True) else 2)
-    return layers * (attn + mlp) + embed
+    norms = 2 * h  # input and post-attention RMSNorm weights
+    return layers * (attn + mlp + norms) + h + embed  # + the final norm
 
 
 def check_windows(n_tokens: int, seq_len: int, data: str) -> None:

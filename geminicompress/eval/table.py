@@ -172,17 +172,18 @@ def rich_table(report: dict, width: int | None = None):
     wide = _table(report, COLUMNS, names, "geminicompress eval", True)
     if width is None or _width(wide) <= width:
         return wide
-    parts = [("quality and size", QUALITY_COLUMNS, False), ("speed and memory", SPEED_COLUMNS, True)]
+    parts = [("quality and size", QUALITY_COLUMNS), ("speed and memory", SPEED_COLUMNS)]
 
     def split(labels: list[str]) -> list[Table]:
-        return [_table(report, cols, labels, f"geminicompress eval: {what}", cap) for what, cols, cap in parts]
+        return [_table(report, cols, labels, f"geminicompress eval: {what}", False) for what, cols in parts]
 
     tables = split(names)
+    under = Text(caption(report), style="dim")  # wraps at the console's width, not the narrower table's
     if max(_width(t) for t in tables) <= width:
-        return Group(*tables)
+        return Group(*tables, under)
     keys = [f"[{i + 1}]" for i in range(len(names))]
     legend = Text("\n".join(f"{k} {n}" for k, n in zip(keys, names)))
-    return Group(legend, *split(keys))
+    return Group(legend, *split(keys), under)
 
 
 def markdown_table(report: dict) -> str:

@@ -142,9 +142,18 @@ def test_cli_bad_inputs_are_one_line_each_and_others_still_run(dirs, text_file, 
     assert rep["models"][1]["quality"]["kl_to_baseline"] > 0 and "error" in rep["models"][2]
     assert "noisy" in res.output  # the table
 
+    # text shorter than one window: decided before any model loads, one line, exit 2, nothing written
     res = invoke(base, same, "--data", short, "-o", tmp_path / "r2", *CLI_FAST)
+    assert res.exit_code == 2, res.output
+    assert res.output.strip().splitlines() == [res.output.strip()]
+    assert "fewer than one perplexity window of 64" in res.output and "--no-quality" in res.output
+    assert not (tmp_path / "r2").exists()
+    # ... unless only latency was asked for
+    res = invoke(base, "--data", short, "-o", tmp_path / "r2", "--no-quality", "-q", "--threads", "1",
+                 "--prompt-len", "4", "--gen-len", "2", "--batch-sizes", "1", "--repeats", "1", "--warmup", "0")
     assert res.exit_code == 0, res.output
-    assert sum("fewer than one window" in line for line in res.output.splitlines()) == 2  # one per model
+    rep = json.loads((tmp_path / "r2" / "report.json").read_text())
+    assert rep["models"][0]["quality"] is None and rep["models"][0]["latency"]["tpot_ms"]["median"] > 0
 
     res = invoke(base, same, "--data", text_file, "-o", tmp_path / "r3", *CLI_FAST, "--seq-len", "1024")
     assert res.exit_code == 0, res.output

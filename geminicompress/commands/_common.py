@@ -76,7 +76,7 @@ class RichProgress:
 
     def info(self, message: str) -> None:
         if not self.quiet:
-            console.print(f"[dim]{message}[/]", highlight=False)
+            console.print(f"[dim]{message}[/]", highlight=False, soft_wrap=True)
 
     def warn(self, message: str) -> None:
         console.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)  # one line, never cut
@@ -122,6 +122,22 @@ SAMPLES = typer.Option(None, "--samples", help="Calibration windows (default 128
 CAL_SEQ_LEN = typer.Option(None, "--calib-seq-len", help="Tokens per calibration window (default 512).")
 SEED = typer.Option(0, "--seed", help="Seed for calibration sampling and training.")
 QUIET = typer.Option(False, "--quiet", "-q", help="No progress bars or info lines.")
+THREADS = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: the cores not busy with other "
+                       "processes when the command starts; see docs/eval.md).")
+
+
+def use_threads(cli: Optional[int], recipe: Optional[int]):
+    """Set torch's thread count before any work: --threads, else the recipe's, else the free cores.
+    Returns the `ThreadChoice`; its reason goes into the final `wrote` line."""
+    from geminicompress.threads import apply_threads, choose_threads
+
+    choice = choose_threads(cli, recipe)
+    apply_threads(choice.threads)
+    return choice
+
+
+def wrote_line(out: Path, seconds: float, threads) -> str:
+    return f"[green]wrote[/] {out}  ({seconds:.1f} s, {threads.reason}; details in {out / 'report.json'})"
 
 
 def calibration_options(data: Optional[str], text_column: str, samples: Optional[int], seq_len: Optional[int]) -> dict:
@@ -136,7 +152,8 @@ def calibration_options(data: Optional[str], text_column: str, samples: Optional
 
 
 def run_single_stage(model: str, stage: dict, cal: dict, out: Path, force: bool, device: Optional[str],
-                     trust: bool, allow_pickle: bool, seed: int, quiet: bool, source: str) -> dict:
+                     trust: bool, allow_pickle: bool, seed: int, quiet: bool, source: str,
+                     threads: Optional[int] = None) -> dict:
     """Build a one-stage recipe from options, run it, print where the output went."""
     import sys
 
@@ -147,6 +164,7 @@ def run_single_stage(model: str, stage: dict, cal: dict, out: Path, force: bool,
     recipe = recipe_from_stage(model, stage, cal, source, seed=seed, trust_remote_code=trust, allow_pickle=allow_pickle)
     check_output_path(out, force)
     dev = parse_device(device)
+    choice = use_threads(threads, recipe.threads)
     report = run_recipe(recipe, out, force=force, progress=RichProgress(quiet), device=dev, command=sys.argv)
-    console.print(f"[green]wrote[/] {out}  ({report['total_seconds']:.1f} s; details in {out / 'report.json'})")
+    console.print(wrote_line(out, report["total_seconds"], choice), highlight=False, soft_wrap=True)
     return report

@@ -63,6 +63,7 @@ def distill(
     trust_remote_code: bool = c.TRUST,
     allow_pickle: bool = c.PICKLE,
     quiet: bool = c.QUIET,
+    threads: Optional[int] = c.THREADS,
 ) -> None:
     """Distill TEACHER into a smaller, faster student (every other layer by default).
 
@@ -85,4 +86,4 @@ def distill(
     stage = {"type": "distill", **{k: v for k, v in given.items() if v is not None}}
     cal: dict = {"text_column": text_column, **({"samples": samples} if samples is not None else {})}
     c.run_single_stage(teacher, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed, quiet,
-                       source="distill options")
+                       source="distill options", threads=threads)

@@ -31,6 +31,7 @@ def prune(
     trust_remote_code: bool = c.TRUST,
     allow_pickle: bool = c.PICKLE,
     quiet: bool = c.QUIET,
+    threads: Optional[int] = c.THREADS,
 ) -> None:
     """Prune MODEL's decoder linear layers and write a dense checkpoint with exact zeros (plus masks).
 
@@ -45,7 +46,7 @@ def prune(
     stage = {"type": "prune", **{k: v for k, v in given.items() if v is not None}}
     cal = c.calibration_options(data, text_column, samples, calib_seq_len)
     report = c.run_single_stage(model, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed,
-                                quiet, source="prune options")
+                                quiet, source="prune options", threads=threads)
     if not quiet:
         c.out_console.print(sparsity_table(report["stages"][0]["result"]))
 

@@ -46,6 +46,7 @@ def quantize(
     trust_remote_code: bool = c.TRUST,
     allow_pickle: bool = c.PICKLE,
     quiet: bool = c.QUIET,
+    threads: Optional[int] = c.THREADS,
 ) -> None:
     """Quantize MODEL's linear layers and write a checkpoint transformers/vLLM load.
 
@@ -70,7 +71,7 @@ def quantize(
     _check_applicable(method, stage)
     cal = c.calibration_options(data, text_column, samples, calib_seq_len)
     c.run_single_stage(model, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed, quiet,
-                       source="quantize options")
+                       source="quantize options", threads=threads)
 
 
 def _check_applicable(method: str, stage: dict) -> None:

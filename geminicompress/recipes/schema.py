@@ -151,19 +151,20 @@ class EvalStage(_StageBase):
     text_column: str = "text"
     seq_len: int | None = Field(None, ge=8, description="default: min(2048, the model's context)")
     max_tokens: int | None = Field(None, ge=8)
-    prompt_len: int = Field(512, ge=1)
-    gen_len: int = Field(128, ge=1)
-    batch_sizes: list[int] = Field(default_factory=lambda: [1, 4, 8])
-    repeats: int = Field(5, ge=1)
+    prompt_len: int | None = Field(None, ge=1, description="default: 128 on a CPU, 512 on a GPU")
+    gen_len: int | None = Field(None, ge=1, description="default: 32 on a CPU, 128 on a GPU")
+    batch_sizes: list[int] | None = Field(None, description="default: [1, 4] on a CPU, [1, 4, 8] on a GPU")
+    repeats: int | None = Field(None, ge=1, description="default: 3 on a CPU, 5 on a GPU")
     warmup: int = Field(1, ge=0)
     latency: bool = Field(True, description="false = quality only")
+    quality: bool = Field(True, description="false = latency only (no perplexity, KL, agreement)")
     tasks: list[str] = Field(default_factory=list, description="lm-eval-harness tasks (optional extra)")
     draft: str | None = Field(None, description="draft MODEL: also time speculative decoding of the baseline")
 
     @field_validator("batch_sizes")
     @classmethod
-    def _check_batch_sizes(cls, v: list[int]) -> list[int]:
-        if not v or min(v) < 1:
+    def _check_batch_sizes(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or min(v) < 1):
             raise ValueError(f"batch sizes must be positive integers, got {v}")
         return v
 
@@ -210,6 +211,8 @@ class Recipe(Strict):
     seed: int = 0
     trust_remote_code: bool = False
     allow_pickle: bool = False
+    threads: int | None = Field(None, ge=1, le=4096, description="torch CPU threads (default: the cores not busy "
+                                "with other processes when the run starts); --threads overrides it")
     calibration: Calibration = Field(default_factory=Calibration)
     stages: list[Stage] = Field(..., min_length=1)
     output: Output = Field(default_factory=Output)

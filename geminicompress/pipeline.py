@@ -76,8 +76,10 @@ def stage_runner(tag: str) -> Callable[[Any, StageContext], dict]:
 
 
 def fingerprint(recipe: Recipe) -> str:
-    """Identifies a run for resuming: the resolved recipe, minus the `resume` switch itself."""
+    """Identifies a run for resuming: the resolved recipe, minus the `resume` switch itself and the thread
+    count (neither changes what is computed)."""
     data = recipe.model_dump(mode="json")
+    data.pop("threads", None)
     for stage in data["stages"]:
         stage.pop("resume", None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

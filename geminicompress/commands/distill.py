@@ -67,11 +67,12 @@ def distill(
 ) -> None:
     """Distill TEACHER into a smaller, faster student (every other layer by default).
 
+    \b
     Examples:
-
-      geminicompress distill --teacher smollm2-demo --student-layers 0.5 --data wiki.txt -o student --steps 300
-
-      accelerate launch -m geminicompress distill --teacher big-model --student small-model --data train.jsonl -o out
+      geminicompress distill --teacher smollm2-demo --student-layers 0.5 \\
+          --data wiki.txt -o student --steps 300
+      accelerate launch -m geminicompress distill --teacher big-model \\
+          --student small-model --data train.jsonl -o out
     """
     given = {
         "student": student, "student_config": student_config, "mlp_ratio": mlp_ratio, "reconstruct": reconstruct,

@@ -48,9 +48,10 @@ def eval_(
 ) -> None:
     """Compare models on the same text and machine: perplexity, KL, agreement, latency, memory, size.
 
+    \b
     Example:
-
-      geminicompress eval smollm2-demo out-w8a8 --data ../shared/data/wikitext2-test.txt --max-tokens 16384 -o report
+      geminicompress eval smollm2-demo out-w8a8 -o report \\
+          --data ../shared/data/wikitext2-test.txt --max-tokens 16384
     """
     from pydantic import ValidationError
 

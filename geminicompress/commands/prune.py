@@ -35,10 +35,9 @@ def prune(
 ) -> None:
     """Prune MODEL's decoder linear layers and write a dense checkpoint with exact zeros (plus masks).
 
+    \b
     Examples:
-
-      geminicompress prune smollm2-demo -o out-pruned                 # 40% global magnitude
-
+      geminicompress prune smollm2-demo -o out-pruned    # 40% global magnitude
       geminicompress prune smollm2-demo -o out-24 --method wanda --pattern 2:4
     """
     given = {"sparsity": sparsity, "method": method, "scope": scope, "pattern": pattern,

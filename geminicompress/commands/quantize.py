@@ -50,13 +50,12 @@ def quantize(
 ) -> None:
     """Quantize MODEL's linear layers and write a checkpoint transformers/vLLM load.
 
+    \b
     Examples:
-
       geminicompress quantize smollm2-demo -o out-w8a8 --method w8a8
-
-      geminicompress quantize smollm2-demo -o out-rtn --method rtn --bits 4 --group-size 64
-
-      geminicompress quantize HuggingFaceTB/SmolLM2-135M -o out-gptq --method gptq --bits 4 --group-size 64 --data wiki.txt
+      geminicompress quantize smollm2-demo -o out-rtn --method rtn --bits 4
+      geminicompress quantize HuggingFaceTB/SmolLM2-135M -o out-gptq \\
+          --method gptq --bits 4 --group-size 64 --data wiki.txt
     """
     if method not in METHODS:
         raise InputError(f"--method '{method}' is not one of {', '.join(METHODS)}")

@@ -23,8 +23,8 @@ def run(
 ) -> None:
     """Run every stage of RECIPE on its model and write OUT (model, report.json, recipe.yaml).
 
+    \b
     Example:
-
       geminicompress run quickstart -o out-quickstart
     """
     from geminicompress.output import check_output_path

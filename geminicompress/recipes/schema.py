@@ -50,13 +50,18 @@ class Int8Stage(_StageBase):
         return self
 
 
+GroupSize = Union[Annotated[int, Field(ge=-1)], Literal["auto"]]
+GROUP_SIZE_HELP = ("input columns per scale; -1 or 0 = per output channel; auto = the largest of 128, 64, 32 "
+                   "dividing every quantized layer's input features")
+
+
 class GPTQStage(_StageBase):
     """GPTQ (Frantar et al., 2022): Hessian-aware rounding, layer by layer."""
 
     type: Literal["quantize"] = "quantize"
     method: Literal["gptq"]
     bits: Literal[2, 3, 4, 8] = 4
-    group_size: int = Field(128, ge=-1, description="input columns per scale; -1 or 0 = per output channel")
+    group_size: GroupSize = Field("auto", description=GROUP_SIZE_HELP)
     sym: bool = True
     act_order: bool = False
     static_groups: bool = False
@@ -78,7 +83,7 @@ class AWQStage(_StageBase):
     type: Literal["quantize"] = "quantize"
     method: Literal["awq", "awq+gptq"]
     bits: Literal[2, 3, 4, 8] = 4
-    group_size: int = Field(128, ge=-1)
+    group_size: GroupSize = Field("auto", description=GROUP_SIZE_HELP)
     zero_point: bool = True
     clip: bool = True
     n_grid: int = Field(20, ge=1, le=1000, description="points of the alpha grid in [0, 1) for the scale search")

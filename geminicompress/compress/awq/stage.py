@@ -28,7 +28,7 @@ from geminicompress.compress.awq import results
 from geminicompress.compress.awq.fold import fold_problem, fold_scales
 from geminicompress.compress.awq.search import apply_clip, linear_error, scaled_weights, search_clip, search_scales
 from geminicompress.compress.gptq.solver import gptq_quantize
-from geminicompress.compress.gptq.stage import quantizable
+from geminicompress.compress.gptq.stage import quantizable, resolve_group_size
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, rtn_quantize
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.layerwise import LayerJob, run_layerwise
@@ -44,11 +44,11 @@ FIELDS = ("q", "scales", "zeros", "g_idx")
 def run(cfg, ctx) -> dict[str, Any]:
     model = ctx.model
     arch = arch_for(model)
-    spec = QuantSpec(cfg.bits, cfg.group_size, sym=not cfg.zero_point)
     targets = quantizable(model, arch, cfg.ignore)
     if not targets:
         raise InputError("the model has no linear layer left to quantize (check --ignore)")
     shapes = {name: tuple(get_module(model, name).weight.shape) for name in targets}
+    spec = QuantSpec(cfg.bits, resolve_group_size(cfg.group_size, shapes, ctx.progress), sym=not cfg.zero_point)
     check_format(shapes, spec, cfg.format, model)
     num_layers = len(get_module(model, arch.layers))
     model_type = model.config.model_type
@@ -71,7 +71,8 @@ def run(cfg, ctx) -> dict[str, Any]:
     meta = {"dtype": ctx.recipe.output.dtype, "zero_point": cfg.zero_point, "method": cfg.method}
     ctx.exporter = lambda m, tok, out: export_quantized(m, tok, out, qweights, cfg.format, meta)
     return {
-        "bits": spec.bits, "group_size": spec.group_size, "zero_point": cfg.zero_point, "format": cfg.format,
+        "bits": spec.bits, "group_size": spec.group_size, "group_size_auto": cfg.group_size == "auto",
+        "zero_point": cfg.zero_point, "format": cfg.format,
         "calibration_tokens": int(windows.numel()), "quantized_modules": len(qweights),
         "search": "reapplied" if saved is not None else "searched", "search_file": f"{results.FOLDER}/{results.TENSORS}",
         "layers": summaries,

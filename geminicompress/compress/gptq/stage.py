@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from geminicompress.compress.arch import Arch, arch_for, get_module
 from geminicompress.compress.gptq.solver import gptq_quantize
-from geminicompress.compress.grid import QuantizedWeight, QuantSpec
+from geminicompress.compress.grid import QuantizedWeight, QuantSpec, auto_group_size
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.layerwise import LayerJob, layer_output, run_layerwise
 from geminicompress.compress.packing.export import check_exportable, export_quantized, scale_dtype
@@ -48,11 +48,11 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
     return the summary for report.json (per-layer GPTQ losses included). Bad input fails before work."""
     model = ctx.model
     arch = arch_for(model)
-    spec = QuantSpec(cfg.bits, cfg.group_size, cfg.sym)
     targets = quantizable(model, arch, cfg.ignore)
     if not targets:
         raise InputError("the model has no linear layer left to quantize (check --ignore)")
     shapes = {name: tuple(get_module(model, name).weight.shape) for name in targets}
+    spec = QuantSpec(cfg.bits, resolve_group_size(cfg.group_size, shapes, ctx.progress), cfg.sym)
     check_exportable(model, shapes, spec, cfg.format)
     windows = ctx.calibration(cfg.data)  # (n, T)
     widest = max(in_f for _, in_f in shapes.values())
@@ -72,7 +72,8 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
             "true_sequential": cfg.true_sequential, "damp": cfg.damp}
     ctx.exporter = lambda m, tok, out: export_quantized(m, tok, out, qweights, cfg.format, meta)
     return {
-        "bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym, "format": cfg.format,
+        "bits": spec.bits, "group_size": spec.group_size, "group_size_auto": cfg.group_size == "auto",
+        "sym": spec.sym, "format": cfg.format,
         "calibration_tokens": int(windows.numel()), "quantized_modules": len(qweights),
         "total_error": sum(s["err"] for s in summaries), "layers": summaries,
     }
@@ -87,6 +88,15 @@ def quantizable(model: nn.Module, arch: Arch, ignore: list[str]) -> list[str]:
     layers = get_module(model, arch.layers)
     names = [f"{arch.layers}.{i}.{lin}" for i in range(len(layers)) for lin in arch.linears]
     return [n for n in names if isinstance(get_module(model, n), nn.Linear) and not any(p.search(n) for p in patterns)]
+
+
+def resolve_group_size(group_size: int | str, shapes: Mapping[str, tuple[int, int]], progress: Any) -> int:
+    """`group_size` as given, or for "auto" the size `grid.auto_group_size` picks, said in an info line."""
+    if group_size != "auto":
+        return int(group_size)
+    size = auto_group_size([in_f for _, in_f in shapes.values()])
+    progress.info(f"group size {size} (auto: largest of 128/64/32 dividing all inputs; or --group-size)")
+    return size
 
 
 def _quantize_layer(job: LayerJob, *, cfg: GPTQStage, spec: QuantSpec, scales_as: torch.dtype,

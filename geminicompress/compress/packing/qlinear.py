@@ -47,7 +47,9 @@ class DequantLinear(nn.Module):
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors"))
+    from geminicompress.distill.masks import MASKS_FILE  # the prune stage's keep-masks: not weights
+
+    files = sorted(p for p in path.glob("*.safetensors") if p.name != MASKS_FILE)
     if not files:
         raise GeminiError(f"{path} has no *.safetensors weights")
     tensors: dict[str, torch.Tensor] = {}

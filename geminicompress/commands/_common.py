@@ -84,9 +84,12 @@ class RichProgress:
 
 def setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
-    for noisy in ("transformers", "accelerate", "datasets"):
+    for noisy in ("transformers", "accelerate", "datasets", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    from huggingface_hub.utils import logging as hub_logging
     from transformers.utils import logging as hf_logging
+
+    hub_logging.disable_propagation()  # it has its own handler: propagating printed each line twice
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

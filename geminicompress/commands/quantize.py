@@ -20,7 +20,7 @@ def quantize(
     output: Path = c.OUT,
     method: str = typer.Option(..., "--method", "-m", help=f"{_METHOD_HELP}."),
     bits: Optional[int] = typer.Option(None, "--bits", help="Weight bits: 8 for int8/w8a8; 2, 3, 4 or 8 for gptq/awq (default 4)."),
-    group_size: Optional[int] = typer.Option(None, "--group-size", help="Input columns sharing a scale (default 128); -1 or 0 = per output channel."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="gptq/awq/rtn: input columns sharing a scale; -1 or 0 = per output channel. Default auto: the largest of 128, 64, 32 dividing every quantized layer's input features (printed, and recorded in report.json)."),
     sym: Optional[bool] = typer.Option(None, "--sym/--asym", help="gptq, rtn: symmetric (default) or asymmetric with zero points."),
     zero_point: Optional[bool] = typer.Option(None, "--zero-point/--no-zero-point", help="awq: asymmetric with zero points (default) or symmetric."),
     act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order", help="gptq: quantize columns by decreasing Hessian diagonal."),

@@ -12,10 +12,10 @@ from pydantic import Field
 
 from geminicompress.compress.arch import arch_for, get_module
 from geminicompress.compress.grid import QuantSpec, rtn_quantize
-from geminicompress.compress.targets import decoder_linears
+from geminicompress.compress.targets import decoder_linears, resolve_group_size
 from geminicompress.errors import InputError
 from geminicompress.formats.checkpoint import check_shapes, scale_dtype, write_quantized
-from geminicompress.recipes.base import StageBase
+from geminicompress.recipes.base import GROUP_SIZE_HELP, GroupSize, StageBase
 
 
 class RTNStage(StageBase):
@@ -24,7 +24,7 @@ class RTNStage(StageBase):
     type: Literal["quantize"] = "quantize"
     method: Literal["rtn"]
     bits: Literal[2, 3, 4, 8] = 4
-    group_size: int = Field(128, ge=-1, description="input columns per scale; -1 or 0 = per output channel")
+    group_size: GroupSize = Field("auto", description=GROUP_SIZE_HELP)
     sym: bool = True
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="module name patterns to keep in float")
     format: Literal["gptq", "awq", "compressed-tensors", "dense"] = "gptq"
@@ -33,11 +33,12 @@ class RTNStage(StageBase):
 def run(cfg: RTNStage, ctx: Any) -> dict[str, Any]:
     """Quantize every decoder linear of ctx.model in place (fake-quantized weights) and set the exporter."""
     model = ctx.model
-    spec = QuantSpec(cfg.bits, cfg.group_size, cfg.sym)
     targets = decoder_linears(model, arch_for(model), cfg.ignore, check="ignore" in cfg.model_fields_set)
     if not targets:
         raise InputError("the model has no linear layer left to quantize (check ignore)")
-    check_shapes(cfg.format, {n: tuple(get_module(model, n).weight.shape) for n in targets}, spec)
+    shapes = {n: tuple(get_module(model, n).weight.shape) for n in targets}
+    spec = QuantSpec(cfg.bits, resolve_group_size(cfg.group_size, shapes, ctx.progress), cfg.sym)
+    check_shapes(cfg.format, shapes, spec)
     scales_as = scale_dtype(cfg.format, ctx.recipe.output.dtype)
     qweights = {}
     errors = []

@@ -8,11 +8,12 @@ almost always a typo.
 from __future__ import annotations
 
 import re
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import torch.nn as nn
 
 from geminicompress.compress.arch import Arch, get_module
+from geminicompress.compress.grid import auto_group_size
 from geminicompress.errors import InputError
 
 
@@ -48,3 +49,12 @@ def present_groups(arch: Arch, present: Callable[[str], bool]) -> list[list[str]
     linears for which `present(name)` holds; groups left empty are dropped."""
     groups = [[n for n in group if present(n)] for group in arch.sequential]
     return [g for g in groups if g]
+
+
+def resolve_group_size(group_size: int | str, shapes: Mapping[str, tuple[int, int]], progress: Any) -> int:
+    """`group_size` as given, or for "auto" the size `grid.auto_group_size` picks, said in an info line."""
+    if group_size != "auto":
+        return int(group_size)
+    size = auto_group_size([in_f for _, in_f in shapes.values()])
+    progress.info(f"group size {size} (auto: largest of 128/64/32 dividing all inputs; or --group-size)")
+    return size

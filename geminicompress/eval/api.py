@@ -23,7 +23,8 @@ from geminicompress.errors import GeminiError
 from geminicompress.eval import plan
 from geminicompress.eval.baseline_cache import BaselineCache
 from geminicompress.eval.extras import run_speculative, run_tasks, tasks_available
-from geminicompress.eval.footprint import PeakMemory, count_params, tensor_mb, weight_sparsity, weights_size_mb
+from geminicompress.eval.footprint import (PeakMemory, count_params, masks_size_mb, prune_masks_path, quantization_zeros,
+                                           tensor_mb, weight_sparsity, weights_size_mb)
 from geminicompress.eval.latency import measure_latency
 from geminicompress.eval.quality import measure_quality
 from geminicompress.eval.report import write_report
@@ -200,8 +201,8 @@ def _timing_warning(entries: list[dict]) -> str | None:
 
 def _new_entry(spec: str, name: str, is_base: bool) -> dict:
     return {"name": name, "path": spec, "baseline": is_base, "format": None, "dtype": None, "quality": None,
-            "latency": None, "peak_memory_mb": None, "tensors_mb": None, "size_mb": None, "params": None,
-            "sparsity": None, "tasks": None, "notes": []}
+            "latency": None, "peak_memory_mb": None, "tensors_mb": None, "size_mb": None, "masks_mb": None,
+            "params": None, "sparsity": None, "quant_zeros": None, "tasks": None, "notes": []}
 
 
 def _evaluate_one(spec, name, text, options, base, device, progress, load):
@@ -225,8 +226,10 @@ def _evaluate_one(spec, name, text, options, base, device, progress, load):
             return entry, None, None
         model = loaded.model.to(device)
         entry.update(format=loaded.format or "dense", dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-                     size_mb=weights_size_mb(weights_path(loaded)), tensors_mb=tensor_mb(model),
-                     params=count_params(model), sparsity=weight_sparsity(model))
+                     size_mb=weights_size_mb(weights_path(loaded)), masks_mb=masks_size_mb(weights_path(loaded)),
+                     tensors_mb=tensor_mb(model), params=count_params(model),
+                     sparsity=weight_sparsity(model, prune_masks_path(weights_path(loaded))),
+                     quant_zeros=quantization_zeros(model))
         state, ids = _quality(model, loaded.tokenizer, name, text, options, base, device, progress, entry, note)
         if options.latency:
             entry["latency"] = _latency(model, ids, options, device, progress, note)

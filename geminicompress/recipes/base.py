@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Literal, Union
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -13,3 +15,8 @@ class StageBase(Strict):
     """What every stage accepts: its own DATA (calibration or training text), else the recipe's."""
 
     data: str | None = Field(None, description="calibration/training DATA for this stage (default: the recipe's)")
+
+
+GroupSize = Union[Annotated[int, Field(ge=-1)], Literal["auto"]]
+GROUP_SIZE_HELP = ("input columns per scale; -1 or 0 = per output channel; auto = the largest of 128, 64, 32 "
+                   "dividing every quantized layer's input features")

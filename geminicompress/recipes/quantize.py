@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from geminicompress.recipes.base import StageBase
+from geminicompress.recipes.base import GROUP_SIZE_HELP, GroupSize, StageBase
 
 
 class Int8Stage(StageBase):
@@ -16,14 +16,20 @@ class Int8Stage(StageBase):
     type: Literal["quantize"] = "quantize"
     method: Literal["int8", "w8a8"]
     bits: Literal[8] = 8
-    smoothquant_alpha: float | None = Field(None, ge=0.0, le=1.0, description="SmoothQuant migration strength")
+    smoothquant_alpha: float | None = Field(
+        0.5, ge=0.0, le=1.0, description="w8a8: SmoothQuant migration strength, calibrated on the stage's DATA "
+        "(default: the recipe's calibration data); 0 or null = no SmoothQuant. Not used by int8")
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="module name patterns to keep in float")
     format: Literal["compressed-tensors"] = "compressed-tensors"
 
     @model_validator(mode="after")
     def _smoothquant_needs_w8a8(self) -> "Int8Stage":
-        if self.smoothquant_alpha is not None and self.method != "w8a8":
-            raise ValueError("smoothquant_alpha applies to method w8a8 only (int8 keeps activations in float)")
+        if self.method != "w8a8":
+            if "smoothquant_alpha" in self.model_fields_set and self.smoothquant_alpha:
+                raise ValueError("smoothquant_alpha applies to method w8a8 only (int8 keeps activations in float)")
+            object.__setattr__(self, "smoothquant_alpha", None)
+        elif self.smoothquant_alpha == 0:
+            object.__setattr__(self, "smoothquant_alpha", None)  # 0 = off: one spelling in the report
         return self
 
 
@@ -33,7 +39,7 @@ class GPTQStage(StageBase):
     type: Literal["quantize"] = "quantize"
     method: Literal["gptq"]
     bits: Literal[2, 3, 4, 8] = 4
-    group_size: int = Field(128, ge=-1, description="input columns per scale; -1 or 0 = per output channel")
+    group_size: GroupSize = Field("auto", description=GROUP_SIZE_HELP)
     sym: bool = True
     act_order: bool = False
     static_groups: bool = False
@@ -55,7 +61,7 @@ class AWQStage(StageBase):
     type: Literal["quantize"] = "quantize"
     method: Literal["awq", "awq+gptq"]
     bits: Literal[2, 3, 4, 8] = 4
-    group_size: int = Field(128, ge=-1)
+    group_size: GroupSize = Field("auto", description=GROUP_SIZE_HELP)
     zero_point: bool = True
     clip: bool = True
     n_grid: int = Field(20, ge=1, le=1000, description="points of the alpha grid in [0, 1) for the scale search")

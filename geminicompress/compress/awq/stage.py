@@ -31,7 +31,7 @@ from geminicompress.compress.gptq.solver import gptq_quantize
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, rtn_quantize
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.layerwise import LayerJob, run_layerwise
-from geminicompress.compress.targets import decoder_linears
+from geminicompress.compress.targets import decoder_linears, resolve_group_size
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.checkpoint import check_shapes, scale_dtype, write_quantized
 
@@ -43,11 +43,11 @@ FIELDS = ("q", "scales", "zeros", "g_idx")
 def run(cfg, ctx) -> dict[str, Any]:
     model = ctx.model
     arch = arch_for(model)
-    spec = QuantSpec(cfg.bits, cfg.group_size, sym=not cfg.zero_point)
     targets = decoder_linears(model, arch, cfg.ignore, check="ignore" in cfg.model_fields_set)
     if not targets:
         raise InputError("the model has no linear layer left to quantize (check --ignore)")
     shapes = {name: tuple(get_module(model, name).weight.shape) for name in targets}
+    spec = QuantSpec(cfg.bits, resolve_group_size(cfg.group_size, shapes, ctx.progress), sym=not cfg.zero_point)
     check_shapes(cfg.format, shapes, spec)
     num_layers = len(get_module(model, arch.layers))
     model_type = model.config.model_type
@@ -70,7 +70,8 @@ def run(cfg, ctx) -> dict[str, Any]:
     meta = {"dtype": ctx.recipe.output.dtype, "zero_point": cfg.zero_point, "method": cfg.method}
     ctx.exporter = lambda m, tok, out: write_quantized(m, tok, out, qweights, cfg.format, meta)
     return {
-        "bits": spec.bits, "group_size": spec.group_size, "zero_point": cfg.zero_point, "format": cfg.format,
+        "bits": spec.bits, "group_size": spec.group_size, "group_size_auto": cfg.group_size == "auto",
+        "zero_point": cfg.zero_point, "format": cfg.format,
         "calibration_tokens": int(windows.numel()), "quantized_modules": len(qweights),
         "search": "reapplied" if saved is not None else "searched", "search_file": f"{results.FOLDER}/{results.TENSORS}",
         "layers": summaries,

@@ -30,7 +30,7 @@ from geminicompress.compress.gptq.solver import gptq_quantize
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.layerwise import LayerJob, layer_output, run_layerwise
-from geminicompress.compress.targets import decoder_linears, present_groups
+from geminicompress.compress.targets import decoder_linears, present_groups, resolve_group_size
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.checkpoint import check_shapes, scale_dtype, write_quantized
 
@@ -48,11 +48,11 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
     return the summary for report.json (per-layer GPTQ losses included). Bad input fails before work."""
     model = ctx.model
     arch = arch_for(model)
-    spec = QuantSpec(cfg.bits, cfg.group_size, cfg.sym)
     targets = decoder_linears(model, arch, cfg.ignore, check="ignore" in cfg.model_fields_set)
     if not targets:
         raise InputError("the model has no linear layer left to quantize (check --ignore)")
     shapes = {name: tuple(get_module(model, name).weight.shape) for name in targets}
+    spec = QuantSpec(cfg.bits, resolve_group_size(cfg.group_size, shapes, ctx.progress), cfg.sym)
     check_shapes(cfg.format, shapes, spec)
     windows = ctx.calibration(cfg.data)  # (n, T)
     widest = max(in_f for _, in_f in shapes.values())
@@ -72,7 +72,8 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
             "true_sequential": cfg.true_sequential, "damp": cfg.damp}
     ctx.exporter = lambda m, tok, out: write_quantized(m, tok, out, qweights, cfg.format, meta)
     return {
-        "bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym, "format": cfg.format,
+        "bits": spec.bits, "group_size": spec.group_size, "group_size_auto": cfg.group_size == "auto",
+        "sym": spec.sym, "format": cfg.format,
         "calibration_tokens": int(windows.numel()), "quantized_modules": len(qweights),
         "total_error": sum(s["err"] for s in summaries), "layers": summaries,
     }

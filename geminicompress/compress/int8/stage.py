@@ -2,7 +2,9 @@
 INT8 of every linear not ignored, each swapped for the fast module of `modules.py`.
 
 Steps: pick the linears (`ignore` regexes; a tied output head always stays float) -> SmoothQuant
-(w8a8 with `smoothquant_alpha`: calibrate per-channel activation maxima, fold scales) -> replace the
+(w8a8, on by default with alpha 0.5: calibrate per-channel activation maxima on the stage's DATA or the
+recipe's calibration data, builtin:pydoc unless told otherwise, and fold the scales; per-token INT8
+activations without it drift ~3x more on the demo model, docs/int8.md) -> replace the
 linears -> set the exporter to the compressed-tensors `int-quantized` writer. The summary lists what
 was done to every linear (goes into report.json).
 """
@@ -97,7 +99,8 @@ def _smooth(model: nn.Module, cfg: Int8Stage, ctx: Any, quantized: set[str]) -> 
             s = sq.smooth_scales(maxima[g.linears[0]], sq.weight_column_max(linears), cfg.smoothquant_alpha)
             fold_scales(get_module(model, g.prev), linears, s, arch.norm_offset)
             smoothed.update({n: round(float(s.max()), 4) for n in g.linears})
-    summary = {"alpha": cfg.smoothquant_alpha, "calibration_windows": int(windows.shape[0]),
+    summary = {"alpha": cfg.smoothquant_alpha, "data": cfg.data or ctx.recipe.calibration.data,
+               "calibration_windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]),
                "folded_groups": len(groups), "skipped_groups": skipped}
     return summary, smoothed
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from geminicompress import __version__
-from geminicompress.commands import distill, eval as eval_cmd, prune, quantize, recipes, run, validate
+from geminicompress.commands import distill, eval as eval_cmd, prune, quantize, recipes, run, sensitivity, validate
 from geminicompress.commands._common import setup_logging
 from geminicompress.memory import return_freed_memory
 
@@ -43,6 +43,7 @@ app.command("eval")(eval_cmd.eval_)
 app.command("run")(run.run)
 app.command("validate")(validate.validate)
 app.command("recipes")(recipes.recipes)
+app.command("sensitivity")(sensitivity.sensitivity)
 
 
 def main() -> None:

@@ -98,13 +98,9 @@ def default_device() -> torch.device:
 
 
 def dense_exporter(dtype: str) -> Exporter:
-    def export(model: Any, tokenizer: Any, out: Path) -> dict:
-        model = model.to(getattr(torch, dtype))
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        return {"format": "dense", "dtype": dtype}
+    from geminicompress.formats import dense
 
-    return export
+    return lambda model, tokenizer, out: dense.write(model, tokenizer, out, meta={"dtype": dtype})
 
 
 def run_recipe(

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from geminicompress.cli import app
 from geminicompress.compress.arch import arch_for, get_module
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, rtn_quantize
-from geminicompress.compress.packing.qlinear import DequantLinear
+from geminicompress.formats.dequant import DequantLinear
 from geminicompress.models.loading import load_model, resolve_model
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage

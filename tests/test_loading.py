@@ -7,7 +7,7 @@ import torch
 
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.models import load_model, resolve_model
-from geminicompress.models.formats import format_key
+from geminicompress.formats import detect as format_key
 
 
 def test_resolve_kinds(tiny_dir, tmp_path):
@@ -53,3 +53,26 @@ def test_format_key():
     assert format_key({"quantization_config": ct}) == "compressed-tensors:pack-quantized"
     ct = {"quant_method": "compressed-tensors", "config_groups": {"g": {"format": "int-quantized"}}}
     assert format_key({"quantization_config": ct}) == "compressed-tensors:int-quantized"
+
+
+def test_every_format_module_detects_its_own_key():
+    """The registry's keys and each module's own `detect` agree (one module may serve two keys)."""
+    import importlib
+
+    from geminicompress.formats import FORMATS, detect
+
+    examples = {
+        "gptq": {"quant_method": "gptq", "bits": 4},
+        "awq": {"quant_method": "awq", "bits": 4},
+        "compressed-tensors:pack-quantized": {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+        "compressed-tensors:int-quantized": {"quant_method": "compressed-tensors",
+                                             "config_groups": {"g": {"format": "int-quantized"}}},
+        "compressed-tensors:sparse-bitmask": {"quant_method": "compressed-tensors",
+                                              "sparsity_config": {"format": "sparse-bitmask"}},
+        "compressed-tensors:sparse-24-bitmask": {"quant_method": "compressed-tensors", "format": "sparse-24-bitmask"},
+    }
+    assert set(examples) == set(FORMATS)
+    for key, qc in examples.items():
+        assert detect({"quantization_config": qc}) == key
+        owners = [k for k in FORMATS if importlib.import_module(FORMATS[k]).detect(qc)]
+        assert {FORMATS[k] for k in owners} == {FORMATS[key]}, key

@@ -25,7 +25,7 @@ import torch
 
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.models import demo
-from geminicompress.models.formats import format_key, loader_for
+from geminicompress import formats
 
 log = logging.getLogger(__name__)
 
@@ -121,14 +121,14 @@ def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool, allow_pic
 
     _check_weights(path, allow_pickle)
     config = _read_config(path)
-    key = format_key(config)
+    key = formats.detect(config)
     try:
         if key is None:
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=not allow_pickle or None
             )
         else:
-            model = loader_for(key, path)(path, config, dtype)
+            model = formats.load(path, config, dtype)
     except GeminiError:
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as exc:

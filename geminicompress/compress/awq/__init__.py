@@ -2,5 +2,5 @@
 
 search.py: the math (scale grid, clipping grid) as pure functions; fold.py: folding scales and clips
 into the model; results.py: the saved search (awq_search.safetensors); stage.py: the layer-by-layer
-driver for `quantize --method awq|awq+gptq`. Packing to the AWQ GEMM layout: compress/packing/awq.py.
+driver for `quantize --method awq|awq+gptq`. Packing to the AWQ GEMM layout: formats/awq.py.
 """

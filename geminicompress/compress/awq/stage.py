@@ -32,9 +32,8 @@ from geminicompress.compress.gptq.stage import quantizable
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, rtn_quantize
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.layerwise import LayerJob, run_layerwise
-from geminicompress.compress.packing.awq import check_shape as check_awq_shape
-from geminicompress.compress.packing.export import check_exportable, export_quantized, scale_dtype
 from geminicompress.errors import GeminiError, InputError
+from geminicompress.formats.checkpoint import check_shapes, scale_dtype, write_quantized
 
 CLIP_TOKENS = 512
 NO_CLIP = ("q_proj", "k_proj", "query_key_value")  # their outputs meet in q·kᵀ (llm-awq skips them too)
@@ -49,7 +48,7 @@ def run(cfg, ctx) -> dict[str, Any]:
     if not targets:
         raise InputError("the model has no linear layer left to quantize (check --ignore)")
     shapes = {name: tuple(get_module(model, name).weight.shape) for name in targets}
-    check_format(shapes, spec, cfg.format, model)
+    check_shapes(cfg.format, shapes, spec)
     num_layers = len(get_module(model, arch.layers))
     model_type = model.config.model_type
     saved = results.load_search(cfg.search_results, model_type, num_layers)[0] if cfg.search_results else None
@@ -69,22 +68,13 @@ def run(cfg, ctx) -> dict[str, Any]:
     results.save_search(ctx.out_dir, results.search_tensors(kept), search_meta)
     qweights = _qweights(kept, spec, layers_path)
     meta = {"dtype": ctx.recipe.output.dtype, "zero_point": cfg.zero_point, "method": cfg.method}
-    ctx.exporter = lambda m, tok, out: export_quantized(m, tok, out, qweights, cfg.format, meta)
+    ctx.exporter = lambda m, tok, out: write_quantized(m, tok, out, qweights, cfg.format, meta)
     return {
         "bits": spec.bits, "group_size": spec.group_size, "zero_point": cfg.zero_point, "format": cfg.format,
         "calibration_tokens": int(windows.numel()), "quantized_modules": len(qweights),
         "search": "reapplied" if saved is not None else "searched", "search_file": f"{results.FOLDER}/{results.TENSORS}",
         "layers": summaries,
     }
-
-
-def check_format(shapes: dict[str, tuple[int, int]], spec: QuantSpec, fmt: str, model: nn.Module) -> None:
-    """Raise InputError before any work when `fmt` cannot hold these weights."""
-    if fmt == "awq":
-        for name, (out_f, in_f) in shapes.items():
-            check_awq_shape(name, out_f, in_f, spec)
-    else:
-        check_exportable(model, shapes, spec, fmt)
 
 
 @dataclass

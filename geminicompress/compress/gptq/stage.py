@@ -13,7 +13,7 @@ that layer and its activations on the device; quantized outputs feed the next la
 With `calib_dtype: bfloat16` the layer's forward passes compute in bfloat16 while the Hessians are
 float32 products of those activations and the solver reads and writes float32 master weights
 (layerwise.computing_in).
-The codes/scales/zeros/g_idx are kept and packed at export (packing/export.py).
+The codes/scales/zeros/g_idx are kept and packed at export (formats/).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from geminicompress.compress.gptq.solver import gptq_quantize
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.layerwise import LayerJob, layer_output, run_layerwise
-from geminicompress.compress.packing.export import check_exportable, export_quantized, scale_dtype
 from geminicompress.errors import GeminiError, InputError
+from geminicompress.formats.checkpoint import check_shapes, scale_dtype, write_quantized
 
 if TYPE_CHECKING:
     from geminicompress.pipeline import StageContext
@@ -53,7 +53,7 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
     if not targets:
         raise InputError("the model has no linear layer left to quantize (check --ignore)")
     shapes = {name: tuple(get_module(model, name).weight.shape) for name in targets}
-    check_exportable(model, shapes, spec, cfg.format)
+    check_shapes(cfg.format, shapes, spec)
     windows = ctx.calibration(cfg.data)  # (n, T)
     widest = max(in_f for _, in_f in shapes.values())
     if windows.numel() < widest:
@@ -70,7 +70,7 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
     qweights = _KeptCodes(kept, spec, layers_path)
     meta = {"dtype": ctx.recipe.output.dtype, "act_order": cfg.act_order, "static_groups": cfg.static_groups,
             "true_sequential": cfg.true_sequential, "damp": cfg.damp}
-    ctx.exporter = lambda m, tok, out: export_quantized(m, tok, out, qweights, cfg.format, meta)
+    ctx.exporter = lambda m, tok, out: write_quantized(m, tok, out, qweights, cfg.format, meta)
     return {
         "bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym, "format": cfg.format,
         "calibration_tokens": int(windows.numel()), "quantized_modules": len(qweights),

@@ -17,9 +17,9 @@ import torch.nn as nn
 
 from geminicompress.compress.arch import arch_for, get_module, set_module
 from geminicompress.compress.int8 import smoothquant as sq
-from geminicompress.compress.int8.export import int_quantized_exporter
 from geminicompress.compress.int8.modules import MODULES
 from geminicompress.errors import InputError
+from geminicompress.formats import int_quantized
 from geminicompress.recipes.schema import Int8Stage
 
 
@@ -42,7 +42,7 @@ def run(cfg: Int8Stage, ctx: Any) -> dict:
             layers.append({"name": name, "shape": [module.out_features, module.in_features], "kernel": module.kernel,
                            "smoothquant_max_scale": smoothed.get(name), "weight_rel_error": round(err, 6)})
             bar.advance(1)
-    ctx.exporter = int_quantized_exporter(cfg.method, ctx.recipe.output.dtype)
+    ctx.exporter = int_quantized.exporter(cfg.method, ctx.recipe.output.dtype)
     return {
         "method": cfg.method,
         "weights": "int8 symmetric per output channel",

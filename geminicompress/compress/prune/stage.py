@@ -23,20 +23,19 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from safetensors.torch import save_file
 
 from geminicompress.compress.arch import Arch, arch_for, get_module
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.layerwise import LayerJob, run_layerwise, solver_threads
 from geminicompress.compress.prune import report
-from geminicompress.compress.prune.bitmask import bitmask_exporter
-from geminicompress.compress.prune.load import MASKS_FILE
 from geminicompress.compress.prune.masks import Pattern, parse_pattern, pattern_mask, row_mask_count, tensor_mask
 from geminicompress.compress.prune.plan import module_counts
 from geminicompress.compress.prune.sparsegpt import sparsegpt_prune
 from geminicompress.compress.prune.threshold import global_threshold, prune_mask
 from geminicompress.compress.prune.wanda import InputNorms, wanda_mask, wanda_scores
 from geminicompress.errors import InputError
+from geminicompress.formats import sparse_bitmask
+from geminicompress.formats.masks import MASKS_FILE, write_masks
 from geminicompress.recipes.schema import PruneStage
 
 HISTOGRAM_FILE = "prune_sparsity.png"
@@ -179,7 +178,7 @@ def run(cfg: PruneStage, ctx: Any) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
 
     ctx.masks = {name: keep.cpu() for name, keep in keeps.items()}
-    save_file(ctx.masks, str(ctx.out_dir / MASKS_FILE))
+    write_masks(ctx.masks, ctx.out_dir)
     rows = report.layer_rows({name: lin.weight.detach() for name, lin in targets.items()}, arch.layers)
     achieved = report.overall(rows)
     requested = pattern[0] / pattern[1] if pattern else cfg.sparsity
@@ -192,7 +191,7 @@ def run(cfg: PruneStage, ctx: Any) -> dict[str, Any]:
     ctx.progress.info(f"pruned {achieved:.2%} of {len(rows)} linear layers' weights ({cfg.method}, {cfg.pattern or cfg.scope})")
     if cfg.format == "compressed-tensors":
         structure = cfg.pattern or "unstructured"
-        ctx.exporter = bitmask_exporter(ctx.recipe.output.dtype, ctx.masks, structure, achieved)
+        ctx.exporter = sparse_bitmask.exporter(ctx.recipe.output.dtype, ctx.masks, structure, achieved)
     return {
         "method": cfg.method, "scope": cfg.scope, "pattern": cfg.pattern,
         "requested_sparsity": requested, "achieved_sparsity": round(achieved, 6),

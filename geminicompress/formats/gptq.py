@@ -14,17 +14,28 @@ GPTQModel's v1->v2 conversion adds 1 to the whole word and carries into the neig
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 
+from geminicompress import __version__
+from geminicompress.compress.arch import arch_for
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec
-from geminicompress.compress.packing.bits import pack_bits, unpack_bits
-from geminicompress.compress.packing.qlinear import load_with_dequant_linears
+from geminicompress.formats.bits import pack_bits, unpack_bits
+from geminicompress.formats.checkpoint import (float_linears, float_tensors, quantized_summary, save_weights,
+                                               single_spec, write_config)
 from geminicompress.errors import GeminiError, InputError
+from geminicompress.formats.dequant import load_with_dequant_linears
 
+KEY = "gptq"
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+
+
+def detect(qc: dict[str, Any]) -> bool:
+    return str(qc.get("quant_method", "")).lower() == "gptq"
 
 
 def check_shape(name: str, out_f: int, in_f: int, spec: QuantSpec) -> None:
@@ -87,7 +98,25 @@ def gptq_config(spec: QuantSpec, meta: dict[str, Any], skipped: list[str]) -> di
     return config
 
 
-def load_gptq(path: Path, config: dict, dtype: torch.dtype):
+def write(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, meta: dict[str, Any]) -> dict[str, Any]:
+    """Write model + tokenizer in GPTQ v1 (+ quantize_config.json); float tensors in meta["dtype"]."""
+    spec = single_spec(qweights)
+    dtype = getattr(torch, meta.get("dtype", "float32"))
+    tensors = float_tensors(model, dtype, skip={f"{n}.weight" for n in qweights})
+    for name, qw in qweights.items():
+        tensors.update({f"{name}.{k}": v.cpu() for k, v in pack_gptq(qw).items()})
+    not_quantized = float_linears(model, qweights)
+    layers = arch_for(model).layers + "."
+    qconfig = gptq_config(spec, {**meta, "version": __version__}, [n for n in not_quantized if n.startswith(layers)])
+    size = save_weights(tensors, out)
+    write_config(model, out, qconfig, dtype)
+    quantize_config = {k: v for k, v in qconfig.items() if k not in ("meta", "dynamic")}
+    (out / "quantize_config.json").write_text(json.dumps(quantize_config, indent=2) + "\n")
+    tokenizer.save_pretrained(out)
+    return quantized_summary(KEY, spec, qweights, not_quantized, size)
+
+
+def load(path: Path, config: dict, dtype: torch.dtype):
     """Load a GPTQ v1 (or v2) checkpoint with `DequantLinear`s in place of the quantized linears."""
     qc = config["quantization_config"]
     try:

@@ -17,14 +17,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 
+from geminicompress import __version__
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, group_index
-from geminicompress.compress.packing.bits import pack_bits, unpack_bits
-from geminicompress.compress.packing.qlinear import load_with_dequant_linears
 from geminicompress.errors import GeminiError, InputError
+from geminicompress.formats.bits import pack_bits, unpack_bits
+from geminicompress.formats.checkpoint import (compressed_tensors_format, float_linears, float_tensors, quantized_summary, save_weights,
+                                               scale_dtype, single_spec, write_config)
+from geminicompress.formats.dequant import load_with_dequant_linears
 
+KEY = "compressed-tensors:pack-quantized"
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 COMPRESSED_TENSORS_VERSION = "0.19.0"  # the layout of that release (dense bit streams for 3-bit)
+
+
+def detect(qc: dict[str, Any]) -> bool:
+    return compressed_tensors_format(qc) == "pack-quantized"
 
 
 def check_shape(name: str, out_f: int, in_f: int, spec: QuantSpec) -> None:
@@ -89,7 +98,24 @@ def ct_config(spec: QuantSpec, meta: dict[str, Any], ignore: list[str]) -> dict[
     }
 
 
-def load_pack_quantized(path: Path, config: dict, dtype: torch.dtype):
+def write(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, meta: dict[str, Any]) -> dict[str, Any]:
+    """Write model + tokenizer as compressed-tensors pack-quantized; float tensors in meta["dtype"]."""
+    spec = single_spec(qweights)
+    dtype_name = meta.get("dtype", "float32")
+    dtype = getattr(torch, dtype_name)
+    tensors = float_tensors(model, dtype, skip={f"{n}.weight" for n in qweights})
+    with_g_idx = bool(meta.get("act_order")) and not meta.get("static_groups")
+    for name, qw in qweights.items():
+        packed = pack_ct(qw, scale_dtype("compressed-tensors", dtype_name), with_g_idx)
+        tensors.update({f"{name}.{k}": v.cpu() for k, v in packed.items()})
+    not_quantized = float_linears(model, qweights)
+    size = save_weights(tensors, out)
+    write_config(model, out, ct_config(spec, {**meta, "version": __version__}, not_quantized), dtype)
+    tokenizer.save_pretrained(out)
+    return quantized_summary("compressed-tensors", spec, qweights, not_quantized, size)
+
+
+def load(path: Path, config: dict, dtype: torch.dtype):
     """Load a compressed-tensors pack-quantized checkpoint with `DequantLinear`s."""
     qc = config["quantization_config"]
     groups = list((qc.get("config_groups") or {}).values())

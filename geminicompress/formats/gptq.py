@@ -29,6 +29,7 @@ from geminicompress.formats.checkpoint import (float_linears, float_tensors, qua
                                                single_spec, write_config)
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.dequant import load_with_dequant_linears
+from geminicompress.formats.mixed import base_spec, dynamic_spec, gptq_dynamic, specs_of
 
 KEY = "gptq"
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
@@ -100,7 +101,7 @@ def gptq_config(spec: QuantSpec, meta: dict[str, Any], skipped: list[str]) -> di
 
 def write(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, meta: dict[str, Any]) -> dict[str, Any]:
     """Write model + tokenizer in GPTQ v1 (+ quantize_config.json); float tensors in meta["dtype"]."""
-    spec = single_spec(qweights)
+    spec = base_spec(qweights)  # mixed precision: the others as `dynamic` overrides (formats/mixed.py)
     dtype = getattr(torch, meta.get("dtype", "float32"))
     tensors = float_tensors(model, dtype, skip={f"{n}.weight" for n in qweights})
     for name, qw in qweights.items():
@@ -108,6 +109,9 @@ def write(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, meta: dict
     not_quantized = float_linears(model, qweights)
     layers = arch_for(model).layers + "."
     qconfig = gptq_config(spec, {**meta, "version": __version__}, [n for n in not_quantized if n.startswith(layers)])
+    overrides = gptq_dynamic(specs_of(qweights), spec)
+    if overrides:
+        qconfig["dynamic"] = {**overrides, **qconfig.get("dynamic", {})}
     size = save_weights(tensors, out)
     write_config(model, out, qconfig, dtype)
     quantize_config = {k: v for k, v in qconfig.items() if k not in ("meta", "dynamic")}
@@ -124,4 +128,6 @@ def load(path: Path, config: dict, dtype: torch.dtype):
     except KeyError as exc:
         raise GeminiError(f"{path}: quantization_config lacks {exc}") from exc
     v1 = str(qc.get("checkpoint_format", "gptq")).lower() != "gptq_v2"
-    return load_with_dequant_linears(path, dtype, SUFFIXES, lambda t: unpack_gptq(t, spec, v1), bias_key="bias")
+    dynamic = qc.get("dynamic")
+    return load_with_dequant_linears(path, dtype, SUFFIXES, lambda t: unpack_gptq(t, spec, v1), bias_key="bias",
+                                     unpack_module=lambda name, t: unpack_gptq(t, dynamic_spec(dynamic, name, spec), v1))

@@ -27,3 +27,28 @@ def write_heatmap(table: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def write_frontier(allocation: dict[str, Any], path: Path) -> None:
+    """Predicted drift vs average bits of every budget the knapsack considered; the chosen point, and the
+    measured one when `allocation["measured_drift_pct"]` is there."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = allocation["frontier"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([p["bits"] for p in curve], [max(p["predicted_drift_pct"], 1e-3) for p in curve], "-", color="C0",
+            label="predicted (least drift per budget)")
+    ax.plot([allocation["average_bits"]], [max(allocation["predicted_drift_pct"], 1e-3)], "o", color="C1",
+            label=f"chosen: {allocation['average_bits']:.3f} bits, {allocation['predicted_drift_pct']:.2f}% predicted")
+    if allocation.get("measured_drift_pct") is not None:
+        ax.plot([allocation["average_bits"]], [max(allocation["measured_drift_pct"], 1e-3)], "s", color="C3",
+                label=f"measured: {allocation['measured_drift_pct']:.2f}% ({allocation.get('measured_on', 'eval')})")
+    ax.set(xlabel="average stored bits per weight (scales included)", ylabel="perplexity drift, %", yscale="log",
+           title="mixed-precision frontier")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from geminicompress import __version__
-from geminicompress.commands import distill, eval as eval_cmd, prune, quantize, recipes, run, sensitivity, validate
+from geminicompress.commands import distill, eval as eval_cmd, prune, quantize, recipes, run, sensitivity, tune, validate
 from geminicompress.commands._common import setup_logging
 from geminicompress.memory import return_freed_memory
 
@@ -44,6 +44,7 @@ app.command("run")(run.run)
 app.command("validate")(validate.validate)
 app.command("recipes")(recipes.recipes)
 app.command("sensitivity")(sensitivity.sensitivity)
+app.command("tune")(tune.tune)
 
 
 def main() -> None:

@@ -90,3 +90,18 @@ def test_bad_budget_one_line_nothing_written(tiny_dir, text_file, tmp_path, args
     assert needle in res.output, res.output
     assert len(res.output.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_tune_allocates_quantizes_and_measures(tiny_dir, text_file, tmp_path):
+    out = tmp_path / "tuned"
+    res = runner.invoke(app, ["tune", str(tiny_dir), "-o", str(out), "-q", "--max-drift", "50%",
+                              "--options", "gptq:b4g16,gptq:b2g16", "--data", str(text_file), "--samples", "4",
+                              "--calib-seq-len", "32", "--eval-data", str(text_file), "--eval-tokens", "256",
+                              "--eval-seq-len", "64"])
+    assert res.exit_code == 0, res.output
+    a = json.loads((out / "allocation.json").read_text())
+    assert a["predicted_drift_pct"] <= 50
+    assert a["measured_drift_pct"] is not None and a["measured_on"] == str(text_file)
+    assert [p["bits"] for p in a["frontier"]] == sorted(p["bits"] for p in a["frontier"])
+    assert (out / "allocation_frontier.png").stat().st_size > 1000
+    assert (out / "eval" / "report.json").is_file()

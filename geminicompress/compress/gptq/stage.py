@@ -54,10 +54,11 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
     if not targets:
         raise InputError("the model has no linear layer left to quantize (check --ignore)")
     shapes = {name: tuple(get_module(model, name).weight.shape) for name in targets}
-    check_shapes(cfg.format, shapes, spec)
+    if cfg.allocation is None:
+        check_shapes(cfg.format, shapes, spec)
     specs, allocation = module_specs(cfg, ctx, targets)  # per module: allocation / overrides (allocate.py)
     for name, s in specs.items():
-        if s != spec:
+        if s != spec or cfg.allocation is not None:
             check_shapes(cfg.format, {name: shapes[name]}, s)
     windows = ctx.calibration(cfg.data)  # (n, T)
     widest = max(in_f for _, in_f in shapes.values())

@@ -15,5 +15,5 @@ def prune_table(ctx: Any, cfg: Any, targets: dict) -> dict[str, Any]:
 
     options = parse_options(",".join(f"{cfg.method}:{s}" for s in PRUNE_LEVELS))
     keep = {n.removesuffix(".weight") for n in targets}
-    return measure_sensitivity(ctx.model, ctx.calibration(cfg.data), options, keep=keep, measure="proxy",
+    return measure_sensitivity(ctx.model, ctx.calibration(cfg.data), options, keep=keep, measure="proxy", kl_windows=1,
                                device=ctx.device, progress=ctx.progress, seed=ctx.recipe.seed)

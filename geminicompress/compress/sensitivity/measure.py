@@ -106,6 +106,10 @@ def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[O
     in_features = {f"{arch.layers}.{u.layer}.{n}": get_module(layers[u.layer], n).in_features for u in units for n in u.linears}
     check_applicable(options, in_features)
     kw = max(1, min(kl_windows, windows.shape[0]))
+    want_h = any(o.needs_hessian for o in options)
+    want_norms = any(o.method == "wanda" for o in options)
+    if not (want_h or want_norms):  # no statistics: only the measured windows need to run
+        windows = windows[:kw]
     model.to(device)
     inputs = capture_inputs(model, windows, device)
     tail = _Tail(model, arch, inputs.kwargs)
@@ -114,15 +118,16 @@ def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[O
         states.append(layer_output(layer, states[-1], inputs.kwargs))
     base = tail.logprobs(states[-1], len(layers))  # (kw·(T−1), V)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    want_h = any(o.needs_hessian for o in options)
-    want_norms = any(o.method == "wanda" for o in options)
     rows: list[dict[str, Any]] = []
     gains: list[float] = []
     with progress.task(f"sensitivity ({measure})", total=len(units) * len(options)) as bar:
         for i, layer in enumerate(layers):
             mine = [u for u in units if u.layer == i]
-            stats, outputs = _statistics(layer, inputs, device, arch, mine, want_h, want_norms)
-            inputs = LayerInputs(outputs, inputs.kwargs)  # the original layer's outputs: the next inputs
+            if want_h or want_norms:
+                stats, outputs = _statistics(layer, inputs, device, arch, mine, want_h, want_norms)
+                inputs = LayerInputs(outputs, inputs.kwargs)  # the original layer's outputs: the next inputs
+            else:
+                stats = {n: (None, None) for u in mine for n in u.linears}
             target = states[i + 1]
             delta = torch.randn(target.shape, generator=gen).to(target) * noise * target.pow(2).mean().sqrt()
             gain = tail.kl(base, target + delta, i + 1) / float(delta.pow(2).sum(-1).mean())

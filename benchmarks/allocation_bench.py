@@ -9,6 +9,9 @@ the decoder blocks. Each row runs the real `prune` stage in-process on a fresh c
   python benchmarks/allocation_bench.py                           # every prune row
   python benchmarks/allocation_bench.py --rows magnitude-owl,wanda-owl
   python benchmarks/allocation_bench.py --sensitivity out-sens/sensitivity.json --rows magnitude-sensitivity
+  python -m geminicompress sensitivity smollm2-demo -o sens-gptq --data ../shared/data/enwiki-sample.txt \
+      --samples 32 --options gptq:b4g64,gptq:b3g64 --measure proxy
+  python benchmarks/allocation_bench.py --rows gptq-3.5bit,gptq-b4g64 --sensitivity sens-gptq/sensitivity.json
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ ROWS = {  # label -> prune stage options (sparsity 0.4 unless given)
     "wanda-owl": {"method": "wanda", "allocation": "owl"},
     "wanda-sensitivity": {"method": "wanda", "allocation": "sensitivity"},
 }
+QUANT_ROWS = {  # label -> gptq stage options
+    "gptq-b4g64": {"bits": 4, "group_size": 64},
+    "gptq-b3g64": {"bits": 3, "group_size": 64},
+    "gptq-3.5bit": {"bits": 4, "group_size": 64,
+                    "allocation": {"options": ["gptq:b4g64", "gptq:b3g64"], "target_bits": 3.5}},
+}
 
 
 def prune_row(demo: Path, calib: torch.Tensor, options: dict, work: Path) -> tuple[object, dict]:
@@ -61,11 +70,36 @@ def prune_row(demo: Path, calib: torch.Tensor, options: dict, work: Path) -> tup
     return loaded.model, summary
 
 
+def quant_row(demo: Path, calib: torch.Tensor, options: dict, work: Path, sensitivity: str | None) -> tuple[object, dict]:
+    """Fresh demo model through the real gptq stage (fake-quantized in memory, no export)."""
+    from geminicompress.compress.gptq.stage import run
+    from geminicompress.models.loading import load_model
+    from geminicompress.pipeline import StageContext
+    from geminicompress.progress import NullProgress
+    from geminicompress.recipes.schema import GPTQStage, Recipe
+
+    loaded = load_model(str(demo))
+    stage = {"type": "quantize", "method": "gptq", **options}
+    if "allocation" in stage and sensitivity:
+        stage["allocation"] = {**stage["allocation"], "sensitivity": sensitivity}
+    data = str(DATA / "enwiki-sample.txt")
+    recipe = Recipe(model=str(demo), calibration={"data": data, "samples": calib.shape[0], "seq_len": calib.shape[1]},
+                    stages=[stage])
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    ctx = StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, NullProgress(), torch.device("cpu"),
+                       work, work)
+    ctx._calibration[(data, calib.shape[0], calib.shape[1], recipe.seed)] = calib
+    summary = run(GPTQStage(**{k: v for k, v in stage.items()}), ctx)
+    shutil.rmtree(work, ignore_errors=True)
+    return loaded.model, summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--windows", type=int, default=32, help="calibration windows of 512 tokens")
     ap.add_argument("--eval-windows", type=int, default=32, help="perplexity windows of 512 tokens")
-    ap.add_argument("--rows", default=None, help=f"comma-separated subset of {', '.join(ROWS)}")
+    ap.add_argument("--rows", default=None, help=f"comma-separated subset of {', '.join([*ROWS, *QUANT_ROWS])}")
     ap.add_argument("--sensitivity", default=None, help="sensitivity.json for the *-sensitivity rows "
                     "(default: the stage measures one on the calibration windows)")
     ap.add_argument("--name", default="allocation_bench")
@@ -95,6 +129,17 @@ def main() -> None:
     wanted = args.rows.split(",") if args.rows else list(ROWS)
     work = Path(tempfile.mkdtemp(prefix="alloc-bench-"))
     for label in wanted:
+        if label in QUANT_ROWS:
+            t0 = time.perf_counter()
+            model, summary = quant_row(demo, calib, QUANT_ROWS[label], work / "out", args.sensitivity)
+            ppl = perplexity(model, eval_ids)
+            results["rows"][label] = {"options": QUANT_ROWS[label], "ppl": ppl,
+                                      "increase_pct": 100 * (ppl / results["dense_ppl"] - 1),
+                                      "allocation": summary.get("allocation"), "mixed": summary.get("mixed"),
+                                      "seconds_shared_machine": round(time.perf_counter() - t0, 1)}
+            path.write_text(json.dumps(results, indent=2) + "\n")
+            print(f"{label:24s} ppl {ppl:8.2f}", flush=True)
+            continue
         options = dict(ROWS[label])
         if options.get("allocation") == "sensitivity" and args.sensitivity:
             options["sensitivity"] = args.sensitivity
@@ -121,6 +166,10 @@ def print_table(results: dict) -> None:
     print("|---|---|---|---|---|")
     print(f"| dense | 0 | {results['dense_ppl']:.2f} | - | - |")
     for label, r in results["rows"].items():
+        if "achieved" not in r:
+            a = r.get("allocation") or {}
+            print(f"| {label} | {a.get('average_bits', '-')} bits | {r['ppl']:.2f} | {r['increase_pct']:+.1f}% | - |")
+            continue
         print(f"| {label} | {r['achieved']:.4f} | {r['ppl']:.2f} | {r['increase_pct']:+.1f}% "
               f"| {r['min_linear_sparsity']:.2f}..{r['max_linear_sparsity']:.2f} |")
 

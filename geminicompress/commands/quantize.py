@@ -35,6 +35,11 @@ def quantize(
     n_grid: Optional[int] = typer.Option(None, "--n-grid", help="awq: points in the alpha grid (default 20)."),
     search_results: Optional[str] = typer.Option(None, "--search-results", help="awq: re-apply saved scales/clips (awq_search.safetensors) instead of searching."),
     ignore: Optional[List[str]] = typer.Option(None, "--ignore", help="Module name pattern (regex) to keep in float; repeatable (default lm_head)."),
+    target_bits: Optional[float] = typer.Option(None, "--target-bits", help="gptq mixed precision: average stored bits per weight (scales included), e.g. 3.5, spent where the sensitivity table says it hurts least."),
+    target_size_mb: Optional[float] = typer.Option(None, "--target-size-mb", help="gptq mixed precision: checkpoint size in MB."),
+    max_drift: Optional[str] = typer.Option(None, "--max-drift", help="gptq mixed precision: the smallest allocation whose predicted perplexity drift stays under this, e.g. 2%."),
+    allocation_options: Optional[str] = typer.Option(None, "--allocation-options", help="Settings a module may get, comma separated (default gptq:b4g64,gptq:b3g64)."),
+    sensitivity: Optional[str] = typer.Option(None, "--sensitivity", help="A sensitivity.json to allocate from (default: measure a proxy table on --data first)."),
     format: Optional[str] = typer.Option(None, "--format", help="On-disk format: gptq | awq | compressed-tensors | dense (default: the method's own)."),
     data: Optional[str] = c.DATA,
     text_column: str = c.TEXT_COLUMN,
@@ -67,10 +72,34 @@ def quantize(
         "ignore": ignore or None, "format": format,
     }
     stage = {"type": "quantize", "method": method, **{k: v for k, v in given.items() if v is not None}}
+    allocation = allocation_stage(target_bits, target_size_mb, max_drift, allocation_options, sensitivity)
+    if allocation:
+        stage["allocation"] = allocation
     _check_applicable(method, stage)
     cal = c.calibration_options(data, text_column, samples, calib_seq_len)
     c.run_single_stage(model, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed, quiet,
                        source="quantize options", threads=threads)
+
+
+def parse_percent(text: str, option: str) -> float:
+    try:
+        value = float(text.strip().removesuffix("%"))
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise InputError(f"{option} must be a positive percentage such as 2% (got '{text}')")
+    return value
+
+
+def allocation_stage(target_bits: float | None, target_size_mb: float | None, max_drift: str | None,
+                     options: str | None, sensitivity: str | None) -> dict | None:
+    """The stage's `allocation:` mapping from the mixed-precision options (None when none is given)."""
+    given = {"target_bits": target_bits, "target_size_mb": target_size_mb,
+             "max_drift": parse_percent(max_drift, "--max-drift") if max_drift is not None else None,
+             "options": [o.strip() for o in options.split(",") if o.strip()] if options is not None else None,
+             "sensitivity": sensitivity}
+    given = {k: v for k, v in given.items() if v is not None}
+    return given or None
 
 
 def _check_applicable(method: str, stage: dict) -> None:

@@ -170,7 +170,10 @@ def write_quantized(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, 
     """Write model + tokenizer to `out` in quantized format `fmt` (a `QUANTIZED` name)."""
     from geminicompress.formats import module
 
-    spec = single_spec(qweights)
-    check_shapes(fmt, {n: tuple(qw.q.shape) for n, qw in qweights.items()}, spec)
+    if fmt in ("awq", "dense"):  # one spec per checkpoint (mixed precision: gptq and compressed-tensors)
+        single_spec(qweights)
+    for name in qweights:  # per module: a mixed-precision export checks each module at its own spec
+        qw = qweights[name]
+        check_shapes(fmt, {name: tuple(qw.q.shape)}, qw.spec)
     return module(fmt).write(model, tokenizer, Path(out), qweights, meta)
 

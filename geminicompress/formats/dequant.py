@@ -48,9 +48,12 @@ class DequantLinear(nn.Module):
 
 def load_with_dequant_linears(path: Path, dtype: torch.dtype, suffixes: tuple[str, ...],
                               unpack: Callable[[dict[str, torch.Tensor]], QuantizedWeight],
-                              bias_key: str = "bias") -> nn.Module:
+                              bias_key: str = "bias",
+                              unpack_module: Callable[[str, dict[str, torch.Tensor]], QuantizedWeight] | None = None,
+                              ) -> nn.Module:
     """Build the model, put a `DequantLinear` wherever the checkpoint has `<module>.<suffixes[0]>`
-    (the per-module tensors named by `suffixes` go to `unpack`), load everything else as it is."""
+    (the per-module tensors named by `suffixes` go to `unpack`, or to `unpack_module(name, tensors)` when
+    the spec depends on the module: mixed precision), load everything else as it is."""
     tensors = read_tensors(path)
     model = float_skeleton(path, dtype)
     marker = "." + suffixes[0]
@@ -62,7 +65,8 @@ def load_with_dequant_linears(path: Path, dtype: torch.dtype, suffixes: tuple[st
             get_module(model, prefix)
         except AttributeError as exc:
             raise GeminiError(f"{path}: quantized module {prefix} does not exist in the model's architecture") from exc
-        set_module(model, prefix, DequantLinear(unpack(parts), bias, dtype))
+        qw = unpack_module(prefix, parts) if unpack_module is not None else unpack(parts)
+        set_module(model, prefix, DequantLinear(qw, bias, dtype))
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     quantized = tuple(p + "." for p in prefixes)
     missing = [k for k in missing if not k.startswith(quantized)]

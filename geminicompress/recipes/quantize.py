@@ -3,11 +3,12 @@ maps each method name to its config class, runner, default format and whether it
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from geminicompress.recipes.base import GROUP_SIZE_HELP, GroupSize, StageBase
+from geminicompress.recipes.base import GROUP_SIZE_HELP, GroupSize, StageBase, Strict
 
 
 class Int8Stage(StageBase):
@@ -33,6 +34,33 @@ class Int8Stage(StageBase):
         return self
 
 
+class QuantAllocation(Strict):
+    """Mixed precision under a budget: a knapsack over a sensitivity table (compress/allocation.py).
+    Give exactly one of target_bits, target_size_mb, max_drift."""
+
+    options: list[str] = Field(default_factory=lambda: ["gptq:b4g64", "gptq:b3g64"],
+                               description="the settings each module may get (gptq:b<bits>g<group>)")
+    target_bits: float | None = Field(None, gt=0.0, description="average stored bits per quantized weight, scales "
+                                      "and zero points included")
+    target_size_mb: float | None = Field(None, gt=0.0, description="checkpoint size in MB (10^6 bytes)")
+    max_drift: float | None = Field(None, gt=0.0, description="predicted perplexity drift in percent: the smallest "
+                                    "allocation whose predicted exp(sum KL) - 1 stays under it")
+    sensitivity: str | None = Field(None, description="a sensitivity.json (default: measure one on the calibration data)")
+    measure: Literal["proxy", "kl"] = Field("proxy", description="how to measure when no table is given")
+    kl_windows: int = Field(2, ge=1)
+    fuse: bool = Field(False, description="one setting per group of linears reading one input (q/k/v, gate/up)")
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "QuantAllocation":
+        given = [k for k in ("target_bits", "target_size_mb", "max_drift") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of target_bits, target_size_mb, max_drift (got {', '.join(given) or 'none'})")
+        bad = [o for o in self.options if not re.fullmatch(r"gptq:b\d+g-?\d+", o)]
+        if bad:
+            raise ValueError(f"allocation options of a gptq stage are gptq:b<bits>g<group>, got {', '.join(bad)}")
+        return self
+
+
 class GPTQStage(StageBase):
     """GPTQ (Frantar et al., 2022): Hessian-aware rounding, layer by layer."""
 
@@ -53,6 +81,17 @@ class GPTQStage(StageBase):
         "Hessians and the solver are always float32. bfloat16 is faster on GPUs and on CPUs with AVX512-BF16/AMX")
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
     format: Literal["gptq", "compressed-tensors", "dense"] = "gptq"
+    allocation: QuantAllocation | None = Field(None, description="mixed precision: bits per module under a budget")
+    overrides: dict[str, str] = Field(default_factory=dict, description="module name -> b<bits>g<group> "
+                                      "(e.g. model.layers.0.self_attn.v_proj: b8g64); wins over the allocation")
+
+    @field_validator("overrides")
+    @classmethod
+    def _check_overrides(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [f"{k}: {s}" for k, s in v.items() if not re.fullmatch(r"b\d+g-?\d+", s)]
+        if bad:
+            raise ValueError(f"overrides are b<bits>g<group size>, e.g. b8g64; got {', '.join(bad)}")
+        return v
 
 
 class AWQStage(StageBase):

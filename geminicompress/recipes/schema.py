@@ -45,6 +45,14 @@ class PruneStage(_StageBase):
     true_sequential: bool = Field(True, description="wanda/sparsegpt: prune each group of a layer from inputs that "
                                   "went through the already-pruned groups (one pass); false: all from the dense layer")
     format: Literal["dense", "compressed-tensors"] = "dense"
+    allocation: Literal["uniform", "global", "owl", "sensitivity"] | None = Field(
+        None, description="how the total sparsity is split over the linears: uniform (= scope layer), global "
+        "(= scope global, magnitude only), owl (outlier-weighted per decoder layer, calibrated) or sensitivity "
+        "(a knapsack over measured per-linear sensitivities); the total over the decoder linears is exact")
+    owl_lambda: float = Field(0.08, ge=0.0, lt=1.0, description="owl: layer sparsities span target +- lambda")
+    owl_threshold: float = Field(5.0, gt=0.0, description="owl: a score above this many times the layer's mean is an outlier")
+    sensitivity: str | None = Field(None, description="allocation sensitivity: a sensitivity.json to allocate from "
+                                    "(default: measure one on the calibration data first)")
 
     @field_validator("pattern")
     @classmethod
@@ -58,6 +66,17 @@ class PruneStage(_StageBase):
 
     @model_validator(mode="after")
     def _check_combination(self) -> "PruneStage":
+        if self.allocation is not None:
+            if self.pattern:
+                raise ValueError("an N:M pattern fixes the sparsity of every group; it takes no allocation")
+            if self.allocation == "global" and self.method != "magnitude":
+                raise ValueError(f"allocation 'global' is one magnitude threshold; {self.method} prunes each layer")
+            scope = "global" if self.allocation == "global" else "layer"
+            if "scope" in self.model_fields_set and self.scope != scope:
+                raise ValueError(f"allocation '{self.allocation}' contradicts scope '{self.scope}'; give one of them")
+            object.__setattr__(self, "scope", scope)
+        if self.sensitivity is not None and self.allocation != "sensitivity":
+            raise ValueError("sensitivity (a table file) applies to allocation 'sensitivity' only")
         if self.method != "magnitude" and self.scope == "global":
             if "scope" in self.model_fields_set:
                 raise ValueError(f"scope 'global' applies to magnitude pruning only; {self.method} prunes each layer")

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from geminicompress.compress.arch import arch_for, get_module
+from geminicompress.compress.gptq.allocate import module_specs, write_allocation
 from geminicompress.compress.gptq.solver import gptq_quantize
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec
 from geminicompress.compress.hessian import HessianAccumulator
@@ -53,7 +54,12 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
         raise InputError("the model has no linear layer left to quantize (check --ignore)")
     shapes = {name: tuple(get_module(model, name).weight.shape) for name in targets}
     spec = QuantSpec(cfg.bits, resolve_group_size(cfg.group_size, shapes, ctx.progress), cfg.sym)
-    check_shapes(cfg.format, shapes, spec)
+    if cfg.allocation is None:
+        check_shapes(cfg.format, shapes, spec)
+    specs, allocation = module_specs(cfg, ctx, targets, spec)  # per module: allocation / overrides (allocate.py)
+    for name, s in specs.items():
+        if s != spec or cfg.allocation is not None:
+            check_shapes(cfg.format, {name: shapes[name]}, s)
     windows = ctx.calibration(cfg.data)  # (n, T)
     widest = max(in_f for _, in_f in shapes.values())
     if windows.numel() < widest:
@@ -62,12 +68,15 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
 
     layers_path = arch.layers + "."
     scales_as = scale_dtype(cfg.format, ctx.recipe.output.dtype)
+    relative = {n.removeprefix(layers_path): s for n, s in specs.items() if s != spec}
     process = partial(_quantize_layer, cfg=cfg, spec=spec, scales_as=scales_as,
-                      targets={n.removeprefix(layers_path) for n in targets})
+                      targets={n.removeprefix(layers_path) for n in targets}, specs=relative)
     summaries, kept = run_layerwise(model, windows, process, device=ctx.device, progress=ctx.progress,
                                     state_dir=ctx.state_dir, description=f"gptq {spec.bits}-bit",
                                     calib_dtype=getattr(torch, cfg.calib_dtype))
-    qweights = _KeptCodes(kept, spec, layers_path)
+    qweights = _KeptCodes(kept, spec, layers_path, relative)
+    if allocation:
+        write_allocation(allocation, specs, ctx.out_dir)
     meta = {"dtype": ctx.recipe.output.dtype, "act_order": cfg.act_order, "static_groups": cfg.static_groups,
             "true_sequential": cfg.true_sequential, "damp": cfg.damp}
     ctx.exporter = lambda m, tok, out: write_quantized(m, tok, out, qweights, cfg.format, meta)
@@ -76,16 +85,28 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
         "sym": spec.sym, "format": cfg.format,
         "calibration_tokens": int(windows.numel()), "quantized_modules": len(qweights),
         "total_error": sum(s["err"] for s in summaries), "layers": summaries,
+        **({"mixed": {f"b{s.bits}g{s.group_size}": sum(1 for v in specs.values() if v == s) for s in set(specs.values())}}
+           if relative else {}),
+        **({"allocation": {k: v for k, v in allocation.items() if k != "frontier"}} if allocation else {}),
     }
 
 
 def _quantize_layer(job: LayerJob, *, cfg: GPTQStage, spec: QuantSpec, scales_as: torch.dtype,
-                    targets: set[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Quantize the linears of one decoder layer in place; return ({err, modules}, kept tensors)."""
+                    targets: set[str], specs: dict[str, QuantSpec] | None = None
+                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Quantize the linears of one decoder layer in place; return ({err, modules}, kept tensors).
+    `specs`: "<layer>.<linear>" -> spec where it differs from `spec` (mixed precision)."""
     groups = present_groups(job.arch, lambda n: f"{job.index}.{n}" in targets)
     losses: dict[str, float] = {}
     kept: dict[str, torch.Tensor] = {}
-    solve = partial(_solve_group, job, cfg=cfg, spec=spec, scales_as=scales_as, losses=losses, kept=kept)
+    solve_one = partial(_solve_group, job, cfg=cfg, scales_as=scales_as, losses=losses, kept=kept)
+
+    def solve(group: list[str], H: torch.Tensor) -> None:  # one stacked solve per spec within the group
+        by_spec: dict[QuantSpec, list[str]] = {}
+        for n in group:
+            by_spec.setdefault((specs or {}).get(f"{job.index}.{n}", spec), []).append(n)
+        for s, names in by_spec.items():
+            solve_one(names, H, spec=s)
     if cfg.true_sequential and cfg.one_pass:
         accs = [HessianAccumulator(job.module(g[0]).in_features, job.device) for g in groups]
         job.one_pass(groups, lambda i, x: accs[i].add_batch(x), lambda i: solve(groups[i], accs[i].H))
@@ -176,8 +197,9 @@ class _KeptCodes(Mapping[str, QuantizedWeight]):
     Codes and zeros stay uint8 (the packers accept any integer dtype): int32 codes of the whole model
     would cost as much memory as its float32 weights."""
 
-    def __init__(self, kept: dict[str, torch.Tensor], spec: QuantSpec, layers_path: str) -> None:
-        self._kept, self._spec, self._path = kept, spec, layers_path
+    def __init__(self, kept: dict[str, torch.Tensor], spec: QuantSpec, layers_path: str,
+                 specs: dict[str, QuantSpec] | None = None) -> None:
+        self._kept, self._spec, self._path, self._specs = kept, spec, layers_path, specs or {}
         self._names = sorted({k.rsplit(".", 1)[0] for k in kept}, key=_layer_order)
 
     def __getitem__(self, key: str) -> QuantizedWeight:
@@ -186,7 +208,7 @@ class _KeptCodes(Mapping[str, QuantizedWeight]):
             raise KeyError(key)
         k = self._kept
         return QuantizedWeight(_codes(k[f"{name}.q"], k[f"{name}.g_idx"]), k[f"{name}.scales"], k[f"{name}.zeros"],
-                               k[f"{name}.g_idx"], self._spec)
+                               k[f"{name}.g_idx"], self._specs.get(name, self._spec))
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and key.startswith(self._path) and f"{key.removeprefix(self._path)}.q" in self._kept

@@ -30,6 +30,8 @@ def prune(
     device: str = c.DEVICE,
     trust_remote_code: bool = c.TRUST,
     allow_pickle: bool = c.PICKLE,
+    stream: Optional[bool] = c.STREAM,
+    dtype: Optional[str] = c.DTYPE,
     quiet: bool = c.QUIET,
 ) -> None:
     """Prune MODEL's decoder linear layers and write a dense checkpoint with exact zeros (plus masks).
@@ -45,7 +47,7 @@ def prune(
     stage = {"type": "prune", **{k: v for k, v in given.items() if v is not None}}
     cal = c.calibration_options(data, text_column, samples, calib_seq_len)
     report = c.run_single_stage(model, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed,
-                                quiet, source="prune options")
+                                quiet, source="prune options", stream=stream, dtype=dtype)
     if not quiet:
         c.out_console.print(sparsity_table(report["stages"][0]["result"]))
 

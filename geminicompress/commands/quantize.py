@@ -45,6 +45,8 @@ def quantize(
     device: str = c.DEVICE,
     trust_remote_code: bool = c.TRUST,
     allow_pickle: bool = c.PICKLE,
+    stream: Optional[bool] = c.STREAM,
+    dtype: Optional[str] = c.DTYPE,
     quiet: bool = c.QUIET,
 ) -> None:
     """Quantize MODEL's linear layers and write a checkpoint transformers/vLLM load.
@@ -70,7 +72,7 @@ def quantize(
     _check_applicable(method, stage)
     cal = c.calibration_options(data, text_column, samples, calib_seq_len)
     c.run_single_stage(model, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed, quiet,
-                       source="quantize options")
+                       source="quantize options", stream=stream, dtype=dtype)
 
 
 def _check_applicable(method: str, stage: dict) -> None:

@@ -7,8 +7,9 @@ layer-local stages of the recipe are composed into one `LayerFn`, so layer i get
 layer i+1 is read. Global magnitude pruning first finds its exact threshold in a streaming pass over the
 checkpoint (`threshold.global_threshold` over `LazyTensors`), then prunes in the layer pass.
 
-Streamed today: prune (magnitude, global or per layer, N:M) and quantize int8/w8a8 without SmoothQuant,
-written as dense or compressed-tensors int-quantized checkpoints. Float outputs keep the input's dtype
+Streamed today: prune (magnitude, global or per layer, N:M), quantize int8/w8a8 without SmoothQuant, and
+quantize gptq (calibrated: layer 0's inputs come from the embeddings, read alone; each layer's quantized
+outputs feed the next), written as dense, compressed-tensors int-quantized or GPTQ v1 checkpoints. Float outputs keep the input's dtype
 unless the recipe's `output.dtype` is set. Modules outside the decoder layers (embeddings, final norm,
 head) are read one at a time and written as they are (or quantized, for an int8 head not ignored).
 
@@ -43,7 +44,7 @@ from geminicompress.recipes.loader import recipe_yaml
 from geminicompress.recipes.schema import Recipe
 
 AUTO_FRACTION = 0.5  # stream automatically when the float32 weights exceed this share of available memory
-BASE_BYTES = 600 << 20  # the interpreter, torch and transformers themselves (measured: ~0.5 GiB)
+BASE_BYTES = 800 << 20  # the interpreter, torch, transformers, the skeleton and tokenizer (measured: ~0.7 GiB)
 
 
 # ---- deciding ----
@@ -72,6 +73,9 @@ def not_streamable(recipe: Recipe) -> str | None:
         elif stage.type == "quantize" and getattr(stage, "method", None) in ("int8", "w8a8"):
             if stage.smoothquant_alpha is not None:
                 return f"stage {k}: SmoothQuant calibration is not streamed yet"
+        elif stage.type == "quantize" and getattr(stage, "method", None) == "gptq":
+            if stage.format not in ("gptq", "dense"):
+                return f"stage {k}: gptq --format {stage.format} is not streamed yet (gptq and dense are)"
         else:
             return f"stage {k}: {stage.type} {getattr(stage, 'method', '')} is not streamed yet".rstrip()
     if sum(s.type == "quantize" for s in recipe.stages) > 1:
@@ -94,23 +98,29 @@ def should_stream(recipe: Recipe, stream: bool | None) -> bool:
 
 # ---- the sink ----
 class ShardSink:
-    """Finished layers go into output shards as `tensors_of(i, layer)` and leave memory."""
+    """Finished layers go into output shards as `tensors_of(i, layer, kept)` and leave memory. To resume a
+    calibrated run through a finished layer, `load_back(i, layer, tensors)` puts what was written back
+    into the layer (the next layer's inputs are computed through it)."""
 
     restores_weights = False
 
-    def __init__(self, writer: ShardWriter, tensors_of: Callable[[int, nn.Module], dict[str, torch.Tensor]]) -> None:
-        self.writer, self.tensors_of = writer, tensors_of
+    def __init__(self, writer: ShardWriter,
+                 tensors_of: Callable[[int, nn.Module, dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+                 load_back: Callable[[int, nn.Module, dict[str, torch.Tensor]], None] | None = None) -> None:
+        self.writer, self.tensors_of, self.load_back = writer, tensors_of, load_back
 
     def finished(self, i: int) -> bool:
         return self.writer.finished(f"layer.{i}")
 
     def restore(self, i: int, layer: nn.Module | None) -> tuple[dict, dict[str, torch.Tensor]]:
         if layer is not None:
-            raise GeminiError("resuming a calibrated streamed run is not supported yet; rerun with --force")
+            if self.load_back is None:
+                raise GeminiError("this streamed run cannot resume through a finished layer; rerun with --force")
+            self.load_back(i, layer, self.writer.read(f"layer.{i}"))
         return self.writer.summary(f"layer.{i}"), {}
 
     def finish(self, i: int, layer: nn.Module, summary: dict, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        self.writer.write(f"layer.{i}", self.tensors_of(i, layer), summary)
+        self.writer.write(f"layer.{i}", self.tensors_of(i, layer, kept), summary)
         return {}
 
 
@@ -243,14 +253,105 @@ class _Int8:
                 "streamed": True}
 
 
+class _GPTQ:
+    """GPTQ per layer (the in-memory stage's own `_quantize_layer`), packed per layer into the output."""
+
+    def __init__(self, cfg: Any, ckpt: LazyCheckpoint, out_dtype: torch.dtype) -> None:
+        from functools import partial
+
+        from geminicompress.compress.gptq.stage import _quantize_layer
+        from geminicompress.compress.grid import QuantSpec
+        from geminicompress.compress.targets import decoder_linears
+        from geminicompress.formats.checkpoint import check_shapes, scale_dtype
+
+        self.cfg, self.ckpt, self.out_dtype = cfg, ckpt, out_dtype
+        self.spec = QuantSpec(cfg.bits, cfg.group_size, cfg.sym)
+        self.targets = decoder_linears(ckpt.model, ckpt.arch, cfg.ignore, check="ignore" in cfg.model_fields_set)
+        if not self.targets:
+            raise InputError("the model has no linear layer left to quantize (check --ignore)")
+        self.shapes = {n: tuple(get_module(ckpt.model, n).weight.shape) for n in self.targets}
+        check_shapes(cfg.format, self.shapes, self.spec)
+        self.layers_path = ckpt.arch.layers + "."
+        scales_as = scale_dtype(cfg.format, str(out_dtype).removeprefix("torch."))
+        self.process = partial(_quantize_layer, cfg=cfg, spec=self.spec, scales_as=scales_as,
+                               targets={n.removeprefix(self.layers_path) for n in self.targets})
+
+    def layer_fn(self) -> LayerFn:
+        return self.process
+
+    def layer_tensors(self, i: int, layer: nn.Module, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The layer's float tensors and, for the gptq format, its quantized linears packed (qweight, ...)."""
+        from geminicompress.compress.gptq.stage import _KeptCodes
+        from geminicompress.formats.gptq import pack_gptq
+
+        tensors = module_tensors(self.ckpt.layer_prefix(i), layer, self.out_dtype)
+        if self.cfg.format == "dense":  # the fake-quantized weights are the layer's own
+            return tensors
+        qweights = _KeptCodes({f"{i}.{k}": v for k, v in kept.items()}, self.spec, self.layers_path)
+        for name in qweights:
+            del tensors[f"{name}.weight"]
+            tensors.update({f"{name}.{k}": v for k, v in pack_gptq(qweights[name]).items()})
+        return tensors
+
+    @torch.no_grad()
+    def load_back(self, i: int, layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        """Put a finished layer's written tensors back into it (its quantized linears dequantized: the
+        same float32 weights the run computed with, since the scales were rounded to the stored dtype)."""
+        from geminicompress.formats.gptq import SUFFIXES, unpack_gptq
+
+        prefix = self.ckpt.layer_prefix(i) + "."
+        params = dict(layer.named_parameters())
+        for name in [n for n in self.targets if n.startswith(prefix)] if self.cfg.format == "gptq" else []:
+            packed = {k: tensors.pop(f"{name}.{k}") for k in SUFFIXES}
+            rel = name[len(prefix):] + ".weight"
+            params[rel].copy_(unpack_gptq(packed, self.spec).dequantize().to(params[rel].dtype))
+        for key, value in tensors.items():
+            params[key[len(prefix):]].copy_(value.to(params[key[len(prefix):]].dtype))
+
+    def write_config(self, out: Path) -> None:
+        from geminicompress import __version__ as version
+        from geminicompress.formats.checkpoint import write_config
+        from geminicompress.formats.gptq import gptq_config
+
+        if self.cfg.format == "dense":
+            write_config(self.ckpt.model, out, None, self.out_dtype)
+            return
+        cfg = self.cfg
+        meta = {"act_order": cfg.act_order, "static_groups": cfg.static_groups, "true_sequential": cfg.true_sequential,
+                "damp": cfg.damp, "version": version}
+        layer_linears = [n for n, m in self.ckpt.model.named_modules()
+                         if isinstance(m, nn.Linear) and n.startswith(self.layers_path)]
+        qconfig = gptq_config(self.spec, meta, [n for n in layer_linears if n not in self.targets])
+        write_config(self.ckpt.model, out, qconfig, self.out_dtype)
+        quantize_config = {k: v for k, v in qconfig.items() if k not in ("meta", "dynamic")}
+        (out / "quantize_config.json").write_text(json.dumps(quantize_config, indent=2) + "\n")
+
+    def summary(self, layer_summaries: list[dict], windows: torch.Tensor) -> dict[str, Any]:
+        return {"bits": self.spec.bits, "group_size": self.spec.group_size, "sym": self.spec.sym,
+                "format": self.cfg.format, "calibration_tokens": int(windows.numel()),
+                "quantized_modules": len(self.targets), "total_error": sum(s.get("err", 0.0) for s in layer_summaries),
+                "layers": layer_summaries, "streamed": True}
+
+
 # ---- estimates ----
-def estimate(ckpt: LazyCheckpoint, out_dtype: torch.dtype, int8: bool, max_shard: int) -> dict[str, int]:
-    """Peak memory and disk of a streamed run, from the tensor shapes alone."""
-    layer32 = max(ckpt.nbytes(ckpt.layer_prefix(i), torch.float32) for i in range(len(ckpt.layers)))
-    outside32 = max((ckpt.nbytes(m, torch.float32) for m in ckpt.outside_modules()), default=0)
-    biggest32 = max(i.numel * 4 for i in ckpt.tensors.values())
-    unit = max(layer32, outside32)
-    peak = BASE_BYTES + int(1.6 * unit) + 3 * biggest32  # layer in float32 + its output copy; one tensor's temporaries
+def estimate(ckpt: LazyCheckpoint, out_dtype: torch.dtype, int8: bool, max_shard: int,
+             windows: tuple[int, int] | None = None) -> dict[str, int]:
+    """Peak memory and disk of a streamed run, from the tensor shapes alone. Uncalibrated: one layer as
+    stored plus a few float32 temporaries of its biggest tensor; calibrated (windows = (n, T)): one layer
+    in float32 twice (weights and solver copies), the activations in and out, the widest Hessian thrice."""
+    n_layers = len(ckpt.layers)
+    prefix = ckpt.layer_prefix(0) + "."
+    biggest = max(i.numel for n, i in ckpt.tensors.items() if n.startswith(prefix))  # a decoder linear
+    if windows is None:
+        layer = max(ckpt.nbytes(ckpt.layer_prefix(i)) for i in range(n_layers)) + 3 * 4 * biggest
+        outside = max((2 * ckpt.nbytes(m) for m in ckpt.outside_modules()), default=0)  # read + written copy
+        peak = BASE_BYTES + max(layer, outside)
+    else:
+        layer32 = max(ckpt.nbytes(ckpt.layer_prefix(i), torch.float32) for i in range(n_layers))
+        widest = max(get_module(ckpt.model, n).in_features for n in
+                     (f"{ckpt.layer_prefix(0)}.{lin}" for lin in ckpt.arch.linears))
+        hidden = ckpt.model.config.hidden_size
+        peak = BASE_BYTES + 2 * layer32 + 2 * windows[0] * windows[1] * hidden * 4 + 3 * 4 * widest**2 + 4 * biggest
     disk = 0
     for name, info in ckpt.tensors.items():
         if info.dtype.is_floating_point:
@@ -278,7 +379,9 @@ def run_streamed(recipe: Recipe, out: Path, *, force: bool = False, progress: Pr
     ckpt = LazyCheckpoint(path, trust_remote_code=recipe.trust_remote_code)
     out_dtype = getattr(torch, recipe.output.dtype) if "dtype" in recipe.output.model_fields_set else ckpt.dtype
     quant = next((s for s in recipe.stages if s.type == "quantize"), None)
-    need = estimate(ckpt, out_dtype, quant is not None, max_shard_bytes)
+    calibrated = quant is not None and quant.method == "gptq"
+    shape = (recipe.calibration.samples, recipe.calibration.seq_len) if calibrated else None
+    need = estimate(ckpt, out_dtype, quant is not None, max_shard_bytes, shape)
     progress.info(f"streaming {len(ckpt.layers)} layers from {path}: estimated peak memory "
                   f"{need['peak_memory_bytes'] / 2**30:.2f} GiB, disk {need['disk_bytes'] / 2**30:.2f} GiB")
     parent = Path(out).resolve().parent
@@ -291,16 +394,32 @@ def run_streamed(recipe: Recipe, out: Path, *, force: bool = False, progress: Pr
         writer = ShardWriter(state / "shards", max_shard_bytes)
         stages: list[Any] = []
         for stage in recipe.stages:
-            stages.append(_Prune(stage, ckpt, state, progress) if stage.type == "prune" else _Int8(stage, ckpt))
+            if stage.type == "prune":
+                stages.append(_Prune(stage, ckpt, state, progress))
+            elif stage.method == "gptq":
+                stages.append(_GPTQ(stage, ckpt, out_dtype))
+            else:
+                stages.append(_Int8(stage, ckpt))
         int8 = next((s for s in stages if isinstance(s, _Int8)), None)
+        gptq = next((s for s in stages if isinstance(s, _GPTQ)), None)
+        windows = _windows(recipe, path, gptq) if gptq is not None else None
 
-        def tensors_of(i: int, layer: nn.Module) -> dict[str, torch.Tensor]:
-            return module_tensors(ckpt.layer_prefix(i), layer, out_dtype)
+        def tensors_of(i: int, layer: nn.Module, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            if gptq is None:
+                return module_tensors(ckpt.layer_prefix(i), layer, out_dtype)
+            k = stages.index(gptq)
+            mine = kept if len(stages) == 1 else {n[len(f"{k}."):]: v for n, v in kept.items() if n.startswith(f"{k}.")}
+            return gptq.layer_tensors(i, layer, mine)
 
         t0 = time.perf_counter()
-        summaries, _ = run_layerwise(LazyLayers(ckpt, torch.float32), None, compose(*[s.layer_fn() for s in stages]),
+        calib_dtype = getattr(torch, gptq.cfg.calib_dtype) if gptq is not None else None
+        # calibrated stages compute in float32 as in memory; the others read layers as stored (half the
+        # memory for bf16) and compute in float32 per tensor (prune_mask, int8 quantize do)
+        compute = torch.float32 if gptq is not None else None
+        summaries, _ = run_layerwise(LazyLayers(ckpt, compute), windows, compose(*[s.layer_fn() for s in stages]),
                                      device=device, progress=progress, description="streamed layers",
-                                     sink=ShardSink(writer, tensors_of))
+                                     calib_dtype=calib_dtype,
+                                     sink=ShardSink(writer, tensors_of, gptq.load_back if gptq is not None else None))
         outside_rows = _write_outside(ckpt, writer, int8, out_dtype, progress)
         layers_s = time.perf_counter() - t0
         shards = writer.finish(tmp)
@@ -310,15 +429,24 @@ def run_streamed(recipe: Recipe, out: Path, *, force: bool = False, progress: Pr
 
             linears = [n for n, m in ckpt.model.named_modules() if isinstance(m, nn.Linear)]
             qconfig = quantization_config(int8.cfg.method, [n for n in linears if n not in int8.targets])
-        write_config(ckpt.model, tmp, qconfig, out_dtype)
+        if gptq is not None:
+            gptq.write_config(tmp)
+        else:
+            write_config(ckpt.model, tmp, qconfig, out_dtype)
         _save_tokenizer(path, tmp, recipe.trust_remote_code)
         results = []
         for k, (stage, s) in enumerate(zip(recipe.stages, stages)):
             mine = [_unprefix(x, k, len(stages)) for x in summaries]
-            result = s.summary(mine, tmp, progress) if isinstance(s, _Prune) else s.summary(mine, outside_rows)
+            if isinstance(s, _Prune):
+                result = s.summary(mine, tmp, progress)
+            elif isinstance(s, _GPTQ):
+                result = s.summary(mine, windows)
+            else:
+                result = s.summary(mine, outside_rows)
             results.append({"index": k, "stage": _tag(stage), "options": stage.model_dump(mode="json"),
                             "seconds": round(layers_s, 3), "result": result})
-        export = {"format": "compressed-tensors:int-quantized" if int8 else "dense",
+        fmt = "compressed-tensors:int-quantized" if int8 else (gptq.cfg.format if gptq else "dense")
+        export = {"format": fmt,
                   "dtype": str(out_dtype).removeprefix("torch."), "streamed": True, **shards,
                   "estimated": need}
         report = {"geminicompress": __version__, "command": command or sys.argv, "model": recipe.model,
@@ -340,7 +468,7 @@ def _write_outside(ckpt: LazyCheckpoint, writer: ShardWriter, int8: _Int8 | None
         if writer.finished(unit):
             rows += writer.summary(unit).get("rows", [])
             continue
-        module = ckpt.materialise(name, torch.float32)
+        module = ckpt.materialise(name)
         mine = int8.quantize(module, name) if int8 is not None and name in int8.targets else []
         if mine:  # the module itself was a target: write its INT8 replacement
             module = mine[0]["module"]
@@ -349,6 +477,22 @@ def _write_outside(ckpt: LazyCheckpoint, writer: ShardWriter, int8: _Int8 | None
         rows += mine
         ckpt.release(name)
     return rows
+
+
+def _windows(recipe: Recipe, path: Path, gptq: _GPTQ) -> torch.Tensor:
+    """The recipe's calibration windows (n, T), checked against GPTQ's need for tokens."""
+    from geminicompress.data.windows import calibration_windows
+    from geminicompress.models.loading import _load_tokenizer
+
+    cal = recipe.calibration
+    data = gptq.cfg.data or cal.data
+    windows = calibration_windows(_load_tokenizer(str(path), recipe.trust_remote_code), data, cal.samples,
+                                  cal.seq_len, recipe.seed, cal.text_column)
+    widest = max(in_f for _, in_f in gptq.shapes.values())
+    if windows.numel() < widest:
+        raise InputError(f"GPTQ needs at least {widest} calibration tokens (the widest quantized layer's inputs), "
+                         f"got {windows.numel()}; raise --samples or --calib-seq-len")
+    return windows
 
 
 def _public(row: dict) -> dict:

@@ -217,6 +217,19 @@ def test_streamed_equals_in_memory_bitwise(sharded, tmp_path, args):
     assert rm["layers"] == rs["layers"]
 
 
+def test_streamed_gptq_equals_in_memory_bitwise(sharded, tmp_path):
+    args = ["--method", "gptq", "--group-size", "32", "--samples", "4", "--calib-seq-len", "48"]
+    res = invoke("quantize", sharded, "-o", tmp_path / "mem", "-q", "--no-stream", "--dtype", "bfloat16", *args)
+    assert res.exit_code == 0, res.output
+    res = invoke("quantize", sharded, "-o", tmp_path / "str", "-q", "--stream", *args)
+    assert res.exit_code == 0, res.output
+    _same_tensors(tmp_path / "mem", tmp_path / "str")
+    for name in ("config.json", "quantize_config.json"):
+        assert json.loads((tmp_path / "mem" / name).read_text()) == json.loads((tmp_path / "str" / name).read_text())
+    rm, rs = (json.loads((tmp_path / d / "report.json").read_text())["stages"][0]["result"] for d in ("mem", "str"))
+    assert [r["err"] for r in rm["layers"]] == [r["err"] for r in rs["layers"]]
+
+
 def test_streamed_output_loads_in_transformers_and_keeps_float32(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -281,7 +294,29 @@ def test_multi_stage_recipe_applies_every_stage_per_layer(sharded, tmp_path):
 
 
 def test_not_streamable_recipe_is_refused_in_one_line(sharded, tmp_path):
-    res = invoke("quantize", sharded, "-o", tmp_path / "out", "-q", "--stream", "--method", "gptq")
-    assert res.exit_code == 2 and "--stream: stage 0: quantize gptq is not streamed yet" in res.output, res.output
+    res = invoke("quantize", sharded, "-o", tmp_path / "out", "-q", "--stream", "--method", "awq")
+    assert res.exit_code == 2 and "--stream: stage 0: quantize awq is not streamed yet" in res.output, res.output
     with pytest.raises(GeminiError):
         run_streamed(_recipe(sharded, {"type": "prune", "method": "wanda", "sparsity": 0.5}), tmp_path / "o2")
+
+
+def test_gptq_resumes_through_finished_layers_bitwise(sharded, tmp_path, monkeypatch):
+    """A calibrated run killed at layer 2 resumes: layers 0-1 are read back from the written shards
+    (GPTQ codes dequantized) to compute layer 2's inputs, and the result equals an uninterrupted run."""
+    stage = {"type": "quantize", "method": "gptq", "group_size": 32}
+    recipe = recipe_from_stage(str(sharded), stage, {"samples": 4, "seq_len": 48}, "test")
+    run_streamed(recipe, tmp_path / "straight", max_shard_bytes=40_000)
+    finish = ShardSink.finish
+
+    def crashing(self, i, layer, summary, kept):
+        if i == 2:
+            raise RuntimeError("killed")
+        return finish(self, i, layer, summary, kept)
+
+    monkeypatch.setattr(ShardSink, "finish", crashing)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_streamed(recipe, tmp_path / "resumed", max_shard_bytes=40_000)
+    monkeypatch.undo()
+    report = run_streamed(recipe, tmp_path / "resumed", max_shard_bytes=40_000)
+    assert [bool(r.get("resumed")) for r in report["stages"][0]["result"]["layers"]] == [True, True, False]
+    _same_tensors(tmp_path / "straight", tmp_path / "resumed")

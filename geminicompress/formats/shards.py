@@ -82,7 +82,30 @@ class ShardWriter:
             self._append(name, t, size)
         self._sync()
         self.state["units"][unit] = summary or {}
+        self.state.setdefault("unit_tensors", {})[unit] = list(tensors)
         self._save_state()
+
+    def read(self, unit: str) -> dict[str, torch.Tensor]:
+        """The tensors a finished unit wrote, read back from its shard(s) (to resume through it)."""
+        from safetensors import safe_open
+
+        names = self.state.get("unit_tensors", {}).get(unit, [])
+        where = {t: shard["file"] for shard in self.state["closed"] for t in shard["tensors"]}
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            if name in where:
+                with safe_open(str(self.work / where[name]), framework="pt") as f:
+                    out[name] = f.get_tensor(name)
+                continue
+            meta = self.state["open"]["tensors"][name]
+            start, stop = meta["data_offsets"]
+            with open(self._data_path(), "rb") as f:
+                f.seek(start)
+                raw = bytearray(f.read(stop - start))
+            dtype = next(d for d, c in _CODES.items() if c == meta["dtype"])
+            out[name] = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(meta["shape"]).clone() \
+                if raw else torch.empty(meta["shape"], dtype=dtype)
+        return out
 
     def finish(self, out: Path) -> dict[str, Any]:
         """Close the last shard, move every shard into `out` under transformers' names, write the index

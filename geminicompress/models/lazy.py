@@ -192,10 +192,17 @@ class LazyCheckpoint:
         return module
 
     def release(self, prefix: str) -> None:
-        """Put module `prefix`'s parameters back on the meta device (their memory is freed)."""
+        """Free module `prefix`: its parameters and persistent buffers (including those of modules a
+        method swapped in, e.g. INT8 codes) go back to the meta device; computed buffers (rotary) stay."""
         module = self.model.get_submodule(prefix)
-        for name, p in list(module.named_parameters()):
-            _set_tensor(module, name, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+        for owner in module.modules():
+            for name, p in list(owner._parameters.items()):
+                if p is not None:
+                    owner._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                           requires_grad=False)
+            for name, b in list(owner._buffers.items()):
+                if b is not None and name not in owner._non_persistent_buffers_set:
+                    owner._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device="meta")
 
     def layer_prefix(self, i: int) -> str:
         return f"{self.arch.layers}.{i}"

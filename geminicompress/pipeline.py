@@ -104,10 +104,19 @@ def run_recipe(
     device: torch.device | None = None,
     command: list[str] | None = None,
     loaded: LoadedModel | None = None,
+    stream: bool | None = None,
 ) -> dict:
-    """Run every stage of `recipe` and write OUT; return the report (also written to OUT/report.json)."""
+    """Run every stage of `recipe` and write OUT; return the report (also written to OUT/report.json).
+
+    stream: run layer by layer from disk (streaming.py): True, False, or None to decide from the model's
+    size and whether every stage can stream."""
     progress = progress or NullProgress()
     device = device or default_device()
+    if loaded is None and not _helper_rank():
+        from geminicompress.streaming import run_streamed, should_stream
+
+        if should_stream(recipe, stream):
+            return run_streamed(recipe, out, force=force, progress=progress, device=device, command=command)
     tags = [stage_tag(s) for s in recipe.stages]
     runners = [stage_runner(t) for t in tags]  # fail before loading anything if a stage is missing
     torch.manual_seed(recipe.seed)

@@ -124,6 +124,11 @@ TEXT_COLUMN = typer.Option("text", "--text-column", help="Column holding the tex
 SAMPLES = typer.Option(None, "--samples", help="Calibration windows (default 128).")
 CAL_SEQ_LEN = typer.Option(None, "--calib-seq-len", help="Tokens per calibration window (default 512).")
 SEED = typer.Option(0, "--seed", help="Seed for calibration sampling and training.")
+STREAM = typer.Option(None, "--stream/--no-stream", help="Read, process and write one decoder layer at a time, "
+                      "so memory follows one layer, not the model (default: when the model's float32 weights "
+                      "exceed half the available memory and every stage can stream).")
+DTYPE = typer.Option(None, "--dtype", help="Float dtype of the written weights: float32, bfloat16, float16 "
+                     "(default: float32 in memory; the input's own dtype when streaming).")
 QUIET = typer.Option(False, "--quiet", "-q", help="No progress bars or info lines.")
 THREADS = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: the cores not busy with other "
                        "processes when the command starts; see docs/eval.md).")
@@ -156,7 +161,8 @@ def calibration_options(data: Optional[str], text_column: str, samples: Optional
 
 def run_single_stage(model: str, stage: dict, cal: dict, out: Path, force: bool, device: Optional[str],
                      trust: bool, allow_pickle: bool, seed: int, quiet: bool, source: str,
-                     threads: Optional[int] = None) -> dict:
+                     threads: Optional[int] = None, stream: Optional[bool] = None,
+                     dtype: Optional[str] = None) -> dict:
     """Build a one-stage recipe from options, run it, print where the output went."""
     import sys
 
@@ -164,10 +170,11 @@ def run_single_stage(model: str, stage: dict, cal: dict, out: Path, force: bool,
     from geminicompress.pipeline import run_recipe
     from geminicompress.recipes.loader import recipe_from_stage
 
-    recipe = recipe_from_stage(model, stage, cal, source, seed=seed, trust_remote_code=trust, allow_pickle=allow_pickle)
+    top = {"output": {"dtype": dtype}} if dtype is not None else {}
+    recipe = recipe_from_stage(model, stage, cal, source, seed=seed, trust_remote_code=trust, allow_pickle=allow_pickle, **top)
     check_output_path(out, force)
     dev = parse_device(device)
     choice = use_threads(threads, recipe.threads)
-    report = run_recipe(recipe, out, force=force, progress=RichProgress(quiet), device=dev, command=sys.argv)
+    report = run_recipe(recipe, out, force=force, progress=RichProgress(quiet), device=dev, command=sys.argv, stream=stream)
     console.print(wrote_line(out, report["total_seconds"], choice), highlight=False, soft_wrap=True)
     return report

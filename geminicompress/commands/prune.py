@@ -32,6 +32,8 @@ def prune(
     device: str = c.DEVICE,
     trust_remote_code: bool = c.TRUST,
     allow_pickle: bool = c.PICKLE,
+    stream: Optional[bool] = c.STREAM,
+    dtype: Optional[str] = c.DTYPE,
     quiet: bool = c.QUIET,
     threads: Optional[int] = c.THREADS,
 ) -> None:
@@ -48,7 +50,7 @@ def prune(
     stage = {"type": "prune", **{k: v for k, v in given.items() if v is not None}}
     cal = c.calibration_options(data, text_column, samples, calib_seq_len)
     report = c.run_single_stage(model, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed,
-                                quiet, source="prune options", threads=threads)
+                                quiet, source="prune options", threads=threads, stream=stream, dtype=dtype)
     if not quiet:
         c.out_console.print(sparsity_table(report["stages"][0]["result"]))
 

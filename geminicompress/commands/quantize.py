@@ -50,6 +50,8 @@ def quantize(
     device: str = c.DEVICE,
     trust_remote_code: bool = c.TRUST,
     allow_pickle: bool = c.PICKLE,
+    stream: Optional[bool] = c.STREAM,
+    dtype: Optional[str] = c.DTYPE,
     quiet: bool = c.QUIET,
     threads: Optional[int] = c.THREADS,
 ) -> None:
@@ -78,7 +80,7 @@ def quantize(
     _check_applicable(method, stage)
     cal = c.calibration_options(data, text_column, samples, calib_seq_len)
     c.run_single_stage(model, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed, quiet,
-                       source="quantize options", threads=threads)
+                       source="quantize options", threads=threads, stream=stream, dtype=dtype)
 
 
 def parse_percent(text: str, option: str) -> float:

@@ -195,7 +195,8 @@ def _hub_offline(spec: str) -> bool:
     from huggingface_hub import constants, try_to_load_from_cache
 
     cached = isinstance(try_to_load_from_cache(spec, "config.json"), str)
-    if constants.HF_HUB_OFFLINE:
+    offline_mode = getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)
+    if offline_mode():
         if not cached:
             raise GeminiError(
                 f"could not load '{spec}' from the hub: HF_HUB_OFFLINE is set and it is not in the local "

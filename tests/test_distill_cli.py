@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from geminicompress.cli import app
 from geminicompress.distill import stage as distill_stage
-from geminicompress.distill.masks import MASKS_FILE, read_masks
+from geminicompress.formats.masks import MASKS_FILE, read_masks
 from geminicompress.distill.student import derive_student
 from geminicompress.distill.topk_cache import build_topk_cache
 from geminicompress.distill.train import train

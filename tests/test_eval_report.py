@@ -9,7 +9,8 @@ from typer.testing import CliRunner
 from geminicompress import pipeline
 from geminicompress.cli import app
 from geminicompress.eval.api import evaluate
-from geminicompress.recipes.schema import EvalStage
+from geminicompress.models import load_model
+from geminicompress.recipes.schema import EvalStage, Recipe
 from tiny import VOCAB, save_tiny
 
 FAST = dict(type="eval", seq_len=64, max_tokens=640, prompt_len=8, gen_len=3, batch_sizes=[1, 2], repeats=2, warmup=0)
@@ -142,9 +143,18 @@ def test_cli_bad_inputs_are_one_line_each_and_others_still_run(dirs, text_file, 
     assert rep["models"][1]["quality"]["kl_to_baseline"] > 0 and "error" in rep["models"][2]
     assert "noisy" in res.output  # the table
 
+    # text shorter than one window: decided before any model loads, one line, exit 2, nothing written
     res = invoke(base, same, "--data", short, "-o", tmp_path / "r2", *CLI_FAST)
+    assert res.exit_code == 2, res.output
+    assert res.output.strip().splitlines() == [res.output.strip()]
+    assert "fewer than one perplexity window of 64" in res.output and "--no-quality" in res.output
+    assert not (tmp_path / "r2").exists()
+    # ... unless only latency was asked for
+    res = invoke(base, "--data", short, "-o", tmp_path / "r2", "--no-quality", "-q", "--threads", "1",
+                 "--prompt-len", "4", "--gen-len", "2", "--batch-sizes", "1", "--repeats", "1", "--warmup", "0")
     assert res.exit_code == 0, res.output
-    assert sum("fewer than one window" in line for line in res.output.splitlines()) == 2  # one per model
+    rep = json.loads((tmp_path / "r2" / "report.json").read_text())
+    assert rep["models"][0]["quality"] is None and rep["models"][0]["latency"]["tpot_ms"]["median"] > 0
 
     res = invoke(base, same, "--data", text_file, "-o", tmp_path / "r3", *CLI_FAST, "--seq-len", "1024")
     assert res.exit_code == 0, res.output
@@ -218,10 +228,16 @@ def test_every_written_format_loads_back_for_eval(module, cmd, dirs, text_file, 
     assert "error" not in model and model["notes"] == []
     assert 0 < model["quality"]["kl_to_baseline"] < 1.0 and 0 < model["quality"]["top1_agreement"] < 1.0
     assert model["params"] == rep["models"][0]["params"]  # packed weights count as their logical size
+    base_entry = rep["models"][0]
     if cmd[0] == "prune":
-        assert model["sparsity"] == pytest.approx(0.5, abs=0.02)
+        assert model["sparsity"] == pytest.approx(0.5, abs=0.02) and model["quant_zeros"] is None
+        # the keep-masks beside the weights are not weights: same dense tensors, same size
+        assert model["size_mb"] == pytest.approx(base_entry["size_mb"], rel=1e-3) and model["masks_mb"] > 0
     else:
-        assert model["size_mb"] < rep["models"][0]["size_mb"]
+        assert model["size_mb"] < base_entry["size_mb"] and model["masks_mb"] is None
+        # codes that round to zero are not pruning: no sparsity claimed, the zeros reported as what they are
+        assert model["sparsity"] is None
+        assert 0 < model["quant_zeros"] < (0.05 if cmd[2] == "w8a8" else 0.4)
 
 
 def test_draft_model_speculative_result_goes_into_the_report(dirs, text_file):
@@ -252,3 +268,18 @@ def test_tasks_results_go_into_each_models_entry(dirs, text_file, monkeypatch):
     rep = evaluate([str(dirs[1])], str(dirs[0]), str(text_file), None, opts)
     assert calls == [["arc_easy"], ["arc_easy"]]
     assert all(m["tasks"] == {"arc_easy": {"acc,none": 0.25}} for m in rep["models"])
+
+
+def test_prune_then_quantize_loads_and_reports_the_pruned_zeros(dirs, text_file, tmp_path):
+    """The masks file next to packed weights is neither loaded as weights nor counted in the size; the
+    sparsity is the pruned weights that are still zero after quantization."""
+    from geminicompress.eval.footprint import prune_masks_path, weight_sparsity, weights_size_mb
+
+    base, out = dirs[0], tmp_path / "pq"
+    recipe = Recipe(model=str(base), calibration={"data": str(text_file), "samples": 4, "seq_len": 64},
+                    stages=[{"type": "prune", "sparsity": 0.5}, {"type": "quantize", "method": "gptq", "group_size": 32}])
+    pipeline.run_recipe(recipe, out)
+    model = load_model(str(out)).model
+    sparsity = weight_sparsity(model, prune_masks_path(out))
+    assert 0.4 < sparsity <= 0.5 and weight_sparsity(model) is None
+    assert weights_size_mb(out) == pytest.approx((out / "model.safetensors").stat().st_size / 2**20, abs=0.01)

@@ -7,7 +7,7 @@ import torch
 from geminicompress.compress.gptq.solver import gptq_quantize
 from geminicompress.compress.grid import QuantSpec, rtn_quantize
 from geminicompress.compress.hessian import HessianAccumulator
-from geminicompress.recipes.schema import GPTQStage
+from geminicompress.recipes.quantize import GPTQStage
 
 B, T, D = 8, 256, 64  # windows, tokens per window, input columns
 

@@ -9,11 +9,11 @@ from typer.testing import CliRunner
 from geminicompress.cli import app
 from geminicompress.compress.arch import arch_for, get_module
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, rtn_quantize
-from geminicompress.compress.packing.qlinear import DequantLinear
+from geminicompress.formats.dequant import DequantLinear
 from geminicompress.models.loading import load_model, resolve_model
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage
-from geminicompress.recipes.schema import GPTQStage
+from geminicompress.recipes.quantize import GPTQStage
 from tiny import save_tiny, tiny_tokenizer
 
 CPU = torch.device("cpu")
@@ -213,3 +213,30 @@ def test_kept_codes_round_trip_through_nibble_packing(bits, in_f):
     packed = bits <= 4 and in_f % 2 == 0
     assert kept["q"].shape == (7, in_f // 2 if packed else in_f)
     assert torch.equal(_codes(kept["q"], kept["g_idx"]).to(torch.int32), q)
+
+
+def test_auto_group_size_is_the_largest_that_divides_every_layer():
+    from geminicompress.compress.grid import auto_group_size
+    from geminicompress.errors import InputError
+
+    assert auto_group_size([576, 1536]) == 64  # SmolLM2-135M: 128 does not divide 576
+    assert auto_group_size([2048, 8192]) == 128
+    assert auto_group_size([96, 256]) == 32
+    with pytest.raises(InputError, match=r"input features \(48, 64\); pass --group-size"):
+        auto_group_size([64, 48])
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_default_group_size_fits_the_model_and_is_reported(tmp_path, text_file, method):
+    # hidden 96, MLP 192: the old default 128 divides neither; auto picks 32 and says so.
+    model_dir = save_tiny(tmp_path / "m", hidden_size=96, intermediate_size=192, num_attention_heads=4)
+    out = tmp_path / "out"
+    res = _cli("quantize", model_dir, "-o", out, "--method", method, "--data", text_file,
+               "--samples", "4", "--calib-seq-len", "64")
+    assert res.exit_code == 0, res.output
+    assert "group size 32 (auto" in res.output
+    stage = json.loads((out / "report.json").read_text())["stages"][0]
+    assert stage["options"]["group_size"] == "auto"
+    assert stage["result"]["group_size"] == 32 and stage["result"]["group_size_auto"] is True
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["group_size"] == 32

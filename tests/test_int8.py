@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from geminicompress.compress.fold import fold_scales
 from geminicompress.compress.int8 import smoothquant as sq
 from geminicompress.compress.int8.modules import Int8WeightOnlyLinear, W8A8Linear, fbgemm_available
 from geminicompress.compress.int8.quant import channel_scales, dequantize, fake_quantize_tokens, quantize, quantize_weight
@@ -105,7 +106,7 @@ def test_folding_leaves_the_float_model_unchanged(kind):
     with torch.no_grad():
         for g in groups:
             lins = [get_module(model, n) for n in g.linears]
-            sq.fold(get_module(model, g.prev), lins, torch.rand(lins[0].in_features) * 4 + 0.25, arch.norm_offset)
+            fold_scales(get_module(model, g.prev), lins, torch.rand(lins[0].in_features) * 4 + 0.25, arch.norm_offset)
     assert torch.allclose(model(ids).logits, before, atol=1e-4)
 
 

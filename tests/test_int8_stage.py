@@ -13,7 +13,8 @@ from geminicompress.compress.int8 import stage
 from geminicompress.compress.int8.modules import Int8WeightOnlyLinear, W8A8Linear
 from geminicompress.models.loading import load_model
 from geminicompress.progress import NullProgress
-from geminicompress.recipes.schema import Int8Stage, Recipe
+from geminicompress.recipes.quantize import Int8Stage
+from geminicompress.recipes.schema import Recipe
 
 runner = CliRunner()
 
@@ -89,6 +90,28 @@ def test_checkpoint_layout_is_compressed_tensors_int_quantized(tiny_dir, tmp_pat
         assert not any(k.endswith("zero_point") for k in f.keys())
     report = json.loads((out / "report.json").read_text())
     assert report["stages"][0]["result"]["quantized"] == 14
+    # SmoothQuant is on by default, calibrated on the recipe's calibration data (builtin:pydoc)
+    smoothing = report["stages"][0]["result"]["smoothquant"]
+    assert (smoothing["alpha"], smoothing["data"], smoothing["folded_groups"]) == (0.5, "builtin:pydoc", 6)
+    assert smoothing["calibration_windows"] == 128 and smoothing["seq_len"] == 512
+
+
+def test_smoothquant_defaults_and_how_to_turn_it_off():
+    assert Int8Stage(method="w8a8").smoothquant_alpha == 0.5
+    assert Int8Stage(method="int8").smoothquant_alpha is None
+    assert Int8Stage(method="w8a8", smoothquant_alpha=None).smoothquant_alpha is None  # `smoothquant_alpha: null`
+    assert Int8Stage(method="w8a8", smoothquant_alpha=0).smoothquant_alpha is None  # alpha 0 = off
+    assert Int8Stage(method="int8", smoothquant_alpha=0).smoothquant_alpha is None
+
+
+def test_cli_smoothquant_alpha_0_turns_it_off(tiny_dir, tmp_path):
+    out = tmp_path / "w8a8"
+    res = runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), "--method", "w8a8", "--smoothquant-alpha", "0",
+                              "--quiet"])
+    assert res.exit_code == 0, res.output
+    result = json.loads((out / "report.json").read_text())["stages"][0]["result"]
+    assert result["smoothquant"] == {"alpha": None}
+    assert all(layer["smoothquant_max_scale"] is None for layer in result["layers"])
 
 
 def test_weight_only_declares_no_activation_quantization(tiny_dir, tmp_path):

@@ -7,9 +7,9 @@ import torch
 
 from geminicompress.compress.gptq.solver import gptq_quantize
 from geminicompress.compress.grid import QuantSpec
-from geminicompress.compress.packing.bits import pack_bits, packed_width, unpack_bits
-from geminicompress.compress.packing.compressed_tensors import pack_ct, unpack_ct
-from geminicompress.compress.packing.gptq import pack_gptq, unpack_gptq
+from geminicompress.formats.bits import pack_bits, packed_width, unpack_bits
+from geminicompress.formats.gptq import pack_gptq, unpack_gptq
+from geminicompress.formats.pack_quantized import pack_ct, unpack_ct
 
 
 @pytest.fixture(autouse=True, scope="module")

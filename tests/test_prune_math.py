@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from geminicompress.compress.hessian import HessianAccumulator
-from geminicompress.compress.prune.bitmask import compress, decompress, pack_bits, unpack_bits
+from geminicompress.formats.sparse_bitmask import compress, decompress, pack_bits, unpack_bits
 from geminicompress.compress.prune.masks import nm_mask, row_mask, tensor_mask
 from geminicompress.compress.prune.sparsegpt import sparsegpt_prune
 from geminicompress.compress.prune.threshold import global_threshold, kth_smallest, smallest_masks

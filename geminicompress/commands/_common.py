@@ -76,7 +76,7 @@ class RichProgress:
 
     def info(self, message: str) -> None:
         if not self.quiet:
-            console.print(f"[dim]{message}[/]", highlight=False)
+            console.print(f"[dim]{message}[/]", highlight=False, soft_wrap=True)
 
     def warn(self, message: str) -> None:
         console.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)  # one line, never cut
@@ -84,9 +84,12 @@ class RichProgress:
 
 def setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
-    for noisy in ("transformers", "accelerate", "datasets"):
+    for noisy in ("transformers", "accelerate", "datasets", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    from huggingface_hub.utils import logging as hub_logging
     from transformers.utils import logging as hf_logging
+
+    hub_logging.disable_propagation()  # it has its own handler: propagating printed each line twice
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -121,7 +124,28 @@ TEXT_COLUMN = typer.Option("text", "--text-column", help="Column holding the tex
 SAMPLES = typer.Option(None, "--samples", help="Calibration windows (default 128).")
 CAL_SEQ_LEN = typer.Option(None, "--calib-seq-len", help="Tokens per calibration window (default 512).")
 SEED = typer.Option(0, "--seed", help="Seed for calibration sampling and training.")
+STREAM = typer.Option(None, "--stream/--no-stream", help="Read, process and write one decoder layer at a time, "
+                      "so memory follows one layer, not the model (default: when the model's float32 weights "
+                      "exceed half the available memory and every stage can stream).")
+DTYPE = typer.Option(None, "--dtype", help="Float dtype of the written weights: float32, bfloat16, float16 "
+                     "(default: float32 in memory; the input's own dtype when streaming).")
 QUIET = typer.Option(False, "--quiet", "-q", help="No progress bars or info lines.")
+THREADS = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: the cores not busy with other "
+                       "processes when the command starts; see docs/eval.md).")
+
+
+def use_threads(cli: Optional[int], recipe: Optional[int]):
+    """Set torch's thread count before any work: --threads, else the recipe's, else the free cores.
+    Returns the `ThreadChoice`; its reason goes into the final `wrote` line."""
+    from geminicompress.threads import apply_threads, choose_threads
+
+    choice = choose_threads(cli, recipe)
+    apply_threads(choice.threads)
+    return choice
+
+
+def wrote_line(out: Path, seconds: float, threads) -> str:
+    return f"[green]wrote[/] {out}  ({seconds:.1f} s, {threads.reason}; details in {out / 'report.json'})"
 
 
 def calibration_options(data: Optional[str], text_column: str, samples: Optional[int], seq_len: Optional[int]) -> dict:
@@ -136,7 +160,9 @@ def calibration_options(data: Optional[str], text_column: str, samples: Optional
 
 
 def run_single_stage(model: str, stage: dict, cal: dict, out: Path, force: bool, device: Optional[str],
-                     trust: bool, allow_pickle: bool, seed: int, quiet: bool, source: str) -> dict:
+                     trust: bool, allow_pickle: bool, seed: int, quiet: bool, source: str,
+                     threads: Optional[int] = None, stream: Optional[bool] = None,
+                     dtype: Optional[str] = None) -> dict:
     """Build a one-stage recipe from options, run it, print where the output went."""
     import sys
 
@@ -144,9 +170,11 @@ def run_single_stage(model: str, stage: dict, cal: dict, out: Path, force: bool,
     from geminicompress.pipeline import run_recipe
     from geminicompress.recipes.loader import recipe_from_stage
 
-    recipe = recipe_from_stage(model, stage, cal, source, seed=seed, trust_remote_code=trust, allow_pickle=allow_pickle)
+    top = {"output": {"dtype": dtype}} if dtype is not None else {}
+    recipe = recipe_from_stage(model, stage, cal, source, seed=seed, trust_remote_code=trust, allow_pickle=allow_pickle, **top)
     check_output_path(out, force)
     dev = parse_device(device)
-    report = run_recipe(recipe, out, force=force, progress=RichProgress(quiet), device=dev, command=sys.argv)
-    console.print(f"[green]wrote[/] {out}  ({report['total_seconds']:.1f} s; details in {out / 'report.json'})")
+    choice = use_threads(threads, recipe.threads)
+    report = run_recipe(recipe, out, force=force, progress=RichProgress(quiet), device=dev, command=sys.argv, stream=stream)
+    console.print(wrote_line(out, report["total_seconds"], choice), highlight=False, soft_wrap=True)
     return report

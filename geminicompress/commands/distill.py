@@ -63,14 +63,16 @@ def distill(
     trust_remote_code: bool = c.TRUST,
     allow_pickle: bool = c.PICKLE,
     quiet: bool = c.QUIET,
+    threads: Optional[int] = c.THREADS,
 ) -> None:
     """Distill TEACHER into a smaller, faster student (every other layer by default).
 
+    \b
     Examples:
-
-      geminicompress distill --teacher smollm2-demo --student-layers 0.5 --data wiki.txt -o student --steps 300
-
-      accelerate launch -m geminicompress distill --teacher big-model --student small-model --data train.jsonl -o out
+      geminicompress distill --teacher smollm2-demo --student-layers 0.5 \\
+          --data wiki.txt -o student --steps 300
+      accelerate launch -m geminicompress distill --teacher big-model \\
+          --student small-model --data train.jsonl -o out
     """
     given = {
         "student": student, "student_config": student_config, "mlp_ratio": mlp_ratio, "reconstruct": reconstruct,
@@ -85,4 +87,4 @@ def distill(
     stage = {"type": "distill", **{k: v for k, v in given.items() if v is not None}}
     cal: dict = {"text_column": text_column, **({"samples": samples} if samples is not None else {})}
     c.run_single_stage(teacher, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed, quiet,
-                       source="distill options")
+                       source="distill options", threads=threads)

@@ -29,12 +29,13 @@ def eval_(
     output: Path = typer.Option(..., "--output", "-o", help="Report directory (report.json, report.md, tradeoff.png)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per perplexity window (default: min(2048, context))."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Evaluate at most this many tokens of DATA."),
-    prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="Prompt tokens for latency (default 512)."),
-    gen_len: Optional[int] = typer.Option(None, "--gen-len", help="Tokens generated per timed run (default 128)."),
-    batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", help="Throughput batch sizes (default 1,4,8)."),
-    repeats: Optional[int] = typer.Option(None, "--repeats", help="Timed runs per measurement (default 5)."),
+    prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="Prompt tokens for latency (default 128 on a CPU, 512 on a GPU)."),
+    gen_len: Optional[int] = typer.Option(None, "--gen-len", help="Tokens generated per timed run (default 32 on a CPU, 128 on a GPU)."),
+    batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", help="Throughput batch sizes (default 1,4 on a CPU, 1,4,8 on a GPU)."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", help="Timed runs per measurement (default 3 on a CPU, 5 on a GPU)."),
     warmup: Optional[int] = typer.Option(None, "--warmup", help="Untimed warm-up runs (default 1)."),
     no_latency: bool = typer.Option(False, "--no-latency", help="Quality only: skip timing."),
+    no_quality: bool = typer.Option(False, "--no-quality", help="Latency only: skip perplexity, KL and agreement."),
     tasks: Optional[str] = typer.Option(None, "--tasks", help="lm-eval-harness tasks, comma separated (needs lm-eval)."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Draft MODEL: also time speculative decoding of the baseline."),
     text_column: str = c.TEXT_COLUMN,
@@ -43,12 +44,14 @@ def eval_(
     trust: bool = c.TRUST,
     allow_pickle: bool = c.PICKLE,
     quiet: bool = c.QUIET,
+    threads: Optional[int] = c.THREADS,
 ) -> None:
     """Compare models on the same text and machine: perplexity, KL, agreement, latency, memory, size.
 
+    \b
     Example:
-
-      geminicompress eval smollm2-demo out-w8a8 --data ../shared/data/wikitext2-test.txt --max-tokens 16384 -o report
+      geminicompress eval smollm2-demo out-w8a8 -o report \\
+          --data ../shared/data/wikitext2-test.txt --max-tokens 16384
     """
     from pydantic import ValidationError
 
@@ -64,6 +67,7 @@ def eval_(
              "tasks": [t.strip() for t in tasks.split(",") if t.strip()] if tasks is not None else None}
     try:
         options = EvalStage(type="eval", data=data, text_column=text_column, latency=not no_latency,
+                            quality=not no_quality,
                             **{k: v for k, v in given.items() if v is not None})
     except ValidationError as exc:
         err = exc.errors()[0]
@@ -71,6 +75,7 @@ def eval_(
     check_data_spec(data)
     check_output_path(output, force)
     dev = c.parse_device(device)
+    choice = c.use_threads(threads, None)
     report = evaluate(models, baseline or models[0], data, None, options, c.RichProgress(quiet), device=dev,
                       trust_remote_code=trust, allow_pickle=allow_pickle)
     from geminicompress.eval.report import write_report
@@ -78,4 +83,5 @@ def eval_(
     with OutputDir(output, force) as tmp:
         write_report(report, tmp)
     c.out_console.print(rich_table(report, c.out_console.width))
-    c.console.print(f"[green]wrote[/] {output}  (report.json, report.md, tradeoff.png)")
+    c.console.print(f"[green]wrote[/] {output}  (report.json, report.md, tradeoff.png; {choice.reason})",
+                    highlight=False, soft_wrap=True)

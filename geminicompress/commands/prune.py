@@ -20,6 +20,8 @@ def prune(
     pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M semi-structured sparsity, e.g. 2:4 (implies --scope layer)."),
     ignore: Optional[List[str]] = typer.Option(None, "--ignore", help="Module name pattern (regex) never pruned; repeatable (default lm_head, embed_tokens)."),
     true_sequential: Optional[bool] = typer.Option(None, "--true-sequential/--no-true-sequential", help="wanda/sparsegpt: prune attention, then MLP, each from inputs through the already-pruned linears, in one pass per layer (default on)."),
+    allocation: Optional[str] = typer.Option(None, "--allocation", help="How the total sparsity is split over the linears: uniform (= --scope layer), global (= --scope global), owl (outlier-weighted per layer) or sensitivity (knapsack over measured sensitivities; see --sensitivity)."),
+    sensitivity: Optional[str] = typer.Option(None, "--sensitivity", help="--allocation sensitivity: a sensitivity.json from `geminicompress sensitivity` (default: measure one first)."),
     format: Optional[str] = typer.Option(None, "--format", help="dense (default; exact zeros) or compressed-tensors (sparse-bitmask, smaller on disk)."),
     data: Optional[str] = c.DATA,
     text_column: str = c.TEXT_COLUMN,
@@ -30,22 +32,25 @@ def prune(
     device: str = c.DEVICE,
     trust_remote_code: bool = c.TRUST,
     allow_pickle: bool = c.PICKLE,
+    stream: Optional[bool] = c.STREAM,
+    dtype: Optional[str] = c.DTYPE,
     quiet: bool = c.QUIET,
+    threads: Optional[int] = c.THREADS,
 ) -> None:
     """Prune MODEL's decoder linear layers and write a dense checkpoint with exact zeros (plus masks).
 
+    \b
     Examples:
-
-      geminicompress prune smollm2-demo -o out-pruned                 # 40% global magnitude
-
+      geminicompress prune smollm2-demo -o out-pruned    # 40% global magnitude
       geminicompress prune smollm2-demo -o out-24 --method wanda --pattern 2:4
     """
     given = {"sparsity": sparsity, "method": method, "scope": scope, "pattern": pattern,
-             "ignore": ignore or None, "true_sequential": true_sequential, "format": format}
+             "ignore": ignore or None, "true_sequential": true_sequential, "format": format,
+             "allocation": allocation, "sensitivity": sensitivity}
     stage = {"type": "prune", **{k: v for k, v in given.items() if v is not None}}
     cal = c.calibration_options(data, text_column, samples, calib_seq_len)
     report = c.run_single_stage(model, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed,
-                                quiet, source="prune options")
+                                quiet, source="prune options", threads=threads, stream=stream, dtype=dtype)
     if not quiet:
         c.out_console.print(sparsity_table(report["stages"][0]["result"]))
 

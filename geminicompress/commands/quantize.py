@@ -1,4 +1,4 @@
-"""`geminicompress quantize`: one quantization stage (int8, w8a8, gptq, awq, awq+gptq)."""
+"""`geminicompress quantize`: one quantization stage; the methods come from the registry (methods.py)."""
 
 from __future__ import annotations
 
@@ -9,19 +9,19 @@ import typer
 
 from geminicompress.commands import _common as c
 from geminicompress.errors import InputError
+from geminicompress.methods import METHODS
 
-METHODS = ("int8", "w8a8", "gptq", "awq", "awq+gptq")
+_METHOD_HELP = "; ".join(f"{name}: {m.help}" for name, m in METHODS.items())
 
 
 @c.handle_errors
 def quantize(
     model: str = typer.Argument(..., help="MODEL: hub id, local directory, .gguf file, or smollm2-demo."),
     output: Path = c.OUT,
-    method: str = typer.Option(..., "--method", "-m", help="int8 (weight-only W8A16), w8a8 (INT8 weights and "
-                               "activations, fast on CPU), gptq, awq, or awq+gptq."),
+    method: str = typer.Option(..., "--method", "-m", help=f"{_METHOD_HELP}."),
     bits: Optional[int] = typer.Option(None, "--bits", help="Weight bits: 8 for int8/w8a8; 2, 3, 4 or 8 for gptq/awq (default 4)."),
-    group_size: Optional[int] = typer.Option(None, "--group-size", help="Input columns sharing a scale (default 128); -1 or 0 = per output channel."),
-    sym: Optional[bool] = typer.Option(None, "--sym/--asym", help="gptq: symmetric (default) or asymmetric with zero points."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="gptq/awq/rtn: input columns sharing a scale; -1 or 0 = per output channel. Default auto: the largest of 128, 64, 32 dividing every quantized layer's input features (printed, and recorded in report.json)."),
+    sym: Optional[bool] = typer.Option(None, "--sym/--asym", help="gptq, rtn: symmetric (default) or asymmetric with zero points."),
     zero_point: Optional[bool] = typer.Option(None, "--zero-point/--no-zero-point", help="awq: asymmetric with zero points (default) or symmetric."),
     act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order", help="gptq: quantize columns by decreasing Hessian diagonal (default on)."),
     static_groups: Optional[bool] = typer.Option(None, "--static-groups/--no-static-groups", help="gptq with --act-order: fix groups before reordering so g_idx stays monotone (default off: lower quality on the demo model, see docs/gptq-defaults.md)."),
@@ -36,6 +36,11 @@ def quantize(
     n_grid: Optional[int] = typer.Option(None, "--n-grid", help="awq: points in the alpha grid (default 20)."),
     search_results: Optional[str] = typer.Option(None, "--search-results", help="awq: re-apply saved scales/clips (awq_search.safetensors) instead of searching."),
     ignore: Optional[List[str]] = typer.Option(None, "--ignore", help="Module name pattern (regex) to keep in float; repeatable (default lm_head)."),
+    target_bits: Optional[float] = typer.Option(None, "--target-bits", help="gptq mixed precision: average stored bits per weight (scales included), e.g. 3.5, spent where the sensitivity table says it hurts least."),
+    target_size_mb: Optional[float] = typer.Option(None, "--target-size-mb", help="gptq mixed precision: checkpoint size in MB."),
+    max_drift: Optional[str] = typer.Option(None, "--max-drift", help="gptq mixed precision: the smallest allocation whose predicted perplexity drift stays under this, e.g. 2%."),
+    allocation_options: Optional[str] = typer.Option(None, "--allocation-options", help="Settings a module may get, comma separated (default gptq:b4g64,gptq:b3g64)."),
+    sensitivity: Optional[str] = typer.Option(None, "--sensitivity", help="A sensitivity.json to allocate from (default: measure a proxy table on --data first)."),
     format: Optional[str] = typer.Option(None, "--format", help="On-disk format: gptq | awq | compressed-tensors | dense (default: the method's own)."),
     data: Optional[str] = c.DATA,
     text_column: str = c.TEXT_COLUMN,
@@ -46,15 +51,19 @@ def quantize(
     device: str = c.DEVICE,
     trust_remote_code: bool = c.TRUST,
     allow_pickle: bool = c.PICKLE,
+    stream: Optional[bool] = c.STREAM,
+    dtype: Optional[str] = c.DTYPE,
     quiet: bool = c.QUIET,
+    threads: Optional[int] = c.THREADS,
 ) -> None:
     """Quantize MODEL's linear layers and write a checkpoint transformers/vLLM load.
 
+    \b
     Examples:
-
       geminicompress quantize smollm2-demo -o out-w8a8 --method w8a8
-
-      geminicompress quantize HuggingFaceTB/SmolLM2-135M -o out-gptq --method gptq --bits 4 --group-size 64 --data wiki.txt
+      geminicompress quantize smollm2-demo -o out-rtn --method rtn --bits 4
+      geminicompress quantize HuggingFaceTB/SmolLM2-135M -o out-gptq \\
+          --method gptq --bits 4 --group-size 64 --data wiki.txt
     """
     if method not in METHODS:
         raise InputError(f"--method '{method}' is not one of {', '.join(METHODS)}")
@@ -66,16 +75,38 @@ def quantize(
         "ignore": ignore or None, "format": format,
     }
     stage = {"type": "quantize", "method": method, **{k: v for k, v in given.items() if v is not None}}
+    allocation = allocation_stage(target_bits, target_size_mb, max_drift, allocation_options, sensitivity)
+    if allocation:
+        stage["allocation"] = allocation
     _check_applicable(method, stage)
     cal = c.calibration_options(data, text_column, samples, calib_seq_len)
     c.run_single_stage(model, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed, quiet,
-                       source="quantize options")
+                       source="quantize options", threads=threads, stream=stream, dtype=dtype)
+
+
+def parse_percent(text: str, option: str) -> float:
+    try:
+        value = float(text.strip().removesuffix("%"))
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise InputError(f"{option} must be a positive percentage such as 2% (got '{text}')")
+    return value
+
+
+def allocation_stage(target_bits: float | None, target_size_mb: float | None, max_drift: str | None,
+                     options: str | None, sensitivity: str | None) -> dict | None:
+    """The stage's `allocation:` mapping from the mixed-precision options (None when none is given)."""
+    given = {"target_bits": target_bits, "target_size_mb": target_size_mb,
+             "max_drift": parse_percent(max_drift, "--max-drift") if max_drift is not None else None,
+             "options": [o.strip() for o in options.split(",") if o.strip()] if options is not None else None,
+             "sensitivity": sensitivity}
+    given = {k: v for k, v in given.items() if v is not None}
+    return given or None
 
 
 def _check_applicable(method: str, stage: dict) -> None:
-    from geminicompress.recipes.schema import AWQStage, GPTQStage, Int8Stage
-
-    cls = {"int8": Int8Stage, "w8a8": Int8Stage, "gptq": GPTQStage, "awq": AWQStage, "awq+gptq": AWQStage}[method]
+    cls = METHODS[method].config
     for key in stage:
         if key not in cls.model_fields:
             raise InputError(f"--{key.replace('_', '-')} does not apply to --method {method}")

@@ -19,11 +19,12 @@ def run(
     force: bool = c.FORCE,
     device: str = c.DEVICE,
     quiet: bool = c.QUIET,
+    threads: Optional[int] = c.THREADS,
 ) -> None:
     """Run every stage of RECIPE on its model and write OUT (model, report.json, recipe.yaml).
 
+    \b
     Example:
-
       geminicompress run quickstart -o out-quickstart
     """
     from geminicompress.output import check_output_path
@@ -33,8 +34,9 @@ def run(
     parsed, path = load_recipe(recipe, set_ or [])
     check_output_path(output, force)
     dev = c.parse_device(device)
+    choice = c.use_threads(threads, parsed.threads)
     report = run_recipe(parsed, output, force=force, progress=c.RichProgress(quiet), device=dev, command=sys.argv)
-    c.console.print(f"[green]wrote[/] {output}  ({report['total_seconds']:.1f} s; details in {output / 'report.json'})")
+    c.console.print(c.wrote_line(output, report["total_seconds"], choice), highlight=False, soft_wrap=True)
     _print_eval_tables(report, output)
 
 

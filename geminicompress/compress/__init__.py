@@ -1,1 +1,1 @@
-"""Compression stages: `int8` (W8A16/W8A8), `gptq`, `awq`, `prune`; `packing` holds the on-disk formats."""
+"""Compression stages: `int8` (W8A16/W8A8), `gptq`, `awq`, `prune`. On-disk formats live in `geminicompress/formats/`."""

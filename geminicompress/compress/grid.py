@@ -39,6 +39,23 @@ class QuantSpec:
         return 1 if self.group_size == -1 else -(-columns // self.group_size)
 
 
+AUTO_GROUP_SIZES = (128, 64, 32)
+
+
+def auto_group_size(in_features: list[int]) -> int:
+    """The largest of 128, 64, 32 that divides every quantized linear's input features (`group_size: auto`).
+
+    128 is the common default but many small models have widths it does not divide (SmolLM2-135M: 576),
+    and the packed formats need whole groups."""
+    for size in AUTO_GROUP_SIZES:
+        if all(f % size == 0 for f in in_features):
+            return size
+    widths = sorted(set(in_features))
+    raise InputError(f"no group size among {', '.join(map(str, AUTO_GROUP_SIZES))} divides the quantized layers' "
+                     f"input features ({', '.join(map(str, widths))}); pass --group-size with a divisor of all of "
+                     f"them, or -1 for one scale per output channel")
+
+
 def qparams(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row scale and zero for the columns of `w`.  w: (out, k) -> scale (out, 1), zero (out, 1)."""
     w = w.float()

@@ -25,7 +25,7 @@ import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.nn as nn
@@ -109,7 +109,8 @@ def _move_outside_layers(model: nn.Module, layers: nn.ModuleList, device: torch.
         if id(module) in inside:
             continue
         for name, param in list(module.named_parameters(recurse=False)):
-            param.data = param.data.to(device)
+            if not param.is_meta:  # a lazy model's modules that are not loaded stay where they are
+                param.data = param.data.to(device)
         for name, buf in list(module.named_buffers(recurse=False)):
             module._buffers[name] = buf.to(device)
 
@@ -224,48 +225,170 @@ class LayerJob:
 LayerFn = Callable[[LayerJob], tuple[dict[str, Any], dict[str, torch.Tensor]]]
 
 
-def run_layerwise(model: nn.Module, windows: torch.Tensor, process: LayerFn, *, device: torch.device,
-                  progress: Progress | None = None, state_dir: Path | None = None, description: str = "layers",
-                  calib_dtype: torch.dtype | None = None) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+class LayerSource(Protocol):
+    """Where the decoder layers come from: `ModelLayers` (a model in memory) or `models.lazy.LazyLayers`
+    (read from disk one at a time)."""
+
+    model: nn.Module
+
+    def __len__(self) -> int: ...
+
+    def load(self, i: int) -> nn.Module: ...  # layer i, with its weights, on the CPU
+
+    def release(self, i: int) -> None: ...  # done with layer i
+
+    def capture_modules(self) -> list[str]: ...  # modules outside the layers a forward up to layer 0 needs
+
+
+class LayerSink(Protocol):
+    """Where finished layers go: `StateDirSink` (they stay in the model; resumable copies in state_dir)
+    or `streaming.ShardSink` (written into output shards, then dropped)."""
+
+    restores_weights: bool  # whether `restore` loads a finished layer's weights back (else: summary only)
+
+    def finished(self, i: int) -> bool: ...
+
+    def restore(self, i: int, layer: nn.Module | None) -> tuple[dict, dict[str, torch.Tensor]]: ...
+
+    def finish(self, i: int, layer: nn.Module, summary: dict, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+
+class ModelLayers:
+    """The decoder layers of a model in memory: loading and releasing them is free."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.layers = get_module(model, arch_for(model).layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def load(self, i: int) -> nn.Module:
+        return self.layers[i]
+
+    def release(self, i: int) -> None:
+        return None
+
+    def capture_modules(self) -> list[str]:
+        return []
+
+
+class StateDirSink:
+    """Finished layers stay in the model; with a state_dir, each is also saved there for resuming."""
+
+    restores_weights = True
+
+    def __init__(self, state_dir: Path | None) -> None:
+        self.state_dir = state_dir
+
+    def finished(self, i: int) -> bool:
+        return self.state_dir is not None and all(p.is_file() for p in _paths(self.state_dir, i))
+
+    def restore(self, i: int, layer: nn.Module | None) -> tuple[dict, dict[str, torch.Tensor]]:
+        done = _restore(self.state_dir, i, layer)
+        assert done is not None, "restore() is called for finished layers only"
+        return done
+
+    def finish(self, i: int, layer: nn.Module, summary: dict, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        _save(self.state_dir, i, layer, summary, kept)
+        return kept
+
+
+def compose(*fns: LayerFn) -> LayerFn:
+    """One LayerFn running `fns` in order on the same layer (a multi-stage recipe of layer-local stages:
+    every stage sees the layer as the stages before it left it). Summaries are keyed by stage position."""
+
+    def process(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        summary: dict[str, Any] = {}
+        kept: dict[str, torch.Tensor] = {}
+        for k, fn in enumerate(fns):
+            job.output_batches = None  # a later stage changes the layer: earlier one-pass outputs are stale
+            s, t = fn(job)
+            summary.update({f"{k}.{key}": v for key, v in s.items()} if len(fns) > 1 else s)
+            kept.update({f"{k}.{key}": v for key, v in t.items()} if len(fns) > 1 else t)
+        return summary, kept
+
+    return process
+
+
+def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, process: LayerFn, *,
+                  device: torch.device, progress: Progress | None = None, state_dir: Path | None = None,
+                  description: str = "layers", calib_dtype: torch.dtype | None = None,
+                  sink: LayerSink | None = None) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
     """Apply `process` to every decoder layer in order, feeding each layer the modified previous one.
 
+    model: a model in memory, or a `LayerSource` (e.g. layers read from disk one at a time).
+    windows: calibration windows (n, T); None for a method that needs no activations (the layers are
+    then not run at all, and `LayerJob.inputs` is None).
     calib_dtype: the dtype the layers compute in during calibration (None: their own). With a lower one,
     `process` must read and write weights through `LayerJob.weight`/`set_weight`.
+    sink: where finished layers go (default: they stay in the model, saved in `state_dir` for resuming).
 
-    Returns the per-layer summaries and the kept tensors of all layers, keyed
+    Returns the per-layer summaries and the tensors the sink kept of all layers, keyed
     `"<layer index>.<name>"` as the method named them (e.g. "3.self_attn.q_proj.q").
     """
     progress = progress or NullProgress()
-    arch = arch_for(model)
-    layers = get_module(model, arch.layers)
-    inputs = capture_inputs(model, windows, device, dtype=calib_dtype)
+    source = model if not isinstance(model, nn.Module) else ModelLayers(model)
+    sink = sink or StateDirSink(state_dir)
+    arch = arch_for(source.model)
+    layers = get_module(source.model, arch.layers)
+    inputs = _capture(source, windows, device, calib_dtype) if windows is not None else None
     summaries: list[dict[str, Any]] = []
     kept: dict[str, torch.Tensor] = {}
-    with progress.task(description, total=len(layers)) as bar, heap_reuse():
-        for i, layer in enumerate(layers):
-            layer.to(device)
-            done = _restore(state_dir, i, layer)
-            with computing_in(layer, calib_dtype or next(layer.parameters()).dtype) as master:
-                job = None
-                if done is not None:
-                    summary, tensors = done
-                    summary = {**summary, "resumed": True}
-                else:
-                    job = LayerJob(i, layer, inputs, device, arch, master=master)
-                    summary, tensors = process(job)
-                batches = job.output_batches if job is not None else None  # a one-pass method already ran the layer
-                next_inputs = (LayerInputs.of_batches(batches, inputs.kwargs) if batches is not None
-                               else LayerInputs(forward_layer(layer, inputs, device), inputs.kwargs))
-            if job is not None:
-                _save(state_dir, i, layer, summary, tensors)  # the master weights, after computing_in
+    with progress.task(description, total=len(source)) as bar, heap_reuse():
+        for i in range(len(source)):
+            finished = sink.finished(i)
+            if finished and inputs is None and not sink.restores_weights:  # nothing to run through it
+                summary, tensors = sink.restore(i, None)
+                summary = {**summary, "resumed": True}
+            else:
+                layer = source.load(i).to(device)
+                done = sink.restore(i, layer) if finished else None
+                summary, tensors, inputs = _one_layer(i, layer, inputs, process, device, arch, calib_dtype, done, sink)
+                layer.to("cpu" if device.type != "cpu" else device)
+                source.release(i)
             kept.update({f"{i}.{k}": v for k, v in tensors.items()})
             summaries.append({"layer": i, **summary})
-            inputs = next_inputs
             release_free_heap()  # the layer's freed small buffers leave resident memory (memory.py)
-            layer.to("cpu" if device.type != "cpu" else device)
             bar.advance(1, **{k: v for k, v in summary.items() if isinstance(v, (int, float)) and k != "layer"})
-    _move_outside_layers(model, layers, torch.device("cpu"))
+    _move_outside_layers(source.model, layers, torch.device("cpu"))
     return summaries, kept
+
+
+def _capture(source: LayerSource, windows: torch.Tensor, device: torch.device,
+             calib_dtype: torch.dtype | None) -> LayerInputs:
+    """The inputs of decoder layer 0, with the modules the source must provide for it loaded meanwhile."""
+    loaded = source.capture_modules()
+    materialise = getattr(source, "ckpt", None)
+    for name in loaded:
+        materialise.materialise(name, getattr(source, "dtype", None))
+    try:
+        return capture_inputs(source.model, windows, device, dtype=calib_dtype)
+    finally:
+        for name in loaded:
+            materialise.release(name)
+
+
+def _one_layer(i: int, layer: nn.Module, inputs: LayerInputs | None, process: LayerFn, device: torch.device,
+               arch: Arch, calib_dtype: torch.dtype | None, done: tuple | None,
+               sink: LayerSink) -> tuple[dict[str, Any], dict[str, torch.Tensor], LayerInputs | None]:
+    """Process (or restore) one layer; return its summary, kept tensors and the next layer's inputs."""
+    with computing_in(layer, calib_dtype or next(layer.parameters()).dtype) as master:
+        job = None
+        if done is not None:
+            summary, tensors = done
+            summary = {**summary, "resumed": True}
+        else:
+            job = LayerJob(i, layer, inputs, device, arch, master=master)
+            summary, tensors = process(job)
+        next_inputs = None
+        if inputs is not None:
+            batches = job.output_batches if job is not None else None  # a one-pass method already ran the layer
+            next_inputs = (LayerInputs.of_batches(batches, inputs.kwargs) if batches is not None
+                           else LayerInputs(forward_layer(layer, inputs, device), inputs.kwargs))
+    if job is not None:
+        tensors = sink.finish(i, layer, summary, tensors)  # the master weights, after computing_in
+    return summary, tensors, next_inputs
 
 
 def _paths(state_dir: Path, i: int) -> tuple[Path, Path]:

@@ -1,7 +1,7 @@
 """Sparse recovery: keep a pruned student's zeros at zero while it trains.
 
 A mask is {parameter name: keep-mask (bool or uint8, the parameter's shape)}, as the prune stage leaves
-it in `ctx.masks` or writes it to `prune_masks.safetensors` next to the pruned weights. Training zeroes
+it in `ctx.masks` or writes it next to the pruned weights (formats/masks.py). Training zeroes
 the masked gradients before each optimizer step (so Adam's moments stay zero there) and re-applies the
 mask after it (so weight decay or numerical noise cannot revive a pruned weight).
 """
@@ -9,29 +9,13 @@ mask after it (so weight decay or numerical noise cannot revive a pruned weight)
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from geminicompress.errors import InputError
 
-MASKS_FILE = "prune_masks.safetensors"
 log = logging.getLogger(__name__)
-
-
-def read_masks(folder: Path) -> dict[str, torch.Tensor] | None:
-    """The prune stage's masks saved next to a model, or None."""
-    from safetensors.torch import load_file
-
-    path = Path(folder) / MASKS_FILE
-    return {k: v.bool() for k, v in load_file(path).items()} if path.is_file() else None
-
-
-def write_masks(masks: dict[str, torch.Tensor], folder: Path) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: v.to(torch.uint8).contiguous() for k, v in masks.items()}, str(Path(folder) / MASKS_FILE))
 
 
 def check_masks(model: nn.Module, masks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ teacher's dense linear as closely as its mask allows:
 Groups of linears go in true-sequential order in one pass over the windows (`onepass.py`), as SparseGPT
 does; each layer's inputs come through the student's already-refit layers. This is layer-wise
 distillation with an exact solution, the mask untouched; the logit-level training that follows starts
-far closer to the teacher (the README's recovery benchmark).
+far closer to the teacher (docs/benchmarks.md, distillation).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from geminicompress.compress.arch import arch_for, get_module
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.layerwise import LayerJob, run_layerwise
 from geminicompress.compress.prune.refit import refit_masked
+from geminicompress.compress.targets import present_groups
 from geminicompress.errors import InputError
 from geminicompress.progress import Progress
 
@@ -62,8 +63,7 @@ def reconstruct(student: nn.Module, teacher: nn.Module, windows: torch.Tensor, m
     @torch.no_grad()
     def process(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         prefix = f"{arch.layers}.{job.index}"
-        groups = [[n for n in g if f"{prefix}.{n}.weight" in masks] for g in arch.sequential]
-        groups = [g for g in groups if g]
+        groups = present_groups(arch, lambda n: f"{prefix}.{n}.weight" in masks)
         stats = [HessianAccumulator(job.module(g[0]).in_features, job.device) for g in groups]
         errors = [0.0, 0.0, 0.0]  # before, after, reference: Σ tr(ΔW H ΔWᵀ) and Σ tr(W H Wᵀ)
 

@@ -28,6 +28,7 @@ from geminicompress.distill.student import (check_tokenizers, derive_student, ev
 from geminicompress.distill.topk_cache import build_topk_cache
 from geminicompress.distill.train import train
 from geminicompress.errors import InputError
+from geminicompress.formats.masks import read_masks, write_masks
 from geminicompress.models.loading import load_model
 from geminicompress.recipes.schema import DistillStage
 
@@ -72,7 +73,7 @@ def run(cfg: DistillStage, ctx) -> dict:
                                "student_layers": student.config.num_hidden_layers, "kept_layers": pair.kept}
     if pair.masks:
         ctx.masks = {k: v.cpu() for k, v in pair.masks.items()}
-        M.write_masks(ctx.masks, ctx.out_dir)
+        write_masks(ctx.masks, ctx.out_dir)
         summary["sparsity"] = round(M.sparsity(student, ctx.masks), 6)
     plot_curve(history.loss, history.ppl, ctx.out_dir / CURVE, f"distill: {pair.how}")
     steps = max(1, len(history.loss))
@@ -103,7 +104,7 @@ def choose_models(cfg: DistillStage, ctx) -> Pair:
     if cfg.student is not None:
         loaded = _load(cfg.student, ctx)
         check_tokenizers(tokenizer, loaded.tokenizer, teacher, loaded.model, cfg.student)
-        masks = (M.read_masks(loaded.source.path) if loaded.source.path and loaded.source.kind == "dir" else None)
+        masks = (read_masks(loaded.source.path) if loaded.source.path and loaded.source.kind == "dir" else None)
         masks = masks or M.masks_from_zeros(loaded.model)
         return Pair(teacher, loaded.model, loaded.tokenizer, None, _masks(loaded.model, masks), f"into {cfg.student}")
     if cfg.student_config is not None:

@@ -20,12 +20,15 @@ import torch
 from geminicompress import __version__
 from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.errors import GeminiError
+from geminicompress.eval import plan
 from geminicompress.eval.baseline_cache import BaselineCache
 from geminicompress.eval.extras import run_speculative, run_tasks, tasks_available
-from geminicompress.eval.footprint import PeakMemory, count_params, tensor_mb, weight_sparsity, weights_size_mb
+from geminicompress.eval.footprint import (PeakMemory, count_params, masks_size_mb, prune_masks_path, quantization_zeros,
+                                           tensor_mb, weight_sparsity, weights_size_mb)
 from geminicompress.eval.latency import measure_latency
 from geminicompress.eval.quality import measure_quality
 from geminicompress.eval.report import write_report
+from geminicompress.eval.table import describe_timing
 from geminicompress.machine import machine, versions
 from geminicompress.models import demo
 from geminicompress.models.loading import LoadedModel, load_model, resolve_model
@@ -121,10 +124,12 @@ def evaluate(
     """Evaluate `baseline` and `models`; return the report (and write it to `out_dir` when given)."""
     progress = progress or NullProgress()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    options = plan.with_device_defaults(options, device)
     text = read_text(data, options.text_column)
     specs = list(dict.fromkeys([baseline, *models]))
     shown = [(names or {}).get(s, n) for s, n in zip(specs, display_names(specs))]
     load = dict(trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    progress.info(_plan_line(baseline, len(specs), text, data, options, device, trust_remote_code))
     if options.tasks and not tasks_available():
         progress.warn("--tasks needs lm-eval-harness (pip install 'geminicompress[lm-eval]'): downstream tasks skipped")
         options = options.model_copy(update={"tasks": []})
@@ -141,9 +146,13 @@ def evaluate(
         if base is not None and base.cache is not None:
             base.cache.close()
         free(base_model)
+    timing_warning = _timing_warning(entries)
+    if timing_warning:
+        progress.warn(timing_warning)
     report = {
         "geminicompress": __version__,
         "baseline": shown[0],
+        "timing_warning": timing_warning,
         "data": data,
         "options": options.model_dump(mode="json", exclude={"type", "data"}),
         "machine": {**machine(), "device": str(device), "torch_threads": torch.get_num_threads()},
@@ -156,10 +165,44 @@ def evaluate(
     return report
 
 
+def _plan_line(baseline: str, n_models: int, text: str, data: str, options: EvalStage, device: torch.device,
+               trust_remote_code: bool) -> str:
+    """Check that DATA holds a perplexity window and say what will run and for about how long,
+    from the baseline's config and tokenizer alone (no weights loaded)."""
+    config = plan.peek_config(baseline) or {}
+    tok = plan.peek_tokenizer(baseline, trust_remote_code) if options.quality else None
+    n_tokens, parts = None, [f"{n_models} model{'s' if n_models > 1 else ''}"]
+    if tok is not None:
+        n_tokens = tokenize(tok, text, options.max_tokens).numel()
+        context = plan.config_context(config)
+        seq_len = options.seq_len or min(DEFAULT_SEQ_LEN, context or DEFAULT_SEQ_LEN)
+        if context is None or seq_len <= context:  # else each model says its context is too short
+            plan.check_windows(n_tokens, seq_len, data)
+            parts.append(f"perplexity on {n_tokens // seq_len * seq_len:,} tokens")
+    if options.latency:
+        parts.append(f"latency: prompt {options.prompt_len}, {options.gen_len} new tokens, batch "
+                     f"{','.join(map(str, options.batch_sizes))}, {options.warmup}+{options.repeats} runs each")
+    params = plan.config_params(config)
+    if params is None or (options.quality and n_tokens is None):
+        return "plan: " + "; ".join(parts)
+    seconds = plan.estimate_seconds(params, n_models, n_tokens or 0, options, device, torch.get_num_threads(),
+                                    bytes_per_param=2 if stored_dtype(baseline) != torch.float32 else 4,
+                                    layers=int(config.get("num_hidden_layers", 30)))
+    where = f"{device.type} x{torch.get_num_threads()} threads" if device.type == "cpu" else str(device)
+    return f"plan: {'; '.join(parts)}; expected {plan.describe_duration(seconds)} on {where} (rough)"
+
+
+def _timing_warning(entries: list[dict]) -> str | None:
+    """One line naming the models whose timings are suspect, why, and what to do."""
+    bad = [(e["name"], e["latency"]["load"]) for e in entries
+           if (e.get("latency") or {}).get("load", {}).get("unreliable")]
+    return describe_timing(bad) if bad else None
+
+
 def _new_entry(spec: str, name: str, is_base: bool) -> dict:
     return {"name": name, "path": spec, "baseline": is_base, "format": None, "dtype": None, "quality": None,
-            "latency": None, "peak_memory_mb": None, "tensors_mb": None, "size_mb": None, "params": None,
-            "sparsity": None, "tasks": None, "notes": []}
+            "latency": None, "peak_memory_mb": None, "tensors_mb": None, "size_mb": None, "masks_mb": None,
+            "params": None, "sparsity": None, "quant_zeros": None, "tasks": None, "notes": []}
 
 
 def _evaluate_one(spec, name, text, options, base, device, progress, load):
@@ -183,8 +226,10 @@ def _evaluate_one(spec, name, text, options, base, device, progress, load):
             return entry, None, None
         model = loaded.model.to(device)
         entry.update(format=loaded.format or "dense", dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-                     size_mb=weights_size_mb(weights_path(loaded)), tensors_mb=tensor_mb(model),
-                     params=count_params(model), sparsity=weight_sparsity(model))
+                     size_mb=weights_size_mb(weights_path(loaded)), masks_mb=masks_size_mb(weights_path(loaded)),
+                     tensors_mb=tensor_mb(model), params=count_params(model),
+                     sparsity=weight_sparsity(model, prune_masks_path(weights_path(loaded))),
+                     quant_zeros=quantization_zeros(model))
         state, ids = _quality(model, loaded.tokenizer, name, text, options, base, device, progress, entry, note)
         if options.latency:
             entry["latency"] = _latency(model, ids, options, device, progress, note)
@@ -201,6 +246,9 @@ def _evaluate_one(spec, name, text, options, base, device, progress, load):
 
 def _quality(model, tok, name, text, options, base, device, progress, entry, note):
     """Perplexity (+ drift when comparable); returns (Baseline state if this is the baseline, ids)."""
+    if not options.quality:
+        ids = tokenize(tok, text, options.max_tokens)
+        return (Baseline(tok, ids, None, None, None) if base is None else None), ids
     comparable = base is not None and base.windows is not None and same_tokenizer(base.tokenizer, tok, text)
     ids = base.ids if comparable else tokenize(tok, text, options.max_tokens)
     if base is not None and not comparable and base.windows is not None:

@@ -3,22 +3,29 @@
 - Peak memory: on a GPU, `torch.cuda.max_memory_allocated` after a reset. On a CPU, growth of the
   process's resident set over its value at the start: the kernel's high-water mark (VmHWM, reset
   through /proc/self/clear_refs) where Linux allows it, else a 5 ms psutil sampler.
-- Size on disk: the weight files of the model (safetensors, pickles, gguf), not tokenizer or config.
+- Size on disk: the weight files of the model (safetensors, pickles, gguf), not tokenizer or config, and
+  not the prune stage's keep-masks (`prune_masks.safetensors`), which are reported apart (`masks_mb`).
 - Tensors in memory: exact bytes of parameters and buffers (deterministic, unlike the peak).
 - Parameters: every parameter, plus the logical weights of packed quantized linears (modules with
   `in_features`/`out_features` whose weight is not a parameter of that shape).
-- Sparsity: fraction of exact zeros in the weights of the linear layers, lm_head excluded (it is
-  never pruned and would only dilute the figure).
+- Sparsity: fraction of pruned weights in the linear layers, lm_head excluded (it is never pruned and
+  would only dilute the figure): exact zeros of float weights; for quantized linears the weights that
+  the prune masks saved beside them pruned and that are still zero, or unknown (None) without masks.
+- Quantization zeros: fraction of the quantized linears' weights that round to exactly zero (the code
+  equal to the zero point). A 4-bit grid puts ~1/8 of ordinary weights there: that is not sparsity.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
 import psutil
 import torch
 from torch import nn
+
+from geminicompress.formats.masks import MASKS_FILE
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 MB = 1024**2
@@ -83,11 +90,25 @@ class PeakMemory:
 
 
 def weights_size_mb(path: Path | None) -> float | None:
-    """Size of the weight files of a model directory (or of one .gguf file), in MB."""
+    """Size of the weight files of a model directory (or of one .gguf file), in MB; side files excluded."""
     if path is None or not path.exists():
         return None
-    files = [path] if path.is_file() else [p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)]
+    files = [path] if path.is_file() else [p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)
+                                           and p.name != MASKS_FILE]
     return round(sum(p.stat().st_size for p in files) / MB, 2)
+
+
+def masks_size_mb(path: Path | None) -> float | None:
+    """Size of the prune masks saved next to the weights, in MB; None when there are none."""
+    masks = prune_masks_path(path)
+    return round(masks.stat().st_size / MB, 2) if masks else None
+
+
+def prune_masks_path(path: Path | None) -> Path | None:
+    """The prune stage's masks file next to the weights, or None."""
+    if path is None or not path.is_dir() or not (path / MASKS_FILE).is_file():
+        return None
+    return path / MASKS_FILE
 
 
 def _dense_weight(module: nn.Module) -> torch.Tensor | None:
@@ -133,12 +154,44 @@ def tensor_mb(model: nn.Module) -> float:
     return round(sum(seen.values()) / MB, 2)
 
 
-def weight_sparsity(model: nn.Module) -> float | None:
-    """Fraction of exact zeros over the unpacked linear weights (lm_head excluded); None if none."""
+def _is_float_weight(w: torch.Tensor) -> bool:
+    return isinstance(w, nn.Parameter) and w.is_floating_point()
+
+
+def weight_sparsity(model: nn.Module, masks: Path | None = None) -> float | None:
+    """Fraction of pruned weights over the linear layers (lm_head excluded): zeros of float weights;
+    for quantized linears, the weights the keep-masks in the file `masks` pruned that are still zero (read one at a time, so that
+    the peak memory measured around this stays the model's). None if a quantized linear has no mask
+    (rounding to zero and pruning cannot be told apart) or there are no linears."""
+    from safetensors import safe_open
+
+    zeros = count = 0
+    with contextlib.ExitStack() as stack:
+        stored = stack.enter_context(safe_open(str(masks), "pt")) if masks is not None else None
+        names = set(stored.keys()) if stored is not None else set()
+        for name, m in _linears(model):
+            w = _dense_weight(m)
+            if w is None:
+                continue
+            if _is_float_weight(w):
+                zeros += int((w == 0).sum())
+            elif f"{name}.weight" in names:
+                pruned = stored.get_tensor(f"{name}.weight") == 0  # a later stage may have moved some off zero
+                zeros += int((pruned & (w == 0)).sum())
+            else:
+                return None
+            count += w.numel()
+    return round(zeros / count, 6) if count else None
+
+
+def quantization_zeros(model: nn.Module) -> float | None:
+    """Fraction of the quantized linears' weights whose quantized value is exactly zero; None if no
+    linear is quantized. (Int8 codes are symmetric, so code 0 is value 0; packed linears' `weight` is
+    their dequantized weight.)"""
     zeros = count = 0
     for _, m in _linears(model):
         w = _dense_weight(m)
-        if w is None:
+        if w is None or _is_float_weight(w):
             continue
         zeros += int((w == 0).sum())
         count += w.numel()

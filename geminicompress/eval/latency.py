@@ -8,7 +8,9 @@ always the argmax, never stopping at EOS, so that every model does exactly the s
 - throughput: B * gen_len generated tokens / the whole run's time, for each batch size B.
 
 Each batch size gets `warmup` untimed runs, then `repeats` timed runs; we report the median and the
-90th percentile. On a GPU every timestamp is taken after `torch.cuda.synchronize()`.
+90th percentile. On a GPU every timestamp is taken after `torch.cuda.synchronize()`. Around each batch
+size's timed runs we record how busy the other processes kept the cores (`contention.py`); the
+verdict (`load`) says whether the figures can be trusted.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from geminicompress.eval import contention
 from geminicompress.progress import NullProgress, Progress
+from geminicompress.threads import usable_cores
 
 
 def sync(device: torch.device) -> None:
@@ -103,6 +107,7 @@ def measure_latency(
     progress = progress or NullProgress()
     sizes = sorted(set(batch_sizes) | {1})
     runs: dict[int, list[RunTiming]] = {}
+    sections: dict[str, dict] = {}
     with progress.task("latency", len(sizes) * (warmup + repeats)) as bar:
         for b in sizes:
             prompt = prompt_batch(ids, b, prompt_len)
@@ -110,17 +115,24 @@ def measure_latency(
                 greedy_run(model, prompt, gen_len, device)
                 bar.advance(1, batch=b)
             runs[b] = []
+            before = contention.read()
             for _ in range(repeats):
                 runs[b].append(greedy_run(model, prompt, gen_len, device))
                 bar.advance(1, batch=b)
+            sections[f"batch {b}"] = contention.between(before, contention.read())
     one = runs[1]
     throughput = {
         str(b): round(b * gen_len / percentile([r.prefill_s + r.decode_s for r in runs[b]], 50), 3)
         for b in sorted(set(batch_sizes))
     }
+    ttft = summarize_ms([r.prefill_s for r in one])
+    tpot = summarize_ms([r.decode_s / (gen_len - 1) for r in one]) if gen_len > 1 else None
+    spreads = {"TTFT": contention.spread(ttft), "TPOT": contention.spread(tpot),
+               **{f"batch-{b} run": contention.spread(summarize_ms([r.prefill_s + r.decode_s for r in runs[b]]))
+                  for b in sizes if b > 1}}
     return {
-        "ttft_ms": summarize_ms([r.prefill_s for r in one]),
-        "tpot_ms": summarize_ms([r.decode_s / (gen_len - 1) for r in one]) if gen_len > 1 else None,
+        "ttft_ms": ttft,
+        "tpot_ms": tpot,
         "throughput_tok_s": throughput,
         "prompt_len": prompt_len,
         "gen_len": gen_len,
@@ -128,4 +140,6 @@ def measure_latency(
         "warmup": warmup,
         "device": str(device),
         "threads": torch.get_num_threads(),
+        "load": {**contention.assess(sections, spreads, usable_cores(), torch.get_num_threads()),
+                 "sections": sections},
     }

@@ -77,6 +77,8 @@ def plot_tradeoff(report: dict, path: Path) -> None:
 
 def markdown_report(report: dict) -> str:
     lines = ["# geminicompress eval", "", caption(report), "", markdown_table(report), ""]
+    if report.get("timing_warning"):
+        lines += [f"**Warning:** {report['timing_warning']}.", ""]
     base = next((m for m in report["models"] if m.get("baseline")), None)
     for m in report["models"]:
         if m is not base and summary_line(report, m):

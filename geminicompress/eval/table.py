@@ -57,6 +57,24 @@ def _params(n: int | None) -> str:
 
 
 Cell = tuple[str, str]  # (value, delta against the baseline or "")
+UNRELIABLE = "*"  # after a timing taken on a busy machine or from runs that disagree
+
+
+def _rate(v: float) -> str:
+    """Tokens per second: whole numbers from 10 up, one decimal below, two significant digits below 1."""
+    return f"{v:.0f}" if v >= 10 else f"{v:.1f}" if v >= 1 else f"{v:.2g}"
+
+
+def _marked(cell: Cell, mark: str) -> Cell:
+    value, delta = cell
+    return (value + mark if mark and value != "n/a" else value), delta
+
+
+def describe_timing(bad: list[tuple[str, dict]]) -> str:
+    """`timings unreliable for A, B (marked *): why; fix` from the latency `load` verdicts."""
+    worst = max((load for _, load in bad), key=lambda load: load.get("other_cores") or 0.0)
+    names = ", ".join(name for name, _ in bad)
+    return f"timings unreliable for {names} (marked {UNRELIABLE}): {worst['why']}; {worst['fix']}"
 
 
 def rows(report: dict) -> list[list[Cell]]:
@@ -70,14 +88,15 @@ def rows(report: dict) -> list[list[Cell]]:
         tput = lat.get("throughput_tok_s") or {}
         kl, agree = q.get("kl_to_baseline"), q.get("top1_agreement")
         sp = m.get("sparsity")
+        mark = UNRELIABLE if _get(lat, "load", "unreliable") else ""
         out.append([
             (m["name"], "(baseline)" if is_base else "(failed)" if m.get("error") else ""),
             _with_delta(q.get("perplexity"), _get(base, "quality", "perplexity"), is_base),
             ("n/a" if kl is None else f"{kl:.3g}", ""),
             ("n/a" if agree is None else f"{agree * 100:.1f}%", ""),
-            _with_delta(_get(lat, "ttft_ms", "median"), _get(base, "latency", "ttft_ms", "median"), is_base, 3),
-            _with_delta(_get(lat, "tpot_ms", "median"), _get(base, "latency", "tpot_ms", "median"), is_base, 3),
-            ("\n".join(f"{v:.0f}@{b}" for b, v in tput.items()) or "n/a", ""),
+            _marked(_with_delta(_get(lat, "ttft_ms", "median"), _get(base, "latency", "ttft_ms", "median"), is_base, 3), mark),
+            _marked(_with_delta(_get(lat, "tpot_ms", "median"), _get(base, "latency", "tpot_ms", "median"), is_base, 3), mark),
+            ("\n".join(f"{_rate(v)}@{b}{mark}" for b, v in tput.items()) or "n/a", ""),
             (_num(m.get("peak_memory_mb"), 4), ""),
             _with_delta(m.get("size_mb"), base.get("size_mb"), is_base, 4),
             (_params(m.get("params")), ""),
@@ -111,24 +130,60 @@ def caption(report: dict) -> str:
     tokens = f"{q['tokens']} tokens in {q['windows']} windows of {q['seq_len']}" if q else "no perplexity"
     lat = "latency off" if not o.get("latency", True) else (
         f"prompt {o['prompt_len']}, {o['gen_len']} new tokens, median of {o['repeats']}")
-    return f"{report['data']}: {tokens}; {lat}; {mach.get('device')} x{mach.get('torch_threads')} threads"
+    text = f"{report['data']}: {tokens}; {lat}; {mach.get('device')} x{mach.get('torch_threads')} threads"
+    if report.get("timing_warning"):
+        text += f"; {UNRELIABLE} unreliable timing (busy machine or runs that disagree)"
+    return text
 
 
-NARROW = 100  # below this terminal width the table leaves out the columns below (report.md has them all)
-_NARROW_DROP = ("peak MB", "params")
+QUALITY_COLUMNS = ("model", "ppl", "KL", "top-1", "size MB", "params", "sparsity")
+SPEED_COLUMNS = ("model", "TTFT ms", "TPOT ms", "tok/s@batch", "peak MB")
 
 
-def rich_table(report: dict, width: int | None = None) -> Table:
-    """The terminal table: deltas under their values; compact when `width` < NARROW."""
-    keep = [i for i, col in enumerate(COLUMNS) if not (width and width < NARROW and col in _NARROW_DROP)]
-    table = Table(title="geminicompress eval", caption=caption(report), box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1),
-                  pad_edge=False)
-    for i in keep:
-        table.add_column(_HEADERS[i], justify="left" if i == 0 else "right", overflow="fold", no_wrap=i > 0,
-                         min_width=10 if i == 0 else None)
-    for row in rows(report):
-        table.add_row(*(f"{row[i][0]}\n{row[i][1]}" if row[i][1] else row[i][0] for i in keep))
+def _table(report: dict, columns: tuple[str, ...], names: list[str], title: str | None, with_caption: bool) -> Table:
+    table = Table(title=title, caption=caption(report) if with_caption else None, box=box.SIMPLE_HEAD,
+                  padding=(0, 0, 0, 1), pad_edge=False, title_justify="left", caption_justify="left")
+    index = [COLUMNS.index(c) for c in columns]
+    for i in index:
+        table.add_column(_HEADERS[i], justify="left" if i == 0 else "right", no_wrap=True)
+    for name, row in zip(names, rows(report)):
+        cells = [(name, row[0][1]), *(row[i] for i in index[1:])]
+        table.add_row(*(f"{v}\n{d}" if d else v for v, d in cells))
     return table
+
+
+def _width(renderable) -> int:
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    console = Console(width=100_000)
+    return Measurement.get(console, console.options, renderable).maximum
+
+
+def rich_table(report: dict, width: int | None = None):
+    """The terminal table, deltas under their values. When the one wide table does not fit in `width`
+    (a pipe or CI log is 80 columns), two tables with every column: quality and size, then speed and
+    memory. Model names are never cut: when they are too long even for those, rows are numbered and
+    the names listed above the tables."""
+    from rich.console import Group
+    from rich.text import Text
+
+    names = [m["name"] for m in report["models"]]
+    wide = _table(report, COLUMNS, names, "geminicompress eval", True)
+    if width is None or _width(wide) <= width:
+        return wide
+    parts = [("quality and size", QUALITY_COLUMNS), ("speed and memory", SPEED_COLUMNS)]
+
+    def split(labels: list[str]) -> list[Table]:
+        return [_table(report, cols, labels, f"geminicompress eval: {what}", False) for what, cols in parts]
+
+    tables = split(names)
+    under = Text(caption(report), style="dim")  # wraps at the console's width, not the narrower table's
+    if max(_width(t) for t in tables) <= width:
+        return Group(*tables, under)
+    keys = [f"[{i + 1}]" for i in range(len(names))]
+    legend = Text("\n".join(f"{k} {n}" for k, n in zip(keys, names)))
+    return Group(legend, *split(keys), under)
 
 
 def markdown_table(report: dict) -> str:

@@ -25,7 +25,7 @@ import torch
 
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.models import demo
-from geminicompress.models.formats import format_key, loader_for
+from geminicompress import formats
 
 log = logging.getLogger(__name__)
 
@@ -121,14 +121,14 @@ def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool, allow_pic
 
     _check_weights(path, allow_pickle)
     config = _read_config(path)
-    key = format_key(config)
+    key = formats.detect(config)
     try:
         if key is None:
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=not allow_pickle or None
             )
         else:
-            model = loader_for(key, path)(path, config, dtype)
+            model = formats.load(path, config, dtype)
     except GeminiError:
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
@@ -169,9 +169,11 @@ def _load_gguf(folder: Path, gguf_file: str, dtype: torch.dtype):
 def _load_hub(spec: str, dtype: torch.dtype, trust_remote_code: bool, allow_pickle: bool):
     from transformers import AutoModelForCausalLM
 
+    offline = _hub_offline(spec)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            spec, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=None if allow_pickle else True
+            spec, dtype=dtype, trust_remote_code=trust_remote_code,
+            use_safetensors=None if allow_pickle else True, local_files_only=offline,
         )
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise GeminiError(
@@ -179,7 +181,62 @@ def _load_hub(spec: str, dtype: torch.dtype, trust_remote_code: bool, allow_pick
             "(offline? download it once or pass a local directory)"
         ) from exc
     model.eval()
-    return model, _load_tokenizer(spec, trust_remote_code)
+    return model, _load_tokenizer(spec, trust_remote_code, local_files_only=offline)
+
+
+def _hub_offline(spec: str) -> bool:
+    """True when the hub cannot be used and `spec` is in the local cache: load it from there.
+
+    Without this check an unreachable hub costs ~26 s of retries (huggingface_hub backs off 1, 2, 4,
+    8, 8 s on each file it does not have) before the error. One probe, with no retries, decides instead:
+    reachable -> load normally; unreachable and cached -> cache only; unreachable and not cached -> one
+    clear line now.
+    """
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cached = isinstance(try_to_load_from_cache(spec, "config.json"), str)
+    offline_mode = getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)
+    if offline_mode():
+        if not cached:
+            raise GeminiError(
+                f"could not load '{spec}' from the hub: HF_HUB_OFFLINE is set and it is not in the local "
+                "cache (download it once or pass a local directory)"
+            )
+        return True
+    problem = _probe_hub(constants.ENDPOINT)
+    if problem is None:
+        return False
+    if cached:
+        log.info("%s is unreachable (%s); loading '%s' from the local cache", constants.ENDPOINT, problem, spec)
+        return True
+    raise GeminiError(
+        f"could not load '{spec}' from the hub: {constants.ENDPOINT} is unreachable ({problem}) and "
+        "it is not in the local cache (offline? download it once or pass a local directory)"
+    )
+
+
+def _probe_hub(endpoint: str, timeout_s: float = 5.0) -> str | None:
+    """One HEAD request to the hub endpoint, no retries: None if it answers at all, else why not."""
+    from huggingface_hub import get_session
+
+    try:
+        get_session().head(endpoint, timeout=timeout_s)  # neither client follows redirects on HEAD
+    except _transport_errors() as exc:
+        return _first_line(exc)
+    return None
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """Network failures of the HTTP client huggingface_hub uses (requests' are OSErrors; httpx's are not)."""
+    import importlib
+
+    errors: list[type[BaseException]] = [OSError]
+    for name in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(name).HTTPError)
+        except ImportError:
+            continue
+    return tuple(errors)
 
 
 def _demo_dir() -> Path:

@@ -12,10 +12,9 @@ from pydantic import ValidationError
 from geminicompress.data.sources import check_data_spec
 from geminicompress.errors import InputError
 from geminicompress.models.loading import resolve_model
-from geminicompress.recipes.schema import Recipe
+from geminicompress.recipes.schema import STAGE_CONFIGS, Recipe
 
 BUNDLED_DIR = Path(__file__).parent / "bundled"
-_TAGS = {"quantize:int8", "quantize:w8a8", "quantize:gptq", "quantize:awq", "quantize:awq+gptq", "prune", "distill", "eval"}
 
 
 def bundled_recipes() -> dict[str, Path]:
@@ -79,7 +78,7 @@ def describe_error(exc: ValidationError, source: str) -> str:
     """One line: file, key path, what is wrong (and how many more problems there are)."""
     errors = exc.errors()
     first = errors[0]
-    loc = [str(p) for p in first["loc"] if str(p) not in _TAGS]
+    loc = [str(p) for p in first["loc"] if str(p) not in STAGE_CONFIGS]
     path = ".".join(loc) or "(recipe)"
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":

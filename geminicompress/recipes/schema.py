@@ -10,11 +10,11 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+from geminicompress.methods import METHODS
+from geminicompress.recipes.base import StageBase as _StageBase
+from geminicompress.recipes.base import Strict
 
 
 class Calibration(Strict):
@@ -24,75 +24,6 @@ class Calibration(Strict):
     text_column: str = "text"
     samples: int = Field(128, ge=1, le=100_000, description="number of calibration windows")
     seq_len: int = Field(512, ge=8, le=131_072, description="tokens per calibration window")
-
-
-class _StageBase(Strict):
-    data: str | None = Field(None, description="calibration/training DATA for this stage (default: the recipe's)")
-
-
-# --------------------------------------------------------------------------- quantize
-
-
-class Int8Stage(_StageBase):
-    """INT8: `int8` = weight-only (W8A16); `w8a8` = INT8 weights and dynamic INT8 activations."""
-
-    type: Literal["quantize"] = "quantize"
-    method: Literal["int8", "w8a8"]
-    bits: Literal[8] = 8
-    smoothquant_alpha: float | None = Field(None, ge=0.0, le=1.0, description="SmoothQuant migration strength")
-    ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="module name patterns to keep in float")
-    format: Literal["compressed-tensors"] = "compressed-tensors"
-
-    @model_validator(mode="after")
-    def _smoothquant_needs_w8a8(self) -> "Int8Stage":
-        if self.smoothquant_alpha is not None and self.method != "w8a8":
-            raise ValueError("smoothquant_alpha applies to method w8a8 only (int8 keeps activations in float)")
-        return self
-
-
-class GPTQStage(_StageBase):
-    """GPTQ (Frantar et al., 2022): Hessian-aware rounding, layer by layer."""
-
-    type: Literal["quantize"] = "quantize"
-    method: Literal["gptq"]
-    bits: Literal[2, 3, 4, 8] = 4
-    group_size: int = Field(128, ge=-1, description="input columns per scale; -1 or 0 = per output channel")
-    sym: bool = True
-    # defaults measured on the demo model (docs/gptq-defaults.md): act-order with groups in quantization
-    # order and the first token weighted 16x beat every other setting tried, at 4-bit g64/per-channel and 3-bit
-    act_order: bool = True
-    static_groups: bool = False
-    true_sequential: bool = True
-    one_pass: bool = Field(True, description="true-sequential in one pass over the windows per layer (holds every "
-                           "window's activations of one layer); false re-runs the layer per group (less memory)")
-    damp: float = Field(0.01, gt=0.0, lt=1.0, description="dampening, fraction of the mean Hessian diagonal")
-    first_token_weight: float = Field(16.0, ge=1.0, description="weight of each calibration window's first token "
-                                      "(the attention sink) in the Hessians: see compress/hessian.py")
-    block_size: int = Field(128, ge=1)
-    calib_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="dtype the layers compute in while calibrating (their forward passes); "
-        "Hessians and the solver are always float32. bfloat16 is faster on GPUs and on CPUs with AVX512-BF16/AMX")
-    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
-    format: Literal["gptq", "compressed-tensors", "dense"] = "gptq"
-
-
-class AWQStage(_StageBase):
-    """AWQ (Lin et al., 2023): activation-aware scaling (+ clipping), then RTN or GPTQ."""
-
-    type: Literal["quantize"] = "quantize"
-    method: Literal["awq", "awq+gptq"]
-    bits: Literal[2, 3, 4, 8] = 4
-    group_size: int = Field(128, ge=-1)
-    zero_point: bool = True
-    clip: bool = True
-    n_grid: int = Field(20, ge=1, le=1000, description="points of the alpha grid in [0, 1) for the scale search")
-    search_windows: int = Field(8, ge=1, description="calibration windows on which the scale search measures the "
-                                "output error (activation statistics use all windows)")
-    damp: float = Field(0.01, gt=0.0, lt=1.0)
-    block_size: int = Field(128, ge=1)
-    search_results: str | None = Field(None, description="re-apply saved scales/clips instead of searching")
-    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
-    format: Literal["awq", "compressed-tensors", "dense"] = "awq"
 
 
 # --------------------------------------------------------------------------- prune
@@ -114,6 +45,14 @@ class PruneStage(_StageBase):
     true_sequential: bool = Field(True, description="wanda/sparsegpt: prune each group of a layer from inputs that "
                                   "went through the already-pruned groups (one pass); false: all from the dense layer")
     format: Literal["dense", "compressed-tensors"] = "dense"
+    allocation: Literal["uniform", "global", "owl", "sensitivity"] | None = Field(
+        None, description="how the total sparsity is split over the linears: uniform (= scope layer), global "
+        "(= scope global, magnitude only), owl (outlier-weighted per decoder layer, calibrated) or sensitivity "
+        "(a knapsack over measured per-linear sensitivities); the total over the decoder linears is exact")
+    owl_lambda: float = Field(0.08, ge=0.0, lt=1.0, description="owl: layer sparsities span target +- lambda")
+    owl_threshold: float = Field(5.0, gt=0.0, description="owl: a score above this many times the layer's mean is an outlier")
+    sensitivity: str | None = Field(None, description="allocation sensitivity: a sensitivity.json to allocate from "
+                                    "(default: measure one on the calibration data first)")
 
     @field_validator("pattern")
     @classmethod
@@ -127,6 +66,17 @@ class PruneStage(_StageBase):
 
     @model_validator(mode="after")
     def _check_combination(self) -> "PruneStage":
+        if self.allocation is not None:
+            if self.pattern:
+                raise ValueError("an N:M pattern fixes the sparsity of every group; it takes no allocation")
+            if self.allocation == "global" and self.method != "magnitude":
+                raise ValueError(f"allocation 'global' is one magnitude threshold; {self.method} prunes each layer")
+            scope = "global" if self.allocation == "global" else "layer"
+            if "scope" in self.model_fields_set and self.scope != scope:
+                raise ValueError(f"allocation '{self.allocation}' contradicts scope '{self.scope}'; give one of them")
+            object.__setattr__(self, "scope", scope)
+        if self.sensitivity is not None and self.allocation != "sensitivity":
+            raise ValueError("sensitivity (a table file) applies to allocation 'sensitivity' only")
         if self.method != "magnitude" and self.scope == "global":
             if "scope" in self.model_fields_set:
                 raise ValueError(f"scope 'global' applies to magnitude pruning only; {self.method} prunes each layer")
@@ -220,19 +170,20 @@ class EvalStage(_StageBase):
     text_column: str = "text"
     seq_len: int | None = Field(None, ge=8, description="default: min(2048, the model's context)")
     max_tokens: int | None = Field(None, ge=8)
-    prompt_len: int = Field(512, ge=1)
-    gen_len: int = Field(128, ge=1)
-    batch_sizes: list[int] = Field(default_factory=lambda: [1, 4, 8])
-    repeats: int = Field(5, ge=1)
+    prompt_len: int | None = Field(None, ge=1, description="default: 128 on a CPU, 512 on a GPU")
+    gen_len: int | None = Field(None, ge=1, description="default: 32 on a CPU, 128 on a GPU")
+    batch_sizes: list[int] | None = Field(None, description="default: [1, 4] on a CPU, [1, 4, 8] on a GPU")
+    repeats: int | None = Field(None, ge=1, description="default: 3 on a CPU, 5 on a GPU")
     warmup: int = Field(1, ge=0)
     latency: bool = Field(True, description="false = quality only")
+    quality: bool = Field(True, description="false = latency only (no perplexity, KL, agreement)")
     tasks: list[str] = Field(default_factory=list, description="lm-eval-harness tasks (optional extra)")
     draft: str | None = Field(None, description="draft MODEL: also time speculative decoding of the baseline")
 
     @field_validator("batch_sizes")
     @classmethod
-    def _check_batch_sizes(cls, v: list[int]) -> list[int]:
-        if not v or min(v) < 1:
+    def _check_batch_sizes(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or min(v) < 1):
             raise ValueError(f"batch sizes must be positive integers, got {v}")
         return v
 
@@ -249,27 +200,24 @@ def stage_tag(value: Any) -> str | None:
     return kind
 
 
+STAGE_TYPES = ("quantize", "prune", "distill", "eval")
+# Every stage's tag -> its config: the quantize methods come from the method registry.
+STAGE_CONFIGS: dict[str, type[Strict]] = {
+    **{f"quantize:{name}": m.config for name, m in METHODS.items()},
+    "prune": PruneStage,
+    "distill": DistillStage,
+    "eval": EvalStage,
+}
+
 Stage = Annotated[
-    Union[
-        Annotated[Int8Stage, Tag("quantize:int8")],
-        Annotated[Int8Stage, Tag("quantize:w8a8")],
-        Annotated[GPTQStage, Tag("quantize:gptq")],
-        Annotated[AWQStage, Tag("quantize:awq")],
-        Annotated[AWQStage, Tag("quantize:awq+gptq")],
-        Annotated[PruneStage, Tag("prune")],
-        Annotated[DistillStage, Tag("distill")],
-        Annotated[EvalStage, Tag("eval")],
-    ],
+    Union[tuple(Annotated[cls, Tag(tag)] for tag, cls in STAGE_CONFIGS.items())],  # type: ignore[valid-type]
     Discriminator(
         stage_tag,
         custom_error_type="stage_type",
-        custom_error_message="unknown stage: 'type' must be quantize, prune, distill or eval, "
-        "and a quantize 'method' must be int8, w8a8, gptq, awq or awq+gptq",
+        custom_error_message=f"unknown stage: 'type' must be {', '.join(STAGE_TYPES)}, "
+        f"and a quantize 'method' must be {', '.join(METHODS)}",
     ),
 ]
-
-STAGE_TYPES = ("quantize", "prune", "distill", "eval")
-QUANTIZE_METHODS = ("int8", "w8a8", "gptq", "awq", "awq+gptq")
 
 
 class Output(Strict):
@@ -282,6 +230,8 @@ class Recipe(Strict):
     seed: int = 0
     trust_remote_code: bool = False
     allow_pickle: bool = False
+    threads: int | None = Field(None, ge=1, le=4096, description="torch CPU threads (default: the cores not busy "
+                                "with other processes when the run starts); --threads overrides it")
     calibration: Calibration = Field(default_factory=Calibration)
     stages: list[Stage] = Field(..., min_length=1)
     output: Output = Field(default_factory=Output)

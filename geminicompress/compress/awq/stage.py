@@ -25,16 +25,15 @@ import torch.nn as nn
 
 from geminicompress.compress.arch import SmoothGroup, arch_for, get_module
 from geminicompress.compress.awq import results
-from geminicompress.compress.awq.fold import fold_problem, fold_scales
+from geminicompress.compress.fold import fold_problem, fold_scales
 from geminicompress.compress.awq.search import apply_clip, linear_error, scaled_weights, search_clip, search_scales
 from geminicompress.compress.gptq.solver import gptq_quantize
-from geminicompress.compress.gptq.stage import quantizable
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, rtn_quantize
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.layerwise import LayerJob, run_layerwise
-from geminicompress.compress.packing.awq import check_shape as check_awq_shape
-from geminicompress.compress.packing.export import check_exportable, export_quantized, scale_dtype
+from geminicompress.compress.targets import decoder_linears, resolve_group_size
 from geminicompress.errors import GeminiError, InputError
+from geminicompress.formats.checkpoint import check_shapes, scale_dtype, write_quantized
 
 CLIP_TOKENS = 512
 NO_CLIP = ("q_proj", "k_proj", "query_key_value")  # their outputs meet in q·kᵀ (llm-awq skips them too)
@@ -44,12 +43,12 @@ FIELDS = ("q", "scales", "zeros", "g_idx")
 def run(cfg, ctx) -> dict[str, Any]:
     model = ctx.model
     arch = arch_for(model)
-    spec = QuantSpec(cfg.bits, cfg.group_size, sym=not cfg.zero_point)
-    targets = quantizable(model, arch, cfg.ignore)
+    targets = decoder_linears(model, arch, cfg.ignore, check="ignore" in cfg.model_fields_set)
     if not targets:
         raise InputError("the model has no linear layer left to quantize (check --ignore)")
     shapes = {name: tuple(get_module(model, name).weight.shape) for name in targets}
-    check_format(shapes, spec, cfg.format, model)
+    spec = QuantSpec(cfg.bits, resolve_group_size(cfg.group_size, shapes, ctx.progress), sym=not cfg.zero_point)
+    check_shapes(cfg.format, shapes, spec)
     num_layers = len(get_module(model, arch.layers))
     model_type = model.config.model_type
     saved = results.load_search(cfg.search_results, model_type, num_layers)[0] if cfg.search_results else None
@@ -69,22 +68,14 @@ def run(cfg, ctx) -> dict[str, Any]:
     results.save_search(ctx.out_dir, results.search_tensors(kept), search_meta)
     qweights = _qweights(kept, spec, layers_path)
     meta = {"dtype": ctx.recipe.output.dtype, "zero_point": cfg.zero_point, "method": cfg.method}
-    ctx.exporter = lambda m, tok, out: export_quantized(m, tok, out, qweights, cfg.format, meta)
+    ctx.exporter = lambda m, tok, out: write_quantized(m, tok, out, qweights, cfg.format, meta)
     return {
-        "bits": spec.bits, "group_size": spec.group_size, "zero_point": cfg.zero_point, "format": cfg.format,
+        "bits": spec.bits, "group_size": spec.group_size, "group_size_auto": cfg.group_size == "auto",
+        "zero_point": cfg.zero_point, "format": cfg.format,
         "calibration_tokens": int(windows.numel()), "quantized_modules": len(qweights),
         "search": "reapplied" if saved is not None else "searched", "search_file": f"{results.FOLDER}/{results.TENSORS}",
         "layers": summaries,
     }
-
-
-def check_format(shapes: dict[str, tuple[int, int]], spec: QuantSpec, fmt: str, model: nn.Module) -> None:
-    """Raise InputError before any work when `fmt` cannot hold these weights."""
-    if fmt == "awq":
-        for name, (out_f, in_f) in shapes.items():
-            check_awq_shape(name, out_f, in_f, spec)
-    else:
-        check_exportable(model, shapes, spec, fmt)
 
 
 @dataclass

@@ -13,12 +13,11 @@ that layer and its activations on the device; quantized outputs feed the next la
 With `calib_dtype: bfloat16` the layer's forward passes compute in bfloat16 while the Hessians are
 float32 products of those activations and the solver reads and writes float32 master weights
 (layerwise.computing_in).
-The codes/scales/zeros/g_idx are kept and packed at export (packing/export.py).
+The codes/scales/zeros/g_idx are kept and packed at export (formats/).
 """
 
 from __future__ import annotations
 
-import re
 from functools import partial
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -26,17 +25,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import Arch, arch_for, get_module
+from geminicompress.compress.arch import arch_for, get_module
+from geminicompress.compress.gptq.allocate import module_specs, write_allocation
 from geminicompress.compress.gptq.solver import gptq_quantize
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.layerwise import LayerJob, layer_output, run_layerwise
-from geminicompress.compress.packing.export import check_exportable, export_quantized, scale_dtype
+from geminicompress.compress.targets import decoder_linears, present_groups, resolve_group_size
 from geminicompress.errors import GeminiError, InputError
+from geminicompress.formats.checkpoint import check_shapes, scale_dtype, write_quantized
 
 if TYPE_CHECKING:
     from geminicompress.pipeline import StageContext
-    from geminicompress.recipes.schema import GPTQStage
+    from geminicompress.recipes.quantize import GPTQStage
 
 
 class _Stop(Exception):
@@ -48,12 +49,17 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
     return the summary for report.json (per-layer GPTQ losses included). Bad input fails before work."""
     model = ctx.model
     arch = arch_for(model)
-    spec = QuantSpec(cfg.bits, cfg.group_size, cfg.sym)
-    targets = quantizable(model, arch, cfg.ignore)
+    targets = decoder_linears(model, arch, cfg.ignore, check="ignore" in cfg.model_fields_set)
     if not targets:
         raise InputError("the model has no linear layer left to quantize (check --ignore)")
     shapes = {name: tuple(get_module(model, name).weight.shape) for name in targets}
-    check_exportable(model, shapes, spec, cfg.format)
+    spec = QuantSpec(cfg.bits, resolve_group_size(cfg.group_size, shapes, ctx.progress), cfg.sym)
+    if cfg.allocation is None:
+        check_shapes(cfg.format, shapes, spec)
+    specs, allocation = module_specs(cfg, ctx, targets, spec)  # per module: allocation / overrides (allocate.py)
+    for name, s in specs.items():
+        if s != spec or cfg.allocation is not None:
+            check_shapes(cfg.format, {name: shapes[name]}, s)
     windows = ctx.calibration(cfg.data)  # (n, T)
     widest = max(in_f for _, in_f in shapes.values())
     if windows.numel() < widest:
@@ -62,42 +68,46 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
 
     layers_path = arch.layers + "."
     scales_as = scale_dtype(cfg.format, ctx.recipe.output.dtype)
+    relative = {n.removeprefix(layers_path): s for n, s in specs.items() if s != spec}
     process = partial(_quantize_layer, cfg=cfg, spec=spec, scales_as=scales_as,
-                      targets={n.removeprefix(layers_path) for n in targets})
+                      targets={n.removeprefix(layers_path) for n in targets}, specs=relative)
     summaries, kept = run_layerwise(model, windows, process, device=ctx.device, progress=ctx.progress,
                                     state_dir=ctx.state_dir, description=f"gptq {spec.bits}-bit",
                                     calib_dtype=getattr(torch, cfg.calib_dtype))
-    qweights = _KeptCodes(kept, spec, layers_path)
+    qweights = _KeptCodes(kept, spec, layers_path, relative)
+    if allocation:
+        write_allocation(allocation, specs, ctx.out_dir)
     meta = {"dtype": ctx.recipe.output.dtype, "act_order": cfg.act_order, "static_groups": cfg.static_groups,
             "true_sequential": cfg.true_sequential, "damp": cfg.damp,
             "first_token_weight": cfg.first_token_weight}
-    ctx.exporter = lambda m, tok, out: export_quantized(m, tok, out, qweights, cfg.format, meta)
+    ctx.exporter = lambda m, tok, out: write_quantized(m, tok, out, qweights, cfg.format, meta)
     return {
-        "bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym, "format": cfg.format,
+        "bits": spec.bits, "group_size": spec.group_size, "group_size_auto": cfg.group_size == "auto",
+        "sym": spec.sym, "format": cfg.format,
         "calibration_tokens": int(windows.numel()), "quantized_modules": len(qweights),
         "total_error": sum(s["err"] for s in summaries), "layers": summaries,
+        **({"mixed": {f"b{s.bits}g{s.group_size}": sum(1 for v in specs.values() if v == s) for s in set(specs.values())}}
+           if relative else {}),
+        **({"allocation": {k: v for k, v in allocation.items() if k != "frontier"}} if allocation else {}),
     }
 
 
-def quantizable(model: nn.Module, arch: Arch, ignore: list[str]) -> list[str]:
-    """Full names of the decoder-layer linears GPTQ quantizes, minus those matching an ignore regex."""
-    try:
-        patterns = [re.compile(p) for p in ignore]
-    except re.error as exc:
-        raise InputError(f"ignore pattern is not a valid regular expression: {exc}") from exc
-    layers = get_module(model, arch.layers)
-    names = [f"{arch.layers}.{i}.{lin}" for i in range(len(layers)) for lin in arch.linears]
-    return [n for n in names if isinstance(get_module(model, n), nn.Linear) and not any(p.search(n) for p in patterns)]
-
-
 def _quantize_layer(job: LayerJob, *, cfg: GPTQStage, spec: QuantSpec, scales_as: torch.dtype,
-                    targets: set[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Quantize the linears of one decoder layer in place; return ({err, modules}, kept tensors)."""
-    groups = [[n for n in group if f"{job.index}.{n}" in targets] for group in job.arch.sequential]
-    groups = [g for g in groups if g]
+                    targets: set[str], specs: dict[str, QuantSpec] | None = None
+                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Quantize the linears of one decoder layer in place; return ({err, modules}, kept tensors).
+    `specs`: "<layer>.<linear>" -> spec where it differs from `spec` (mixed precision)."""
+    groups = present_groups(job.arch, lambda n: f"{job.index}.{n}" in targets)
     losses: dict[str, float] = {}
     kept: dict[str, torch.Tensor] = {}
-    solve = partial(_solve_group, job, cfg=cfg, spec=spec, scales_as=scales_as, losses=losses, kept=kept)
+    solve_one = partial(_solve_group, job, cfg=cfg, scales_as=scales_as, losses=losses, kept=kept)
+
+    def solve(group: list[str], H: torch.Tensor) -> None:  # one stacked solve per spec within the group
+        by_spec: dict[QuantSpec, list[str]] = {}
+        for n in group:
+            by_spec.setdefault((specs or {}).get(f"{job.index}.{n}", spec), []).append(n)
+        for s, names in by_spec.items():
+            solve_one(names, H, spec=s)
     if cfg.true_sequential and cfg.one_pass:
         accs = [HessianAccumulator(job.module(g[0]).in_features, job.device, cfg.first_token_weight) for g in groups]
         job.one_pass(groups, lambda i, x: accs[i].add_batch(x), lambda i: solve(groups[i], accs[i].H))
@@ -189,8 +199,9 @@ class _KeptCodes(Mapping[str, QuantizedWeight]):
     Codes and zeros stay uint8 (the packers accept any integer dtype): int32 codes of the whole model
     would cost as much memory as its float32 weights."""
 
-    def __init__(self, kept: dict[str, torch.Tensor], spec: QuantSpec, layers_path: str) -> None:
-        self._kept, self._spec, self._path = kept, spec, layers_path
+    def __init__(self, kept: dict[str, torch.Tensor], spec: QuantSpec, layers_path: str,
+                 specs: dict[str, QuantSpec] | None = None) -> None:
+        self._kept, self._spec, self._path, self._specs = kept, spec, layers_path, specs or {}
         self._names = sorted({k.rsplit(".", 1)[0] for k in kept}, key=_layer_order)
 
     def __getitem__(self, key: str) -> QuantizedWeight:
@@ -199,7 +210,7 @@ class _KeptCodes(Mapping[str, QuantizedWeight]):
             raise KeyError(key)
         k = self._kept
         return QuantizedWeight(_codes(k[f"{name}.q"], k[f"{name}.g_idx"]), k[f"{name}.scales"], k[f"{name}.zeros"],
-                               k[f"{name}.g_idx"], self._spec)
+                               k[f"{name}.g_idx"], self._specs.get(name, self._spec))
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and key.startswith(self._path) and f"{key.removeprefix(self._path)}.q" in self._kept

@@ -4,5 +4,5 @@ quant.py        per-channel / per-token symmetric INT8 math (pure)
 smoothquant.py  SmoothQuant scales and folding, activation maxima from calibration
 modules.py      Int8WeightOnlyLinear, W8A8Linear (fbgemm INT8 kernels on CPU)
 stage.py        the pipeline stage
-export.py       compressed-tensors `int-quantized` writer;  load.py  its loader
+(its compressed-tensors `int-quantized` writer and loader: formats/int_quantized.py)
 """

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from geminicompress.compress.int8.quant import dequantize, fake_quantize_tokens, quantize_weight
 
 
-class _Int8Base(nn.Module):
+class Int8Base(nn.Module):
     """int8 `weight` (out, in) + float32 `weight_scale` (out, 1) + optional float `bias`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32) -> None:
@@ -44,7 +44,7 @@ class _Int8Base(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype) if bias else None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "_Int8Base":
+    def from_linear(cls, linear: nn.Linear) -> "Int8Base":
         module = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype)
         q, scale = quantize_weight(linear.weight.data)
         module.weight.copy_(q)
@@ -60,7 +60,7 @@ class _Int8Base(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class Int8WeightOnlyLinear(_Int8Base):
+class Int8WeightOnlyLinear(Int8Base):
     """W8A16: y = (x @ q^T) * scale^T + b with float activations.
 
     On CPU the int8 codes are packed once into fbgemm's fp16 GEMM (`linear_dynamic_fp16`): integers in
@@ -95,7 +95,7 @@ class Int8WeightOnlyLinear(_Int8Base):
         return y + self.bias if self.bias is not None else y
 
 
-class W8A8Linear(_Int8Base):
+class W8A8Linear(Int8Base):
     """W8A8: int8 per-channel weights, int8 per-token dynamic activations, INT8 GEMM on CPU (fbgemm)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32) -> None:
@@ -185,4 +185,4 @@ def pack_weight(q: torch.Tensor, scale: torch.Tensor):
         return torch.ops.quantized.linear_prepack(qw, None)
 
 
-MODULES: dict[str, type[_Int8Base]] = {"int8": Int8WeightOnlyLinear, "w8a8": W8A8Linear}
+MODULES: dict[str, type[Int8Base]] = {"int8": Int8WeightOnlyLinear, "w8a8": W8A8Linear}

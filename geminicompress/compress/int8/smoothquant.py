@@ -15,12 +15,14 @@ extra at run time. Which op feeds which linears comes from the architecture tabl
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from geminicompress.compress.arch import Arch, SmoothGroup, get_module
+from geminicompress.compress.fold import fold_problem
 
 
 @dataclass(frozen=True)
@@ -44,24 +46,6 @@ def smooth_scales(act_max: torch.Tensor, weight_max: torch.Tensor, alpha: float)
 def weight_column_max(linears: list[nn.Linear]) -> torch.Tensor:
     """max over all rows of all linears of |W[:, j]|.  -> (in,)"""
     return torch.stack([lin.weight.detach().float().abs().amax(dim=0) for lin in linears]).amax(dim=0)
-
-
-@torch.no_grad()
-def fold(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor, norm_offset: float = 0.0) -> None:
-    """Divide `prev`'s output channels by s and multiply the linears' input columns by s (in place).
-
-    prev: a norm with `weight` (in,) (and maybe `bias`), effective scale `norm_offset + weight`;
-    or a linear whose output rows are the channels.  s: (in,)."""
-    s = s.to(linears[0].weight.device)
-    if isinstance(prev, nn.Linear):
-        prev.weight.div_(s.view(-1, 1).to(prev.weight.dtype))
-    else:
-        w = prev.weight
-        w.copy_(((norm_offset + w.float()) / s - norm_offset).to(w.dtype))
-    if getattr(prev, "bias", None) is not None:
-        prev.bias.div_(s.to(prev.bias.dtype))
-    for lin in linears:
-        lin.weight.mul_(s.view(1, -1).to(lin.weight.dtype))
 
 
 def foldable_groups(model: nn.Module, arch: Arch, quantized: set[str]) -> tuple[list[Smoothing], list[str]]:
@@ -89,14 +73,7 @@ def _full(arch: Arch, i: int, group: SmoothGroup) -> Smoothing:
 def _why_not(model: nn.Module, group: Smoothing, quantized: set[str]) -> str | None:
     if not all(n in quantized for n in group.linears):
         return "a consumer is kept in float"
-    prev = get_module(model, group.prev)
-    width = get_module(model, group.linears[0]).in_features
-    if isinstance(prev, nn.Linear):
-        return None if prev.out_features == width else f"shapes differ ({prev.out_features} -> {width})"
-    weight = getattr(prev, "weight", None)
-    if weight is None or weight.dim() != 1 or weight.numel() != width:
-        return "the producer has no per-channel weight to fold into"
-    return None
+    return fold_problem(get_module(model, group.prev), [get_module(model, n) for n in group.linears])
 
 
 @torch.no_grad()
@@ -115,9 +92,12 @@ def activation_maxima(model: nn.Module, windows: torch.Tensor, names: list[str],
 
     handles = [get_module(model, n).register_forward_pre_hook(hook(n)) for n in names]
     device = next(model.parameters()).device
+    # Only the decoder's activations matter: the output head's logits for every position (a fifth of a
+    # small model's work) are skipped where the model allows it.
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     try:
         for window in windows:
-            model(window.unsqueeze(0).to(device), use_cache=False)
+            model(window.unsqueeze(0).to(device), use_cache=False, **extra)
             if progress is not None:
                 progress.advance(1)
     finally:

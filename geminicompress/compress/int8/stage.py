@@ -2,14 +2,15 @@
 INT8 of every linear not ignored, each swapped for the fast module of `modules.py`.
 
 Steps: pick the linears (`ignore` regexes; a tied output head always stays float) -> SmoothQuant
-(w8a8 with `smoothquant_alpha`: calibrate per-channel activation maxima, fold scales) -> replace the
+(w8a8, on by default with alpha 0.5: calibrate per-channel activation maxima on the stage's DATA or the
+recipe's calibration data, builtin:pydoc unless told otherwise, and fold the scales; per-token INT8
+activations without it drift ~2x more on the demo model, docs/int8.md) -> replace the
 linears -> set the exporter to the compressed-tensors `int-quantized` writer. The summary lists what
 was done to every linear (goes into report.json).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -17,10 +18,12 @@ import torch.nn as nn
 
 from geminicompress.compress.arch import arch_for, get_module, set_module
 from geminicompress.compress.int8 import smoothquant as sq
-from geminicompress.compress.int8.export import int_quantized_exporter
+from geminicompress.compress.fold import fold_scales
 from geminicompress.compress.int8.modules import MODULES
+from geminicompress.compress.targets import check_patterns_match, compile_patterns
 from geminicompress.errors import InputError
-from geminicompress.recipes.schema import Int8Stage
+from geminicompress.formats import int_quantized
+from geminicompress.recipes.quantize import Int8Stage
 
 
 def run(cfg: Int8Stage, ctx: Any) -> dict:
@@ -42,7 +45,7 @@ def run(cfg: Int8Stage, ctx: Any) -> dict:
             layers.append({"name": name, "shape": [module.out_features, module.in_features], "kernel": module.kernel,
                            "smoothquant_max_scale": smoothed.get(name), "weight_rel_error": round(err, 6)})
             bar.advance(1)
-    ctx.exporter = int_quantized_exporter(cfg.method, ctx.recipe.output.dtype)
+    ctx.exporter = int_quantized.exporter(cfg.method, ctx.recipe.output.dtype)
     return {
         "method": cfg.method,
         "weights": "int8 symmetric per output channel",
@@ -57,26 +60,20 @@ def run(cfg: Int8Stage, ctx: Any) -> dict:
 def select_linears(model: nn.Module, ignore: list[str], explicit: bool) -> tuple[list[str], dict[str, str]]:
     """(names of linears to quantize, {kept linear: why}).  A user-given pattern matching no linear is
     an InputError: it is almost always a typo."""
-    try:
-        patterns = [(p, re.compile(p)) for p in ignore]
-    except re.error as exc:
-        raise InputError(f"ignore pattern '{exc.pattern}' is not a valid regular expression: {exc}") from exc
+    patterns = compile_patterns(ignore)
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if explicit:
+        check_patterns_match(patterns, linears)
     tied_head = _tied_output_name(model)
     targets, kept = [], {}
     for name in linears:
-        hit = next((p for p, rx in patterns if rx.search(name)), None)
+        hit = next((rx.pattern for rx in patterns if rx.search(name)), None)
         if hit is not None:
             kept[name] = f"ignore '{hit}'"
         elif name == tied_head:
             kept[name] = "output head tied to the input embeddings"
         else:
             targets.append(name)
-    if explicit:
-        for p, rx in patterns:
-            if not any(rx.search(n) for n in linears):
-                example = linears[0] if linears else "none"
-                raise InputError(f"ignore pattern '{p}' matches no linear layer (names look like '{example}')")
     return targets, kept
 
 
@@ -100,9 +97,10 @@ def _smooth(model: nn.Module, cfg: Int8Stage, ctx: Any, quantized: set[str]) -> 
         for g in groups:
             linears = [get_module(model, n) for n in g.linears]
             s = sq.smooth_scales(maxima[g.linears[0]], sq.weight_column_max(linears), cfg.smoothquant_alpha)
-            sq.fold(get_module(model, g.prev), linears, s, arch.norm_offset)
+            fold_scales(get_module(model, g.prev), linears, s, arch.norm_offset)
             smoothed.update({n: round(float(s.max()), 4) for n in g.linears})
-    summary = {"alpha": cfg.smoothquant_alpha, "calibration_windows": int(windows.shape[0]),
+    summary = {"alpha": cfg.smoothquant_alpha, "data": cfg.data or ctx.recipe.calibration.data,
+               "calibration_windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]),
                "folded_groups": len(groups), "skipped_groups": skipped}
     return summary, smoothed
 

@@ -5,5 +5,5 @@
 - `wanda.py`, `sparsegpt.py`: the two calibration-based solvers (pure tensor math).
 - `stage.py`: the pipeline stage (which weights, calibration, summary, masks file, exporter).
 - `report.py`: the per-layer sparsity table and histogram.
-- `bitmask.py`, `load.py`: the compressed-tensors sparse-bitmask layout, written and read back.
+(the compressed-tensors sparse-bitmask layout, written and read back: formats/sparse_bitmask.py)
 """

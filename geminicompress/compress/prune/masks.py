@@ -53,6 +53,16 @@ def row_mask(scores: Tensor, sparsity: float) -> Tensor:
     return ~pruned
 
 
+def row_mask_count(scores: Tensor, k: int) -> Tensor:
+    """Prune exactly k lowest scores in all, row by row: every row loses k // rows, the first k % rows rows
+    one more (Wanda's per-output comparison with an exact total, for a sparsity map)."""
+    rows, cols = scores.shape  # (out, in)
+    per_row = torch.full((rows, 1), k // rows, dtype=torch.long, device=scores.device)
+    per_row[: k % rows] += 1
+    rank = torch.argsort(torch.argsort(scores, dim=1, stable=True), dim=1)  # (out, in): rank in its row
+    return rank >= per_row
+
+
 def nm_mask(scores: Tensor, pattern: Pattern) -> Tensor:
     """Prune the N lowest scores of every group of M consecutive columns in each row."""
     n, m = pattern

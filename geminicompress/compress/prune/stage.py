@@ -23,19 +23,19 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from safetensors.torch import save_file
 
 from geminicompress.compress.arch import Arch, arch_for, get_module
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.layerwise import LayerJob, run_layerwise, solver_threads
 from geminicompress.compress.prune import report
-from geminicompress.compress.prune.bitmask import bitmask_exporter
-from geminicompress.compress.prune.load import MASKS_FILE
-from geminicompress.compress.prune.masks import Pattern, parse_pattern, pattern_mask
+from geminicompress.compress.prune.masks import Pattern, parse_pattern, pattern_mask, row_mask_count, tensor_mask
+from geminicompress.compress.prune.plan import module_counts
 from geminicompress.compress.prune.sparsegpt import sparsegpt_prune
 from geminicompress.compress.prune.threshold import global_threshold, prune_mask
-from geminicompress.compress.prune.wanda import InputNorms, wanda_mask
+from geminicompress.compress.prune.wanda import InputNorms, wanda_mask, wanda_scores
 from geminicompress.errors import InputError
+from geminicompress.formats import sparse_bitmask
+from geminicompress.formats.masks import MASKS_FILE, write_masks
 from geminicompress.recipes.schema import PruneStage
 
 HISTOGRAM_FILE = "prune_sparsity.png"
@@ -85,9 +85,13 @@ def magnitude_global(weights: list[torch.Tensor], sparsity: float) -> tuple[list
 
 
 @torch.no_grad()
-def _magnitude(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern | None) -> tuple[dict, dict]:
+def _magnitude(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern | None,
+               counts: dict[str, int] | None = None) -> tuple[dict, dict]:
     weights = [lin.weight for lin in targets.values()]
-    if cfg.scope == "global":
+    if counts is not None:  # a per-linear allocation: exactly counts[name] lowest |w| of each
+        keeps = [tensor_mask(w.detach().abs().float(), counts[n] / w.numel()) for n, w in zip(targets, weights)]
+        extra = {}
+    elif cfg.scope == "global":
         keeps, value = magnitude_global(weights, cfg.sparsity)
         extra = {"threshold": value if math.isfinite(value) else None}
     else:
@@ -96,8 +100,10 @@ def _magnitude(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern 
     return dict(zip(targets, keeps)), extra
 
 
-def _layer_fn(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern | None):
-    """The per-decoder-layer step of Wanda / SparseGPT for `run_layerwise`."""
+def _layer_fn(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern | None,
+              alloc: dict[str, int] | None = None):
+    """The per-decoder-layer step of Wanda / SparseGPT for `run_layerwise` (`alloc`: pruned weights per
+    linear of an allocation, else cfg.sparsity everywhere)."""
 
     @torch.no_grad()
     def process(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -116,12 +122,17 @@ def _layer_fn(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern |
         def solve(names: list[str]) -> None:
             for n in names:
                 W = job.module(n).weight
-                if cfg.method == "wanda":
+                k = None if alloc is None else alloc[f"{prefix}.{n}.weight"]
+                sparsity = cfg.sparsity if k is None else k / W.numel()
+                if cfg.method == "wanda" and k is not None:
+                    keep = row_mask_count(wanda_scores(W, stats[n].norms()), k)
+                    W.masked_fill_(~keep, 0.0)
+                elif cfg.method == "wanda":
                     keep = wanda_mask(W, stats[n].norms(), cfg.sparsity, pattern)
                     W.masked_fill_(~keep, 0.0)
                 else:
                     with solver_threads(job.device):
-                        new, keep = sparsegpt_prune(W, stats[n].H, cfg.sparsity, pattern, cfg.block_size, cfg.damp)
+                        new, keep = sparsegpt_prune(W, stats[n].H, sparsity, pattern, cfg.block_size, cfg.damp)
                     W.copy_(new)
                 kept[f"{n}.keep"] = keep.cpu()
                 counts[0] += int((W == 0).sum())
@@ -139,9 +150,9 @@ def _layer_fn(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern |
 
 
 def _calibrated(cfg: PruneStage, ctx: Any, arch: Arch, targets: dict[str, nn.Linear],
-                pattern: Pattern | None) -> tuple[dict, dict]:
+                pattern: Pattern | None, counts: dict[str, int] | None = None) -> tuple[dict, dict]:
     windows = ctx.calibration(cfg.data)
-    _, kept = run_layerwise(ctx.model, windows, _layer_fn(cfg, targets, pattern), device=ctx.device,
+    _, kept = run_layerwise(ctx.model, windows, _layer_fn(cfg, targets, pattern, counts), device=ctx.device,
                             progress=ctx.progress, state_dir=ctx.state_dir, description=f"{cfg.method} layers")
     masks = {f"{arch.layers}.{k.removesuffix('.keep')}.weight": v.bool() for k, v in kept.items()}
     return {name: masks[name] for name in targets}, {"calibration_windows": int(windows.shape[0]),
@@ -155,17 +166,19 @@ def run(cfg: PruneStage, ctx: Any) -> dict[str, Any]:
     targets = prunable_weights(ctx.model, arch, cfg.ignore, check_ignore="ignore" in cfg.model_fields_set)
     pattern = parse_pattern(cfg.pattern)
     _check_pattern(targets, pattern, cfg.block_size)
+    counts, planned = module_counts(cfg, ctx, arch, targets)  # owl / sensitivity allocations (plan.py)
     if cfg.method == "magnitude":
-        keeps, extra = _magnitude(cfg, targets, pattern)
+        keeps, extra = _magnitude(cfg, targets, pattern, counts)
         with torch.no_grad():
             for name, lin in targets.items():
                 lin.weight.masked_fill_(~keeps[name].to(lin.weight.device), 0.0)
     else:
-        keeps, extra = _calibrated(cfg, ctx, arch, targets, pattern)
+        keeps, extra = _calibrated(cfg, ctx, arch, targets, pattern, counts)
+    extra.update(planned)
     seconds = time.perf_counter() - t0
 
     ctx.masks = {name: keep.cpu() for name, keep in keeps.items()}
-    save_file(ctx.masks, str(ctx.out_dir / MASKS_FILE))
+    write_masks(ctx.masks, ctx.out_dir)
     rows = report.layer_rows({name: lin.weight.detach() for name, lin in targets.items()}, arch.layers)
     achieved = report.overall(rows)
     requested = pattern[0] / pattern[1] if pattern else cfg.sparsity
@@ -178,7 +191,7 @@ def run(cfg: PruneStage, ctx: Any) -> dict[str, Any]:
     ctx.progress.info(f"pruned {achieved:.2%} of {len(rows)} linear layers' weights ({cfg.method}, {cfg.pattern or cfg.scope})")
     if cfg.format == "compressed-tensors":
         structure = cfg.pattern or "unstructured"
-        ctx.exporter = bitmask_exporter(ctx.recipe.output.dtype, ctx.masks, structure, achieved)
+        ctx.exporter = sparse_bitmask.exporter(ctx.recipe.output.dtype, ctx.masks, structure, achieved)
     return {
         "method": cfg.method, "scope": cfg.scope, "pattern": cfg.pattern,
         "requested_sparsity": requested, "achieved_sparsity": round(achieved, 6),

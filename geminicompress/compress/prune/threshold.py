@@ -82,15 +82,17 @@ def _refine(tensors: Sequence[Tensor], k: int, lo: float, hi: float, below: int,
 
 
 def kth_smallest(tensors: Sequence[Tensor], k: int, bins: int = 4096, max_candidates: int = 1 << 22,
-                 sample_size: int = 1 << 20) -> tuple[float, int, list[int]]:
+                 sample_size: int = 1 << 20, total: int | None = None) -> tuple[float, int, list[int]]:
     """The k-th smallest |w| (1-based) over all `tensors`, how many |w| are smaller, and each tensor's
     count of |w| equal to it.
 
     Usually two passes: a strided sample brackets the k-th value, one pass counts what lies below the
     bracket and gathers what lies inside it. When the sample misses, or the bracket holds more than
     `max_candidates` values, histogram passes narrow the bracket instead (`_refine`).
+    `tensors` may read each tensor from disk on access (models.lazy.LazyTensors): every pass visits them
+    one at a time; `total` (their element count) then spares a pass to count them.
     """
-    total = sum(t.numel() for t in tensors)
+    total = sum(t.numel() for t in tensors) if total is None else total
     if not 1 <= k <= total:
         raise ValueError(f"k={k} outside 1..{total}")
     lo, hi = _sample_bracket(tensors, k, total, sample_size)
@@ -117,7 +119,7 @@ def kth_smallest(tensors: Sequence[Tensor], k: int, bins: int = 4096, max_candid
     return value, n_less, [int((_magnitudes(t) == value).sum()) for t in tensors]
 
 
-def global_threshold(tensors: Sequence[Tensor], k: int, **kwargs: int) -> Threshold:
+def global_threshold(tensors: Sequence[Tensor], k: int, **kwargs: int | None) -> Threshold:
     """The threshold that selects exactly the k smallest |w| over all `tensors` (ties: first come first)."""
     if k == 0:
         return Threshold(float("-inf"), tuple(0 for _ in tensors), 0)

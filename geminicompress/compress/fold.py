@@ -1,4 +1,4 @@
-"""Fold AWQ's scales into the model so that it computes the same function (in exact arithmetic):
+"""Fold per-channel scales (AWQ's, SmoothQuant's) into the model so that it computes the same function (in exact arithmetic):
 the op feeding a group divides its output by s, the group's linears multiply their input columns by s.
 
     prev = RMSNorm / LayerNorm:  weight ← weight / s   (Gemma's (1 + weight): 1 + weight ← (1 + weight) / s),

@@ -17,18 +17,23 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from safetensors.torch import save_file
 
 from geminicompress import __version__
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, group_index
-from geminicompress.compress.packing.export import _float_tensors, _write_config, single_spec
-from geminicompress.compress.packing.qlinear import load_with_dequant_linears
 from geminicompress.errors import GeminiError, InputError
+from geminicompress.formats.checkpoint import single_spec, write_packed
+from geminicompress.formats.dequant import load_with_dequant_linears
+
+KEY = "awq"
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i] of its eight
 BITS = 4
 PACK = 32 // BITS
 SUFFIXES = ("qweight", "qzeros", "scales")
+
+
+def detect(qc: dict[str, Any]) -> bool:
+    return str(qc.get("quant_method", "")).lower() == "awq"
 
 
 def check_shape(name: str, out_f: int, in_f: int, spec: QuantSpec) -> None:
@@ -85,31 +90,28 @@ def awq_config(spec: QuantSpec, zero_point: bool, not_converted: list[str]) -> d
             "version": "gemm", "modules_to_not_convert": not_converted or None}
 
 
-def export_awq(model: nn.Module, tokenizer: Any, out: Path, qweights: dict[str, QuantizedWeight],
-               meta: dict[str, Any]) -> dict[str, Any]:
+def write(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, meta: dict[str, Any]) -> dict[str, Any]:
     """Write model + tokenizer to `out` in the AWQ GEMM layout; return a summary for report.json."""
     spec = single_spec(qweights)
-    for name, qw in qweights.items():
-        check_shape(name, *qw.q.shape, spec)
-    dtype = getattr(torch, meta.get("dtype", "float32"))
-    tensors = _float_tensors(model, dtype, skip={f"{n}.weight" for n in qweights})
-    for name, qw in qweights.items():
-        tensors.update({f"{name}.{k}": v.cpu() for k, v in pack_awq(qw).items()})
-    # modules_to_not_convert is matched by name part: the float linears' last names (e.g. lm_head)
-    not_converted = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                            if isinstance(m, nn.Linear) and n not in qweights})
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    qconfig = awq_config(spec, bool(meta.get("zero_point", not spec.sym)), not_converted)
-    _write_config(model, out, qconfig, dtype)
-    tokenizer.save_pretrained(out)
-    return {"format": "awq", "bits": spec.bits, "group_size": spec.group_size, "zero_point": qconfig["zero_point"],
+    zero_point = bool(meta.get("zero_point", not spec.sym))
+
+    def qconfig(not_quantized: list[str]) -> dict[str, Any]:
+        # modules_to_not_convert is matched by name part: the float linears' last names (e.g. lm_head)
+        return awq_config(spec, zero_point, _last_names(not_quantized))
+
+    size, not_quantized = write_packed(model, tokenizer, out, qweights, getattr(torch, meta.get("dtype", "float32")),
+                                       pack_awq, qconfig)
+    not_converted = _last_names(not_quantized)
+    return {"format": KEY, "bits": spec.bits, "group_size": spec.group_size, "zero_point": zero_point,
             "quantized_modules": len(qweights), "float_modules": not_converted, "version": __version__,
-            "size_bytes": (out / "model.safetensors").stat().st_size}
+            "size_bytes": size}
 
 
-def load_awq(path: Path, config: dict, dtype: torch.dtype) -> nn.Module:
+def _last_names(names: list[str]) -> list[str]:
+    return sorted({n.rsplit(".", 1)[-1] for n in names})
+
+
+def load(path: Path, config: dict, dtype: torch.dtype) -> nn.Module:
     """An AWQ GEMM checkpoint as a model whose quantized linears rebuild their weights on the fly."""
     qc = config["quantization_config"]
     if int(qc.get("bits", BITS)) != BITS or str(qc.get("version", "gemm")).lower() != "gemm":

@@ -17,14 +17,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 
+from geminicompress import __version__
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, group_index
-from geminicompress.compress.packing.bits import pack_bits, unpack_bits
-from geminicompress.compress.packing.qlinear import load_with_dequant_linears
 from geminicompress.errors import GeminiError, InputError
+from geminicompress.formats.bits import pack_bits, unpack_bits
+from geminicompress.formats.checkpoint import (compressed_tensors_format, quantized_summary, scale_dtype,
+                                               write_packed)
+from geminicompress.formats.dequant import load_with_dequant_linears
+from geminicompress.formats.mixed import base_spec, ct_config_groups, ct_spec_of, specs_of
 
+KEY = "compressed-tensors:pack-quantized"
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 COMPRESSED_TENSORS_VERSION = "0.19.0"  # the layout of that release (dense bit streams for 3-bit)
+
+
+def detect(qc: dict[str, Any]) -> bool:
+    return compressed_tensors_format(qc) == "pack-quantized"
 
 
 def check_shape(name: str, out_f: int, in_f: int, spec: QuantSpec) -> None:
@@ -60,8 +70,18 @@ def unpack_ct(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> QuantizedWei
     return QuantizedWeight(q, scales.contiguous(), zeros, g_idx, spec)
 
 
-def ct_config(spec: QuantSpec, meta: dict[str, Any], ignore: list[str]) -> dict[str, Any]:
-    """`quantization_config` for weight-only INT-b `pack-quantized` (W4A16 and alike)."""
+def ct_config(spec: QuantSpec, meta: dict[str, Any], ignore: list[str],
+              specs: dict[str, QuantSpec] | None = None) -> dict[str, Any]:
+    """`quantization_config` for weight-only INT-b `pack-quantized` (W4A16 and alike); with `specs` of
+    several kinds (mixed precision), one config group per spec (formats/mixed.py)."""
+    config = _ct_config(spec, meta, ignore)
+    if specs is not None and len(set(specs.values())) > 1:
+        config["config_groups"] = ct_config_groups(specs, lambda s: _ct_config(s, meta, ignore)["config_groups"]
+                                                   ["group_0"]["weights"])
+    return config
+
+
+def _ct_config(spec: QuantSpec, meta: dict[str, Any], ignore: list[str]) -> dict[str, Any]:
     act_order = bool(meta.get("act_order", False))
     actorder = None if not act_order else ("weight" if meta.get("static_groups") else "group")
     weights = {
@@ -89,15 +109,33 @@ def ct_config(spec: QuantSpec, meta: dict[str, Any], ignore: list[str]) -> dict[
     }
 
 
-def load_pack_quantized(path: Path, config: dict, dtype: torch.dtype):
+def write(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, meta: dict[str, Any]) -> dict[str, Any]:
+    """Write model + tokenizer as compressed-tensors pack-quantized; float tensors in meta["dtype"]."""
+    spec = base_spec(qweights)
+    dtype_name = meta.get("dtype", "float32")
+    with_g_idx = bool(meta.get("act_order")) and not meta.get("static_groups")
+    scales_as = scale_dtype("compressed-tensors", dtype_name)
+    size, not_quantized = write_packed(model, tokenizer, out, qweights, getattr(torch, dtype_name),
+                                       lambda qw: pack_ct(qw, scales_as, with_g_idx),
+                                       lambda ignore: ct_config(spec, {**meta, "version": __version__}, ignore,
+                                                                specs_of(qweights)))
+    return quantized_summary("compressed-tensors", spec, qweights, not_quantized, size)
+
+
+def load(path: Path, config: dict, dtype: torch.dtype):
     """Load a compressed-tensors pack-quantized checkpoint with `DequantLinear`s."""
     qc = config["quantization_config"]
-    groups = list((qc.get("config_groups") or {}).values())
-    if len(groups) != 1 or not groups[0].get("weights"):
-        raise GeminiError(f"{path}: only one weight-quantization config group is supported, found {len(groups)}")
-    w = groups[0]["weights"]
-    if w.get("type", "int") != "int" or w.get("strategy") not in ("group", "channel"):
-        raise GeminiError(f"{path}: pack-quantized with {w.get('type')}/{w.get('strategy')} weights is not supported")
-    spec = QuantSpec(int(w["num_bits"]), int(w.get("group_size") or -1) if w["strategy"] == "group" else -1,
-                     bool(w.get("symmetric", True)))
-    return load_with_dequant_linears(path, dtype, SUFFIXES, lambda t: unpack_ct(t, spec), bias_key="bias")
+    groups = qc.get("config_groups") or {}
+    if not any(g.get("weights") for g in groups.values()):
+        raise GeminiError(f"{path}: no weight-quantization config group")
+
+    def unpack_module(name: str, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
+        try:
+            spec = ct_spec_of(groups, name)
+        except GeminiError as exc:
+            raise GeminiError(f"{path}: {exc}") from exc
+        if spec is None:
+            raise GeminiError(f"{path}: quantized module {name} matches no config group")
+        return unpack_ct(tensors, spec)
+
+    return load_with_dequant_linears(path, dtype, SUFFIXES, None, bias_key="bias", unpack_module=unpack_module)

@@ -14,17 +14,28 @@ GPTQModel's v1->v2 conversion adds 1 to the whole word and carries into the neig
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 
+from geminicompress import __version__
+from geminicompress.compress.arch import arch_for
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec
-from geminicompress.compress.packing.bits import pack_bits, unpack_bits
-from geminicompress.compress.packing.qlinear import load_with_dequant_linears
+from geminicompress.formats.bits import pack_bits, unpack_bits
+from geminicompress.formats.checkpoint import quantized_summary, write_packed
 from geminicompress.errors import GeminiError, InputError
+from geminicompress.formats.dequant import load_with_dequant_linears
+from geminicompress.formats.mixed import base_spec, dynamic_spec, gptq_dynamic, specs_of
 
+KEY = "gptq"
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+
+
+def detect(qc: dict[str, Any]) -> bool:
+    return str(qc.get("quant_method", "")).lower() == "gptq"
 
 
 def check_shape(name: str, out_f: int, in_f: int, spec: QuantSpec) -> None:
@@ -87,7 +98,27 @@ def gptq_config(spec: QuantSpec, meta: dict[str, Any], skipped: list[str]) -> di
     return config
 
 
-def load_gptq(path: Path, config: dict, dtype: torch.dtype):
+def write(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, meta: dict[str, Any]) -> dict[str, Any]:
+    """Write model + tokenizer in GPTQ v1 (+ quantize_config.json); float tensors in meta["dtype"]."""
+    spec = base_spec(qweights)  # mixed precision: the others as `dynamic` overrides (formats/mixed.py)
+    layers = arch_for(model).layers + "."
+    meta = {**meta, "version": __version__}
+    overrides = gptq_dynamic(specs_of(qweights), spec)
+
+    def qconfig(not_quantized: list[str]) -> dict[str, Any]:
+        config = gptq_config(spec, meta, [n for n in not_quantized if n.startswith(layers)])
+        if overrides:
+            config["dynamic"] = {**overrides, **config.get("dynamic", {})}
+        return config
+
+    size, not_quantized = write_packed(model, tokenizer, out, qweights, getattr(torch, meta.get("dtype", "float32")),
+                                       pack_gptq, qconfig)
+    quantize_config = {k: v for k, v in qconfig(not_quantized).items() if k not in ("meta", "dynamic")}
+    (out / "quantize_config.json").write_text(json.dumps(quantize_config, indent=2) + "\n")
+    return quantized_summary(KEY, spec, qweights, not_quantized, size)
+
+
+def load(path: Path, config: dict, dtype: torch.dtype):
     """Load a GPTQ v1 (or v2) checkpoint with `DequantLinear`s in place of the quantized linears."""
     qc = config["quantization_config"]
     try:
@@ -95,4 +126,6 @@ def load_gptq(path: Path, config: dict, dtype: torch.dtype):
     except KeyError as exc:
         raise GeminiError(f"{path}: quantization_config lacks {exc}") from exc
     v1 = str(qc.get("checkpoint_format", "gptq")).lower() != "gptq_v2"
-    return load_with_dequant_linears(path, dtype, SUFFIXES, lambda t: unpack_gptq(t, spec, v1), bias_key="bias")
+    dynamic = qc.get("dynamic")
+    return load_with_dequant_linears(path, dtype, SUFFIXES, lambda t: unpack_gptq(t, spec, v1), bias_key="bias",
+                                     unpack_module=lambda name, t: unpack_gptq(t, dynamic_spec(dynamic, name, spec), v1))

@@ -12,16 +12,24 @@ config.json -> quantization_config = {quant_method: compressed-tensors, sparsity
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
+from geminicompress.errors import GeminiError
+from geminicompress.formats.checkpoint import (compressed_tensors_format, float_linears, float_skeleton, read_tensors,
+                                               save_weights, tied_output_names, write_config)
+
+KEY = "compressed-tensors:sparse-bitmask"  # and its 2:4 variant, sparse-24-bitmask
+FORMATS = ("sparse-bitmask", "sparse-24-bitmask")
 SUFFIXES = ("compressed", "bitmask", "shape", "row_offsets")
 _BITS = 1 << torch.arange(8, dtype=torch.int32)  # little bit order: column 8j+b -> bit b of byte j
+
+
+def detect(qc: dict[str, Any]) -> bool:
+    return compressed_tensors_format(qc) in FORMATS
 
 
 def pack_bits(keep: Tensor) -> Tensor:
@@ -65,11 +73,11 @@ def sparsity_config(fmt: str, structure: str, global_sparsity: float, ignore: li
             "targets": ["Linear"], "ignore": ignore}
 
 
-def bitmask_exporter(dtype: str, masks: dict[str, Tensor], structure: str,
-                     global_sparsity: float) -> Callable[[Any, Any, Path], dict]:
+def exporter(dtype: str, masks: dict[str, Tensor], structure: str,
+             global_sparsity: float) -> Callable[[Any, Any, Path], dict]:
     """Exporter writing `masks`' weights (param name -> keep-mask) in a sparse-bitmask layout; the rest dense."""
     two_four = structure == "2:4"
-    fmt = "sparse-24-bitmask" if two_four else "sparse-bitmask"
+    fmt = FORMATS[1] if two_four else FORMATS[0]
 
     def export(model: Any, tokenizer: Any, out: Path) -> dict:
         model = model.to(getattr(torch, dtype))
@@ -86,20 +94,41 @@ def bitmask_exporter(dtype: str, masks: dict[str, Tensor], structure: str,
                 tensors.update({f"{name.removesuffix('.weight')}.{k}": v for k, v in parts.items()})
             else:
                 tensors[name] = tensor
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        model.config.save_pretrained(out)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(out)
+        save_weights(tensors, out)
+        ignore = [n for n in float_linears(model) if f"{n}.weight" not in masks]
+        qconfig = {"quant_method": "compressed-tensors", "format": fmt,
+                   "sparsity_config": sparsity_config(fmt, structure, global_sparsity, ignore)}
+        write_config(model, out, qconfig, None)
         tokenizer.save_pretrained(out)
-        linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-        ignore = [n for n in linears if f"{n}.weight" not in masks]
-        config = json.loads((out / "config.json").read_text())
-        config["quantization_config"] = {
-            "quant_method": "compressed-tensors",
-            "format": fmt,
-            "sparsity_config": sparsity_config(fmt, structure, global_sparsity, ignore),
-        }
-        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         return {"format": f"compressed-tensors:{fmt}", "dtype": dtype, "sparsity_structure": structure}
 
     return export
+
+
+def dense_state_dict(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Replace every `<module>.{compressed,bitmask,shape[,row_offsets]}` group by `<module>.weight`."""
+    modules = {k.removesuffix(".bitmask") for k in tensors if k.endswith(".bitmask")}
+    dense = {}
+    for key, value in tensors.items():
+        prefix, _, suffix = key.rpartition(".")
+        if prefix in modules and suffix in SUFFIXES:
+            continue
+        dense[key] = value
+    for module in modules:
+        parts = {s: tensors[f"{module}.{s}"] for s in SUFFIXES if f"{module}.{s}" in tensors}
+        dense[f"{module}.weight"] = decompress(parts)
+    return dense
+
+
+def load(path: Path, config: dict[str, Any], dtype: torch.dtype):
+    """A sparse-bitmask (or sparse-24-bitmask) checkpoint as a dense model."""
+    model = float_skeleton(path, dtype)
+    tensors = read_tensors(path)
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in dense_state_dict(tensors).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    untied = set(missing) - tied_output_names(model)
+    if unexpected or untied:
+        bad = sorted(untied) or sorted(unexpected)
+        raise GeminiError(f"{path}: sparse-bitmask checkpoint does not match its config ({len(bad)} keys differ, e.g. {bad[0]})")
+    model.tie_weights()
+    return model

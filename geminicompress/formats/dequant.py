@@ -13,11 +13,11 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 from geminicompress.compress.arch import get_module, set_module
 from geminicompress.compress.grid import QuantizedWeight
 from geminicompress.errors import GeminiError
+from geminicompress.formats.checkpoint import float_skeleton, read_tensors
 
 
 class DequantLinear(nn.Module):
@@ -46,32 +46,15 @@ class DequantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, bias={self.bias is not None}"
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise GeminiError(f"{path} has no *.safetensors weights")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        tensors.update(load_file(str(file)))
-    return tensors
-
-
-def float_skeleton(path: Path, dtype: torch.dtype) -> nn.Module:
-    """The model's architecture from config.json, without its quantization_config, in `dtype`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(path)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    return AutoModelForCausalLM.from_config(config, dtype=dtype)
-
-
 def load_with_dequant_linears(path: Path, dtype: torch.dtype, suffixes: tuple[str, ...],
                               unpack: Callable[[dict[str, torch.Tensor]], QuantizedWeight],
-                              bias_key: str = "bias") -> nn.Module:
+                              bias_key: str = "bias",
+                              unpack_module: Callable[[str, dict[str, torch.Tensor]], QuantizedWeight] | None = None,
+                              ) -> nn.Module:
     """Build the model, put a `DequantLinear` wherever the checkpoint has `<module>.<suffixes[0]>`
-    (the per-module tensors named by `suffixes` go to `unpack`), load everything else as it is."""
-    tensors = read_safetensors(path)
+    (the per-module tensors named by `suffixes` go to `unpack`, or to `unpack_module(name, tensors)` when
+    the spec depends on the module: mixed precision), load everything else as it is."""
+    tensors = read_tensors(path)
     model = float_skeleton(path, dtype)
     marker = "." + suffixes[0]
     prefixes = sorted(k[: -len(marker)] for k in tensors if k.endswith(marker))
@@ -82,7 +65,8 @@ def load_with_dequant_linears(path: Path, dtype: torch.dtype, suffixes: tuple[st
             get_module(model, prefix)
         except AttributeError as exc:
             raise GeminiError(f"{path}: quantized module {prefix} does not exist in the model's architecture") from exc
-        set_module(model, prefix, DequantLinear(unpack(parts), bias, dtype))
+        qw = unpack_module(prefix, parts) if unpack_module is not None else unpack(parts)
+        set_module(model, prefix, DequantLinear(qw, bias, dtype))
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     quantized = tuple(p + "." for p in prefixes)
     missing = [k for k in missing if not k.startswith(quantized)]

@@ -1,0 +1,145 @@
+"""Per-module quantization specs of a GPTQ stage: a budgeted allocation over a sensitivity table, then
+explicit `overrides`. The budget is one of: average stored bits per weight (scales and zero points
+included, as the gptq format stores them), checkpoint size, or predicted drift (percent of perplexity,
+predicted as exp(Σ KL) − 1: the KL of a unit's change is the cross-entropy it costs on text the model
+itself would write, and the units' KLs add up to first order).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch.nn as nn
+
+from geminicompress.compress.allocation import Allocation, allocate, allocate_within_drift, check_budget, frontier
+from geminicompress.compress.grid import QuantSpec
+from geminicompress.errors import InputError
+
+ALLOCATION_FILE = "allocation.json"
+FRONTIER_FILE = "allocation_frontier.png"
+
+
+def spec_of_label(label: str, sym: bool) -> QuantSpec:
+    """'b4g64' or 'gptq:b4g64' -> QuantSpec(4, 64, sym)."""
+    m = re.fullmatch(r"(?:gptq:)?b(\d+)g(-?\d+)", label)
+    if not m:
+        raise InputError(f"'{label}' is not b<bits>g<group size>")
+    return QuantSpec(int(m.group(1)), int(m.group(2)), sym)
+
+
+def drift_pct(kl: float) -> float:
+    return 100.0 * math.expm1(kl)
+
+
+def fixed_bytes(model: nn.Module, quantized: list[str], dtype_bytes: int) -> float:
+    """Bytes of everything but the quantized weights' codes/scales: float tensors (tied ones once) at the
+    output dtype, plus each quantized module's int32 g_idx."""
+    skip = {f"{n}.weight" for n in quantized}
+    seen, total = set(), 0.0
+    for key, t in model.state_dict().items():
+        ident = (t.data_ptr(), tuple(t.shape))
+        if key in skip or ident in seen:
+            continue
+        seen.add(ident)
+        total += t.numel() * (dtype_bytes if t.is_floating_point() else t.element_size())
+    return total + sum(4 * dict(model.named_modules())[n].in_features for n in quantized)
+
+
+def table_matrices(table: dict[str, Any], options: list[str], targets: list[str]) -> tuple[list[dict], np.ndarray, np.ndarray]:
+    """(units, cost in bits (units, options), drift in KL (units, options)) for the stage's options."""
+    missing = [o for o in options if o not in table["options"]]
+    if missing:
+        raise InputError(f"the sensitivity table has no column {', '.join(missing)} (it has {', '.join(table['options'])})")
+    cols = [table["options"].index(o) for o in options]
+    wanted = set(targets)
+    units = [u for u in table["units"] if set(u["modules"]) <= wanted]
+    covered = {m for u in units for m in u["modules"]}
+    if covered != wanted:
+        raise InputError(f"the sensitivity table does not cover {sorted(wanted - covered)[0]} "
+                         "(another model, or other --ignore patterns?)")
+    cost = np.array([[u["params"] * u["bits_per_weight"][j] for j in cols] for u in units])
+    drift = np.array([[u["drift"][j] for j in cols] for u in units])
+    return units, cost, drift
+
+
+def allocate_specs(table: dict[str, Any], alloc: Any, targets: list[str], sym: bool,
+                   fixed: float) -> tuple[dict[str, QuantSpec], dict[str, Any]]:
+    """Module -> spec from the knapsack, and the summary (choice, prediction, frontier)."""
+    units, cost, drift = table_matrices(table, alloc.options, targets)
+    params = float(sum(u["params"] for u in units))
+    bits = lambda v: f"{v / params:.4g} bits per weight"  # noqa: E731
+    if alloc.target_bits is not None:
+        target = {"target_bits": alloc.target_bits}
+        check_budget(cost, drift, alloc.target_bits * params, "--target-bits", bits)
+        a = allocate(cost, drift, alloc.target_bits * params)
+    elif alloc.target_size_mb is not None:
+        target = {"target_size_mb": alloc.target_size_mb}
+        size = lambda v: f"{(v / 8 + fixed) / 1e6:.3f} MB"  # noqa: E731
+        budget = (alloc.target_size_mb * 1e6 - fixed) * 8
+        check_budget(cost, drift, budget, "--target-size-mb", size)
+        a = allocate(cost, drift, budget)
+    else:
+        target = {"max_drift_pct": alloc.max_drift}
+        least = float(drift.min(1).sum())
+        if math.log1p(alloc.max_drift / 100) < least:
+            raise InputError(f"--max-drift {alloc.max_drift:g}% cannot be met with these options: the reachable "
+                             f"range is {drift_pct(least):.3g}% (dearest choice) and up")
+        a = allocate_within_drift(cost, drift, math.log1p(alloc.max_drift / 100))
+    specs = {m: spec_of_label(alloc.options[j], sym) for u, j in zip(units, a.choice) for m in u["modules"]}
+    curve = [{"bits": round(c / params, 5), "predicted_drift_pct": round(drift_pct(d), 5)}
+             for c, d in frontier(cost, drift, resolution=256)]
+    counts = {o: sum(u["params"] for u, j in zip(units, a.choice) if j == i) for i, o in enumerate(alloc.options)}
+    return specs, {**target, **_chosen(a, params, fixed), "weights_per_option": counts, "frontier": curve,
+                   "table_measure": table.get("measure")}
+
+
+def _chosen(a: Allocation, params: float, fixed: float) -> dict[str, float]:
+    return {"average_bits": round(a.cost / params, 5), "predicted_kl": round(a.drift, 6),
+            "predicted_drift_pct": round(drift_pct(a.drift), 4), "predicted_size_mb": round((a.cost / 8 + fixed) / 1e6, 4)}
+
+
+def module_specs(cfg: Any, ctx: Any, targets: list[str], spec: QuantSpec) -> tuple[dict[str, QuantSpec], dict[str, Any]]:
+    """Every target's spec: the stage's (`spec`, its group size resolved), the allocation's, then the
+    explicit overrides."""
+    specs = {n: spec for n in targets}
+    summary: dict[str, Any] = {}
+    if cfg.allocation is not None:
+        table = _table(cfg, ctx, targets)
+        dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}[ctx.recipe.output.dtype]
+        chosen, summary = allocate_specs(table, cfg.allocation, targets, cfg.sym,
+                                         fixed_bytes(ctx.model, targets, dtype_bytes))
+        specs.update(chosen)
+    for name, label in cfg.overrides.items():
+        if name not in specs:
+            raise InputError(f"override '{name}' is not a quantized module (names look like '{targets[0]}')")
+        specs[name] = spec_of_label(label, cfg.sym)
+    return specs, summary
+
+
+def _table(cfg: Any, ctx: Any, targets: list[str]) -> dict[str, Any]:
+    alloc = cfg.allocation
+    if alloc.sensitivity is not None:
+        path = Path(alloc.sensitivity)
+        if not path.is_file():
+            raise InputError(f"sensitivity table {path} does not exist")
+        return json.loads(path.read_text())
+    from geminicompress.compress.sensitivity.measure import measure_sensitivity
+    from geminicompress.compress.sensitivity.options import parse_options
+
+    return measure_sensitivity(ctx.model, ctx.calibration(cfg.data), parse_options(",".join(alloc.options)),
+                               keep=set(targets), kl_windows=alloc.kl_windows, measure=alloc.measure, fuse=alloc.fuse,
+                               device=ctx.device, progress=ctx.progress, seed=ctx.recipe.seed)
+
+
+def write_allocation(summary: dict[str, Any], specs: dict[str, QuantSpec], out: Path) -> None:
+    """OUT/allocation.json (the choice per module, the prediction, the frontier) and the frontier plot."""
+    from geminicompress.compress.sensitivity.plot import write_frontier
+
+    data = {**summary, "modules": {n: f"b{s.bits}g{s.group_size}" for n, s in specs.items()}}
+    (out / ALLOCATION_FILE).write_text(json.dumps(data, indent=2) + "\n")
+    write_frontier(data, out / FRONTIER_FILE)

@@ -1,0 +1,109 @@
+"""The per-linear sparsity map of a prune stage (`allocation: owl | sensitivity`), before any pruning.
+
+- owl: one observe-only pass layer by layer over the calibration windows through the *dense* model
+  (as the OWL reference does), collecting each group's input norms ‖X_j‖₂; the outlier ratio of every
+  decoder layer from its Wanda scores; layer sparsities by `allocate.owl_layer_sparsity`.
+- sensitivity: a knapsack (compress/allocation.py) over a sensitivity table's `<method>:<sparsity>`
+  options: least total predicted drift with the kept weights ≤ (1 − S) · total.
+Both end in whole pruned counts per linear summing exactly to round(S · total) (`allocate.exact_counts`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from geminicompress.compress.allocation import allocate
+from geminicompress.compress.arch import Arch
+from geminicompress.compress.layerwise import LayerJob, run_layerwise
+from geminicompress.compress.prune.allocate import exact_counts, outlier_ratio, owl_layer_sparsity
+from geminicompress.compress.prune.wanda import InputNorms, wanda_scores
+from geminicompress.errors import InputError
+
+
+def layer_of(name: str, arch: Arch) -> int:
+    return int(name.removeprefix(arch.layers + ".").split(".", 1)[0])
+
+
+def owl_ratios(ctx: Any, cfg: Any, arch: Arch, targets: dict[str, nn.Linear]) -> list[float]:
+    """Outlier ratio D_l of every decoder layer (dense model, calibration windows)."""
+
+    @torch.no_grad()
+    def observe(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        prefix = f"{job.arch.layers}.{job.index}"
+        groups = [[n for n in g if f"{prefix}.{n}.weight" in targets] for g in job.arch.sequential]
+        groups = [g for g in groups if g]
+        norms = {g[0]: InputNorms(job.module(g[0]).in_features, job.device) for g in groups}
+        job.forward({job.module(g[0]): (lambda x, y, acc=norms[g[0]]: acc.add_batch(x)) for g in groups})
+        scores = [wanda_scores(job.module(n).weight, norms[g[0]].norms()) for g in groups for n in g]
+        return {"outlier_ratio": outlier_ratio(scores, cfg.owl_threshold) if scores else 0.0}, {}
+
+    summaries, _ = run_layerwise(ctx.model, ctx.calibration(cfg.data), observe, device=ctx.device,
+                                 progress=ctx.progress, state_dir=None, description="owl outliers")
+    return [s["outlier_ratio"] for s in summaries]
+
+
+def owl_map(ctx: Any, cfg: Any, arch: Arch, targets: dict[str, nn.Linear]) -> tuple[dict[str, float], dict]:
+    ratios = owl_ratios(ctx, cfg, arch, targets)
+    layers = sorted({layer_of(n, arch) for n in targets})
+    params = [sum(t.weight.numel() for n, t in targets.items() if layer_of(n, arch) == i) for i in layers]
+    per_layer = dict(zip(layers, owl_layer_sparsity([ratios[i] for i in layers], params, cfg.sparsity, cfg.owl_lambda)))
+    return ({n: per_layer[layer_of(n, arch)] for n in targets},
+            {"owl_outlier_ratio": [round(r, 6) for r in ratios], "owl_layer_sparsity": [round(per_layer[i], 6) for i in layers]})
+
+
+def sensitivity_map(table: dict[str, Any], method: str, targets: dict[str, nn.Linear],
+                    target: float) -> tuple[dict[str, float], dict]:
+    """Knapsack over the table's `<method>:<s>` columns (plus s = 0, drift 0) for total sparsity `target`."""
+    cols = [(i, float(o.split(":", 1)[1])) for i, o in enumerate(table["options"])
+            if o.split(":", 1)[0] == method]
+    if not cols:
+        raise InputError(f"the sensitivity table has no '{method}:<sparsity>' option "
+                         f"(it has {', '.join(table['options'])}); measure one with --options {method}:0.5,...")
+    units = table["units"]
+    by_module = {m: u for u in units for m in u["modules"]}
+    missing = [n for n in targets if n.removesuffix(".weight") not in by_module]
+    if missing:
+        raise InputError(f"the sensitivity table does not cover {missing[0]} (a table of another model?)")
+    levels = [0.0] + [s for _, s in cols]
+    unit_list = [u for u in units if any(f"{m}.weight" in targets for m in u["modules"])]
+    cost = np.array([[u["params"] * (1 - s) for s in levels] for u in unit_list])
+    drift = np.array([[0.0] + [u["drift"][i] for i, _ in cols] for u in unit_list])
+    total = float(sum(u["params"] for u in unit_list))
+    a = allocate(cost, drift, (1 - target) * total)
+    chosen = {m: levels[c] for u, c in zip(unit_list, a.choice) for m in u["modules"]}
+    return ({n: chosen[n.removesuffix(".weight")] for n in targets},
+            {"predicted_drift": round(a.drift, 6), "sensitivity_levels": levels})
+
+
+def read_table(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"sensitivity table {path} does not exist")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path} is not a sensitivity.json: {exc}") from exc
+
+
+def module_counts(cfg: Any, ctx: Any, arch: Arch, targets: dict[str, nn.Linear]) -> tuple[dict[str, int] | None, dict]:
+    """Whole pruned counts per linear for owl/sensitivity allocations (None: the stage's own uniform/global)."""
+    if cfg.allocation == "owl":
+        sparsity, extra = owl_map(ctx, cfg, arch, targets)
+    elif cfg.allocation == "sensitivity":
+        if cfg.sensitivity is None:
+            from geminicompress.compress.sensitivity import prune_table
+
+            table = prune_table(ctx, cfg, targets)
+        else:
+            table = read_table(cfg.sensitivity)
+        sparsity, extra = sensitivity_map(table, cfg.method, targets, cfg.sparsity)
+    else:
+        return None, {}
+    params = {n: t.weight.numel() for n, t in targets.items()}
+    return exact_counts(params, sparsity, cfg.sparsity), {"allocation": cfg.allocation, **extra}

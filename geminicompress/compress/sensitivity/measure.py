@@ -1,0 +1,210 @@
+"""The sensitivity pass: the drift each candidate setting causes on each module (or fused group) alone.
+
+For every unit u (a decoder linear, or with `fuse` a group of linears reading one input: q/k/v,
+gate/up) and option o, apply o to u only, all else untouched, and measure
+- kl: KL(original ‖ modified) of the next-token distributions at the model output, nats per token,
+  averaged over the first `kl_windows` calibration windows: the modified layer is run from the cached
+  original hidden states at its input, then the rest of the model (only the layers from u's on);
+- proxy (cheap: one layer forward per unit and option): the squared error u's option causes at its
+  decoder layer's output, e_uo = mean_t ‖Δh_t‖², times a propagation gain of that depth,
+  γ_l = KL / e measured once per layer by adding small isotropic noise (relative size `noise`) to the
+  original layer output. KL is quadratic in a small perturbation of the residual stream, so γ·e is in
+  the same units as kl.
+Statistics (GPTQ/SparseGPT Hessians, Wanda input norms) come from all calibration windows through the
+original model, layer by layer. A whole-model pass by design: measuring at the output needs every
+layer after u (STYLE 14's exception); the model sits on the device for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from geminicompress.compress.arch import Arch, arch_for, get_module
+from geminicompress.compress.hessian import HessianAccumulator
+from geminicompress.compress.layerwise import LayerInputs, capture_inputs, forward_layer, layer_output
+from geminicompress.compress.prune.wanda import InputNorms
+from geminicompress.compress.sensitivity.options import Option, apply_option, check_applicable
+from geminicompress.eval.drift import kl_per_token
+from geminicompress.errors import InputError
+from geminicompress.progress import NullProgress, Progress
+
+FINAL_NORM = {"llama": "model.norm", "mistral": "model.norm", "qwen2": "model.norm", "qwen3": "model.norm",
+              "gemma": "model.norm", "gpt_neox": "gpt_neox.final_layer_norm"}
+MEASURES = ("kl", "proxy", "both")
+
+
+@dataclass(frozen=True)
+class Unit:
+    layer: int
+    linears: tuple[str, ...]  # relative to the decoder layer, e.g. ("self_attn.q_proj",)
+
+
+def units_of(arch: Arch, n_layers: int, keep: set[str], fuse: bool) -> list[Unit]:
+    """Units in model order; `keep`: the full module names that may be changed."""
+    units = []
+    for i in range(n_layers):
+        for group in arch.sequential:
+            names = tuple(n for n in group if f"{arch.layers}.{i}.{n}" in keep)
+            if fuse and names:
+                units.append(Unit(i, names))
+            elif names:
+                units.extend(Unit(i, (n,)) for n in names)
+    return units
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman rank correlation (ties broken by order)."""
+    ra = np.argsort(np.argsort(np.asarray(a))).astype(float)
+    rb = np.argsort(np.argsort(np.asarray(b))).astype(float)
+    if len(ra) < 2 or ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+class _Tail:
+    """Layers l.. then the final norm and head, from cached original hidden states (kw, T, d)."""
+
+    def __init__(self, model: nn.Module, arch: Arch, kwargs: dict[str, Any]) -> None:
+        self.layers = get_module(model, arch.layers)
+        self.norm = get_module(model, FINAL_NORM[model.config.model_type])
+        self.head = model.get_output_embeddings()
+        self.kwargs = kwargs
+
+    def logprobs(self, h: torch.Tensor, start: int) -> torch.Tensor:
+        for layer in self.layers[start:]:
+            h = layer_output(layer, h, self.kwargs)
+        logits = self.head(self.norm(h))[:, :-1]  # (kw, T-1, V)
+        return F.log_softmax(logits.float(), dim=-1).flatten(0, 1)
+
+    def kl(self, base: torch.Tensor, h: torch.Tensor, start: int) -> float:
+        return float(kl_per_token(base, self.logprobs(h, start)).mean())
+
+
+@torch.no_grad()
+def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[Option], *, keep: set[str],
+                        kl_windows: int = 2, measure: str = "proxy", fuse: bool = False, noise: float = 0.02,
+                        device: torch.device = torch.device("cpu"), progress: Progress | None = None,
+                        seed: int = 0) -> dict[str, Any]:
+    """The table (sensitivity.json's content): one row per unit, one column per option."""
+    if measure not in MEASURES:
+        raise InputError(f"measure '{measure}' is not one of {', '.join(MEASURES)}")
+    progress = progress or NullProgress()
+    arch = arch_for(model)
+    if model.config.model_type not in FINAL_NORM:
+        raise InputError(f"the sensitivity pass does not know the final norm of '{model.config.model_type}'")
+    layers = get_module(model, arch.layers)
+    units = units_of(arch, len(layers), keep, fuse)
+    if not units:
+        raise InputError("no decoder linear left to measure (check --ignore)")
+    in_features = {f"{arch.layers}.{u.layer}.{n}": get_module(layers[u.layer], n).in_features for u in units for n in u.linears}
+    check_applicable(options, in_features)
+    kw = max(1, min(kl_windows, windows.shape[0]))
+    want_h = any(o.needs_hessian for o in options)
+    want_norms = any(o.method == "wanda" for o in options)
+    if not (want_h or want_norms):  # no statistics: only the measured windows need to run
+        windows = windows[:kw]
+    model.to(device)
+    inputs = capture_inputs(model, windows, device)
+    tail = _Tail(model, arch, inputs.kwargs)
+    states = [torch.cat([h.to(device) for h in inputs.hidden[:kw]])]  # (kw, T, d) at each layer's input
+    for layer in layers:
+        states.append(layer_output(layer, states[-1], inputs.kwargs))
+    base = tail.logprobs(states[-1], len(layers))  # (kw·(T−1), V)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    rows: list[dict[str, Any]] = []
+    gains: list[float] = []
+    with progress.task(f"sensitivity ({measure})", total=len(units) * len(options)) as bar:
+        for i, layer in enumerate(layers):
+            mine = [u for u in units if u.layer == i]
+            if want_h or want_norms:
+                stats, outputs = _statistics(layer, inputs, device, arch, mine, want_h, want_norms)
+                inputs = LayerInputs(outputs, inputs.kwargs)  # the original layer's outputs: the next inputs
+            else:
+                stats = {n: (None, None) for u in mine for n in u.linears}
+            target = states[i + 1]
+            delta = torch.randn(target.shape, generator=gen).to(target) * noise * target.pow(2).mean().sqrt()
+            gain = tail.kl(base, target + delta, i + 1) / float(delta.pow(2).sum(-1).mean())
+            gains.append(gain)
+            for u in mine:
+                rows.append(_measure_unit(u, layer, options, stats, states, base, tail, gain, measure, arch, bar))
+    result = {"measure": measure, "options": [o.label for o in options], "fuse": fuse,
+              "drift_unit": "KL(original || modified) at the model output, nats per token",
+              "kl_windows": kw, "calibration_windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]),
+              "noise": noise, "propagation_gain": gains, "units": rows}
+    if measure == "both":
+        result["rank_correlation"] = _correlations(rows, options)
+    return result
+
+
+def _statistics(layer: nn.Module, inputs: Any, device: torch.device, arch: Arch, units: list[Unit],
+                want_h: bool, want_norms: bool) -> tuple[dict[str, tuple], list[torch.Tensor]]:
+    """Per linear of the layer: (Hessian, input norms) from the original inputs over every window; and
+    the layer's outputs (the next layer's inputs), from the same pass."""
+    names = {n for u in units for n in u.linears}
+    groups = [[n for n in g if n in names] for g in arch.sequential]
+    groups = [g for g in groups if g]
+    if not (want_h or want_norms) or not groups:
+        return {n: (None, None) for n in names}, forward_layer(layer, inputs, device)
+    accs = {g[0]: (HessianAccumulator(get_module(layer, g[0]).in_features, device) if want_h else None,
+                   InputNorms(get_module(layer, g[0]).in_features, device) if want_norms else None) for g in groups}
+
+    def observer(h_acc, n_acc):
+        def fn(x: torch.Tensor, y: torch.Tensor) -> None:
+            if h_acc is not None:
+                h_acc.add_batch(x)
+            if n_acc is not None:
+                n_acc.add_batch(x)
+        return fn
+
+    outputs = forward_layer(layer, inputs, device, {get_module(layer, g[0]): observer(*accs[g[0]]) for g in groups})
+    out = {}
+    for g in groups:
+        h_acc, n_acc = accs[g[0]]
+        value = (h_acc.H if h_acc is not None else None, n_acc.norms() if n_acc is not None else None)
+        out.update({n: value for n in g})
+    return out, outputs
+
+
+def _measure_unit(u: Unit, layer: nn.Module, options: list[Option], stats: dict, states: list[torch.Tensor],
+                  base: torch.Tensor, tail: _Tail, gain: float, measure: str, arch: Arch, bar: Any) -> dict[str, Any]:
+    modules = [get_module(layer, n) for n in u.linears]
+    originals = [m.weight.data for m in modules]
+    params = sum(w.numel() for w in originals)
+    row: dict[str, Any] = {"name": f"{arch.layers}.{u.layer}." + "+".join(u.linears), "layer": u.layer,
+                           "modules": [f"{arch.layers}.{u.layer}.{n}" for n in u.linears], "params": params,
+                           "kl": [], "proxy": [], "layer_error": [], "bits_per_weight": [], "kept": []}
+    target = states[u.layer + 1]
+    for o in options:
+        for n, m, w in zip(u.linears, modules, originals):
+            m.weight.data = apply_option(w, o, *stats[n]).to(w.dtype)
+        try:
+            y = layer_output(layer, states[u.layer], tail.kwargs)
+            err = float((y - target).pow(2).sum(-1).mean())
+            row["layer_error"].append(err)
+            row["proxy"].append(gain * err)
+            row["kl"].append(tail.kl(base, y, u.layer + 1) if measure != "proxy" else None)
+        finally:
+            for m, w in zip(modules, originals):
+                m.weight.data = w
+        row["bits_per_weight"].append(sum(o.bits_per_weight(w.shape[1]) * w.numel() for w in originals) / params
+                                      if o.quantizes else None)
+        row["kept"].append(o.kept())
+        bar.advance(1)
+    row["drift"] = row["proxy"] if measure == "proxy" else row["kl"]
+    return row
+
+
+def _correlations(rows: list[dict], options: list[Option]) -> dict[str, float]:
+    kl = [v for r in rows for v in r["kl"]]
+    proxy = [v for r in rows for v in r["proxy"]]
+    out = {"all": spearman(kl, proxy)}
+    for j, o in enumerate(options):
+        out[o.label] = spearman([r["kl"][j] for r in rows], [r["proxy"][j] for r in rows])
+    return {k: (round(v, 4) if math.isfinite(v) else None) for k, v in out.items()}

@@ -1,0 +1,60 @@
+"""Which linears a method touches: the `ignore` regexes, checked and applied in one place.
+
+Quantization and pruning act on the linears of the decoder layers (`arch.linears` under `arch.layers`);
+INT8 acts on every linear of the model. A pattern the user gave that matches nothing is an error: it is
+almost always a typo.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Mapping
+
+import torch.nn as nn
+
+from geminicompress.compress.arch import Arch, get_module
+from geminicompress.compress.grid import auto_group_size
+from geminicompress.errors import InputError
+
+
+def compile_patterns(ignore: list[str]) -> list[re.Pattern[str]]:
+    try:
+        return [re.compile(p) for p in ignore]
+    except re.error as exc:
+        raise InputError(f"ignore pattern '{exc.pattern}' is not a valid regular expression: {exc}") from exc
+
+
+def check_patterns_match(patterns: list[re.Pattern[str]], names: list[str]) -> None:
+    """Raise InputError naming the first pattern that matches none of `names`."""
+    for p in patterns:
+        if not any(p.search(n) for n in names):
+            example = names[-1] if names else "none"
+            raise InputError(f"ignore pattern '{p.pattern}' matches no linear layer (names look like '{example}')")
+
+
+def decoder_linears(model: nn.Module, arch: Arch, ignore: list[str], check: bool = False) -> list[str]:
+    """Full names of the decoder-layer linears ("model.layers.3.self_attn.q_proj"), in model order,
+    minus those matching an ignore regex (with `check`, a pattern matching no linear is an error)."""
+    patterns = compile_patterns(ignore)
+    layers = get_module(model, arch.layers)
+    names = [f"{arch.layers}.{i}.{lin}" for i in range(len(layers)) for lin in arch.linears]
+    names = [n for n in names if isinstance(get_module(model, n), nn.Linear)]
+    if check:
+        check_patterns_match(patterns, [n for n, m in model.named_modules() if isinstance(m, nn.Linear)])
+    return [n for n in names if not any(p.search(n) for p in patterns)]
+
+
+def present_groups(arch: Arch, present: Callable[[str], bool]) -> list[list[str]]:
+    """`arch.sequential` (groups of linears reading one input, in execution order) restricted to the
+    linears for which `present(name)` holds; groups left empty are dropped."""
+    groups = [[n for n in group if present(n)] for group in arch.sequential]
+    return [g for g in groups if g]
+
+
+def resolve_group_size(group_size: int | str, shapes: Mapping[str, tuple[int, int]], progress: Any) -> int:
+    """`group_size` as given, or for "auto" the size `grid.auto_group_size` picks, said in an info line."""
+    if group_size != "auto":
+        return int(group_size)
+    size = auto_group_size([in_f for _, in_f in shapes.values()])
+    progress.info(f"group size {size} (auto: largest of 128/64/32 dividing all inputs; or --group-size)")
+    return size

@@ -1,0 +1,72 @@
+"""On-disk formats: one module per format, one table that names them all.
+
+Every format module has
+- `KEY`: its name in this table (the name `config.json` -> `quantization_config` identifies);
+- `detect(qc: dict) -> bool`: whether a `quantization_config` is this format (a test checks that
+  `detect` below and the modules agree);
+- `load(path, config, dtype) -> PreTrainedModel`: read it back (what `eval` measures is what ships);
+- `write(model, tokenizer, out, ...) -> dict`: write it (the summary goes into report.json).
+Formats that hold quantized weights (`QUANTIZED`) share one write signature,
+`write(model, tokenizer, out, qweights, meta)`, and a `check_shape(name, out, in, spec)` that refuses
+what they cannot hold before any work starts. Shared plumbing (float tensors, config.json,
+safetensors reading, the float skeleton) lives in `checkpoint.py`; nothing reaches into another
+format's private helpers.
+
+A dense checkpoint has no `quantization_config` and loads with plain transformers. Modules are
+imported only when a model in their format is read or written.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from geminicompress.errors import InputError
+
+# KEY -> module. The order is the order `detect` asks in.
+FORMATS: dict[str, str] = {
+    "gptq": "geminicompress.formats.gptq",
+    "awq": "geminicompress.formats.awq",
+    "compressed-tensors:pack-quantized": "geminicompress.formats.pack_quantized",
+    "compressed-tensors:int-quantized": "geminicompress.formats.int_quantized",
+    "compressed-tensors:sparse-bitmask": "geminicompress.formats.sparse_bitmask",
+    "compressed-tensors:sparse-24-bitmask": "geminicompress.formats.sparse_bitmask",
+}
+
+# The `format` a recipe names for quantized weights -> the module that writes it.
+QUANTIZED: dict[str, str] = {
+    "gptq": "geminicompress.formats.gptq",
+    "awq": "geminicompress.formats.awq",
+    "compressed-tensors": "geminicompress.formats.pack_quantized",
+    "dense": "geminicompress.formats.dense",
+}
+
+
+def module(key: str) -> ModuleType:
+    """The format module for a `FORMATS` key or a `QUANTIZED` recipe name."""
+    target = FORMATS.get(key) or QUANTIZED.get(key)
+    if target is None:
+        raise InputError(f"format '{key}' is not one geminicompress knows (it knows: {', '.join(sorted({*FORMATS, *QUANTIZED}))})")
+    return importlib.import_module(target)
+
+
+def detect(config: dict[str, Any]) -> str | None:
+    """The `FORMATS` key of a model's config.json, or None for a dense checkpoint."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return None
+    from geminicompress.formats.checkpoint import compressed_tensors_format
+
+    fmt = compressed_tensors_format(qc)
+    return f"compressed-tensors:{fmt}" if fmt is not None else str(qc.get("quant_method", "")).lower()
+
+
+def load(path: Path, config: dict[str, Any], dtype: Any) -> Any:
+    """Load the checkpoint at `path` whose config.json is `config` (a format `detect` recognises)."""
+    key = detect(config)
+    if key not in FORMATS:
+        raise InputError(f"{path}: quantization format '{key}' is not one geminicompress reads "
+                         f"(it reads: {', '.join(FORMATS)})")
+    return module(key).load(Path(path), config, dtype)

@@ -1,0 +1,211 @@
+"""Write a checkpoint's tensors as they are produced, into safetensors shards of at most `max_bytes`.
+
+A safetensors file starts with a header (8-byte length, JSON of every tensor's dtype, shape and byte
+range), so a shard cannot be written before all its tensors are known. The writer therefore appends each
+tensor's bytes to the open shard's data file as soon as it is given, and when the next tensor would make
+the shard exceed `max_bytes` it closes the shard: header + data streamed into `part-NNNNN.safetensors`
+(through a temporary name, then renamed). Memory: one tensor at a time; disk: the output plus one shard.
+
+Resumable at *unit* granularity (a unit = one decoder layer's tensors, or one module outside them):
+after a unit's bytes are flushed to disk, `progress.json` (rewritten atomically) records the unit, its
+summary and where its tensors lie. A restarted writer truncates the open data file back to the last
+finished unit, so a killed run continues after its last finished layer with no second copy of it.
+`finish(out)` renames the parts to transformers' `model-0000k-of-0000n.safetensors` (or
+`model.safetensors` when there is one) and writes `model.safetensors.index.json`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from geminicompress.errors import GeminiError
+
+DEFAULT_MAX_BYTES = 2 * 10**9
+PROGRESS = "progress.json"
+INDEX = "model.safetensors.index.json"
+_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+          torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+          torch.bool: "BOOL"}
+
+
+class DiskFullError(GeminiError):
+    """The disk filled up while writing; the finished units are kept and a rerun resumes after them."""
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes in memory order, without a copy when it is contiguous on the CPU."""
+    t = t.detach().to("cpu").contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+class ShardWriter:
+    """`writer.write(unit, tensors, summary)` per finished unit, then `writer.finish(out)`."""
+
+    def __init__(self, work: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.work = Path(work)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        path = self.work / PROGRESS
+        self.state: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {
+            "max_bytes": max_bytes, "closed": [], "open": {"tensors": {}, "bytes": 0}, "units": {}}
+        self._recover()
+
+    # ---- public ----
+    def finished(self, unit: str) -> bool:
+        return unit in self.state["units"]
+
+    def summary(self, unit: str) -> dict[str, Any]:
+        return self.state["units"][unit]
+
+    def write(self, unit: str, tensors: dict[str, torch.Tensor], summary: dict[str, Any] | None = None) -> None:
+        """Append `tensors` (in order) and mark `unit` finished once they are on disk."""
+        if self.finished(unit):
+            return
+        for name, t in tensors.items():
+            size = t.numel() * t.element_size()
+            if self.state["open"]["bytes"] and self.state["open"]["bytes"] + size > self.max_bytes:
+                self._close_open()
+            self._append(name, t, size)
+        self._sync()
+        self.state["units"][unit] = summary or {}
+        self.state.setdefault("unit_tensors", {})[unit] = list(tensors)
+        self._save_state()
+
+    def read(self, unit: str) -> dict[str, torch.Tensor]:
+        """The tensors a finished unit wrote, read back from its shard(s) (to resume through it)."""
+        from safetensors import safe_open
+
+        names = self.state.get("unit_tensors", {}).get(unit, [])
+        where = {t: shard["file"] for shard in self.state["closed"] for t in shard["tensors"]}
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            if name in where:
+                with safe_open(str(self.work / where[name]), framework="pt") as f:
+                    out[name] = f.get_tensor(name)
+                continue
+            meta = self.state["open"]["tensors"][name]
+            start, stop = meta["data_offsets"]
+            with open(self._data_path(), "rb") as f:
+                f.seek(start)
+                raw = bytearray(f.read(stop - start))
+            dtype = next(d for d, c in _CODES.items() if c == meta["dtype"])
+            out[name] = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(meta["shape"]).clone() \
+                if raw else torch.empty(meta["shape"], dtype=dtype)
+        return out
+
+    def finish(self, out: Path) -> dict[str, Any]:
+        """Close the last shard, move every shard into `out` under transformers' names, write the index
+        (none for a single shard, which becomes model.safetensors); return {files, total_bytes}."""
+        if self.state["open"]["tensors"]:
+            self._close_open()
+        closed = self.state["closed"]
+        n = len(closed)
+        names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        weight_map: dict[str, str] = {}
+        total = 0
+        for shard, name in zip(closed, names):
+            src = self.work / shard["file"]
+            if src.is_file():
+                os.replace(src, Path(out) / name)
+            elif not (Path(out) / name).is_file():
+                raise GeminiError(f"{src} is missing: the resume state in {self.work} is damaged; rerun with --force")
+            weight_map.update({t: name for t in shard["tensors"]})
+            total += shard["bytes"]
+        if n > 1:
+            _write_json(Path(out) / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        return {"files": names, "total_bytes": total}
+
+    # ---- shards ----
+    def _data_path(self) -> Path:
+        return self.work / f"part-{len(self.state['closed']) + 1:05d}.data"
+
+    def _append(self, name: str, t: torch.Tensor, size: int) -> None:
+        if t.dtype not in _CODES:
+            raise GeminiError(f"tensor {name} has dtype {t.dtype}, which safetensors cannot store")
+        opened = self.state["open"]
+        start = opened["bytes"]
+        path = self._data_path()
+        with self._guard(path):
+            with open(path, "ab") as f:
+                f.write(_bytes(t))
+        opened["tensors"][name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [start, start + size]}
+        opened["bytes"] = start + size
+
+    def _close_open(self) -> None:
+        """Write header + data of the open shard as part-NNNNN.safetensors; start a new open shard."""
+        opened = self.state["open"]
+        data = self._data_path()
+        final = data.with_suffix(".safetensors")
+        header = json.dumps({"__metadata__": {"format": "pt"}, **opened["tensors"]}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # the format allows trailing spaces; keeps data 8-byte aligned
+        tmp = final.with_name(final.name + ".tmp")
+        with self._guard(tmp):
+            with open(tmp, "wb") as out, open(data, "rb") as src:
+                out.write(struct.pack("<Q", len(header)))
+                out.write(header)
+                shutil.copyfileobj(src, out, 64 << 20)
+                out.flush()
+                os.fsync(out.fileno())
+        os.replace(tmp, final)
+        self.state["closed"].append({"file": final.name, "tensors": list(opened["tensors"]),
+                                     "bytes": final.stat().st_size})
+        self.state["open"] = {"tensors": {}, "bytes": 0}
+        self._save_state()
+        data.unlink(missing_ok=True)
+
+    def _sync(self) -> None:
+        path = self._data_path()
+        if path.is_file():
+            with self._guard(path):
+                with open(path, "ab") as f:
+                    f.flush()
+                    os.fsync(f.fileno())
+
+    def _save_state(self) -> None:
+        with self._guard(self.work / PROGRESS):
+            _write_json(self.work / PROGRESS, self.state)
+
+    def _recover(self) -> None:
+        """Drop what a killed run wrote after its last finished unit."""
+        for tmp in self.work.glob("*.tmp"):
+            tmp.unlink()
+        path = self._data_path()
+        keep = self.state["open"]["bytes"]
+        if path.is_file() and path.stat().st_size != keep:
+            os.truncate(path, keep)
+        elif not path.is_file() and keep:
+            raise GeminiError(f"{path} is missing: the resume state in {self.work} is damaged; rerun with --force")
+
+    def _guard(self, path: Path):
+        return _DiskGuard(path, self.work, len(self.state["units"]))
+
+
+class _DiskGuard:
+    """Turn ENOSPC into one line naming the file; everything finished so far stays for the rerun."""
+
+    def __init__(self, path: Path, work: Path, finished: int) -> None:
+        self.path, self.work, self.finished = path, work, finished
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None and issubclass(exc_type, OSError) and exc.errno == errno.ENOSPC:
+            free = shutil.disk_usage(self.work).free
+            raise DiskFullError(f"disk full while writing {self.path} ({free / 2**30:.2f} GiB free): free some space "
+                                f"and rerun the same command; it resumes after the {self.finished} finished units") from exc
+        return False

@@ -1,0 +1,319 @@
+"""A checkpoint read one decoder layer at a time, so memory follows one layer, not the model's depth.
+
+`LazyCheckpoint(path)` builds the model's skeleton with its parameters on the meta device (accelerate's
+`init_empty_weights`; buffers such as the rotary frequencies are small and computed for real), reads
+the safetensors headers (single file or sharded with `model.safetensors.index.json`) and checks them
+against the skeleton before any work: every shard present and whole, every tensor the index names
+present in its shard, every parameter's shape the one config.json implies. `materialise(prefix)` then
+reads one module's tensors from the memory-mapped files (each file opened only while it is read, so its
+mapped pages leave resident memory again) and `release(prefix)` puts them back on the meta device.
+
+`LazyLayers` is the layer *source* of `layerwise.run_layerwise` for such a checkpoint; `ModelLayers`
+(layerwise.py) is the one for a model already in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from geminicompress.compress.arch import Arch, arch_for, get_module
+from geminicompress.errors import InputError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+           "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+           "BOOL": torch.bool}
+
+
+class TensorInfo:
+    __slots__ = ("file", "dtype", "shape")
+
+    def __init__(self, file: Path, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.file, self.dtype, self.shape = file, dtype, shape
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def is_streamable_dir(path: Path) -> bool:
+    """A dense (no quantization_config) transformers directory with safetensors weights."""
+    path = Path(path)
+    if not (path / "config.json").is_file() or not ((path / INDEX).is_file() or (path / SINGLE).is_file()):
+        return False
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return not config.get("quantization_config")
+
+
+def _open(file: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as exc:  # safetensors raises its own error type for a damaged header
+        raise InputError(f"{file}: cannot be read ({str(exc).splitlines()[0]}): the shard is truncated or damaged") from exc
+
+
+def read_headers(path: Path) -> dict[str, TensorInfo]:
+    """Every tensor of the checkpoint at `path` (name -> file, dtype, shape), checked against the index."""
+    path = Path(path)
+    index_file = path / INDEX
+    if index_file.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as exc:
+            raise InputError(f"{index_file}: not a safetensors index ({exc})") from exc
+    elif (path / SINGLE).is_file():
+        weight_map = {}
+    else:
+        raise InputError(f"{path} has neither {SINGLE} nor {INDEX}")
+    files = sorted(set(weight_map.values())) or [SINGLE]
+    infos: dict[str, TensorInfo] = {}
+    for name in files:
+        file = path / name
+        if not file.is_file():
+            raise InputError(f"{index_file} names shard {file.name}, which does not exist")
+        with _open(file) as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                infos[key] = TensorInfo(file, _DTYPES[sl.get_dtype()], tuple(sl.get_shape()))
+    for key, name in weight_map.items():
+        if key not in infos or infos[key].file.name != name:
+            raise InputError(f"{index_file} maps tensor {key} to {name}, which does not hold it")
+    return infos
+
+
+def _skeleton(path: Path, trust_remote_code: bool) -> nn.Module:
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary) real and small
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model.eval()
+
+
+def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_path, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        owner._buffers[leaf] = value
+
+
+class LazyCheckpoint:
+    """A dense safetensors checkpoint whose weights stay on disk until a module asks for them."""
+
+    def __init__(self, path: Path | str, trust_remote_code: bool = False) -> None:
+        self.path = Path(path)
+        self.tensors = read_headers(self.path)
+        self.model = _skeleton(self.path, trust_remote_code)
+        self.arch: Arch = arch_for(self.model)
+        self.layers: nn.ModuleList = get_module(self.model, self.arch.layers)
+        self._tied = self._tied_names()
+        self._check_against_config()
+
+    # ---- what is on disk ----
+    @property
+    def dtype(self) -> torch.dtype:
+        """The float dtype most of the checkpoint's bytes are stored in."""
+        by: dict[torch.dtype, int] = defaultdict(int)
+        for info in self.tensors.values():
+            if info.dtype.is_floating_point:
+                by[info.dtype] += info.nbytes
+        return max(by, key=by.__getitem__) if by else torch.float32
+
+    def names(self, prefix: str = "") -> list[str]:
+        """The parameter/buffer names the skeleton expects under module `prefix`, in model order."""
+        module = self.model.get_submodule(prefix) if prefix else self.model
+        head = f"{prefix}." if prefix else ""
+        return [head + n for n, _ in module.state_dict(keep_vars=True).items()]
+
+    def stored_name(self, name: str) -> str:
+        """The tensor `name` reads from: itself, or the input embedding for a tied output head."""
+        return self._tied.get(name, name)
+
+    def nbytes(self, prefix: str = "", dtype: torch.dtype | None = None) -> int:
+        """Bytes of the tensors under `prefix` (each as stored, or in `dtype` when it is floating)."""
+        total = 0
+        for n in self.names(prefix):
+            info = self.tensors.get(self.stored_name(n))
+            if info is None:
+                continue
+            size = dtype.itemsize if dtype is not None and info.dtype.is_floating_point else info.dtype.itemsize
+            total += info.numel * size
+        return total
+
+    def read(self, names: Sequence[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The tensors `names` (floats cast to `dtype` when given), reading each shard once, in name order."""
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for n in names:
+            by_file[self.tensors[self.stored_name(n)].file].append(n)
+        out: dict[str, torch.Tensor] = {}
+        for file, group in by_file.items():
+            with _open(file) as f:
+                for n in group:
+                    try:
+                        t = f.get_tensor(self.stored_name(n))
+                    except Exception as exc:
+                        raise InputError(f"{file}: tensor {n} cannot be read ({str(exc).splitlines()[0]})") from exc
+                    out[n] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        return {n: out[n] for n in names}
+
+    # ---- the skeleton ----
+    def materialise(self, prefix: str, dtype: torch.dtype | None = None) -> nn.Module:
+        """Module `prefix` of the skeleton with its tensors read from disk (floats in `dtype` when given)."""
+        module = self.model.get_submodule(prefix)
+        head = f"{prefix}." if prefix else ""
+        for name, value in self.read([n for n in self.names(prefix) if self._on_disk(n)], dtype).items():
+            _set_tensor(module, name[len(head):], value)
+        return module
+
+    def release(self, prefix: str) -> None:
+        """Free module `prefix`: its parameters and persistent buffers (including those of modules a
+        method swapped in, e.g. INT8 codes) go back to the meta device; computed buffers (rotary) stay."""
+        module = self.model.get_submodule(prefix)
+        for owner in module.modules():
+            for name, p in list(owner._parameters.items()):
+                if p is not None:
+                    owner._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                           requires_grad=False)
+            for name, b in list(owner._buffers.items()):
+                if b is not None and name not in owner._non_persistent_buffers_set:
+                    owner._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+
+    def layer_prefix(self, i: int) -> str:
+        return f"{self.arch.layers}.{i}"
+
+    def outside_modules(self) -> list[str]:
+        """The modules holding parameters outside the decoder layers (embeddings, final norm, head), in
+        model order, each the smallest module that owns them."""
+        out: list[str] = []
+        for name, module in self.model.named_modules():
+            if name == self.arch.layers or name.startswith(f"{self.arch.layers}."):
+                continue
+            if any(True for _ in module.parameters(recurse=False)):
+                out.append(name)
+        return out
+
+    @property
+    def tied_output(self) -> str | None:
+        """The output head's module name when it shares the input embedding's weight (stored once)."""
+        return next(iter(self._tied), "").removesuffix(".weight") or None
+
+    def _on_disk(self, name: str) -> bool:
+        """Whether `name` is read from the checkpoint (persistent buffers computed at init are not)."""
+        return self.stored_name(name) in self.tensors or name not in dict(self.model.named_buffers())
+
+    def _tied_names(self) -> dict[str, str]:
+        if not getattr(self.model.config, "tie_word_embeddings", False):
+            return {}
+        out, inp = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+        if out is None or inp is None:
+            return {}
+        names = {m: n for n, m in self.model.named_modules()}
+        head, emb = f"{names[out]}.weight", f"{names[inp]}.weight"
+        return {head: emb} if head not in self.tensors else {}
+
+    def _check_against_config(self) -> None:
+        """Every tensor the skeleton needs is on disk with the shape config.json implies."""
+        for name, expected in self.model.state_dict(keep_vars=True).items():
+            if not self._on_disk(name):
+                continue
+            info = self.tensors.get(self.stored_name(name))
+            if info is None:
+                raise InputError(f"{self.path}: tensor {name} is missing from the checkpoint (config.json needs it)")
+            if info.shape != tuple(expected.shape):
+                raise InputError(f"{info.file}: tensor {name} has shape {list(info.shape)} but config.json implies "
+                                 f"{list(expected.shape)}")
+
+
+class LazyLayers:
+    """Layer source over a `LazyCheckpoint`: layer i read from disk in `dtype`, released after use."""
+
+    def __init__(self, ckpt: LazyCheckpoint, dtype: torch.dtype | None = torch.float32) -> None:
+        self.ckpt, self.dtype = ckpt, dtype
+        self.model = ckpt.model
+
+    def __len__(self) -> int:
+        return len(self.ckpt.layers)
+
+    def load(self, i: int) -> nn.Module:
+        return self.ckpt.materialise(self.ckpt.layer_prefix(i), self.dtype)
+
+    def release(self, i: int) -> None:
+        self.ckpt.release(self.ckpt.layer_prefix(i))
+
+    def capture_modules(self) -> list[str]:
+        """What a forward up to decoder layer 0 needs: the input embeddings."""
+        names = {m: n for n, m in self.model.named_modules()}
+        return [names[self.model.get_input_embeddings()]]
+
+
+class LazyTensors(Sequence):
+    """A read-only sequence of checkpoint tensors read on access (as float32), for passes such as
+    `threshold.kth_smallest` that visit every tensor a few times and keep one at a time."""
+
+    def __init__(self, ckpt: LazyCheckpoint, names: list[str]) -> None:
+        self.ckpt, self.names = ckpt, names
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return LazyTensors(self.ckpt, self.names[i])
+        return self.ckpt.read([self.names[i]], torch.float32)[self.names[i]]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for i in range(len(self)):
+            yield self[i]
+
+    @property
+    def total(self) -> int:
+        return sum(self.ckpt.tensors[self.ckpt.stored_name(n)].numel for n in self.names)
+
+
+def available_memory() -> int:
+    """Bytes of memory available to new work (MemAvailable), or 0 when unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def weights_bytes(path: Path, dtype_size: int = 4) -> int:
+    """Bytes the checkpoint's float weights take in memory at `dtype_size` bytes each (headers only)."""
+    return sum(i.numel * (dtype_size if i.dtype.is_floating_point else i.dtype.itemsize)
+               for i in read_headers(path).values())
+
+
+def free_disk(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+

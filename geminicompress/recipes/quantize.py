@@ -1,0 +1,117 @@
+"""Configs of the quantization methods that predate the method registry (`geminicompress/methods.py`
+maps each method name to its config class, runner, default format and whether it calibrates)."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from geminicompress.recipes.base import GROUP_SIZE_HELP, GroupSize, StageBase, Strict
+
+
+class Int8Stage(StageBase):
+    """INT8: `int8` = weight-only (W8A16); `w8a8` = INT8 weights and dynamic INT8 activations."""
+
+    type: Literal["quantize"] = "quantize"
+    method: Literal["int8", "w8a8"]
+    bits: Literal[8] = 8
+    smoothquant_alpha: float | None = Field(
+        0.5, ge=0.0, le=1.0, description="w8a8: SmoothQuant migration strength, calibrated on the stage's DATA "
+        "(default: the recipe's calibration data); 0 or null = no SmoothQuant. Not used by int8")
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="module name patterns to keep in float")
+    format: Literal["compressed-tensors"] = "compressed-tensors"
+
+    @model_validator(mode="after")
+    def _smoothquant_needs_w8a8(self) -> "Int8Stage":
+        if self.method != "w8a8":
+            if "smoothquant_alpha" in self.model_fields_set and self.smoothquant_alpha:
+                raise ValueError("smoothquant_alpha applies to method w8a8 only (int8 keeps activations in float)")
+            object.__setattr__(self, "smoothquant_alpha", None)
+        elif self.smoothquant_alpha == 0:
+            object.__setattr__(self, "smoothquant_alpha", None)  # 0 = off: one spelling in the report
+        return self
+
+
+class QuantAllocation(Strict):
+    """Mixed precision under a budget: a knapsack over a sensitivity table (compress/allocation.py).
+    Give exactly one of target_bits, target_size_mb, max_drift."""
+
+    options: list[str] = Field(default_factory=lambda: ["gptq:b4g64", "gptq:b3g64"],
+                               description="the settings each module may get (gptq:b<bits>g<group>)")
+    target_bits: float | None = Field(None, gt=0.0, description="average stored bits per quantized weight, scales "
+                                      "and zero points included")
+    target_size_mb: float | None = Field(None, gt=0.0, description="checkpoint size in MB (10^6 bytes)")
+    max_drift: float | None = Field(None, gt=0.0, description="predicted perplexity drift in percent: the smallest "
+                                    "allocation whose predicted exp(sum KL) - 1 stays under it")
+    sensitivity: str | None = Field(None, description="a sensitivity.json (default: measure one on the calibration data)")
+    measure: Literal["proxy", "kl"] = Field("proxy", description="how to measure when no table is given")
+    kl_windows: int = Field(2, ge=1)
+    fuse: bool = Field(False, description="one setting per group of linears reading one input (q/k/v, gate/up)")
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "QuantAllocation":
+        given = [k for k in ("target_bits", "target_size_mb", "max_drift") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of target_bits, target_size_mb, max_drift (got {', '.join(given) or 'none'})")
+        bad = [o for o in self.options if not re.fullmatch(r"gptq:b\d+g-?\d+", o)]
+        if bad:
+            raise ValueError(f"allocation options of a gptq stage are gptq:b<bits>g<group>, got {', '.join(bad)}")
+        return self
+
+
+class GPTQStage(StageBase):
+    """GPTQ (Frantar et al., 2022): Hessian-aware rounding, layer by layer."""
+
+    type: Literal["quantize"] = "quantize"
+    method: Literal["gptq"]
+    bits: Literal[2, 3, 4, 8] = 4
+    group_size: GroupSize = Field("auto", description=GROUP_SIZE_HELP)
+    sym: bool = True
+    # defaults measured on the demo model (docs/gptq-defaults.md): act-order with groups in quantization order
+    # and the first token weighted 16x gave the lowest perplexity of the settings tried at 4-bit g64
+    act_order: bool = True
+    static_groups: bool = False
+    true_sequential: bool = True
+    one_pass: bool = Field(True, description="true-sequential in one pass over the windows per layer (holds every "
+                           "window's activations of one layer); false re-runs the layer per group (less memory)")
+    damp: float = Field(0.01, gt=0.0, lt=1.0, description="dampening, fraction of the mean Hessian diagonal")
+    first_token_weight: float = Field(16.0, ge=1.0, description="weight of each calibration window's first token "
+                                      "(the attention sink) in the Hessians: see compress/hessian.py")
+    block_size: int = Field(128, ge=1)
+    calib_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype the layers compute in while calibrating (their forward passes); "
+        "Hessians and the solver are always float32. bfloat16 is faster on GPUs and on CPUs with AVX512-BF16/AMX")
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+    format: Literal["gptq", "compressed-tensors", "dense"] = "gptq"
+    allocation: QuantAllocation | None = Field(None, description="mixed precision: bits per module under a budget")
+    overrides: dict[str, str] = Field(default_factory=dict, description="module name -> b<bits>g<group> "
+                                      "(e.g. model.layers.0.self_attn.v_proj: b8g64); wins over the allocation")
+
+    @field_validator("overrides")
+    @classmethod
+    def _check_overrides(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [f"{k}: {s}" for k, s in v.items() if not re.fullmatch(r"b\d+g-?\d+", s)]
+        if bad:
+            raise ValueError(f"overrides are b<bits>g<group size>, e.g. b8g64; got {', '.join(bad)}")
+        return v
+
+
+class AWQStage(StageBase):
+    """AWQ (Lin et al., 2023): activation-aware scaling (+ clipping), then RTN or GPTQ."""
+
+    type: Literal["quantize"] = "quantize"
+    method: Literal["awq", "awq+gptq"]
+    bits: Literal[2, 3, 4, 8] = 4
+    group_size: GroupSize = Field("auto", description=GROUP_SIZE_HELP)
+    zero_point: bool = True
+    clip: bool = True
+    n_grid: int = Field(20, ge=1, le=1000, description="points of the alpha grid in [0, 1) for the scale search")
+    search_windows: int = Field(8, ge=1, description="calibration windows on which the scale search measures the "
+                                "output error (activation statistics use all windows)")
+    damp: float = Field(0.01, gt=0.0, lt=1.0)
+    block_size: int = Field(128, ge=1)
+    search_results: str | None = Field(None, description="re-apply saved scales/clips instead of searching")
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+    format: Literal["awq", "compressed-tensors", "dense"] = "awq"

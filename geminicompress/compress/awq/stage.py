@@ -256,11 +256,7 @@ def _quantize(job: LayerJob, cfg, spec: QuantSpec, quantized: list[str], stats: 
         else:
             qw = rtn_quantize(W, spec)
         qw.scales = qw.scales.to(scales_as).float()  # what the checkpoint will hold
-        start = 0
-        for name, module in zip(names, modules):
-            rows = slice(start, start + module.out_features)
-            start += module.out_features
-            part = QuantizedWeight(qw.q[rows], qw.scales[rows], qw.zeros[rows], qw.g_idx, spec)
+        for name, module, part in zip(names, modules, qw.split_rows([m.out_features for m in modules])):
             module.weight.data = part.dequantize().to(module.weight.dtype)
             stored = {"q": part.q.to(torch.uint8), "scales": part.scales, "zeros": part.zeros.to(torch.uint8),
                       "g_idx": part.g_idx}

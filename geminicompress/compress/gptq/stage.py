@@ -131,10 +131,7 @@ def _solve_group(job: LayerJob, group: list[str], H: torch.Tensor, *, cfg: GPTQS
     except GeminiError as exc:
         raise GeminiError(f"layer {job.index} {'/'.join(group)}: {exc}") from exc
     qw.scales = qw.scales.to(scales_as).float()  # what the checkpoint will hold
-    start = 0
-    for name, module in zip(group, modules):
-        part = _rows(qw, start, start + module.out_features)
-        start += module.out_features
+    for name, part in zip(group, qw.split_rows([m.out_features for m in modules])):
         job.set_weight(name, part.dequantize())
         kept.update({f"{name}.{k}": v for k, v in _kept(part).items()})
     losses["/".join(group)] = loss
@@ -168,10 +165,6 @@ def _collect_hessians(job: LayerJob, groups: list[list[str]], first_token_weight
         for handle in handles:
             handle.remove()
     return [acc.H for acc in accs]
-
-
-def _rows(qw: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
-    return QuantizedWeight(qw.q[start:stop], qw.scales[start:stop], qw.zeros[start:stop], qw.g_idx, qw.spec)
 
 
 def _kept(qw: QuantizedWeight) -> dict[str, torch.Tensor]:

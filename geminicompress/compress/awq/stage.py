@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import SmoothGroup, arch_for, get_module
+from geminicompress.compress.arch import SmoothGroup, get_module
 from geminicompress.compress.awq import results
 from geminicompress.compress.fold import fold_problem, fold_scales
 from geminicompress.compress.awq.search import apply_clip, linear_error, scaled_weights, search_clip, search_scales
@@ -31,9 +31,9 @@ from geminicompress.compress.gptq.solver import gptq_quantize
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, rtn_quantize
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.layerwise import LayerJob, run_layerwise
-from geminicompress.compress.targets import decoder_linears, resolve_group_size
-from geminicompress.errors import GeminiError, InputError
-from geminicompress.formats.checkpoint import check_shapes, scale_dtype, write_quantized
+from geminicompress.compress.targets import weight_quant_targets
+from geminicompress.errors import GeminiError
+from geminicompress.formats.checkpoint import scale_dtype, write_quantized
 
 CLIP_TOKENS = 512
 NO_CLIP = ("q_proj", "k_proj", "query_key_value")  # their outputs meet in q·kᵀ (llm-awq skips them too)
@@ -42,13 +42,8 @@ FIELDS = ("q", "scales", "zeros", "g_idx")
 
 def run(cfg, ctx) -> dict[str, Any]:
     model = ctx.model
-    arch = arch_for(model)
-    targets = decoder_linears(model, arch, cfg.ignore, check="ignore" in cfg.model_fields_set)
-    if not targets:
-        raise InputError("the model has no linear layer left to quantize (check --ignore)")
-    shapes = {name: tuple(get_module(model, name).weight.shape) for name in targets}
-    spec = QuantSpec(cfg.bits, resolve_group_size(cfg.group_size, shapes, ctx.progress), sym=not cfg.zero_point)
-    check_shapes(cfg.format, shapes, spec)
+    found = weight_quant_targets(model, cfg, ctx.progress, sym=not cfg.zero_point, fmt=cfg.format)
+    arch, targets, spec = found.arch, found.names, found.spec
     num_layers = len(get_module(model, arch.layers))
     model_type = model.config.model_type
     saved = results.load_search(cfg.search_results, model_type, num_layers)[0] if cfg.search_results else None

@@ -29,12 +29,12 @@ def compile_patterns(ignore: list[str]) -> list[re.Pattern[str]]:
         raise InputError(f"ignore pattern '{exc.pattern}' is not a regular expression: {exc}") from exc
 
 
-def check_patterns_match(patterns: list[re.Pattern[str]], names: list[str]) -> None:
-    """Raise InputError naming the first pattern that matches none of `names`."""
+def check_patterns_match(patterns: list[re.Pattern[str]], names: list[str], what: str = "linear layer") -> None:
+    """Raise InputError naming the first pattern that matches none of `names` (each name a `what`)."""
     for p in patterns:
         if not any(p.search(n) for n in names):
             example = names[-1] if names else "none"
-            raise InputError(f"ignore pattern '{p.pattern}' matches no linear layer (names look like '{example}')")
+            raise InputError(f"ignore pattern '{p.pattern}' matches no {what} (names look like '{example}')")
 
 
 def decoder_linears(model: nn.Module, arch: Arch, ignore: list[str], check: bool = False) -> list[str]:

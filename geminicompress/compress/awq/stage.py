@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -35,12 +35,18 @@ from geminicompress.compress.targets import weight_quant_targets
 from geminicompress.errors import GeminiError
 from geminicompress.formats.checkpoint import scale_dtype, write_quantized
 
+if TYPE_CHECKING:
+    from geminicompress.pipeline import StageContext
+    from geminicompress.recipes.quantize import AWQStage
+
 CLIP_TOKENS = 512
 NO_CLIP = ("q_proj", "k_proj", "query_key_value")  # their outputs meet in q·kᵀ (llm-awq skips them too)
 FIELDS = ("q", "scales", "zeros", "g_idx")
 
 
-def run(cfg, ctx) -> dict[str, Any]:
+def run(cfg: AWQStage, ctx: StageContext) -> dict[str, Any]:
+    """Scale, clip and quantize ctx.model in place (fake-quantized weights), save the search results, set
+    the exporter for cfg.format, and return the summary for report.json. Bad input fails before work."""
     model = ctx.model
     found = weight_quant_targets(model, cfg, ctx.progress, sym=not cfg.zero_point, fmt=cfg.format)
     arch, targets, spec = found.arch, found.names, found.spec
@@ -153,7 +159,7 @@ def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _awq_layer(job: LayerJob, *, cfg, spec: QuantSpec, saved: dict[str, torch.Tensor] | None, norm_offset: float,
+def _awq_layer(job: LayerJob, *, cfg: AWQStage, spec: QuantSpec, saved: dict[str, torch.Tensor] | None, norm_offset: float,
                scales_as: torch.dtype, targets: set[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Steps 1-4 for one decoder layer, in place; returns (summary, kept tensors)."""
     arch = job.arch
@@ -229,7 +235,7 @@ def _clip_bound(job: LayerJob, name: str, spec: QuantSpec, clip: bool, stats: di
     return search_clip(weight, x, spec)
 
 
-def _quantize(job: LayerJob, cfg, spec: QuantSpec, quantized: list[str], stats: dict[str, _InputStats],
+def _quantize(job: LayerJob, cfg: AWQStage, spec: QuantSpec, quantized: list[str], stats: dict[str, _InputStats],
               divided: dict[str, torch.Tensor], scales_as: torch.dtype) -> dict[str, torch.Tensor]:
     """Step 4: RTN or GPTQ per set of linears sharing an input; write the dequantized weights back."""
     kept: dict[str, torch.Tensor] = {}

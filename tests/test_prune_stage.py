@@ -136,3 +136,19 @@ def test_bad_input_one_line(tiny_dir, tmp_path, args, needle):
     assert needle in res.output
     assert len(res.output.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_every_calibrated_criterion_is_a_schema_method_and_back():
+    """A criterion is one function plus one row of CALIBRATED; the schema's method list must name it."""
+    import typing
+
+    from geminicompress.compress.prune.stage import CALIBRATED
+    from geminicompress.recipes.schema import PruneStage
+
+    assert set(typing.get_args(PruneStage.model_fields["method"].annotation)) == {"magnitude", *CALIBRATED}
+
+
+def test_ignoring_a_non_linear_module_is_accepted(model):
+    """prune's default ignore names embed_tokens, which is not a linear: an explicit one is no error."""
+    names = prunable_weights(model, arch_for(model), ["lm_head", "embed_tokens"], True)
+    assert list(names) == list(prunable(model)) and len(names) == 7 * model.config.num_hidden_layers

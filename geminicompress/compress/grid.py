@@ -108,6 +108,16 @@ class QuantizedWeight:
         g = self.g_idx.long()
         return self.scales[:, g] * (self.q.float() - self.zeros[:, g].float())
 
+    def split_rows(self, sizes: list[int]) -> list[QuantizedWeight]:
+        """The weights of linears solved as one stacked weight (rows concatenated, one input), as views
+        of `sizes[i]` consecutive rows each; g_idx and spec are shared (rows are independent)."""
+        parts, start = [], 0
+        for size in sizes:
+            rows = slice(start, start + size)
+            parts.append(QuantizedWeight(self.q[rows], self.scales[rows], self.zeros[rows], self.g_idx, self.spec))
+            start += size
+        return parts
+
 
 def group_index(columns: int, spec: QuantSpec) -> torch.Tensor:
     if spec.group_size == -1:

@@ -1,6 +1,9 @@
-"""Running estimate of the layer Hessian H = 2/N · Σ xᵀx of the squared reconstruction error.
+"""Running estimate of the layer Hessian H = 2/N · Σ xᵀx of the squared reconstruction error, and the
+damped H and upper Cholesky factor of H⁻¹ that the solvers read.
 
-Shared by GPTQ (Frantar et al., 2022, eq. 1-2) and SparseGPT (Frantar & Alistarh, 2023).
+Shared by GPTQ (Frantar et al., 2022, eq. 1-2), SparseGPT (Frantar & Alistarh, 2023) and the masked
+refit (prune/refit.py). Damping as in the GPTQ reference: λ = damp · mean(diag H) added to the diagonal,
+after dead inputs (H_jj = 0: the input never fires) get H_jj = 1.
 
 Optionally the first token of every window counts `first_token_weight` times (H = 2/N · Σ_t c_t x_tᵀx_t
 with c = w at position 0, else 1; N still counts tokens). Why: in a decoder the first position is the
@@ -14,6 +17,8 @@ at position 0 in layers 12-28, and lost to round-to-nearest in perplexity.
 from __future__ import annotations
 
 import torch
+
+from geminicompress.errors import GeminiError
 
 
 class HessianAccumulator:
@@ -69,3 +74,25 @@ class HessianAccumulator:
             xa = x[:, e[a]:e[a + 1]]
             for b in range(a, len(e) - 1):
                 self._H[e[a]:e[a + 1], e[b]:e[b + 1]].addmm_(xa.t(), x[:, e[b]:e[b + 1]], beta=beta, alpha=alpha)
+
+
+def damped_hessian(H: torch.Tensor, damp: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """H + damp·mean(diag H)·I as a new tensor in dtype, with dead inputs (H_jj = 0) given H_jj = 1. H: (in, in)."""
+    H = H.detach().to(dtype, copy=True)
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    H.diagonal().add_(damp * torch.mean(torch.diag(H)))
+    return H
+
+
+def inverse_hessian_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor U of (H + λI)⁻¹ = UᵀU (`damped_hessian`), float32: the rows GPTQ and SparseGPT
+    spread each column's error with. H: (in, in) -> U: (in, in). Raises GeminiError if H is not positive
+    definite after damping."""
+    L, info = torch.linalg.cholesky_ex(damped_hessian(H, damp))
+    if info == 0:
+        U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+        if info == 0:
+            return U
+    raise GeminiError(f"the Hessian is not positive definite even after dampening by {damp}; "
+                      "raise damp (e.g. 0.1) or use more calibration tokens")

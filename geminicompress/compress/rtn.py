@@ -8,37 +8,27 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from pydantic import Field
 
-from geminicompress.compress.arch import arch_for, get_module
-from geminicompress.compress.grid import QuantSpec, rtn_quantize
-from geminicompress.compress.targets import decoder_linears, resolve_group_size
-from geminicompress.errors import InputError
-from geminicompress.formats.checkpoint import check_shapes, scale_dtype, write_quantized
-from geminicompress.recipes.base import GROUP_SIZE_HELP, GroupSize, StageBase
+from geminicompress.compress.arch import get_module
+from geminicompress.compress.grid import rtn_quantize
+from geminicompress.compress.targets import weight_quant_targets
+from geminicompress.formats.checkpoint import scale_dtype, write_quantized
+from geminicompress.recipes.base import WeightQuantStage
 
 
-class RTNStage(StageBase):
+class RTNStage(WeightQuantStage):
     """Round-to-nearest: scale and zero point from each group's min and max."""
 
-    type: Literal["quantize"] = "quantize"
     method: Literal["rtn"]
-    bits: Literal[2, 3, 4, 8] = 4
-    group_size: GroupSize = Field("auto", description=GROUP_SIZE_HELP)
     sym: bool = True
-    ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="module name patterns to keep in float")
     format: Literal["gptq", "awq", "compressed-tensors", "dense"] = "gptq"
 
 
 def run(cfg: RTNStage, ctx: Any) -> dict[str, Any]:
     """Quantize every decoder linear of ctx.model in place (fake-quantized weights) and set the exporter."""
     model = ctx.model
-    targets = decoder_linears(model, arch_for(model), cfg.ignore, check="ignore" in cfg.model_fields_set)
-    if not targets:
-        raise InputError("the model has no linear layer left to quantize (check ignore)")
-    shapes = {n: tuple(get_module(model, n).weight.shape) for n in targets}
-    spec = QuantSpec(cfg.bits, resolve_group_size(cfg.group_size, shapes, ctx.progress), cfg.sym)
-    check_shapes(cfg.format, shapes, spec)
+    found = weight_quant_targets(model, cfg, ctx.progress, sym=cfg.sym, fmt=cfg.format)
+    targets, spec = found.names, found.spec
     scales_as = scale_dtype(cfg.format, ctx.recipe.output.dtype)
     qweights = {}
     errors = []

@@ -2,34 +2,39 @@
 
 Quantization and pruning act on the linears of the decoder layers (`arch.linears` under `arch.layers`);
 INT8 acts on every linear of the model. A pattern the user gave that matches nothing is an error: it is
-almost always a typo.
+almost always a typo. The b-bit methods (rtn, gptq, awq) open the same way: `weight_quant_targets`.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch.nn as nn
 
-from geminicompress.compress.arch import Arch, get_module
-from geminicompress.compress.grid import auto_group_size
+from geminicompress.compress.arch import Arch, arch_for, get_module
+from geminicompress.compress.grid import QuantSpec, auto_group_size
 from geminicompress.errors import InputError
+from geminicompress.formats.checkpoint import check_shapes
+
+if TYPE_CHECKING:
+    from geminicompress.recipes.base import WeightQuantStage
 
 
 def compile_patterns(ignore: list[str]) -> list[re.Pattern[str]]:
     try:
         return [re.compile(p) for p in ignore]
     except re.error as exc:
-        raise InputError(f"ignore pattern '{exc.pattern}' is not a valid regular expression: {exc}") from exc
+        raise InputError(f"ignore pattern '{exc.pattern}' is not a regular expression: {exc}") from exc
 
 
-def check_patterns_match(patterns: list[re.Pattern[str]], names: list[str]) -> None:
-    """Raise InputError naming the first pattern that matches none of `names`."""
+def check_patterns_match(patterns: list[re.Pattern[str]], names: list[str], what: str = "linear layer") -> None:
+    """Raise InputError naming the first pattern that matches none of `names` (each name a `what`)."""
     for p in patterns:
         if not any(p.search(n) for n in names):
             example = names[-1] if names else "none"
-            raise InputError(f"ignore pattern '{p.pattern}' matches no linear layer (names look like '{example}')")
+            raise InputError(f"ignore pattern '{p.pattern}' matches no {what} (names look like '{example}')")
 
 
 def decoder_linears(model: nn.Module, arch: Arch, ignore: list[str], check: bool = False) -> list[str]:
@@ -58,3 +63,30 @@ def resolve_group_size(group_size: int | str, shapes: Mapping[str, tuple[int, in
     size = auto_group_size([in_f for _, in_f in shapes.values()])
     progress.info(f"group size {size} (auto: largest of 128/64/32 dividing all inputs; or --group-size)")
     return size
+
+
+@dataclass(frozen=True)
+class QuantTargets:
+    """What a b-bit stage quantizes: the linears (full names, model order), their (out, in) shapes, the
+    resolved spec (group size "auto" made a number) and the architecture table they were found with."""
+
+    arch: Arch
+    names: list[str]
+    shapes: dict[str, tuple[int, int]]
+    spec: QuantSpec
+
+
+def weight_quant_targets(model: nn.Module, cfg: WeightQuantStage, progress: Any, *, sym: bool,
+                         fmt: str | None) -> QuantTargets:
+    """The decoder linears `cfg.ignore` leaves, their shapes and the spec `cfg.bits`/`cfg.group_size`/`sym`
+    give them; with `fmt`, every shape must fit that format under the spec (None: the caller checks per
+    module, as mixed precision does). Bad input is an InputError before any work."""
+    arch = arch_for(model)
+    names = decoder_linears(model, arch, cfg.ignore, check="ignore" in cfg.model_fields_set)
+    if not names:
+        raise InputError("the model has no linear layer left to quantize (check ignore)")
+    shapes = {n: tuple(get_module(model, n).weight.shape) for n in names}
+    spec = QuantSpec(cfg.bits, resolve_group_size(cfg.group_size, shapes, progress), sym)
+    if fmt is not None:
+        check_shapes(fmt, shapes, spec)
+    return QuantTargets(arch, names, shapes, spec)

@@ -27,6 +27,7 @@ from geminicompress.threads import usable_cores
 
 
 def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA) before a timestamp; a no-op on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

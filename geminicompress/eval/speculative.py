@@ -20,10 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from geminicompress.eval.latency import sync
 
 
 def _greedy_kwargs(model: Any, gen_len: int) -> dict:
@@ -38,10 +35,10 @@ def _timed(fn, device: torch.device, repeats: int, warmup: int) -> tuple[list[fl
         out = fn()
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         out = fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return times, out
 

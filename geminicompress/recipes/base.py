@@ -11,12 +11,24 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+GroupSize = Union[Annotated[int, Field(ge=-1)], Literal["auto"]]
+GROUP_SIZE_HELP = ("input columns per scale; -1 or 0 = per output channel; auto = the largest of 128, 64, 32 "
+                   "dividing every quantized layer's input features")
+
+
 class StageBase(Strict):
     """What every stage accepts: its own DATA (calibration or training text), else the recipe's."""
 
     data: str | None = Field(None, description="calibration/training DATA for this stage (default: the recipe's)")
 
 
-GroupSize = Union[Annotated[int, Field(ge=-1)], Literal["auto"]]
-GROUP_SIZE_HELP = ("input columns per scale; -1 or 0 = per output channel; auto = the largest of 128, 64, 32 "
-                   "dividing every quantized layer's input features")
+class WeightQuantStage(StageBase):
+    """What the b-bit weight methods (rtn, gptq, awq, awq+gptq) share: the stage type, which linears, how
+    many bits, how many input columns per scale. Each method narrows `method` to its own names and adds its
+    options and its `format` choices."""
+
+    type: Literal["quantize"] = "quantize"
+    method: str
+    bits: Literal[2, 3, 4, 8] = 4
+    group_size: GroupSize = Field("auto", description=GROUP_SIZE_HELP)
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="module name patterns to keep in float")

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from geminicompress.recipes.base import GROUP_SIZE_HELP, GroupSize, StageBase, Strict
+from geminicompress.recipes.base import StageBase, Strict, WeightQuantStage
 
 
 class Int8Stage(StageBase):
@@ -61,13 +61,10 @@ class QuantAllocation(Strict):
         return self
 
 
-class GPTQStage(StageBase):
+class GPTQStage(WeightQuantStage):
     """GPTQ (Frantar et al., 2022): Hessian-aware rounding, layer by layer."""
 
-    type: Literal["quantize"] = "quantize"
     method: Literal["gptq"]
-    bits: Literal[2, 3, 4, 8] = 4
-    group_size: GroupSize = Field("auto", description=GROUP_SIZE_HELP)
     sym: bool = True
     # defaults measured on the demo model (docs/gptq-defaults.md): act-order with groups in quantization order
     # and the first token weighted 16x gave the lowest perplexity of the settings tried at 4-bit g64
@@ -83,7 +80,6 @@ class GPTQStage(StageBase):
     calib_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="dtype the layers compute in while calibrating (their forward passes); "
         "Hessians and the solver are always float32. bfloat16 is faster on GPUs and on CPUs with AVX512-BF16/AMX")
-    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
     format: Literal["gptq", "compressed-tensors", "dense"] = "gptq"
     allocation: QuantAllocation | None = Field(None, description="mixed precision: bits per module under a budget")
     overrides: dict[str, str] = Field(default_factory=dict, description="module name -> b<bits>g<group> "
@@ -98,13 +94,10 @@ class GPTQStage(StageBase):
         return v
 
 
-class AWQStage(StageBase):
+class AWQStage(WeightQuantStage):
     """AWQ (Lin et al., 2023): activation-aware scaling (+ clipping), then RTN or GPTQ."""
 
-    type: Literal["quantize"] = "quantize"
     method: Literal["awq", "awq+gptq"]
-    bits: Literal[2, 3, 4, 8] = 4
-    group_size: GroupSize = Field("auto", description=GROUP_SIZE_HELP)
     zero_point: bool = True
     clip: bool = True
     n_grid: int = Field(20, ge=1, le=1000, description="points of the alpha grid in [0, 1) for the scale search")
@@ -113,5 +106,4 @@ class AWQStage(StageBase):
     damp: float = Field(0.01, gt=0.0, lt=1.0)
     block_size: int = Field(128, ge=1)
     search_results: str | None = Field(None, description="re-apply saved scales/clips instead of searching")
-    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
     format: Literal["awq", "compressed-tensors", "dense"] = "awq"

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import SmoothGroup, arch_for, get_module
+from geminicompress.compress.arch import SmoothGroup, get_module
 from geminicompress.compress.awq import results
 from geminicompress.compress.fold import fold_problem, fold_scales
 from geminicompress.compress.awq.search import apply_clip, linear_error, scaled_weights, search_clip, search_scales
@@ -31,24 +31,25 @@ from geminicompress.compress.gptq.solver import gptq_quantize
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, rtn_quantize
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.layerwise import LayerJob, run_layerwise
-from geminicompress.compress.targets import decoder_linears, resolve_group_size
-from geminicompress.errors import GeminiError, InputError
-from geminicompress.formats.checkpoint import check_shapes, scale_dtype, write_quantized
+from geminicompress.compress.targets import weight_quant_targets
+from geminicompress.errors import GeminiError
+from geminicompress.formats.checkpoint import scale_dtype, write_quantized
+
+if TYPE_CHECKING:
+    from geminicompress.pipeline import StageContext
+    from geminicompress.recipes.quantize import AWQStage
 
 CLIP_TOKENS = 512
 NO_CLIP = ("q_proj", "k_proj", "query_key_value")  # their outputs meet in q·kᵀ (llm-awq skips them too)
 FIELDS = ("q", "scales", "zeros", "g_idx")
 
 
-def run(cfg, ctx) -> dict[str, Any]:
+def run(cfg: AWQStage, ctx: StageContext) -> dict[str, Any]:
+    """Scale, clip and quantize ctx.model in place (fake-quantized weights), save the search results, set
+    the exporter for cfg.format, and return the summary for report.json. Bad input fails before work."""
     model = ctx.model
-    arch = arch_for(model)
-    targets = decoder_linears(model, arch, cfg.ignore, check="ignore" in cfg.model_fields_set)
-    if not targets:
-        raise InputError("the model has no linear layer left to quantize (check --ignore)")
-    shapes = {name: tuple(get_module(model, name).weight.shape) for name in targets}
-    spec = QuantSpec(cfg.bits, resolve_group_size(cfg.group_size, shapes, ctx.progress), sym=not cfg.zero_point)
-    check_shapes(cfg.format, shapes, spec)
+    found = weight_quant_targets(model, cfg, ctx.progress, sym=not cfg.zero_point, fmt=cfg.format)
+    arch, targets, spec = found.arch, found.names, found.spec
     num_layers = len(get_module(model, arch.layers))
     model_type = model.config.model_type
     saved = results.load_search(cfg.search_results, model_type, num_layers)[0] if cfg.search_results else None
@@ -158,7 +159,7 @@ def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _awq_layer(job: LayerJob, *, cfg, spec: QuantSpec, saved: dict[str, torch.Tensor] | None, norm_offset: float,
+def _awq_layer(job: LayerJob, *, cfg: AWQStage, spec: QuantSpec, saved: dict[str, torch.Tensor] | None, norm_offset: float,
                scales_as: torch.dtype, targets: set[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Steps 1-4 for one decoder layer, in place; returns (summary, kept tensors)."""
     arch = job.arch
@@ -234,7 +235,7 @@ def _clip_bound(job: LayerJob, name: str, spec: QuantSpec, clip: bool, stats: di
     return search_clip(weight, x, spec)
 
 
-def _quantize(job: LayerJob, cfg, spec: QuantSpec, quantized: list[str], stats: dict[str, _InputStats],
+def _quantize(job: LayerJob, cfg: AWQStage, spec: QuantSpec, quantized: list[str], stats: dict[str, _InputStats],
               divided: dict[str, torch.Tensor], scales_as: torch.dtype) -> dict[str, torch.Tensor]:
     """Step 4: RTN or GPTQ per set of linears sharing an input; write the dequantized weights back."""
     kept: dict[str, torch.Tensor] = {}
@@ -256,11 +257,7 @@ def _quantize(job: LayerJob, cfg, spec: QuantSpec, quantized: list[str], stats: 
         else:
             qw = rtn_quantize(W, spec)
         qw.scales = qw.scales.to(scales_as).float()  # what the checkpoint will hold
-        start = 0
-        for name, module in zip(names, modules):
-            rows = slice(start, start + module.out_features)
-            start += module.out_features
-            part = QuantizedWeight(qw.q[rows], qw.scales[rows], qw.zeros[rows], qw.g_idx, spec)
+        for name, module, part in zip(names, modules, qw.split_rows([m.out_features for m in modules])):
             module.weight.data = part.dequantize().to(module.weight.dtype)
             stored = {"q": part.q.to(torch.uint8), "scales": part.scales, "zeros": part.zeros.to(torch.uint8),
                       "g_idx": part.g_idx}

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, qparams, quantize
+from geminicompress.compress.hessian import inverse_hessian_factor
 from geminicompress.errors import GeminiError
 
 _SUB_BLOCK = 32  # columns per rank-1 sub-block (the rest of the work goes through matmuls)
@@ -60,7 +61,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
 
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(in_f, device=W.device)
     H = H[perm][:, perm]
-    Hinv = _inverse_hessian_factor(H, damp)  # upper Cholesky factor of H⁻¹: (in, in)
+    Hinv = inverse_hessian_factor(H, damp)  # upper Cholesky factor of H⁻¹: (in, in)
     Wt = W[:, perm].t().contiguous()  # (in, out): column j of W is the contiguous row j here
 
     Q = torch.zeros_like(Wt)  # codes, quantization order: (in, out)
@@ -157,20 +158,6 @@ def _columns_numpy(W: np.ndarray, Err: np.ndarray, Q: np.ndarray, Hinv: np.ndarr
         np.multiply(deq, s, out=deq)
         np.subtract(w, deq, out=e)
         e *= inv_d[i]  # (w − q) / [H⁻¹]_jj
-
-
-def _inverse_hessian_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean(diag H)."""
-    H = H.clone()
-    H.diagonal().add_(damp * torch.mean(torch.diag(H)))
-    L, info = torch.linalg.cholesky_ex(H)
-    if info == 0:
-        Hinv = torch.cholesky_inverse(L)
-        U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
-        if info == 0:
-            return U
-    raise GeminiError(f"the Hessian is not positive definite even after dampening by {damp}; "
-                      "raise --damp (e.g. 0.1) or use more calibration tokens")
 
 
 def _spans(i1: int, i2: int, sub: int) -> list[tuple[int, int]]:

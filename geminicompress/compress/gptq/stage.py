@@ -25,13 +25,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import arch_for, get_module
 from geminicompress.compress.gptq.allocate import module_specs, write_allocation
 from geminicompress.compress.gptq.solver import gptq_quantize
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.layerwise import LayerJob, layer_output, run_layerwise
-from geminicompress.compress.targets import decoder_linears, present_groups, resolve_group_size
+from geminicompress.compress.targets import present_groups, weight_quant_targets
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.checkpoint import check_shapes, scale_dtype, write_quantized
 
@@ -48,14 +47,9 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
     """Quantize ctx.model in place (fake-quantized weights), set the exporter for cfg.format, and
     return the summary for report.json (per-layer GPTQ losses included). Bad input fails before work."""
     model = ctx.model
-    arch = arch_for(model)
-    targets = decoder_linears(model, arch, cfg.ignore, check="ignore" in cfg.model_fields_set)
-    if not targets:
-        raise InputError("the model has no linear layer left to quantize (check --ignore)")
-    shapes = {name: tuple(get_module(model, name).weight.shape) for name in targets}
-    spec = QuantSpec(cfg.bits, resolve_group_size(cfg.group_size, shapes, ctx.progress), cfg.sym)
-    if cfg.allocation is None:
-        check_shapes(cfg.format, shapes, spec)
+    found = weight_quant_targets(model, cfg, ctx.progress, sym=cfg.sym,
+                                 fmt=cfg.format if cfg.allocation is None else None)
+    arch, targets, shapes, spec = found.arch, found.names, found.shapes, found.spec
     specs, allocation = module_specs(cfg, ctx, targets, spec)  # per module: allocation / overrides (allocate.py)
     for name, s in specs.items():
         if s != spec or cfg.allocation is not None:
@@ -131,10 +125,7 @@ def _solve_group(job: LayerJob, group: list[str], H: torch.Tensor, *, cfg: GPTQS
     except GeminiError as exc:
         raise GeminiError(f"layer {job.index} {'/'.join(group)}: {exc}") from exc
     qw.scales = qw.scales.to(scales_as).float()  # what the checkpoint will hold
-    start = 0
-    for name, module in zip(group, modules):
-        part = _rows(qw, start, start + module.out_features)
-        start += module.out_features
+    for name, part in zip(group, qw.split_rows([m.out_features for m in modules])):
         job.set_weight(name, part.dequantize())
         kept.update({f"{name}.{k}": v for k, v in _kept(part).items()})
     losses["/".join(group)] = loss
@@ -168,10 +159,6 @@ def _collect_hessians(job: LayerJob, groups: list[list[str]], first_token_weight
         for handle in handles:
             handle.remove()
     return [acc.H for acc in accs]
-
-
-def _rows(qw: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
-    return QuantizedWeight(qw.q[start:stop], qw.scales[start:stop], qw.zeros[start:stop], qw.g_idx, qw.spec)
 
 
 def _kept(qw: QuantizedWeight) -> dict[str, torch.Tensor]:

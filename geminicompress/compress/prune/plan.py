@@ -23,6 +23,7 @@ from geminicompress.compress.arch import Arch
 from geminicompress.compress.layerwise import LayerJob, run_layerwise
 from geminicompress.compress.prune.allocate import exact_counts, outlier_ratio, owl_layer_sparsity
 from geminicompress.compress.prune.wanda import InputNorms, wanda_scores
+from geminicompress.compress.targets import present_groups
 from geminicompress.errors import InputError
 
 
@@ -36,8 +37,7 @@ def owl_ratios(ctx: Any, cfg: Any, arch: Arch, targets: dict[str, nn.Linear]) ->
     @torch.no_grad()
     def observe(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         prefix = f"{job.arch.layers}.{job.index}"
-        groups = [[n for n in g if f"{prefix}.{n}.weight" in targets] for g in job.arch.sequential]
-        groups = [g for g in groups if g]
+        groups = present_groups(job.arch, lambda n: f"{prefix}.{n}.weight" in targets)
         norms = {g[0]: InputNorms(job.module(g[0]).in_features, job.device) for g in groups}
         job.forward({job.module(g[0]): (lambda x, y, acc=norms[g[0]]: acc.add_batch(x)) for g in groups})
         scores = [wanda_scores(job.module(n).weight, norms[g[0]].norms()) for g in groups for n in g]

@@ -21,17 +21,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from geminicompress.compress.hessian import damped_hessian
+
 BATCH_BYTES = 128 << 20  # the padded (rows, m, m) systems of one batch
-
-
-def damped_hessian(H: Tensor, damp: float, dtype: torch.dtype = torch.float32) -> Tensor:
-    """H + damp·mean(diag H)·I in dtype, with dead inputs (H_jj = 0) given H_jj = 1. H: (in, in)."""
-    H = H.detach().to(dtype, copy=True)
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
-    idx = torch.arange(H.shape[0], device=H.device)
-    H[idx, idx] += damp * torch.mean(torch.diag(H))
-    return H
 
 
 def subset_solve(A: Tensor, subsets: Tensor, rhs: Tensor, batch_bytes: int = BATCH_BYTES) -> Tensor:

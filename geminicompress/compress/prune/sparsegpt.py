@@ -13,14 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from geminicompress.compress.hessian import inverse_hessian_factor
 from geminicompress.compress.prune.masks import Pattern
-from geminicompress.compress.prune.refit import damped_hessian
-
-
-def inverse_hessian_factor(H: Tensor, damp: float) -> Tensor:
-    """Upper Cholesky factor of (H + damp·mean(diag H)·I)⁻¹. H: (in, in); dead inputs get H_jj = 1."""
-    L = torch.linalg.cholesky(damped_hessian(H, damp))
-    return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
 
 
 def _block_mask(W1: Tensor, d: Tensor, sparsity: float) -> Tensor:

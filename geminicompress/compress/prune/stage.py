@@ -17,9 +17,8 @@ OUT/prune_masks.safetensors, OUT/prune_sparsity.png, and the per-layer table in 
 from __future__ import annotations
 
 import math
-import re
 import time
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -33,6 +32,7 @@ from geminicompress.compress.prune.plan import module_counts
 from geminicompress.compress.prune.sparsegpt import sparsegpt_prune
 from geminicompress.compress.prune.threshold import global_threshold, prune_mask
 from geminicompress.compress.prune.wanda import InputNorms, wanda_mask, wanda_scores
+from geminicompress.compress.targets import check_patterns_match, compile_patterns, decoder_linears, present_groups
 from geminicompress.errors import InputError
 from geminicompress.formats import sparse_bitmask
 from geminicompress.formats.masks import MASKS_FILE, write_masks
@@ -42,24 +42,12 @@ HISTOGRAM_FILE = "prune_sparsity.png"
 
 
 def prunable_weights(model: nn.Module, arch: Arch, ignore: list[str], check_ignore: bool) -> dict[str, nn.Linear]:
-    """Param name ("model.layers.0.mlp.up_proj.weight") -> its linear, in model order, minus `ignore`."""
-    try:
-        patterns = [re.compile(p) for p in ignore]
-    except re.error as exc:
-        raise InputError(f"ignore pattern '{exc.pattern}' is not a regular expression: {exc}") from exc
+    """Param name ("model.layers.0.mlp.up_proj.weight") -> its linear, in model order, minus `ignore`.
+    With `check_ignore` a pattern must match some module: prune's default ignore names a non-linear
+    (embed_tokens), so every module counts, not only the linears."""
     if check_ignore:
-        names = [n for n, _ in model.named_modules()]
-        for p in patterns:
-            if not any(p.search(n) for n in names):
-                raise InputError(f"ignore pattern '{p.pattern}' matches no module of the model "
-                                 f"(module names look like '{names[-2] if len(names) > 1 else names[0]}')")
-    layers = get_module(model, arch.layers)
-    out: dict[str, nn.Linear] = {}
-    for i in range(len(layers)):
-        for linear in arch.linears:
-            name = f"{arch.layers}.{i}.{linear}"
-            if not any(p.search(name) for p in patterns):
-                out[f"{name}.weight"] = get_module(model, name)
+        check_patterns_match(compile_patterns(ignore), [n for n, _ in model.named_modules()], "module of the model")
+    out = {f"{name}.weight": get_module(model, name) for name in decoder_linears(model, arch, ignore)}
     if not out:
         raise InputError("the ignore patterns exclude every decoder linear layer: nothing left to prune")
     return out
@@ -100,21 +88,56 @@ def _magnitude(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern 
     return dict(zip(targets, keeps)), extra
 
 
+def _wanda(W: torch.Tensor, norms: InputNorms, sparsity: float, count: int | None, pattern: Pattern | None,
+           cfg: PruneStage, device: torch.device) -> torch.Tensor:
+    """Wanda: zero the lowest |W|·‖X‖ of each row (exactly `count` of them for an allocation); no update."""
+    if count is not None:
+        keep = row_mask_count(wanda_scores(W, norms.norms()), count)
+    else:
+        keep = wanda_mask(W, norms.norms(), sparsity, pattern)
+    W.masked_fill_(~keep, 0.0)
+    return keep
+
+
+def _sparsegpt(W: torch.Tensor, hessian: HessianAccumulator, sparsity: float, count: int | None,
+               pattern: Pattern | None, cfg: PruneStage, device: torch.device) -> torch.Tensor:
+    """SparseGPT: prune column by column and update the rest through the inverse Hessian."""
+    with solver_threads(device):
+        new, keep = sparsegpt_prune(W, hessian.H, sparsity, pattern, cfg.block_size, cfg.damp)
+    W.copy_(new)
+    return keep
+
+
+class Criterion(NamedTuple):
+    """A calibrated pruning criterion: the statistic of each linear's inputs it needs (built from the
+    input width and the device, fed `add_batch(x)`), and the step that prunes one weight in place from it,
+    returning the keep-mask: prune(W, statistic, sparsity, count or None, pattern, cfg, device)."""
+
+    statistic: Callable[[int, torch.device], Any]
+    prune: Callable[..., torch.Tensor]
+
+
+# the calibrated methods, layer by layer (magnitude needs no calibration: `_magnitude`)
+CALIBRATED: dict[str, Criterion] = {
+    "wanda": Criterion(InputNorms, _wanda),
+    "sparsegpt": Criterion(HessianAccumulator, _sparsegpt),
+}
+
+
 def _layer_fn(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern | None,
-              alloc: dict[str, int] | None = None):
-    """The per-decoder-layer step of Wanda / SparseGPT for `run_layerwise` (`alloc`: pruned weights per
-    linear of an allocation, else cfg.sparsity everywhere)."""
+              alloc: dict[str, int] | None = None) -> Callable[[LayerJob], tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+    """The per-decoder-layer step of a calibrated criterion for `run_layerwise` (`alloc`: pruned weights
+    per linear of an allocation, else cfg.sparsity everywhere)."""
+    criterion = CALIBRATED[cfg.method]
 
     @torch.no_grad()
     def process(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         prefix = f"{job.arch.layers}.{job.index}"
         # linears of one `sequential` group read the same input: one statistic per group
-        groups = [[n for n in g if f"{prefix}.{n}.weight" in targets] for g in job.arch.sequential]
-        groups = [g for g in groups if g]
+        groups = present_groups(job.arch, lambda n: f"{prefix}.{n}.weight" in targets)
         stats: dict[str, Any] = {}
         for g in groups:
-            columns = job.module(g[0]).in_features
-            stat = InputNorms(columns, job.device) if cfg.method == "wanda" else HessianAccumulator(columns, job.device)
+            stat = criterion.statistic(job.module(g[0]).in_features, job.device)
             stats.update({n: stat for n in g})
         kept: dict[str, torch.Tensor] = {}
         counts = [0, 0]  # zeros, total
@@ -124,16 +147,7 @@ def _layer_fn(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern |
                 W = job.module(n).weight
                 k = None if alloc is None else alloc[f"{prefix}.{n}.weight"]
                 sparsity = cfg.sparsity if k is None else k / W.numel()
-                if cfg.method == "wanda" and k is not None:
-                    keep = row_mask_count(wanda_scores(W, stats[n].norms()), k)
-                    W.masked_fill_(~keep, 0.0)
-                elif cfg.method == "wanda":
-                    keep = wanda_mask(W, stats[n].norms(), cfg.sparsity, pattern)
-                    W.masked_fill_(~keep, 0.0)
-                else:
-                    with solver_threads(job.device):
-                        new, keep = sparsegpt_prune(W, stats[n].H, sparsity, pattern, cfg.block_size, cfg.damp)
-                    W.copy_(new)
+                keep = criterion.prune(W, stats[n], sparsity, k, pattern, cfg, job.device)
                 kept[f"{n}.keep"] = keep.cpu()
                 counts[0] += int((W == 0).sum())
                 counts[1] += W.numel()
@@ -167,7 +181,7 @@ def run(cfg: PruneStage, ctx: Any) -> dict[str, Any]:
     pattern = parse_pattern(cfg.pattern)
     _check_pattern(targets, pattern, cfg.block_size)
     counts, planned = module_counts(cfg, ctx, arch, targets)  # owl / sensitivity allocations (plan.py)
-    if cfg.method == "magnitude":
+    if cfg.method not in CALIBRATED:  # magnitude
         keeps, extra = _magnitude(cfg, targets, pattern, counts)
         with torch.no_grad():
             for name, lin in targets.items():

@@ -5,7 +5,7 @@ drawn with seed 0 from ../shared/data/enwiki-sample.txt (the same token ids for 
 draws them through the CLI with the same function and seed, llm-compressor gets them as a file);
 perplexity on the first 16,384 tokens of ../shared/data/wikitext2-test.txt in 32 windows of 512.
 Settings per row: symmetric int weights, lm_head in float; ours with the flags `quantize --method gptq`
-uses by default (GPTQStage's defaults: docs/gptq-defaults.md), plus any given with --flags;
+uses by default (GPTQStage's defaults: docs/gptq.md, "Defaults, and why"), plus any given with --flags;
 llm-compressor with its own defaults. Ours runs as the CLI in a child process
 (`geminicompress quantize ... --format gptq`), llm-compressor in its own venv (gptq_llmc_ref.py,
 compressed-tensors output); both checkpoints are evaluated with our loaders and the same perplexity

@@ -14,7 +14,7 @@ the same grid (grid.rtn_quantize: the same qparams). Bar: GPTQ ≤ RTN for every
 It also reports the same ratio at the attention-sink token (position 0 of every window) for v_proj,
 ‖x₀ΔWᵀ‖² / ‖x₀Wᵀ‖²: that token is 1 of 512 in H, but every later query attends to it heavily, so an
 error in its value vector reaches every position. This is what made GPTQ without act-order lose to RTN in
-perplexity on the demo (docs/gptq-defaults.md), while its output error above was lower everywhere.
+perplexity on the demo (docs/gptq.md, "Defaults, and why"), while its output error above was lower everywhere.
 
   python benchmarks/gptq_layer_check.py                     # 32 windows, 4-bit g64, the defaults
   python benchmarks/gptq_layer_check.py --bits 3 --flags '{"act_order": false}'

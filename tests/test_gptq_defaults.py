@@ -1,5 +1,5 @@
 """GPTQ with the flags a user gets by default (GPTQStage's defaults) against round-to-nearest, and the
-first-token (attention-sink) weighting of the Hessian that the defaults use (docs/gptq-defaults.md)."""
+first-token (attention-sink) weighting of the Hessian that the defaults use (docs/gptq.md, "Defaults, and why")."""
 
 import pytest
 import torch

@@ -24,7 +24,7 @@ def quantize(
     sym: Optional[bool] = typer.Option(None, "--sym/--asym", help="gptq, rtn: symmetric (default) or asymmetric with zero points."),
     zero_point: Optional[bool] = typer.Option(None, "--zero-point/--no-zero-point", help="awq: asymmetric with zero points (default) or symmetric."),
     act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order", help="gptq: quantize columns by decreasing Hessian diagonal (default on)."),
-    static_groups: Optional[bool] = typer.Option(None, "--static-groups/--no-static-groups", help="gptq with --act-order: fix groups before reordering so g_idx stays monotone (default off: lower quality on the demo model, see docs/gptq-defaults.md)."),
+    static_groups: Optional[bool] = typer.Option(None, "--static-groups/--no-static-groups", help="gptq with --act-order: fix groups before reordering so g_idx stays monotone (default off: lower quality on the demo model, see docs/gptq.md)."),
     true_sequential: Optional[bool] = typer.Option(None, "--true-sequential/--no-true-sequential", help="gptq: quantize attention before MLP inside each layer (default on)."),
     one_pass: Optional[bool] = typer.Option(None, "--one-pass/--multi-pass", help="gptq true-sequential: one pass over the windows per layer (default; holds a layer's activations for every window) or one pass per group of linears (less memory, slower)."),
     damp: Optional[float] = typer.Option(None, "--damp", help="gptq: dampening as a fraction of the mean Hessian diagonal (default 0.01)."),

@@ -10,7 +10,7 @@ with c = w at position 0, else 1; N still counts tokens). Why: in a decoder the 
 attention sink (Xiao et al., 2023, "Efficient Streaming Language Models with Attention Sinks"): most
 heads put much of every query's attention on it, so an error in that token's value vector reaches every
 later position, while in the unweighted H it is 1 token in T. Measured on the demo model
-(docs/gptq-defaults.md): unweighted GPTQ put 10-40x round-to-nearest's relative error on v_proj's output
+(docs/gptq.md, "Defaults, and why"): unweighted GPTQ put 10-40x round-to-nearest's relative error on v_proj's output
 at position 0 in layers 12-28, and lost to round-to-nearest in perplexity.
 """
 

@@ -66,7 +66,7 @@ class GPTQStage(WeightQuantStage):
 
     method: Literal["gptq"]
     sym: bool = True
-    # defaults measured on the demo model (docs/gptq-defaults.md): act-order with groups in quantization order
+    # defaults measured on the demo model (docs/gptq.md, "Defaults, and why"): act-order with groups in quantization order
     # and the first token weighted 16x gave the lowest perplexity of the settings tried at 4-bit g64
     act_order: bool = True
     static_groups: bool = False

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from geminicompress.compress.arch import set_module
 from geminicompress.compress.int8.modules import Int8Base, Int8WeightOnlyLinear, W8A8Linear
+from geminicompress.compress.int8.shared_input import share_inputs
 from geminicompress.errors import GeminiError
 from geminicompress.formats.checkpoint import compressed_tensors_format, float_linears, float_skeleton, read_tensors
 
@@ -104,6 +105,7 @@ def load(path: Path, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
         what = really_missing[:1] or unexpected[:1]
         raise GeminiError(f"{path}: the int-quantized weights do not match the architecture (e.g. {what[0]})")
     model.tie_weights()
+    share_inputs(model)  # q/k/v and gate/up as one GEMM each at run time (compress/int8/shared_input.py)
     return model.eval()
 
 

@@ -42,6 +42,25 @@ class Int8Base(nn.Module):
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("weight_scale", torch.ones(out_features, 1, dtype=torch.float32))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype) if bias else None)
+        self._packed = None  # the kernel's packed weight, built from the buffers on first use
+        self.shared = None  # (SharedInput, index) when siblings reading the same input run as one GEMM
+
+    def _shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """This module's output from its sibling group's fused GEMM (shared_input.py), or None."""
+        return None if self.shared is None else self.shared[0].output(self.shared[1], x)
+
+    def _forget_packed(self) -> None:
+        self._packed = None
+        if self.shared is not None:
+            self.shared[0].reset()
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        self._forget_packed()  # new codes: repack on next call
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        self._forget_packed()
+        return super()._apply(fn, recurse)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int8Base":
@@ -52,6 +71,18 @@ class Int8Base(nn.Module):
         if linear.bias is not None:
             module.bias.copy_(linear.bias.data)
         return module.to(linear.weight.device)
+
+    def packed_only(self) -> "Int8Base":
+        """Pack the kernel's weight now and drop the int8 codes this module would pack from (for a run-time
+        module nobody saves, such as a fused sibling group: the codes stay in the members). No-op where
+        the forward reads the codes themselves (no fbgemm)."""
+        if fbgemm_available() and self.weight.device.type == "cpu":
+            self._prepare()
+            self.weight = torch.empty(0, dtype=torch.int8)
+        return self
+
+    def _prepare(self) -> None:
+        raise NotImplementedError
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.weight, self.weight_scale, dtype)
@@ -68,26 +99,19 @@ class Int8WeightOnlyLinear(Int8Base):
     the result equals the float matmul with the dequantized weight while streaming 2 bytes per weight
     instead of 4. Elsewhere the codes are converted to x's dtype per call."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(in_features, out_features, bias, dtype)
-        self._packed = None
-
     @property
     def kernel(self) -> str:
         return "fbgemm-fp16-codes" if fbgemm_available() else "dequant-matmul"
 
-    def _load_from_state_dict(self, *args, **kwargs) -> None:
-        self._packed = None
-        super()._load_from_state_dict(*args, **kwargs)
-
-    def _apply(self, fn, recurse=True):
-        self._packed = None
-        return super()._apply(fn, recurse)
+    def _prepare(self) -> None:
+        self._packed = torch.ops.quantized.linear_prepack_fp16(self.weight.float(), None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (y := self._shared_output(x)) is not None:
+            return y
         if x.device.type == "cpu" and fbgemm_available():
             if self._packed is None:
-                self._packed = torch.ops.quantized.linear_prepack_fp16(self.weight.float(), None)
+                self._prepare()
             y = torch.ops.quantized.linear_dynamic_fp16(x.float(), self._packed).to(x.dtype)  # (..., out)
         else:
             y = F.linear(x, self.weight.to(x.dtype))
@@ -98,27 +122,17 @@ class Int8WeightOnlyLinear(Int8Base):
 class W8A8Linear(Int8Base):
     """W8A8: int8 per-channel weights, int8 per-token dynamic activations, INT8 GEMM on CPU (fbgemm)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(in_features, out_features, bias, dtype)
-        self._packed = None  # fbgemm packed weight, built from the buffers on first use
-
     @property
     def kernel(self) -> str:
         return "fbgemm-dynamic" if fbgemm_available() else "reference"
 
-    def _load_from_state_dict(self, *args, **kwargs) -> None:
-        self._packed = None  # new codes: repack on next call
-        super()._load_from_state_dict(*args, **kwargs)
-
-    def _apply(self, fn, recurse=True):
-        self._packed = None
-        return super()._apply(fn, recurse)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (y := self._shared_output(x)) is not None:
+            return y
         if x.device.type != "cpu" or not fbgemm_available():
             return self.reference_forward(x)
         if self._packed is None:
-            self._packed = pack_weight(self.weight, self.weight_scale)
+            self._prepare()
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()  # (tokens, in)
         if x2.shape[0] == 1:  # one token: the kernel's per-tensor range is already this token's range
@@ -127,16 +141,14 @@ class W8A8Linear(Int8Base):
             lo, hi = x2.aminmax(dim=1, keepdim=True)  # (tokens, 1)
             mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-12)
             y = torch.ops.quantized.linear_dynamic((x2 - mid) / half, self._packed, _reduce_range())
-            y = torch.addcmul(mid * self._row_sums(), y, half)  # x = half·x̂ + mid: y = half·(x̂ W^T) + mid·ΣW
+            y = torch.addcmul(mid * self._sums, y, half)  # x = half·x̂ + mid: y = half·(x̂ W^T) + mid·ΣW
         y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
         return y + self.bias if self.bias is not None else y
 
-    def _row_sums(self) -> torch.Tensor:
-        """Σ_j Ŵ_ij of the dequantized weight, (1, out); cached with the packed weight."""
-        if getattr(self, "_sums", None) is None or self._sums_of is not self._packed:
-            self._sums = self.dequantized_weight().sum(dim=1).unsqueeze(0)
-            self._sums_of = self._packed
-        return self._sums
+    def _prepare(self) -> None:
+        """The packed weight and Σ_j Ŵ_ij of the dequantized weight, (1, out), made together."""
+        self._packed = pack_weight(self.weight, self.weight_scale)
+        self._sums = self.dequantized_weight().sum(dim=1).unsqueeze(0)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The same math with float matmuls: fake-quantized tokens times the dequantized weight."""

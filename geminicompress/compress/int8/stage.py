@@ -22,6 +22,7 @@ from geminicompress.compress.fold import fold_scales
 from geminicompress.compress.int8.modules import MODULES
 from geminicompress.compress.targets import check_patterns_match, compile_patterns
 from geminicompress.errors import InputError
+from geminicompress.compress.int8.shared_input import share_inputs
 from geminicompress.formats import int_quantized
 from geminicompress.recipes.quantize import Int8Stage
 
@@ -45,6 +46,7 @@ def run(cfg: Int8Stage, ctx: Any) -> dict:
             layers.append({"name": name, "shape": [module.out_features, module.in_features], "kernel": module.kernel,
                            "smoothquant_max_scale": smoothed.get(name), "weight_rel_error": round(err, 6)})
             bar.advance(1)
+    share_inputs(model)  # run-time only: q/k/v and gate/up as one GEMM each (compress/int8/shared_input.py)
     ctx.exporter = int_quantized.exporter(cfg.method, ctx.recipe.output.dtype)
     return {
         "method": cfg.method,

@@ -22,14 +22,15 @@ def _int8_model(method: str, kind: str = "llama"):
 
 @pytest.mark.parametrize("method", ["w8a8", "int8"])
 @pytest.mark.parametrize("tokens", [1, 7])
-def test_shared_input_gives_the_separate_gemms_outputs(method, tokens):
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_shared_input_gives_the_separate_gemms_outputs(method, tokens, mode):
     separate = _int8_model(method)
     shared = copy.deepcopy(separate)
     groups = share_inputs(shared)
     layers = len(shared.model.layers)
     assert groups == 2 * layers  # q/k/v and gate/up in every layer
     ids = torch.randint(0, 384, (2, tokens), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
+    with mode():
         want, got = separate(ids).logits, shared(ids).logits
     assert torch.allclose(got, want, rtol=0, atol=1e-5), (got - want).abs().max()
 

@@ -10,7 +10,8 @@ MergedColumnParallelLinear); here it happens at run time only: the checkpoint ke
 
 How, without touching the model's own forward code: the first member called with an input computes the
 fused output for every member, returns its slice and keeps the others; a sibling called next with the
-*same* tensor object (same version counter: not modified in place since) takes its slice from there.
+*same* tensor object (same version counter: not modified in place since; under torch.inference_mode,
+whose tensors keep no version counter, the same object) takes its slice from there.
 Anything else (another input, a member called twice) falls back to the member's own GEMM. Results are
 those of the separate GEMMs: each token's activation range, hence its INT8 grid, is the same for every
 member, and each output channel is computed from its own weight row (tested to be equal).
@@ -44,7 +45,8 @@ class SharedInput:
         """Member `index`'s output for input x, or None when the member must compute it alone."""
         if x.requires_grad:
             return None
-        if self._x is x and x._version == self._version and self._outputs[index] is not None:
+        version = -2 if x.is_inference() else x._version  # inference tensors keep no version counter
+        if self._x is x and version == self._version and self._outputs[index] is not None:
             y, self._outputs[index] = self._outputs[index], None
             if all(o is None for o in self._outputs):
                 self._x = None  # every sibling served: release the input and the outputs
@@ -52,7 +54,7 @@ class SharedInput:
         fused = self._fused if self._fused is not None else self._build()
         outputs = list(fused(x).split(self.sizes, dim=-1))
         y, outputs[index] = outputs[index], None
-        self._x, self._version, self._outputs = x, x._version, outputs
+        self._x, self._version, self._outputs = x, version, outputs
         return y
 
     def _build(self) -> Int8Base:

@@ -13,7 +13,7 @@ of the quiet run's. Run it on an otherwise quiet machine (it is meaningless on a
     python benchmarks/busy_machine.py --quickstart           # the full quickstart recipe per row (slower)
     python benchmarks/busy_machine.py --model out-quickstart # also time that model beside the baseline
 
-Writes benchmarks/results/busy_machine.json.
+Writes benchmarks/results/busy_machine.json (busy_machine_quickstart.json with --quickstart).
 """
 
 from __future__ import annotations
@@ -121,8 +121,9 @@ def main() -> None:
     out = {"command": sys.argv, "spinners": args.spinners, "mode": "quickstart" if args.quickstart else "eval",
            "machine": machine(), "versions": versions(), "torch_default_threads": torch.get_num_threads(),
            "rows": rows}
-    (RESULTS / "busy_machine.json").write_text(json.dumps(out, indent=2) + "\n")
-    print(f"\nwrote {RESULTS / 'busy_machine.json'}")
+    path = RESULTS / ("busy_machine_quickstart.json" if args.quickstart else "busy_machine.json")
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

@@ -133,7 +133,8 @@ def _table(cfg: Any, ctx: Any, targets: list[str]) -> dict[str, Any]:
 
     return measure_sensitivity(ctx.model, ctx.calibration(cfg.data), parse_options(",".join(alloc.options)),
                                keep=set(targets), kl_windows=alloc.kl_windows, measure=alloc.measure, fuse=alloc.fuse,
-                               device=ctx.device, progress=ctx.progress, seed=ctx.recipe.seed)
+                               device=ctx.device, progress=ctx.progress, seed=ctx.recipe.seed,
+                               act_order=cfg.act_order, first_token_weight=cfg.first_token_weight)
 
 
 def write_allocation(summary: dict[str, Any], specs: dict[str, QuantSpec], out: Path) -> None:

@@ -91,8 +91,11 @@ class _Tail:
 def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[Option], *, keep: set[str],
                         kl_windows: int = 2, measure: str = "proxy", fuse: bool = False, noise: float = 0.02,
                         device: torch.device = torch.device("cpu"), progress: Progress | None = None,
-                        seed: int = 0) -> dict[str, Any]:
-    """The table (sensitivity.json's content): one row per unit, one column per option."""
+                        seed: int = 0, act_order: bool = True, first_token_weight: float = 16.0) -> dict[str, Any]:
+    """The table (sensitivity.json's content): one row per unit, one column per option. `act_order` and
+    `first_token_weight` (the weight of each window's first token in the Hessians) are the gptq options'
+    solver settings: the gptq stage's defaults, so that the table measures what the stage will apply
+    (sparsegpt options always use the unweighted Hessian, as the prune stage does)."""
     if measure not in MEASURES:
         raise InputError(f"measure '{measure}' is not one of {', '.join(MEASURES)}")
     progress = progress or NullProgress()
@@ -108,6 +111,9 @@ def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[O
     kw = max(1, min(kl_windows, windows.shape[0]))
     want_h = any(o.needs_hessian for o in options)
     want_norms = any(o.method == "wanda" for o in options)
+    if any(o.method == "sparsegpt" for o in options):
+        first_token_weight = 1.0
+    ftw = first_token_weight if any(o.method == "gptq" for o in options) else 1.0
     if not (want_h or want_norms):  # no statistics: only the measured windows need to run
         windows = windows[:kw]
     model.to(device)
@@ -124,7 +130,7 @@ def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[O
         for i, layer in enumerate(layers):
             mine = [u for u in units if u.layer == i]
             if want_h or want_norms:
-                stats, outputs = _statistics(layer, inputs, device, arch, mine, want_h, want_norms)
+                stats, outputs = _statistics(layer, inputs, device, arch, mine, want_h, want_norms, ftw)
                 inputs = LayerInputs(outputs, inputs.kwargs)  # the original layer's outputs: the next inputs
             else:
                 stats = {n: (None, None) for u in mine for n in u.linears}
@@ -133,18 +139,20 @@ def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[O
             gain = tail.kl(base, target + delta, i + 1) / float(delta.pow(2).sum(-1).mean())
             gains.append(gain)
             for u in mine:
-                rows.append(_measure_unit(u, layer, options, stats, states, base, tail, gain, measure, arch, bar))
+                rows.append(_measure_unit(u, layer, options, stats, states, base, tail, gain, measure, arch, bar,
+                                          act_order))
     result = {"measure": measure, "options": [o.label for o in options], "fuse": fuse,
               "drift_unit": "KL(original || modified) at the model output, nats per token",
               "kl_windows": kw, "calibration_windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]),
-              "noise": noise, "propagation_gain": gains, "units": rows}
+              "noise": noise, "gptq_act_order": act_order, "first_token_weight": ftw,
+              "propagation_gain": gains, "units": rows}
     if measure == "both":
         result["rank_correlation"] = _correlations(rows, options)
     return result
 
 
 def _statistics(layer: nn.Module, inputs: Any, device: torch.device, arch: Arch, units: list[Unit],
-                want_h: bool, want_norms: bool) -> tuple[dict[str, tuple], list[torch.Tensor]]:
+                want_h: bool, want_norms: bool, first_token_weight: float = 1.0) -> tuple[dict[str, tuple], list[torch.Tensor]]:
     """Per linear of the layer: (Hessian, input norms) from the original inputs over every window; and
     the layer's outputs (the next layer's inputs), from the same pass."""
     names = {n for u in units for n in u.linears}
@@ -152,7 +160,7 @@ def _statistics(layer: nn.Module, inputs: Any, device: torch.device, arch: Arch,
     groups = [g for g in groups if g]
     if not (want_h or want_norms) or not groups:
         return {n: (None, None) for n in names}, forward_layer(layer, inputs, device)
-    accs = {g[0]: (HessianAccumulator(get_module(layer, g[0]).in_features, device) if want_h else None,
+    accs = {g[0]: (HessianAccumulator(get_module(layer, g[0]).in_features, device, first_token_weight) if want_h else None,
                    InputNorms(get_module(layer, g[0]).in_features, device) if want_norms else None) for g in groups}
 
     def observer(h_acc, n_acc):
@@ -173,7 +181,8 @@ def _statistics(layer: nn.Module, inputs: Any, device: torch.device, arch: Arch,
 
 
 def _measure_unit(u: Unit, layer: nn.Module, options: list[Option], stats: dict, states: list[torch.Tensor],
-                  base: torch.Tensor, tail: _Tail, gain: float, measure: str, arch: Arch, bar: Any) -> dict[str, Any]:
+                  base: torch.Tensor, tail: _Tail, gain: float, measure: str, arch: Arch, bar: Any,
+                  act_order: bool = True) -> dict[str, Any]:
     modules = [get_module(layer, n) for n in u.linears]
     originals = [m.weight.data for m in modules]
     params = sum(w.numel() for w in originals)
@@ -183,7 +192,7 @@ def _measure_unit(u: Unit, layer: nn.Module, options: list[Option], stats: dict,
     target = states[u.layer + 1]
     for o in options:
         for n, m, w in zip(u.linears, modules, originals):
-            m.weight.data = apply_option(w, o, *stats[n]).to(w.dtype)
+            m.weight.data = apply_option(w, o, *stats[n], act_order=act_order).to(w.dtype)
         try:
             y = layer_output(layer, states[u.layer], tail.kwargs)
             err = float((y - target).pow(2).sum(-1).mean())

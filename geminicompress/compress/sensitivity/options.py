@@ -94,11 +94,13 @@ def check_applicable(options: list[Option], in_features: dict[str, int]) -> None
                                  f"input features of {name}")
 
 
-def apply_option(W: torch.Tensor, option: Option, H: torch.Tensor | None, norms: torch.Tensor | None) -> torch.Tensor:
-    """The weight (out, in) after `option` alone: fake-quantized or pruned (float32)."""
+def apply_option(W: torch.Tensor, option: Option, H: torch.Tensor | None, norms: torch.Tensor | None,
+                 act_order: bool = True) -> torch.Tensor:
+    """The weight (out, in) after `option` alone: fake-quantized or pruned (float32). `act_order`: GPTQ's
+    column order (the gptq stage's default, so the table measures what the stage will do)."""
     W = W.detach().float()
     if option.method == "gptq":
-        return gptq_quantize(W, H, option.spec)[0].dequantize()
+        return gptq_quantize(W, H, option.spec, act_order=act_order)[0].dequantize()
     if option.method == "rtn":
         return rtn_quantize(W, option.spec).dequantize()
     if option.method == "magnitude":

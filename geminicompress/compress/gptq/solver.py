@@ -30,11 +30,14 @@ _SUB_BLOCK = 32  # columns per rank-1 sub-block (the rest of the work goes throu
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: float = 0.01, block_size: int = 128,
-                  act_order: bool = False, static_groups: bool = False) -> tuple[QuantizedWeight, float]:
+                  act_order: bool = False, static_groups: bool = False,
+                  overwrite: bool = False) -> tuple[QuantizedWeight, float]:
     """Quantize W (out, in) given the layer Hessian H (in, in) = 2/N · Σ xᵀx.
 
     Returns the codes/scales/zeros/g_idx (g_idx in the original column order) and the summed
     loss Σ (w − q)² / (2 [H⁻¹]_jj²), the objective GPTQ reduces.
+    overwrite: W and H (float32) may serve as scratch (the caller discards them): no copy of either, so the
+    solve holds two Hessian-sized buffers at most (822 MB each for an 8B model's 14336-wide down_proj).
     """
     out_f, in_f = W.shape
     if H.shape != (in_f, in_f):
@@ -44,8 +47,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
     if not torch.isfinite(H).all():
         raise GeminiError("the Hessian holds NaN/Inf values (calibration activations overflowed); "
                           "quantize in float32 or use other calibration data")
-    W = W.detach().to(torch.float32).clone()
-    H = H.detach().to(torch.float32).clone()
+    W = W.detach().to(torch.float32, copy=not overwrite)
+    H = H.detach().to(torch.float32, copy=not overwrite)
     gs = in_f if spec.group_size == -1 else spec.group_size
 
     dead = torch.diag(H) == 0
@@ -59,14 +62,15 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
         static = [qparams(W[:, g:g + gs], spec) for g in range(0, in_f, gs)]
 
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(in_f, device=W.device)
-    H = H[perm][:, perm]
-    Hinv = _inverse_hessian_factor(H, damp)  # upper Cholesky factor of H⁻¹: (in, in)
-    Wt = W[:, perm].t().contiguous()  # (in, out): column j of W is the contiguous row j here
+    Hinv = _inverse_hessian_factor(H, damp, perm if act_order else None)  # upper Cholesky factor of H⁻¹: (in, in)
+    del H  # its memory holds Hinv or was freed
+    Wt = torch.index_select(W.t(), 0, perm)  # (in, out): column j of W is the contiguous row j here
+    del W
 
     Q = torch.zeros_like(Wt)  # codes, quantization order: (in, out)
     # group of each column in quantization order: fixed groups follow the original columns
-    cols = perm if static else torch.arange(in_f, device=W.device)
-    group_of = torch.zeros(in_f, dtype=torch.long, device=W.device) if spec.group_size == -1 else cols // gs
+    cols = perm if static else torch.arange(in_f, device=Wt.device)
+    group_of = torch.zeros(in_f, dtype=torch.long, device=Wt.device) if spec.group_size == -1 else cols // gs
     group_list = group_of.tolist()
     # error updates: rank-1 inside sub-blocks of `sub` columns, one matmul per sub-block to the rest of
     # the block, one per block to the remaining columns (the same sums, mostly as matmuls). A new dynamic
@@ -74,7 +78,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
     sub = math.gcd(_SUB_BLOCK, gs) if not static else _SUB_BLOCK
     scales: list[torch.Tensor] = []
     zeros: list[torch.Tensor] = []
-    loss = torch.zeros((), device=W.device)
+    loss = torch.zeros((), device=Wt.device)
     scale = zero = None
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
@@ -106,10 +110,12 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
     if static:
         scales = [sc for sc, _ in static]
         zeros = [zr for _, zr in static]
+    del Wt, Hinv
     inv = torch.argsort(perm)
     g_idx = group_of[inv].to(torch.int32)
+    Q = Q[inv]
     qw = QuantizedWeight(
-        q=Q[inv].t().to(torch.int32),
+        q=Q.t().to(torch.int32),
         scales=torch.cat(scales, dim=1),  # (out, groups)
         zeros=torch.cat(zeros, dim=1).to(torch.int32),
         g_idx=g_idx,
@@ -159,16 +165,23 @@ def _columns_numpy(W: np.ndarray, Err: np.ndarray, Q: np.ndarray, Hinv: np.ndarr
         e *= inv_d[i]  # (w − q) / [H⁻¹]_jj
 
 
-def _inverse_hessian_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean(diag H)."""
-    H = H.clone()
-    H.diagonal().add_(damp * torch.mean(torch.diag(H)))
-    L, info = torch.linalg.cholesky_ex(H)
+def _inverse_hessian_factor(H: torch.Tensor, damp: float, perm: torch.Tensor | None = None) -> torch.Tensor:
+    """Upper Cholesky factor of (P H Pᵀ + λI)⁻¹ with λ = damp · mean(diag H) and P the permutation `perm`
+    (None: none). H is overwritten: the steps alternate between H's memory and one other buffer, each
+    result written column-major into the other (LAPACK's layout, so torch writes it in place rather than
+    through a temporary); the factor returned is a column-major view of one of the two."""
+    if perm is not None:
+        A, spare = H[perm[:, None], perm], H  # (in, in) row-major; H itself is free from here on
+    else:
+        A, spare = H, torch.empty_like(H)
+    A.diagonal().add_(damp * torch.mean(torch.diag(A)))
+    info = torch.zeros((), dtype=torch.int32, device=H.device)
+    torch.linalg.cholesky_ex(A, out=(spare.mT, info))  # L, column-major in spare
     if info == 0:
-        Hinv = torch.cholesky_inverse(L)
-        U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+        torch.cholesky_inverse(spare.mT, out=A.mT)  # (P H Pᵀ + λI)⁻¹, column-major in A
+        torch.linalg.cholesky_ex(A.mT, upper=True, out=(spare.mT, info))
         if info == 0:
-            return U
+            return spare.mT
     raise GeminiError(f"the Hessian is not positive definite even after dampening by {damp}; "
                       "raise --damp (e.g. 0.1) or use more calibration tokens")
 

@@ -167,7 +167,7 @@ def main() -> None:
 
 
 def print_table(results: dict) -> None:
-    print(f"\n| row | achieved sparsity | wikitext2 ppl | increase | linear sparsity min..max |")
+    print("\n| row | achieved sparsity | wikitext2 ppl | increase | linear sparsity min..max |")
     print("|---|---|---|---|---|")
     print(f"| dense | 0 | {results['dense_ppl']:.2f} | - | - |")
     for label, r in results["rows"].items():

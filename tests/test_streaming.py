@@ -217,11 +217,16 @@ def test_streamed_equals_in_memory_bitwise(sharded, tmp_path, args):
     assert rm["layers"] == rs["layers"]
 
 
-def test_streamed_gptq_equals_in_memory_bitwise(sharded, tmp_path):
+@pytest.mark.parametrize("calib", [
+    [],  # a bf16 checkpoint streams in bfloat16 (layers and activations), as in memory with --calib-dtype bfloat16
+    ["--calib-dtype", "float32"],  # float32 layers and activations, as in memory by default
+])
+def test_streamed_gptq_equals_in_memory_bitwise(sharded, tmp_path, calib):
     args = ["--method", "gptq", "--group-size", "32", "--samples", "4", "--calib-seq-len", "48"]
-    res = invoke("quantize", sharded, "-o", tmp_path / "mem", "-q", "--no-stream", "--dtype", "bfloat16", *args)
+    res = invoke("quantize", sharded, "-o", tmp_path / "mem", "-q", "--no-stream", "--dtype", "bfloat16", *args,
+                 *(calib or ["--calib-dtype", "bfloat16"]))
     assert res.exit_code == 0, res.output
-    res = invoke("quantize", sharded, "-o", tmp_path / "str", "-q", "--stream", *args)
+    res = invoke("quantize", sharded, "-o", tmp_path / "str", "-q", "--stream", *args, *calib)
     assert res.exit_code == 0, res.output
     _same_tensors(tmp_path / "mem", tmp_path / "str")
     for name in ("config.json", "quantize_config.json"):

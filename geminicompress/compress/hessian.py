@@ -85,14 +85,30 @@ def damped_hessian(H: torch.Tensor, damp: float, dtype: torch.dtype = torch.floa
     return H
 
 
-def inverse_hessian_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor U of (H + λI)⁻¹ = UᵀU (`damped_hessian`), float32: the rows GPTQ and SparseGPT
-    spread each column's error with. H: (in, in) -> U: (in, in). Raises GeminiError if H is not positive
-    definite after damping."""
-    L, info = torch.linalg.cholesky_ex(damped_hessian(H, damp))
+def inverse_hessian_factor(H: torch.Tensor, damp: float, perm: torch.Tensor | None = None, *,
+                           overwrite: bool = False) -> torch.Tensor:
+    """Upper Cholesky factor U of (P H Pᵀ + λI)⁻¹ = UᵀU, λ = damp · mean(diag H), P the permutation `perm`
+    (None: none), dead inputs (H_jj = 0) given H_jj = 1 first: the rows GPTQ and SparseGPT spread each
+    column's error with. H: (in, in) -> U: (in, in) float32, a column-major view.
+
+    overwrite: H (float32) is the caller's scratch. The steps then alternate between H's memory and one
+    other buffer, each result written column-major into the other (LAPACK's layout, so torch writes it in
+    place rather than through a temporary): two Hessian-sized buffers at most (822 MB each for an 8B
+    model's 14336-wide down_proj). Raises GeminiError if H is not positive definite after damping."""
+    H = H.detach().to(torch.float32, copy=not overwrite)
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    if perm is not None:
+        A, spare = H[perm[:, None], perm], H  # (in, in) row-major; H itself is free from here on
+    else:
+        A, spare = H, torch.empty_like(H)
+    A.diagonal().add_(damp * torch.mean(torch.diag(A)))
+    info = torch.zeros((), dtype=torch.int32, device=H.device)
+    torch.linalg.cholesky_ex(A, out=(spare.mT, info))  # L, column-major in spare
     if info == 0:
-        U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+        torch.cholesky_inverse(spare.mT, out=A.mT)  # (P H Pᵀ + λI)⁻¹, column-major in A
+        torch.linalg.cholesky_ex(A.mT, upper=True, out=(spare.mT, info))
         if info == 0:
-            return U
+            return spare.mT
     raise GeminiError(f"the Hessian is not positive definite even after dampening by {damp}; "
                       "raise damp (e.g. 0.1) or use more calibration tokens")

@@ -215,8 +215,15 @@ class LayerJob:
         (onepass.py): observe(g, x) sees group g's input for every batch of windows, solve(g) runs once
         all have, before group g computes anything. The solved layer's outputs become `self.output_batches`."""
         batches = self.inputs.batched(batch, self.device)
+
+        def trimmed_solve(g: int) -> None:
+            # the paused batches' freed temporaries (attention's q/k/v, ...) leave holes in the heap that
+            # stay resident; hand them back before the solver's big buffers (memory.py)
+            release_free_heap()
+            solve(g)
+
         results = one_pass(lambda h: layer_output(self.layer, h, self.inputs.kwargs), batches,
-                           [[self.module(n) for n in g] for g in groups], observe, solve)
+                           [[self.module(n) for n in g] for g in groups], observe, trimmed_solve)
         storage = self.inputs.hidden[0].device
         self.output_batches = [out.to(storage) for out in results]
 
@@ -357,11 +364,12 @@ def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, 
 
 def _capture(source: LayerSource, windows: torch.Tensor, device: torch.device,
              calib_dtype: torch.dtype | None) -> LayerInputs:
-    """The inputs of decoder layer 0, with the modules the source must provide for it loaded meanwhile."""
+    """The inputs of decoder layer 0, with the modules the source must provide for it loaded meanwhile
+    (in float32, as a model in memory holds them: the embeddings' outputs are then the same)."""
     loaded = source.capture_modules()
     materialise = getattr(source, "ckpt", None)
     for name in loaded:
-        materialise.materialise(name, getattr(source, "dtype", None))
+        materialise.materialise(name, torch.float32)
     try:
         return capture_inputs(source.model, windows, device, dtype=calib_dtype)
     finally:

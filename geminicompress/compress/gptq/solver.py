@@ -31,11 +31,14 @@ _SUB_BLOCK = 32  # columns per rank-1 sub-block (the rest of the work goes throu
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: float = 0.01, block_size: int = 128,
-                  act_order: bool = False, static_groups: bool = False) -> tuple[QuantizedWeight, float]:
+                  act_order: bool = False, static_groups: bool = False,
+                  overwrite: bool = False) -> tuple[QuantizedWeight, float]:
     """Quantize W (out, in) given the layer Hessian H (in, in) = 2/N · Σ xᵀx.
 
     Returns the codes/scales/zeros/g_idx (g_idx in the original column order) and the summed
     loss Σ (w − q)² / (2 [H⁻¹]_jj²), the objective GPTQ reduces.
+    overwrite: W and H (float32) may serve as scratch (the caller discards them): no copy of either, so the
+    solve holds two Hessian-sized buffers at most (822 MB each for an 8B model's 14336-wide down_proj).
     """
     out_f, in_f = W.shape
     if H.shape != (in_f, in_f):
@@ -45,8 +48,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
     if not torch.isfinite(H).all():
         raise GeminiError("the Hessian holds NaN/Inf values (calibration activations overflowed); "
                           "quantize in float32 or use other calibration data")
-    W = W.detach().to(torch.float32).clone()
-    H = H.detach().to(torch.float32).clone()
+    W = W.detach().to(torch.float32, copy=not overwrite)
+    H = H.detach().to(torch.float32, copy=not overwrite)
     gs = in_f if spec.group_size == -1 else spec.group_size
 
     dead = torch.diag(H) == 0
@@ -60,14 +63,15 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
         static = [qparams(W[:, g:g + gs], spec) for g in range(0, in_f, gs)]
 
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(in_f, device=W.device)
-    H = H[perm][:, perm]
-    Hinv = inverse_hessian_factor(H, damp)  # upper Cholesky factor of H⁻¹: (in, in)
-    Wt = W[:, perm].t().contiguous()  # (in, out): column j of W is the contiguous row j here
+    Hinv = inverse_hessian_factor(H, damp, perm if act_order else None, overwrite=True)  # upper factor of H⁻¹
+    del H  # its memory holds Hinv or was freed (H is this function's own copy unless overwrite)
+    Wt = torch.index_select(W.t(), 0, perm)  # (in, out): column j of W is the contiguous row j here
+    del W
 
     Q = torch.zeros_like(Wt)  # codes, quantization order: (in, out)
     # group of each column in quantization order: fixed groups follow the original columns
-    cols = perm if static else torch.arange(in_f, device=W.device)
-    group_of = torch.zeros(in_f, dtype=torch.long, device=W.device) if spec.group_size == -1 else cols // gs
+    cols = perm if static else torch.arange(in_f, device=Wt.device)
+    group_of = torch.zeros(in_f, dtype=torch.long, device=Wt.device) if spec.group_size == -1 else cols // gs
     group_list = group_of.tolist()
     # error updates: rank-1 inside sub-blocks of `sub` columns, one matmul per sub-block to the rest of
     # the block, one per block to the remaining columns (the same sums, mostly as matmuls). A new dynamic
@@ -75,7 +79,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
     sub = math.gcd(_SUB_BLOCK, gs) if not static else _SUB_BLOCK
     scales: list[torch.Tensor] = []
     zeros: list[torch.Tensor] = []
-    loss = torch.zeros((), device=W.device)
+    loss = torch.zeros((), device=Wt.device)
     scale = zero = None
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
@@ -107,10 +111,12 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
     if static:
         scales = [sc for sc, _ in static]
         zeros = [zr for _, zr in static]
+    del Wt, Hinv
     inv = torch.argsort(perm)
     g_idx = group_of[inv].to(torch.int32)
+    Q = Q[inv]
     qw = QuantizedWeight(
-        q=Q[inv].t().to(torch.int32),
+        q=Q.t().to(torch.int32),
         scales=torch.cat(scales, dim=1),  # (out, groups)
         zeros=torch.cat(zeros, dim=1).to(torch.int32),
         g_idx=g_idx,

@@ -101,27 +101,37 @@ def _quantize_layer(job: LayerJob, *, cfg: GPTQStage, spec: QuantSpec, scales_as
         for n in group:
             by_spec.setdefault((specs or {}).get(f"{job.index}.{n}", spec), []).append(n)
         for s, names in by_spec.items():
-            solve_one(names, H, spec=s)
+            solve_one(names, H, spec=s, overwrite=len(by_spec) == 1)  # H is the solver's scratch when used once
     if cfg.true_sequential and cfg.one_pass:
-        accs = [HessianAccumulator(job.module(g[0]).in_features, job.device, cfg.first_token_weight) for g in groups]
-        job.one_pass(groups, lambda i, x: accs[i].add_batch(x), lambda i: solve(groups[i], accs[i].H))
+        # each group's Hessian exists from its first input to its solve only (down_proj's is the biggest)
+        accs: dict[int, HessianAccumulator] = {}
+
+        def observe(i: int, x: torch.Tensor) -> None:
+            if i not in accs:
+                accs[i] = HessianAccumulator(job.module(groups[i][0]).in_features, job.device, cfg.first_token_weight)
+            accs[i].add_batch(x)
+
+        job.one_pass(groups, observe, lambda i: solve(groups[i], accs.pop(i).H))
     else:
         passes = [[g] for g in groups] if cfg.true_sequential else [groups]
         for pass_groups in passes:
-            for group, H in zip(pass_groups, _collect_hessians(job, pass_groups, cfg.first_token_weight)):
-                solve(group, H)
+            hessians = _collect_hessians(job, pass_groups, cfg.first_token_weight)
+            for group in pass_groups:
+                solve(group, hessians.pop(0))  # each Hessian freed once solved
     return {"err": sum(losses.values()), "modules": losses}, kept
 
 
 def _solve_group(job: LayerJob, group: list[str], H: torch.Tensor, *, cfg: GPTQStage, spec: QuantSpec,
-                 scales_as: torch.dtype, losses: dict[str, float], kept: dict[str, torch.Tensor]) -> None:
+                 scales_as: torch.dtype, losses: dict[str, float], kept: dict[str, torch.Tensor],
+                 overwrite: bool = False) -> None:
     """GPTQ on the group's stacked weight (rows are independent given H); write the fake-quantized
-    weights back in place (the loaded weights' memory is reused) and keep the codes for export."""
+    weights back in place (the loaded weights' memory is reused) and keep the codes for export.
+    overwrite: H is not needed afterwards (the solver may use its memory)."""
     modules = [job.module(n) for n in group]
-    W = torch.cat([job.weight(n) for n in group])  # rows stacked: (Σ out, in), float32 master weights
+    W = torch.cat([job.weight(n) for n in group])  # rows stacked: (Σ out, in), a new tensor of the master weights
     try:
-        qw, loss = gptq_quantize(W, H, spec, damp=cfg.damp, block_size=cfg.block_size,
-                                 act_order=cfg.act_order, static_groups=cfg.static_groups)
+        qw, loss = gptq_quantize(W, H, spec, damp=cfg.damp, block_size=cfg.block_size, act_order=cfg.act_order,
+                                 static_groups=cfg.static_groups, overwrite=overwrite)
     except GeminiError as exc:
         raise GeminiError(f"layer {job.index} {'/'.join(group)}: {exc}") from exc
     qw.scales = qw.scales.to(scales_as).float()  # what the checkpoint will hold

@@ -33,12 +33,15 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ppl-windows", type=int, default=0, help="also compare perplexity on this many eval windows")
     ap.add_argument("--ppl-dtype", default="float32", help="dtype the client model is loaded in for perplexity")
+    ap.add_argument("--loader", choices=["transformers", "gptqmodel"], default="transformers",
+                    help="transformers' from_pretrained (through GPTQModel), or GPTQModel.load itself: the one "
+                         "that reads per-module `dynamic` overrides (mixed precision; transformers' GPTQConfig "
+                         "has no such field)")
     args = ap.parse_args()
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
     torch.set_num_threads(args.threads)
     import gptqmodel
     import transformers
-    from transformers import AutoModelForCausalLM
 
     from geminicompress.models.loading import load_model
 
@@ -47,7 +50,7 @@ def main() -> int:
         ours = load_model(out)
         ids = torch.randint(0, ours.model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
         t0 = time.perf_counter()
-        theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float16, device_map="cpu")
+        theirs = client_load(out, torch.float16, args.loader)
         load_s = time.perf_counter() - t0
         theirs.eval()
         with torch.no_grad():
@@ -62,18 +65,27 @@ def main() -> int:
             "argmax_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
         }
         if args.ppl_windows:
-            result.update(_perplexities(out, ours.tokenizer, args.ppl_windows, getattr(torch, args.ppl_dtype)))
+            result.update(_perplexities(out, ours.tokenizer, args.ppl_windows, getattr(torch, args.ppl_dtype), args.loader))
             failed |= abs(result["ppl_rel_diff"]) > 0.005
         failed |= not kernels or result["rel_error"] > 1e-2
         print(json.dumps(result))
     return 1 if failed else 0
 
 
-def _perplexities(out: str, tokenizer, n: int, dtype: torch.dtype) -> dict:
+def client_load(out: str, dtype: torch.dtype, loader: str):
+    """The checkpoint as the client loads it: an nn.Module returning logits."""
+    if loader == "gptqmodel":
+        from gptqmodel import GPTQModel
+
+        return GPTQModel.load(out, device="cpu", dtype=dtype).model
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(out, dtype=dtype, device_map="cpu")
+
+
+def _perplexities(out: str, tokenizer, n: int, dtype: torch.dtype, loader: str) -> dict:
     """Perplexity of the checkpoint as the client loads it (in dtype) and as geminicompress loads it."""
     from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
 
     from geminicompress.models.loading import load_model
 
@@ -81,7 +93,7 @@ def _perplexities(out: str, tokenizer, n: int, dtype: torch.dtype) -> dict:
     from common import eval_windows, perplexity
 
     windows = eval_windows(tokenizer, n)
-    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=dtype, device_map="cpu").eval()
+    theirs = client_load(out, dtype, loader).eval()
     client = perplexity(theirs, windows)
     del theirs
     ours = perplexity(load_model(out).model.float(), windows)

@@ -43,6 +43,8 @@ def test_forced_8bit_module_is_8bit_on_disk_and_round_trips(tiny_dir, text_file,
         assert tensors["model.layers.0.self_attn.q_proj.qweight"].shape == (64 * 4 // 32, 64)
         assert qc["bits"] == 4 and dynamic_spec(qc["dynamic"], V, base) == QuantSpec(8, 16, True)
         assert dynamic_spec(qc["dynamic"], "model.layers.0.self_attn.q_proj", base) == base
+        # GPTQModel.load reads the overrides from quantize_config.json (transformers' GPTQConfig has none)
+        assert json.loads((out / "quantize_config.json").read_text())["dynamic"] == qc["dynamic"]
     else:
         assert tensors[f"{V}.weight_packed"].shape == (32, 64 * 8 // 32)  # (out, in·b/32)
         assert len(qc["config_groups"]) == 2

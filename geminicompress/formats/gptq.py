@@ -113,7 +113,7 @@ def write(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, meta: dict
 
     size, not_quantized = write_packed(model, tokenizer, out, qweights, getattr(torch, meta.get("dtype", "float32")),
                                        pack_gptq, qconfig)
-    quantize_config = {k: v for k, v in qconfig(not_quantized).items() if k not in ("meta", "dynamic")}
+    quantize_config = {k: v for k, v in qconfig(not_quantized).items() if k != "meta"}  # GPTQModel reads `dynamic` here
     (out / "quantize_config.json").write_text(json.dumps(quantize_config, indent=2) + "\n")
     return quantized_summary(KEY, spec, qweights, not_quantized, size)
 

@@ -75,9 +75,10 @@ def main() -> int:
 def client_load(out: str, dtype: torch.dtype, loader: str):
     """The checkpoint as the client loads it: an nn.Module returning logits."""
     if loader == "gptqmodel":
-        from gptqmodel import GPTQModel
+        from gptqmodel import BACKEND, GPTQModel
 
-        return GPTQModel.load(out, device="cpu", dtype=dtype).model
+        # the plain torch kernel: GPTQModel's auto choice for float32 on CPU (TorchFusedLinear) is 4-bit only
+        return GPTQModel.load(out, device="cpu", dtype=dtype, backend=BACKEND.TORCH).model
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(out, dtype=dtype, device_map="cpu")

@@ -272,23 +272,19 @@ def gptq_dtypes(cfg: Any, ckpt: LazyCheckpoint, out_dtype: torch.dtype) -> tuple
 class _GPTQ:
     """GPTQ per layer (the in-memory stage's own `_quantize_layer`), packed per layer into the output."""
 
-    def __init__(self, cfg: Any, ckpt: LazyCheckpoint, out_dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, ckpt: LazyCheckpoint, out_dtype: torch.dtype, progress: Progress) -> None:
         from functools import partial
 
         from geminicompress.compress.gptq.stage import _quantize_layer
-        from geminicompress.compress.grid import QuantSpec
-        from geminicompress.compress.targets import decoder_linears
-        from geminicompress.formats.checkpoint import check_shapes, scale_dtype
+        from geminicompress.compress.targets import weight_quant_targets
+        from geminicompress.formats.checkpoint import scale_dtype
 
         self.calib_dtype, self.layer_dtype = gptq_dtypes(cfg, ckpt, out_dtype)
         cfg = cfg.model_copy(update={"calib_dtype": str(self.calib_dtype).removeprefix("torch.")})
         self.cfg, self.ckpt, self.out_dtype = cfg, ckpt, out_dtype
-        self.spec = QuantSpec(cfg.bits, cfg.group_size, cfg.sym)
-        self.targets = decoder_linears(ckpt.model, ckpt.arch, cfg.ignore, check="ignore" in cfg.model_fields_set)
-        if not self.targets:
-            raise InputError("the model has no linear layer left to quantize (check --ignore)")
-        self.shapes = {n: tuple(get_module(ckpt.model, n).weight.shape) for n in self.targets}
-        check_shapes(cfg.format, self.shapes, self.spec)
+        # the in-memory stage's opening: targets, shapes, the spec (group size "auto" resolved), format check
+        targets = weight_quant_targets(ckpt.model, cfg, progress, sym=cfg.sym, fmt=cfg.format)
+        self.spec, self.targets, self.shapes = targets.spec, targets.names, targets.shapes
         self.layers_path = ckpt.arch.layers + "."
         scales_as = scale_dtype(cfg.format, str(out_dtype).removeprefix("torch."))
         self.process = partial(_quantize_layer, cfg=cfg, spec=self.spec, scales_as=scales_as,
@@ -424,7 +420,7 @@ def run_streamed(recipe: Recipe, out: Path, *, force: bool = False, progress: Pr
             if stage.type == "prune":
                 stages.append(_Prune(stage, ckpt, state, progress))
             elif stage.method == "gptq":
-                stages.append(_GPTQ(stage, ckpt, out_dtype))
+                stages.append(_GPTQ(stage, ckpt, out_dtype, progress))
             else:
                 stages.append(_Int8(stage, ckpt))
         int8 = next((s for s in stages if isinstance(s, _Int8)), None)

@@ -325,3 +325,14 @@ def test_gptq_resumes_through_finished_layers_bitwise(sharded, tmp_path, monkeyp
     report = run_streamed(recipe, tmp_path / "resumed", max_shard_bytes=40_000)
     assert [bool(r.get("resumed")) for r in report["stages"][0]["result"]["layers"]] == [True, True, False]
     _same_tensors(tmp_path / "straight", tmp_path / "resumed")
+
+
+def test_streamed_gptq_resolves_the_auto_group_size_like_in_memory(sharded, tmp_path):
+    args = ["--method", "gptq", "--samples", "4", "--calib-seq-len", "48"]  # group size: the default "auto"
+    res = invoke("quantize", sharded, "-o", tmp_path / "str", "-q", "--stream", *args)
+    assert res.exit_code == 0, res.output
+    res = invoke("quantize", sharded, "-o", tmp_path / "mem", "-q", "--no-stream", "--dtype", "bfloat16",
+                 "--calib-dtype", "bfloat16", *args)
+    assert res.exit_code == 0, res.output
+    group = [json.loads((tmp_path / d / "quantize_config.json").read_text())["group_size"] for d in ("str", "mem")]
+    assert group[0] == group[1] and group[0] in (32, 64, 128)

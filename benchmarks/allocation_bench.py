@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, RESULTS, calibration_ids, eval_windows, perplexity  # noqa: E402
+from common import RESULTS, calibration_ids, eval_windows, perplexity, stage_context  # noqa: E402
 
 ROWS = {  # label -> prune stage options (sparsity 0.4 unless given)
     "magnitude-global": {"method": "magnitude", "allocation": "global"},
@@ -51,20 +51,11 @@ def prune_row(demo: Path, calib: torch.Tensor, options: dict, work: Path) -> tup
     """Fresh demo model through the real prune stage (no export); returns (model, stage summary)."""
     from geminicompress.compress.prune.stage import run
     from geminicompress.models.loading import load_model
-    from geminicompress.pipeline import StageContext
-    from geminicompress.progress import NullProgress
-    from geminicompress.recipes.schema import PruneStage, Recipe
+    from geminicompress.recipes.schema import PruneStage
 
     loaded = load_model(str(demo))
     stage = {"type": "prune", "sparsity": 0.4, **options}
-    data = str(DATA / "enwiki-sample.txt")
-    recipe = Recipe(model=str(demo), calibration={"data": data, "samples": calib.shape[0], "seq_len": calib.shape[1]},
-                    stages=[stage])
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    ctx = StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, NullProgress(), torch.device("cpu"),
-                       work, None)
-    ctx._calibration[(data, calib.shape[0], calib.shape[1], recipe.seed)] = calib  # same ids for every row
+    ctx = stage_context(demo, loaded, stage, calib, work, None)
     summary = run(PruneStage(**stage), ctx)
     shutil.rmtree(work, ignore_errors=True)
     return loaded.model, summary
@@ -75,23 +66,13 @@ def quant_row(demo: Path, calib: torch.Tensor, options: dict, work: Path, sensit
     `stage_seconds` is the stage alone (no model loading)."""
     from geminicompress.compress.gptq.stage import run
     from geminicompress.models.loading import load_model
-    from geminicompress.pipeline import StageContext
-    from geminicompress.progress import NullProgress
     from geminicompress.recipes.quantize import GPTQStage
-    from geminicompress.recipes.schema import Recipe
 
     loaded = load_model(str(demo))
     stage = {"type": "quantize", "method": "gptq", **options}
     if "allocation" in stage and sensitivity:
         stage["allocation"] = {**stage["allocation"], "sensitivity": sensitivity}
-    data = str(DATA / "enwiki-sample.txt")
-    recipe = Recipe(model=str(demo), calibration={"data": data, "samples": calib.shape[0], "seq_len": calib.shape[1]},
-                    stages=[stage])
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    ctx = StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, NullProgress(), torch.device("cpu"),
-                       work, work)
-    ctx._calibration[(data, calib.shape[0], calib.shape[1], recipe.seed)] = calib
+    ctx = stage_context(demo, loaded, stage, calib, work, work)
     t0 = time.perf_counter()
     summary = run(GPTQStage(**stage), ctx)
     summary = {**summary, "stage_seconds": time.perf_counter() - t0}

@@ -60,6 +60,26 @@ def round_to_nearest(model, bits: int, group: int, sym: bool):
     return model
 
 
+
+def stage_context(model: Path, loaded, stage: dict, calib: torch.Tensor, work: Path, state_dir: Path | None):
+    """A StageContext over `loaded` (models.loading.load_model of `model`) for a one-stage recipe whose calibration
+    windows are exactly `calib` (n, T) (same ids for every row of a benchmark), working in a fresh `work`."""
+    import shutil
+
+    from geminicompress.pipeline import StageContext
+    from geminicompress.progress import NullProgress
+    from geminicompress.recipes.schema import Recipe
+
+    data = str(DATA / "enwiki-sample.txt")
+    recipe = Recipe(model=str(model), calibration={"data": data, "samples": calib.shape[0],
+                                                           "seq_len": calib.shape[1]}, stages=[stage])
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    ctx = StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, NullProgress(), torch.device("cpu"),
+                       work, state_dir)
+    ctx._calibration[(data, calib.shape[0], calib.shape[1], recipe.seed)] = calib
+    return ctx
+
 def ensure_llmc_venv() -> Path:
     """The llm-compressor venv's python: reused when present, else created with the local CPU torch wheel
     first (a plain install would pull a CUDA build), then llmcompressor, which pins its own transformers."""

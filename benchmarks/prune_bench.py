@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, RESULTS, ROOT, calibration_ids, ensure_llmc_venv, eval_windows, perplexity  # noqa: E402
+from common import RESULTS, ROOT, calibration_ids, ensure_llmc_venv, eval_windows, perplexity, stage_context  # noqa: E402
 
 # (method, scope, sparsity, pattern, true_sequential), most important first: a run cut short still answers
 # the bars. true_sequential=False is the papers' and llm-compressor's order (all statistics from the dense layer).
@@ -54,23 +54,14 @@ def prune_in_process(demo: Path, calib: torch.Tensor, method: str, scope: str, s
     """Fresh demo model through the real prune stage (no export); returns (model, stage summary)."""
     from geminicompress.compress.prune.stage import run
     from geminicompress.models.loading import load_model
-    from geminicompress.pipeline import StageContext
-    from geminicompress.progress import NullProgress
-    from geminicompress.recipes.schema import PruneStage, Recipe
+    from geminicompress.recipes.schema import PruneStage
 
     loaded = load_model(str(demo))
     stage = {"type": "prune", "method": method, "scope": scope}
     if method != "magnitude":
         stage["true_sequential"] = true_sequential
     stage.update({"pattern": pattern} if pattern else {"sparsity": sparsity})
-    data = str(DATA / "enwiki-sample.txt")
-    recipe = Recipe(model=str(demo), calibration={"data": data, "samples": calib.shape[0], "seq_len": calib.shape[1]},
-                    stages=[stage])
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    ctx = StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, NullProgress(), torch.device("cpu"),
-                       work, None)
-    ctx._calibration[(data, calib.shape[0], calib.shape[1], recipe.seed)] = calib  # same ids for every row
+    ctx = stage_context(demo, loaded, stage, calib, work, None)
     summary = run(PruneStage(**stage), ctx)
     shutil.rmtree(work, ignore_errors=True)
     return loaded.model, summary

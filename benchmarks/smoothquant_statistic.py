@@ -13,12 +13,10 @@ averages it over the windows. This script runs `geminicompress quantize` with an
 
 from __future__ import annotations
 
-import inspect
 import sys
 
 import torch
 
-from geminicompress.compress.arch import get_module
 from geminicompress.compress.int8 import smoothquant as sq
 
 
@@ -27,25 +25,13 @@ def patched(skip_first: bool):
     def activation_maxima(model, windows, names, progress=None):
         maxima: dict[str, torch.Tensor] = {}
 
-        def hook(name):
-            def record(_module, args):
-                a = args[0].detach().float().abs()
-                a = a[:, 1:] if skip_first else a  # (b, T, in)
-                x = a.reshape(-1, a.shape[-1]).amax(dim=0)
-                maxima[name] = torch.maximum(maxima[name], x) if name in maxima else x
-            return record
+        def record(name: str, x: torch.Tensor) -> None:
+            a = x.detach().float().abs()
+            a = a[:, 1:] if skip_first else a  # (b, T, in)
+            m = a.reshape(-1, a.shape[-1]).amax(dim=0)
+            maxima[name] = torch.maximum(maxima[name], m) if name in maxima else m
 
-        handles = [get_module(model, n).register_forward_pre_hook(hook(n)) for n in names]
-        device = next(model.parameters()).device
-        extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        try:
-            for window in windows:
-                model(window.unsqueeze(0).to(device), use_cache=False, **extra)
-                if progress is not None:
-                    progress.advance(1)
-        finally:
-            for h in handles:
-                h.remove()
+        sq.run_windows(model, windows, names, record, progress)
         return {n: m.cpu() for n, m in maxima.items()}
 
     return activation_maxima

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -90,14 +91,21 @@ def activation_maxima(model: nn.Module, windows: torch.Tensor, names: list[str],
     windows: (n, T) token ids, run one window at a time.  -> {name: (in,) float32}"""
     sums: dict[str, torch.Tensor] = {}
 
-    def hook(name: str):
-        def record(_module: nn.Module, args: tuple) -> None:
-            x = args[0].detach().float().abs().reshape(-1, args[0].shape[-1]).amax(dim=0)  # (in,): this window
-            sums[name] = sums[name] + x if name in sums else x
+    def record(name: str, x: torch.Tensor) -> None:
+        m = x.detach().float().abs().reshape(-1, x.shape[-1]).amax(dim=0)  # (in,): this window
+        sums[name] = sums[name] + m if name in sums else m
 
-        return record
+    run_windows(model, windows, names, record, progress)
+    return {n: (total / len(windows)).cpu() for n, total in sums.items()}
 
-    handles = [get_module(model, n).register_forward_pre_hook(hook(n)) for n in names]
+
+@torch.no_grad()
+def run_windows(model: nn.Module, windows: torch.Tensor, names: list[str],
+                record: Callable[[str, torch.Tensor], None], progress=None) -> None:
+    """Run each window (n, T) through the model alone, calling record(name, input) with each named
+    linear's input (1, T, in) as it is used."""
+    handles = [get_module(model, n).register_forward_pre_hook(lambda _m, args, n=n: record(n, args[0]))
+               for n in names]
     device = next(model.parameters()).device
     # Only the decoder's activations matter: the output head's logits for every position (a fifth of a
     # small model's work) are skipped where the model allows it.
@@ -110,4 +118,3 @@ def activation_maxima(model: nn.Module, windows: torch.Tensor, names: list[str],
     finally:
         for h in handles:
             h.remove()
-    return {n: (total / len(windows)).cpu() for n, total in sums.items()}

@@ -4,6 +4,7 @@ that runs per layer (`not_streamable` says which does not); automatic when the w
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from geminicompress.errors import InputError
 from geminicompress.models.lazy import available_memory, is_streamable_dir, weights_bytes
@@ -28,24 +29,46 @@ def not_streamable(recipe: Recipe) -> str | None:
     if source_dir(recipe) is None:
         return f"MODEL {recipe.model} is not a local dense safetensors directory"
     for k, stage in enumerate(recipe.stages):
-        if stage.type == "prune":
-            if stage.method != "magnitude":
-                return f"stage {k}: prune --method {stage.method} is not streamed yet (magnitude is)"
-            if stage.scope == "global" and stage.pattern is None and k != 0:
-                return f"stage {k}: global magnitude pruning streams only as the first stage"
-            if stage.format != "dense":
-                return f"stage {k}: prune --format {stage.format} is not streamed yet (dense is)"
-        elif stage.type == "quantize" and getattr(stage, "method", None) in ("int8", "w8a8"):
-            if stage.smoothquant_alpha is not None:
-                return f"stage {k}: SmoothQuant calibration is not streamed yet"
-        elif stage.type == "quantize" and getattr(stage, "method", None) == "gptq":
-            if stage.format not in ("gptq", "dense"):
-                return f"stage {k}: gptq --format {stage.format} is not streamed yet (gptq and dense are)"
-        else:
-            return f"stage {k}: {stage.type} {getattr(stage, 'method', '')} is not streamed yet".rstrip()
+        why = _stage_not_streamable(stage, first=k == 0)
+        if why:
+            return f"stage {k}: {why}"
     if sum(s.type == "quantize" for s in recipe.stages) > 1:
         return "more than one quantize stage"
+    if len({s.data or recipe.calibration.data for s in recipe.stages if calibrated(s)}) > 1:
+        return "the calibrated stages name different DATA; a streamed run calibrates them all in one pass per layer"
     return None
+
+
+def _stage_not_streamable(stage: Any, first: bool) -> str | None:
+    method = getattr(stage, "method", None)
+    if stage.type == "prune":
+        if stage.allocation in ("owl", "sensitivity"):
+            return (f"prune --allocation {stage.allocation} needs a whole-model pass before pruning and is not "
+                    "streamed; run it with --no-stream")
+        if stage.method == "magnitude" and stage.scope == "global" and stage.pattern is None and not first:
+            return "global magnitude pruning streams only as the first stage"
+        return None
+    if stage.type == "quantize" and method == "gptq":
+        if stage.allocation is not None or stage.overrides:
+            return "gptq with an allocation or overrides (mixed precision) is not streamed yet; run it with --no-stream"
+        return None
+    if stage.type == "quantize" and method in ("int8", "w8a8", "awq", "awq+gptq"):
+        return None
+    return f"{stage.type} {method or ''} is not streamed yet".rstrip()
+
+
+def calibrated(stage: Any) -> bool:
+    """Whether the stage needs the layers' inputs on calibration windows."""
+    if stage.type == "prune":
+        return stage.method in ("wanda", "sparsegpt")
+    if stage.method in ("int8", "w8a8"):
+        return stage.smoothquant_alpha is not None
+    return stage.method in ("gptq", "awq", "awq+gptq")
+
+
+def calibration_data(recipe: Recipe) -> str:
+    """The DATA every calibrated stage of a streamed recipe calibrates on (one, `not_streamable` checks)."""
+    return next((s.data for s in recipe.stages if calibrated(s) and s.data), recipe.calibration.data)
 
 
 def should_stream(recipe: Recipe, stream: bool | None) -> bool:

@@ -1,18 +1,19 @@
-"""Streamed GPTQ: the in-memory stage's `_quantize_layer` per layer, packed per layer into the output."""
+"""Streamed GPTQ: the in-memory stage's `_quantize_layer` per layer, packed per layer into the output
+(gptq v1, compressed-tensors pack-quantized) or written dense."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
-import torch.nn as nn
 
+from geminicompress.compress.compose import OnePassFn
+from geminicompress.compress.grid import QuantizedWeight
 from geminicompress.compress.layerwise import LayerFn
 from geminicompress.models.lazy import LazyCheckpoint
 from geminicompress.progress import Progress
-from geminicompress.streaming.sink import module_tensors
+from geminicompress.streaming.output import DenseOutput, PackedOutput
+from geminicompress.streaming.stage import Done
 
 
 def gptq_dtypes(cfg: Any, ckpt: LazyCheckpoint, out_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
@@ -34,14 +35,16 @@ def gptq_dtypes(cfg: Any, ckpt: LazyCheckpoint, out_dtype: torch.dtype) -> tuple
 class StreamedGPTQ:
     """GPTQ per layer (the in-memory stage's own `_quantize_layer`), packed per layer into the output."""
 
-    def __init__(self, cfg: Any, ckpt: LazyCheckpoint, out_dtype: torch.dtype, progress: Progress) -> None:
+    def __init__(self, cfg: Any, ckpt: LazyCheckpoint, out_dtype: torch.dtype, progress: Progress,
+                 dtypes: tuple[torch.dtype, torch.dtype] | None = None) -> None:
         from functools import partial
 
         from geminicompress.compress.gptq.stage import _quantize_layer
         from geminicompress.compress.targets import weight_quant_targets
         from geminicompress.formats.checkpoint import scale_dtype
 
-        self.calib_dtype, self.layer_dtype = gptq_dtypes(cfg, ckpt, out_dtype)
+        # (compute, held) dtypes of the layers: the run's (plan.py), by default GPTQ's own
+        self.calib_dtype, self.layer_dtype = dtypes or gptq_dtypes(cfg, ckpt, out_dtype)
         cfg = cfg.model_copy(update={"calib_dtype": str(self.calib_dtype).removeprefix("torch.")})
         self.cfg, self.ckpt, self.out_dtype = cfg, ckpt, out_dtype
         # the in-memory stage's opening: targets, shapes, the spec (group size "auto" resolved), format check
@@ -52,59 +55,31 @@ class StreamedGPTQ:
         self.process = partial(_quantize_layer, cfg=cfg, spec=self.spec, scales_as=scales_as,
                                targets={n.removeprefix(self.layers_path) for n in self.targets})
 
+    calibrated = True
+
     def layer_fn(self) -> LayerFn:
-        return self.process
+        """The in-memory step; with true-sequential in one pass it shares that pass with a one-pass stage
+        before it (e.g. SparseGPT: compose.py)."""
+        return OnePassFn(self.process) if self.cfg.true_sequential and self.cfg.one_pass else self.process
 
-    def layer_tensors(self, i: int, layer: nn.Module, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The layer's float tensors and, for the gptq format, its quantized linears packed (qweight, ...)."""
+    def qweights(self, i: int, kept: dict[str, torch.Tensor]) -> Mapping[str, QuantizedWeight]:
+        """Layer i's quantized linears from the codes the step kept (packed one module at a time)."""
         from geminicompress.compress.gptq.stage import _KeptCodes
-        from geminicompress.formats.gptq import pack_gptq
 
-        tensors = module_tensors(self.ckpt.layer_prefix(i), layer, self.out_dtype)
+        return _KeptCodes({f"{i}.{k}": v for k, v in kept.items()}, self.spec, self.layers_path)
+
+    def output(self) -> DenseOutput:
+        from geminicompress.compress.gptq.stage import export_meta
+
         if self.cfg.format == "dense":  # the fake-quantized weights are the layer's own
-            return tensors
-        qweights = _KeptCodes({f"{i}.{k}": v for k, v in kept.items()}, self.spec, self.layers_path)
-        for name in qweights:
-            del tensors[f"{name}.weight"]
-            tensors.update({f"{name}.{k}": v for k, v in pack_gptq(qweights[name]).items()})
-        return tensors
+            return DenseOutput(self.ckpt, self.out_dtype)
+        meta = export_meta(self.cfg, str(self.out_dtype).removeprefix("torch."))
+        return PackedOutput(self.ckpt, self.out_dtype, self.cfg.format, self.spec, self.targets, meta, self.qweights)
 
-    @torch.no_grad()
-    def load_back(self, i: int, layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-        """Put a finished layer's written tensors back into it (its quantized linears dequantized: the
-        same float32 weights the run computed with, since the scales were rounded to the stored dtype)."""
-        from geminicompress.formats.gptq import SUFFIXES, unpack_gptq
-
-        prefix = self.ckpt.layer_prefix(i) + "."
-        params = dict(layer.named_parameters())
-        for name in [n for n in self.targets if n.startswith(prefix)] if self.cfg.format == "gptq" else []:
-            packed = {k: tensors.pop(f"{name}.{k}") for k in SUFFIXES}
-            rel = name[len(prefix):] + ".weight"
-            params[rel].copy_(unpack_gptq(packed, self.spec).dequantize().to(params[rel].dtype))
-        for key, value in tensors.items():
-            params[key[len(prefix):]].copy_(value.to(params[key[len(prefix):]].dtype))
-
-    def write_config(self, out: Path) -> None:
-        from geminicompress import __version__ as version
-        from geminicompress.formats.checkpoint import write_config
-        from geminicompress.formats.gptq import gptq_config
-
-        if self.cfg.format == "dense":
-            write_config(self.ckpt.model, out, None, self.out_dtype)
-            return
-        cfg = self.cfg
-        meta = {"act_order": cfg.act_order, "static_groups": cfg.static_groups, "true_sequential": cfg.true_sequential,
-                "damp": cfg.damp, "version": version}
-        layer_linears = [n for n, m in self.ckpt.model.named_modules()
-                         if isinstance(m, nn.Linear) and n.startswith(self.layers_path)]
-        qconfig = gptq_config(self.spec, meta, [n for n in layer_linears if n not in self.targets])
-        write_config(self.ckpt.model, out, qconfig, self.out_dtype)
-        quantize_config = {k: v for k, v in qconfig.items() if k not in ("meta", "dynamic")}
-        (out / "quantize_config.json").write_text(json.dumps(quantize_config, indent=2) + "\n")
-
-    def summary(self, layer_summaries: list[dict], windows: torch.Tensor) -> dict[str, Any]:
+    def summary(self, layers: list[dict], done: Done) -> dict[str, Any]:
         return {"bits": self.spec.bits, "group_size": self.spec.group_size, "sym": self.spec.sym,
-                "format": self.cfg.format, "calibration_tokens": int(windows.numel()),
-                "calib_dtype": self.cfg.calib_dtype, "layer_dtype": str(self.layer_dtype).removeprefix("torch."),
-                "quantized_modules": len(self.targets), "total_error": sum(s.get("err", 0.0) for s in layer_summaries),
-                "layers": layer_summaries, "streamed": True}
+                "format": self.cfg.format, "calibration_tokens": int(done.windows.numel()),
+                "calib_dtype": str(self.calib_dtype).removeprefix("torch."),
+                "layer_dtype": str(self.layer_dtype).removeprefix("torch."),
+                "quantized_modules": len(self.targets), "total_error": sum(s.get("err", 0.0) for s in layers),
+                "layers": layers, "streamed": True}

@@ -52,7 +52,7 @@ def _stage_not_streamable(stage: Any, first: bool) -> str | None:
         if stage.allocation is not None or stage.overrides:
             return "gptq with an allocation or overrides (mixed precision) is not streamed yet; run it with --no-stream"
         return None
-    if stage.type == "quantize" and method in ("int8", "w8a8", "awq", "awq+gptq"):
+    if stage.type == "quantize" and method in ("int8", "w8a8", "awq", "awq+gptq", "rtn"):
         return None
     return f"{stage.type} {method or ''} is not streamed yet".rstrip()
 

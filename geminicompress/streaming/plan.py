@@ -24,6 +24,7 @@ from geminicompress.streaming.estimate import Calibration
 from geminicompress.streaming.gptq import StreamedGPTQ, gptq_dtypes
 from geminicompress.streaming.int8 import StreamedInt8
 from geminicompress.streaming.prune import StreamedPrune
+from geminicompress.streaming.rtn import StreamedRTN
 from geminicompress.streaming.stage import StreamedStage
 
 # stage tag -> adapter(cfg, ckpt, output dtype, state folder, progress, the run's calibration dtypes or None)
@@ -36,6 +37,7 @@ STAGES: dict[str, Maker] = {
     "quantize:gptq": lambda cfg, ckpt, dtype, state, progress, dtypes: StreamedGPTQ(cfg, ckpt, dtype, progress, dtypes),
     "quantize:awq": lambda cfg, ckpt, dtype, state, progress, dtypes: StreamedAWQ(cfg, ckpt, dtype, state, progress),
     "quantize:awq+gptq": lambda cfg, ckpt, dtype, state, progress, dtypes: StreamedAWQ(cfg, ckpt, dtype, state, progress),
+    "quantize:rtn": lambda cfg, ckpt, dtype, state, progress, dtypes: StreamedRTN(cfg, ckpt, dtype, progress),
 }
 
 # float32 (widest input)² buffers a calibrated stage holds at its peak (Hessians, solver scratch)

@@ -10,7 +10,8 @@ converted float32 directory: both paths write float32). Calibrated methods use 3
 of ../shared/data/enwiki-sample.txt. Perplexity: benchmarks/common.py (first 16,384 tokens of
 wikitext2-test.txt in 512-token windows). Timing (--time) only means something with every other process
 paused (/work/logs/quiet.sh); it alternates streamed and in-memory runs (S M S M ...), records each
-whole-process wall time and peak RSS (/usr/bin/time -v) and their medians.
+whole-process wall time and peak RSS (/usr/bin/time -v) and their medians; a later --time of the same
+name adds its runs to the earlier ones (a method too slow for one quiet window takes several).
 Writes benchmarks/results/stream_methods_demo.json (equality) or stream_methods_timing.json (timing),
 merging with what is there.
 """
@@ -119,19 +120,23 @@ def equality(names: list[str], work: Path, always_ppl: bool) -> dict:
     return rows
 
 
-def timing(names: list[str], work: Path, repeats: int) -> dict:
+def timing(names: list[str], work: Path, repeats: int, before: dict) -> dict:
+    """S M S M ... per name; the runs add to those `before` holds for it (several quiet windows)."""
     rows = {}
     for name in names:
-        runs: dict[str, list[tuple[float, int]]] = {"stream": [], "memory": []}
+        old = before.get(name, {})
+        runs = {m: [(w, p * 2**20) for w, p in zip(old.get("wall_s", {}).get(m, []), old.get("peak_mib_each", {}).get(m, []))]
+                for m in ("stream", "memory")}
         for r in range(repeats):
             for mode in ("stream", "memory"):
                 out = work / f"{name}-{mode}-t"
                 runs[mode].append(timed(command(name, out, mode == "stream", work, ["--threads", "2"]),
                                         work / f"{out.name}{r}.log"))
         med = {m: statistics.median(w for w, _ in v) for m, v in runs.items()}
-        rows[name] = {"runs": repeats, "wall_s": {m: [round(w, 2) for w, _ in v] for m, v in runs.items()},
+        rows[name] = {"runs": len(runs["stream"]), "wall_s": {m: [round(w, 2) for w, _ in v] for m, v in runs.items()},
                       "median_s": {m: round(w, 2) for m, w in med.items()},
                       "ratio": round(med["stream"] / med["memory"], 3),
+                      "peak_mib_each": {m: [round(p / 2**20) for _, p in v] for m, v in runs.items()},
                       "peak_mib": {m: round(statistics.median(p for _, p in v) / 2**20) for m, v in runs.items()},
                       "command": " ".join(command(name, Path("OUT"), True, work, ["--threads", "2"])[1:])}
         print(name, json.dumps(rows[name]), flush=True)
@@ -148,11 +153,11 @@ def main() -> None:
     a = ap.parse_args()
     names = a.only.split(",")
     a.work.mkdir(parents=True, exist_ok=True)
-    rows = timing(names, a.work, a.repeats) if a.time else equality(names, a.work, a.ppl)
-    from geminicompress.machine import machine, versions
-
     dest = RESULTS / ("stream_methods_timing.json" if a.time else "stream_methods_demo.json")
     result = json.loads(dest.read_text()) if dest.is_file() else {"runs": {}}
+    rows = timing(names, a.work, a.repeats, result["runs"]) if a.time else equality(names, a.work, a.ppl)
+    from geminicompress.machine import machine, versions
+
     result["runs"].update(rows)
     result.update({"machine": machine(), "versions": versions(),
                    "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

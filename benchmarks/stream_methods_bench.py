@@ -41,6 +41,12 @@ RUNS: dict[str, list[str]] = {
     "gptq_ct": ["quantize", "--method", "gptq", "--bits", "4", "--group-size", "64", "--format", "compressed-tensors", *CAL],
     "rtn": ["quantize", "--method", "rtn", "--bits", "4", "--group-size", "64"],
     "chain_sparsegpt_gptq": ["run", "RECIPE"],
+    # cheaper AWQ settings for timing only (a full AWQ run of the demo takes ~4 min, two of them fill a quiet
+    # window): the streamed path's extra cost is per layer, so a shorter run makes the ratio conservative
+    "awq_t": ["quantize", "--method", "awq", "--bits", "4", "--group-size", "64", "--n-grid", "5",
+              "--samples", "16", *CAL[2:]],
+    "awq_gptq_t": ["quantize", "--method", "awq+gptq", "--bits", "4", "--group-size", "64", "--n-grid", "5",
+                   "--samples", "16", *CAL[2:]],
 }
 CHAIN = f"""\
 model: smollm2-demo

@@ -77,6 +77,11 @@ def test_lazy_layers_equal_the_model_and_are_freed(tmp_path):
     assert ckpt.outside_modules() == ["model.embed_tokens", "model.norm", "lm_head"]
     lazy = LazyTensors(ckpt, ["model.layers.0.mlp.up_proj.weight", "lm_head.weight"])
     assert lazy.total == 128 * 64 + 384 * 64 and torch.equal(lazy[1], model.lm_head.weight)
+    # the threshold's sample: whole evenly spaced rows, about 1/step of the values
+    sample = lazy.sample(16)
+    up, head = model.model.layers[0].mlp.up_proj.weight, model.lm_head.weight
+    assert sample.numel() == 8 * 64 + 24 * 64
+    assert torch.equal(sample[:64], up[0]) and torch.equal(sample[-64:], head[-1])
 
 
 def test_lazy_reads_bf16_as_stored_or_cast(sharded):

@@ -295,6 +295,20 @@ class LazyTensors(Sequence):
     def total(self) -> int:
         return sum(self.ckpt.tensors[self.ckpt.stored_name(n)].numel for n in self.names)
 
+    def sample(self, step: int) -> torch.Tensor:
+        """About 1/step of every tensor's values, flat (float32): evenly spaced whole rows of each, read
+        alone from the memory-mapped file (the rest of the tensor is not read)."""
+        parts = []
+        for name in self.names:
+            info = self.ckpt.tensors[self.ckpt.stored_name(name)]
+            rows = info.shape[0] if info.shape else 1
+            n = max(1, round(rows / step))
+            picked = sorted({round(r) for r in torch.linspace(0, rows - 1, n).tolist()})
+            with _open(info.file) as f:
+                sl = f.get_slice(self.ckpt.stored_name(name))
+                parts += [sl[r:r + 1].float().flatten() if info.shape else sl[:].float().flatten() for r in picked]
+        return torch.cat(parts)
+
 
 def available_memory() -> int:
     """Bytes of memory available to new work (MemAvailable), or 0 when unknown."""

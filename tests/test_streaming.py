@@ -239,7 +239,7 @@ def test_shard_writer_disk_full_is_one_line_and_resumable(tmp_path, monkeypatch)
     ["prune", "--sparsity", "0.3", "--scope", "layer"],
     ["prune", "--pattern", "2:4"],
     ["quantize", "--method", "int8"],
-    ["quantize", "--method", "w8a8", "--smoothquant-alpha", "0"],  # SmoothQuant calibration is not streamed yet
+    ["quantize", "--method", "w8a8", "--smoothquant-alpha", "0"],  # without SmoothQuant (with: test_streaming_methods.py)
 ])
 def test_streamed_equals_in_memory_bitwise(sharded, tmp_path, args):
     res = invoke(*args[:1], sharded, "-o", tmp_path / "mem", "-q", "--no-stream", "--dtype", "bfloat16", *args[1:])
@@ -335,10 +335,13 @@ def test_multi_stage_recipe_applies_every_stage_per_layer(sharded, tmp_path):
 
 
 def test_not_streamable_recipe_is_refused_in_one_line(sharded, tmp_path):
-    res = invoke("quantize", sharded, "-o", tmp_path / "out", "-q", "--stream", "--method", "awq")
-    assert res.exit_code == 2 and "--stream: stage 0: quantize awq is not streamed yet" in res.output, res.output
-    with pytest.raises(GeminiError):
-        run_streamed(_recipe(sharded, {"type": "prune", "method": "wanda", "sparsity": 0.5}), tmp_path / "o2")
+    res = invoke("prune", sharded, "-o", tmp_path / "out", "-q", "--stream", "--method", "wanda", "--allocation", "owl")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert "--stream: stage 0: prune --allocation owl needs a whole-model pass" in res.output, res.output
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(GeminiError, match="gptq with an allocation or overrides"):
+        run_streamed(_recipe(sharded, {"type": "quantize", "method": "gptq", "overrides": {
+            "model.layers.0.mlp.down_proj": "b8g32"}}), tmp_path / "o2")
 
 
 def test_gptq_resumes_through_finished_layers_bitwise(sharded, tmp_path, monkeypatch):

@@ -40,6 +40,8 @@ def run_streamed(recipe: Recipe, out: Path, *, force: bool = False, progress: Pr
 
     progress = progress or NullProgress()
     device = device or torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     reason = not_streamable(recipe)
     if reason:
         raise InputError(f"cannot stream: {reason}")
@@ -93,7 +95,9 @@ def run_streamed(recipe: Recipe, out: Path, *, force: bool = False, progress: Pr
         output.write_config(tmp, results[owner]["result"] if owner is not None else {})
         _save_tokenizer(path, tmp, recipe.trust_remote_code)
         export = {"format": output.format, "dtype": str(out_dtype).removeprefix("torch."), "streamed": True,
-                  **shards, "estimated": need}
+                  **shards, "estimated": need, "device": str(device)}
+        if device.type == "cuda":
+            export["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
         report = {"geminicompress": __version__, "command": command or sys.argv, "model": recipe.model,
                   "output": str(out), "load_seconds": 0.0, "total_seconds": round(time.perf_counter() - started, 3),
                   "export": export, "stages": results, "versions": versions(), "machine": machine()}

@@ -5,8 +5,9 @@ Every format module has
 - `detect(qc: dict) -> bool`: whether a `quantization_config` is this format (a test checks that
   `detect` below and the modules agree);
 - `load(path, config, dtype) -> PreTrainedModel`: read it back (what `eval` measures is what ships);
-- `reader(path, config) -> reader.ModuleReader`: how one of its quantized modules is read, which `load`
-  and the layer-at-a-time reader of a checkpoint bigger than memory (`models/lazy.py`) share;
+- `reader(path, config) -> reader.ModuleReader`: how one of its quantized modules is read (picked by
+  `module_reader` below); its `load` and the layer-at-a-time reader of a checkpoint bigger than memory
+  (`models/lazy.py`) both build modules through it;
 - `write(model, tokenizer, out, ...) -> dict`: write it (the summary goes into report.json).
 Formats that hold quantized weights (`QUANTIZED`) share one write signature,
 `write(model, tokenizer, out, qweights, meta)`, and a `check_shape(name, out, in, spec)` that refuses
@@ -74,7 +75,7 @@ def load(path: Path, config: dict[str, Any], dtype: Any) -> Any:
     return module(key).load(Path(path), config, dtype)
 
 
-def reader(path: Path, config: dict[str, Any]) -> Any:
+def module_reader(path: Path, config: dict[str, Any]) -> Any:
     """The `reader.ModuleReader` of the checkpoint at `path` (config.json = `config`), None when it is dense."""
     key = detect(config)
     if key is None:

@@ -133,8 +133,10 @@ def _head_only(source: LayerSource, dtype: torch.dtype, device: torch.device) ->
     ckpt = getattr(source, "ckpt", None)
     saved = {n: {k: v for k, v in get_module(model, n).state_dict(keep_vars=True).items()} for n in head}
     for n in head:
-        module = ckpt.materialise(n, dtype) if ckpt is not None else get_module(model, n)
-        module.to(device, dtype)
+        if ckpt is not None:  # read in dtype; a quantized head keeps the dtypes its reader gave it (as loaded)
+            ckpt.materialise(n, dtype).to(device)
+        else:
+            get_module(model, n).to(device, dtype)
     layers = get_module(model, arch.layers)
     set_module(model, arch.layers, nn.ModuleList())
     try:

@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--name", default="")
     ap.add_argument("--keep", action="store_true", help="keep the outputs (default: delete them after measuring)")
     a = ap.parse_args()
+    a.work.mkdir(parents=True, exist_ok=True)
     rows = []
     for spec in a.run:
         name, _, args = spec.partition(":")

@@ -108,7 +108,7 @@ def run_recipe(
 ) -> dict:
     """Run every stage of `recipe` and write OUT; return the report (also written to OUT/report.json).
 
-    stream: run layer by layer from disk (streaming.py): True, False, or None to decide from the model's
+    stream: run layer by layer from disk (streaming/): True, False, or None to decide from the model's
     size and whether every stage can stream."""
     progress = progress or NullProgress()
     device = device or default_device()

@@ -20,6 +20,7 @@ def run(
     device: str = c.DEVICE,
     quiet: bool = c.QUIET,
     threads: Optional[int] = c.THREADS,
+    stream: Optional[bool] = c.STREAM,
 ) -> None:
     """Run every stage of RECIPE on its model and write OUT (model, report.json, recipe.yaml).
 
@@ -35,7 +36,8 @@ def run(
     check_output_path(output, force)
     dev = c.parse_device(device)
     choice = c.use_threads(threads, parsed.threads)
-    report = run_recipe(parsed, output, force=force, progress=c.RichProgress(quiet), device=dev, command=sys.argv)
+    report = run_recipe(parsed, output, force=force, progress=c.RichProgress(quiet), device=dev, command=sys.argv,
+                        stream=stream)
     c.console.print(c.wrote_line(output, report["total_seconds"], choice), highlight=False, soft_wrap=True)
     _print_eval_tables(report, output)
 

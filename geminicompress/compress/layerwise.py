@@ -249,7 +249,7 @@ class LayerSource(Protocol):
 
 class LayerSink(Protocol):
     """Where finished layers go: `StateDirSink` (they stay in the model; resumable copies in state_dir)
-    or `streaming.ShardSink` (written into output shards, then dropped)."""
+    or `streaming.sink.ShardSink` (written into output shards, then dropped)."""
 
     restores_weights: bool  # whether `restore` loads a finished layer's weights back (else: summary only)
 
@@ -299,23 +299,6 @@ class StateDirSink:
     def finish(self, i: int, layer: nn.Module, summary: dict, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         _save(self.state_dir, i, layer, summary, kept)
         return kept
-
-
-def compose(*fns: LayerFn) -> LayerFn:
-    """One LayerFn running `fns` in order on the same layer (a multi-stage recipe of layer-local stages:
-    every stage sees the layer as the stages before it left it). Summaries are keyed by stage position."""
-
-    def process(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        summary: dict[str, Any] = {}
-        kept: dict[str, torch.Tensor] = {}
-        for k, fn in enumerate(fns):
-            job.output_batches = None  # a later stage changes the layer: earlier one-pass outputs are stale
-            s, t = fn(job)
-            summary.update({f"{k}.{key}": v for key, v in s.items()} if len(fns) > 1 else s)
-            kept.update({f"{k}.{key}": v for key, v in t.items()} if len(fns) > 1 else t)
-        return summary, kept
-
-    return process
 
 
 def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, process: LayerFn, *,

@@ -91,17 +91,18 @@ def awq_config(spec: QuantSpec, zero_point: bool, not_converted: list[str]) -> d
             "version": "gemm", "modules_to_not_convert": not_converted or None}
 
 
+def quantization_config(spec: QuantSpec, meta: dict[str, Any], not_quantized: list[str]) -> dict[str, Any]:
+    """config.json's `quantization_config`; modules_to_not_convert is matched by name part: the float
+    linears' last names (e.g. lm_head)."""
+    return awq_config(spec, bool(meta.get("zero_point", not spec.sym)), _last_names(not_quantized))
+
+
 def write(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, meta: dict[str, Any]) -> dict[str, Any]:
     """Write model + tokenizer to `out` in the AWQ GEMM layout; return a summary for report.json."""
     spec = single_spec(qweights)
     zero_point = bool(meta.get("zero_point", not spec.sym))
-
-    def qconfig(not_quantized: list[str]) -> dict[str, Any]:
-        # modules_to_not_convert is matched by name part: the float linears' last names (e.g. lm_head)
-        return awq_config(spec, zero_point, _last_names(not_quantized))
-
     size, not_quantized = write_packed(model, tokenizer, out, qweights, getattr(torch, meta.get("dtype", "float32")),
-                                       pack_awq, qconfig)
+                                       pack_awq, lambda nq: quantization_config(spec, meta, nq))
     not_converted = _last_names(not_quantized)
     return {"format": KEY, "bits": spec.bits, "group_size": spec.group_size, "zero_point": zero_point,
             "quantized_modules": len(qweights), "float_modules": not_converted, "version": __version__,

@@ -99,23 +99,36 @@ def gptq_config(spec: QuantSpec, meta: dict[str, Any], skipped: list[str]) -> di
     return config
 
 
+def quantization_config(spec: QuantSpec, specs: dict[str, QuantSpec], meta: dict[str, Any], layers: str,
+                        not_quantized: list[str]) -> dict[str, Any]:
+    """config.json's `quantization_config`: `spec` the base, the modules of `specs` with another spec as
+    `dynamic` overrides (formats/mixed.py), the float linears under `layers` ("model.layers.") skipped."""
+    config = gptq_config(spec, {**meta, "version": __version__}, [n for n in not_quantized if n.startswith(layers)])
+    overrides = gptq_dynamic(specs, spec)
+    if overrides:
+        config["dynamic"] = {**overrides, **config.get("dynamic", {})}
+    return config
+
+
+def write_quantize_config(out: Path, config: dict[str, Any]) -> None:
+    """quantize_config.json beside config.json: the quantization_config without `meta` (GPTQModel reads
+    `dynamic` here)."""
+    quantize_config = {k: v for k, v in config.items() if k != "meta"}
+    (out / "quantize_config.json").write_text(json.dumps(quantize_config, indent=2) + "\n")
+
+
 def write(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, meta: dict[str, Any]) -> dict[str, Any]:
     """Write model + tokenizer in GPTQ v1 (+ quantize_config.json); float tensors in meta["dtype"]."""
     spec = base_spec(qweights)  # mixed precision: the others as `dynamic` overrides (formats/mixed.py)
     layers = arch_for(model).layers + "."
-    meta = {**meta, "version": __version__}
-    overrides = gptq_dynamic(specs_of(qweights), spec)
+    specs = specs_of(qweights)
 
     def qconfig(not_quantized: list[str]) -> dict[str, Any]:
-        config = gptq_config(spec, meta, [n for n in not_quantized if n.startswith(layers)])
-        if overrides:
-            config["dynamic"] = {**overrides, **config.get("dynamic", {})}
-        return config
+        return quantization_config(spec, specs, meta, layers, not_quantized)
 
     size, not_quantized = write_packed(model, tokenizer, out, qweights, getattr(torch, meta.get("dtype", "float32")),
                                        pack_gptq, qconfig)
-    quantize_config = {k: v for k, v in qconfig(not_quantized).items() if k != "meta"}  # GPTQModel reads `dynamic` here
-    (out / "quantize_config.json").write_text(json.dumps(quantize_config, indent=2) + "\n")
+    write_quantize_config(out, qconfig(not_quantized))
     return quantized_summary(KEY, spec, qweights, not_quantized, size)
 
 

@@ -14,7 +14,7 @@ Strategy `channel` for per-channel, `group` otherwise; linears not quantized are
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -110,16 +110,25 @@ def _ct_config(spec: QuantSpec, meta: dict[str, Any], ignore: list[str]) -> dict
     }
 
 
+def packer(meta: dict[str, Any]) -> Callable[[QuantizedWeight], dict[str, torch.Tensor]]:
+    """`pack_ct` for an export with `meta`: scales in meta["dtype"], g_idx only with act-order groups."""
+    with_g_idx = bool(meta.get("act_order")) and not meta.get("static_groups")
+    scales_as = scale_dtype("compressed-tensors", meta.get("dtype", "float32"))
+    return lambda qw: pack_ct(qw, scales_as, with_g_idx)
+
+
+def quantization_config(spec: QuantSpec, specs: dict[str, QuantSpec], meta: dict[str, Any],
+                        ignore: list[str]) -> dict[str, Any]:
+    """config.json's `quantization_config` (`spec` the base, `specs` every quantized module's)."""
+    return ct_config(spec, {**meta, "version": __version__}, ignore, specs)
+
+
 def write(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, meta: dict[str, Any]) -> dict[str, Any]:
     """Write model + tokenizer as compressed-tensors pack-quantized; float tensors in meta["dtype"]."""
     spec = base_spec(qweights)
-    dtype_name = meta.get("dtype", "float32")
-    with_g_idx = bool(meta.get("act_order")) and not meta.get("static_groups")
-    scales_as = scale_dtype("compressed-tensors", dtype_name)
-    size, not_quantized = write_packed(model, tokenizer, out, qweights, getattr(torch, dtype_name),
-                                       lambda qw: pack_ct(qw, scales_as, with_g_idx),
-                                       lambda ignore: ct_config(spec, {**meta, "version": __version__}, ignore,
-                                                                specs_of(qweights)))
+    specs = specs_of(qweights)
+    size, not_quantized = write_packed(model, tokenizer, out, qweights, getattr(torch, meta.get("dtype", "float32")),
+                                       packer(meta), lambda ignore: quantization_config(spec, specs, meta, ignore))
     return quantized_summary("compressed-tensors", spec, qweights, not_quantized, size)
 
 

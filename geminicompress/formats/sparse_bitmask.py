@@ -73,11 +73,30 @@ def sparsity_config(fmt: str, structure: str, global_sparsity: float, ignore: li
             "targets": ["Linear"], "ignore": ignore}
 
 
+def layout(structure: str) -> str:
+    """The format name of a sparsity structure ("2:4" or anything else)."""
+    return FORMATS[1] if structure == "2:4" else FORMATS[0]
+
+
+def weight_tensors(name: str, tensor: Tensor, keep: Tensor, two_four: bool) -> dict[str, Tensor]:
+    """The layout's tensors of weight `name` ("<module>.weight", in the output dtype): unstructured, the
+    kept values that are not zero in that dtype; 2:4, exactly the kept ones."""
+    keep = keep.cpu() & (tensor != 0) if not two_four else keep.cpu()
+    return {f"{name.removesuffix('.weight')}.{k}": v for k, v in compress(tensor, keep, two_four).items()}
+
+
+def quantization_config(structure: str, global_sparsity: float, ignore: list[str]) -> dict[str, Any]:
+    """config.json's `quantization_config` for a pruned model (`ignore`: the linears stored dense)."""
+    fmt = layout(structure)
+    return {"quant_method": "compressed-tensors", "format": fmt,
+            "sparsity_config": sparsity_config(fmt, structure, global_sparsity, ignore)}
+
+
 def exporter(dtype: str, masks: dict[str, Tensor], structure: str,
              global_sparsity: float) -> Callable[[Any, Any, Path], dict]:
     """Exporter writing `masks`' weights (param name -> keep-mask) in a sparse-bitmask layout; the rest dense."""
     two_four = structure == "2:4"
-    fmt = FORMATS[1] if two_four else FORMATS[0]
+    fmt = layout(structure)
 
     def export(model: Any, tokenizer: Any, out: Path) -> dict:
         model = model.to(getattr(torch, dtype))
@@ -89,16 +108,12 @@ def exporter(dtype: str, masks: dict[str, Tensor], structure: str,
             seen.add(tensor.data_ptr())
             tensor = tensor.detach().cpu().contiguous()
             if name in masks:
-                keep = masks[name].cpu() & (tensor != 0) if not two_four else masks[name].cpu()
-                parts = compress(tensor, keep, two_four)
-                tensors.update({f"{name.removesuffix('.weight')}.{k}": v for k, v in parts.items()})
+                tensors.update(weight_tensors(name, tensor, masks[name], two_four))
             else:
                 tensors[name] = tensor
         save_weights(tensors, out)
         ignore = [n for n in float_linears(model) if f"{n}.weight" not in masks]
-        qconfig = {"quant_method": "compressed-tensors", "format": fmt,
-                   "sparsity_config": sparsity_config(fmt, structure, global_sparsity, ignore)}
-        write_config(model, out, qconfig, None)
+        write_config(model, out, quantization_config(structure, global_sparsity, ignore), getattr(torch, dtype))
         tokenizer.save_pretrained(out)
         return {"format": f"compressed-tensors:{fmt}", "dtype": dtype, "sparsity_structure": structure}
 

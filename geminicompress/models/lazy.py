@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,10 +42,10 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "
 
 
 class TensorInfo:
-    __slots__ = ("file", "dtype", "shape")
+    __slots__ = ("file", "dtype", "shape", "offset")
 
-    def __init__(self, file: Path, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        self.file, self.dtype, self.shape = file, dtype, shape
+    def __init__(self, file: Path, dtype: torch.dtype, shape: tuple[int, ...], offset: int = -1) -> None:
+        self.file, self.dtype, self.shape, self.offset = file, dtype, shape, offset  # offset: of its bytes in file
 
     @property
     def numel(self) -> int:
@@ -93,6 +94,20 @@ def _open(file: Path):
         raise InputError(f"{file}: cannot be read ({str(exc).splitlines()[0]}): the shard is truncated or damaged") from exc
 
 
+def _data_offsets(file: Path) -> dict[str, int]:
+    """Where each tensor's bytes start in a safetensors file (8-byte header length, JSON header, data)."""
+    with open(file, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            return {}
+        size = struct.unpack("<Q", raw)[0]
+        try:
+            header = json.loads(f.read(size))
+        except (json.JSONDecodeError, UnicodeDecodeError, MemoryError):
+            return {}  # safe_open reports the damage in one line
+    return {k: 8 + size + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+
+
 def read_headers(path: Path) -> dict[str, TensorInfo]:
     """Every tensor of the checkpoint at `path` (name -> file, dtype, shape), checked against the index."""
     path = Path(path)
@@ -112,10 +127,11 @@ def read_headers(path: Path) -> dict[str, TensorInfo]:
         file = path / name
         if not file.is_file():
             raise InputError(f"{index_file} names shard {file.name}, which does not exist")
+        offsets = _data_offsets(file)
         with _open(file) as f:
             for key in f.keys():
                 sl = f.get_slice(key)
-                infos[key] = TensorInfo(file, _DTYPES[sl.get_dtype()], tuple(sl.get_shape()))
+                infos[key] = TensorInfo(file, _DTYPES[sl.get_dtype()], tuple(sl.get_shape()), offsets.get(key, -1))
     for key, name in weight_map.items():
         if key not in infos or infos[key].file.name != name:
             raise InputError(f"{index_file} maps tensor {key} to {name}, which does not hold it")
@@ -366,6 +382,26 @@ class LazyTensors(Sequence):
     @property
     def total(self) -> int:
         return sum(self.ckpt.tensors[self.ckpt.stored_name(n)].numel for n in self.names)
+
+    def sample(self, step: int) -> torch.Tensor:
+        """Every tensor's flat[::step] (as float32, concatenated): the strided sample an in-memory list of
+        the same tensors gives, read through a memory map of the file, so only the sampled values are
+        touched and nothing else is copied or converted."""
+        import numpy as np
+
+        parts = []
+        for name in self.names:
+            info = self.ckpt.tensors[self.ckpt.stored_name(name)]
+            if info.offset < 0:
+                parts.append(self[self.names.index(name)].flatten()[::step])
+                continue
+            width = info.dtype.itemsize
+            raw = np.memmap(info.file, dtype=f"<u{width}" if width > 1 else "u1", mode="r", offset=info.offset,
+                            shape=(info.numel,))
+            picked = torch.from_numpy(np.array(raw[::step]))  # a copy: the map is read-only
+            parts.append(picked.view(info.dtype).float())
+            del raw
+        return torch.cat(parts)
 
 
 def available_memory() -> int:

@@ -61,22 +61,36 @@ def run(cfg: AWQStage, ctx: StageContext) -> dict[str, Any]:
     desc = f"{cfg.method} {spec.bits}-bit" + (" (saved search)" if saved is not None else "")
     summaries, kept = run_layerwise(model, windows, process, device=ctx.device, progress=ctx.progress,
                                     state_dir=ctx.state_dir, description=desc)
-    search_meta = {"model_type": model_type, "num_layers": num_layers, "method": cfg.method, "bits": spec.bits,
-                   "group_size": spec.group_size, "zero_point": cfg.zero_point, "n_grid": cfg.n_grid,
-                   "clip": cfg.clip, "search_windows": cfg.search_windows,
-                   "calibration_windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]),
-                   "reapplied_from": cfg.search_results}
-    results.save_search(ctx.out_dir, results.search_tensors(kept), search_meta)
+    results.save_search(ctx.out_dir, results.search_tensors(kept), search_meta(cfg, model_type, num_layers, spec, windows))
     qweights = _qweights(kept, spec, layers_path)
-    meta = {"dtype": ctx.recipe.output.dtype, "zero_point": cfg.zero_point, "method": cfg.method}
+    meta = export_meta(cfg, ctx.recipe.output.dtype)
     ctx.exporter = lambda m, tok, out: write_quantized(m, tok, out, qweights, cfg.format, meta)
+    return summary(cfg, spec, windows, len(qweights), summaries)
+
+
+def summary(cfg: AWQStage, spec: QuantSpec, windows: torch.Tensor, quantized: int, layers: list[dict]) -> dict[str, Any]:
+    """The stage's result for report.json."""
     return {
         "bits": spec.bits, "group_size": spec.group_size, "group_size_auto": cfg.group_size == "auto",
         "zero_point": cfg.zero_point, "format": cfg.format,
-        "calibration_tokens": int(windows.numel()), "quantized_modules": len(qweights),
-        "search": "reapplied" if saved is not None else "searched", "search_file": f"{results.FOLDER}/{results.TENSORS}",
-        "layers": summaries,
+        "calibration_tokens": int(windows.numel()), "quantized_modules": quantized,
+        "search": "reapplied" if cfg.search_results else "searched", "search_file": f"{results.FOLDER}/{results.TENSORS}",
+        "layers": layers,
     }
+
+
+def export_meta(cfg: AWQStage, dtype: str) -> dict[str, Any]:
+    """What the format writers read of the stage's options."""
+    return {"dtype": dtype, "zero_point": cfg.zero_point, "method": cfg.method}
+
+
+def search_meta(cfg: AWQStage, model_type: str, num_layers: int, spec: QuantSpec, windows: torch.Tensor) -> dict[str, Any]:
+    """awq_search.json: what the saved search was made for."""
+    return {"model_type": model_type, "num_layers": num_layers, "method": cfg.method, "bits": spec.bits,
+            "group_size": spec.group_size, "zero_point": cfg.zero_point, "n_grid": cfg.n_grid,
+            "clip": cfg.clip, "search_windows": cfg.search_windows,
+            "calibration_windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]),
+            "reapplied_from": cfg.search_results}
 
 
 @dataclass

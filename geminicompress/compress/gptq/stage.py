@@ -71,9 +71,7 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
     qweights = _KeptCodes(kept, spec, layers_path, relative)
     if allocation:
         write_allocation(allocation, specs, ctx.out_dir)
-    meta = {"dtype": ctx.recipe.output.dtype, "act_order": cfg.act_order, "static_groups": cfg.static_groups,
-            "true_sequential": cfg.true_sequential, "damp": cfg.damp,
-            "first_token_weight": cfg.first_token_weight}
+    meta = export_meta(cfg, ctx.recipe.output.dtype)
     ctx.exporter = lambda m, tok, out: write_quantized(m, tok, out, qweights, cfg.format, meta)
     return {
         "bits": spec.bits, "group_size": spec.group_size, "group_size_auto": cfg.group_size == "auto",
@@ -84,6 +82,12 @@ def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
            if relative else {}),
         **({"allocation": {k: v for k, v in allocation.items() if k != "frontier"}} if allocation else {}),
     }
+
+
+def export_meta(cfg: GPTQStage, dtype: str) -> dict[str, Any]:
+    """What the format writers read of the stage's options (float dtype, act-order, ...)."""
+    return {"dtype": dtype, "act_order": cfg.act_order, "static_groups": cfg.static_groups,
+            "true_sequential": cfg.true_sequential, "damp": cfg.damp, "first_token_weight": cfg.first_token_weight}
 
 
 def _quantize_layer(job: LayerJob, *, cfg: GPTQStage, spec: QuantSpec, scales_as: torch.dtype,

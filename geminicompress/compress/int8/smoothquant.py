@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from geminicompress.compress.arch import Arch, SmoothGroup, get_module
-from geminicompress.compress.fold import fold_problem
+from geminicompress.compress.fold import fold_problem, fold_scales
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,20 @@ def _why_not(model: nn.Module, group: Smoothing, quantized: set[str]) -> str | N
     return fold_problem(get_module(model, group.prev), [get_module(model, n) for n in group.linears])
 
 
+def window_max(x: torch.Tensor) -> torch.Tensor:
+    """max |x| per input channel over one window's tokens.  x: (1, T, in) -> (in,) float32"""
+    return x.detach().float().abs().reshape(-1, x.shape[-1]).amax(dim=0)
+
+
+@torch.no_grad()
+def smooth_group(prev: nn.Module, linears: list[nn.Linear], act_max: torch.Tensor, alpha: float,
+                 norm_offset: float) -> float:
+    """Fold one group's scales (Eq. 4) into `prev` and `linears` in place; return the largest scale."""
+    s = smooth_scales(act_max, weight_column_max(linears), alpha)
+    fold_scales(prev, linears, s, norm_offset)
+    return round(float(s.max()), 4)
+
+
 @torch.no_grad()
 def activation_maxima(model: nn.Module, windows: torch.Tensor, names: list[str], progress=None) -> dict[str, torch.Tensor]:
     """Per input channel of each named linear: max |x| over one window's tokens, averaged over the windows
@@ -92,7 +106,7 @@ def activation_maxima(model: nn.Module, windows: torch.Tensor, names: list[str],
     sums: dict[str, torch.Tensor] = {}
 
     def record(name: str, x: torch.Tensor) -> None:
-        m = x.detach().float().abs().reshape(-1, x.shape[-1]).amax(dim=0)  # (in,): this window
+        m = window_max(x)
         sums[name] = sums[name] + m if name in sums else m
 
     run_windows(model, windows, names, record, progress)

@@ -18,7 +18,6 @@ import torch.nn as nn
 
 from geminicompress.compress.arch import arch_for, get_module, set_module
 from geminicompress.compress.int8 import smoothquant as sq
-from geminicompress.compress.fold import fold_scales
 from geminicompress.compress.int8.modules import MODULES
 from geminicompress.compress.targets import check_patterns_match, compile_patterns
 from geminicompress.errors import InputError
@@ -95,16 +94,18 @@ def _smooth(model: nn.Module, cfg: Int8Stage, ctx: Any, quantized: set[str]) -> 
     with ctx.progress.task("smoothquant: calibrating", len(windows)) as bar:
         maxima = sq.activation_maxima(model, windows, [g.linears[0] for g in groups], bar)
     smoothed: dict[str, float] = {}
-    with torch.no_grad():
-        for g in groups:
-            linears = [get_module(model, n) for n in g.linears]
-            s = sq.smooth_scales(maxima[g.linears[0]], sq.weight_column_max(linears), cfg.smoothquant_alpha)
-            fold_scales(get_module(model, g.prev), linears, s, arch.norm_offset)
-            smoothed.update({n: round(float(s.max()), 4) for n in g.linears})
-    summary = {"alpha": cfg.smoothquant_alpha, "data": cfg.data or ctx.recipe.calibration.data,
-               "calibration_windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]),
-               "folded_groups": len(groups), "skipped_groups": skipped}
-    return summary, smoothed
+    for g in groups:
+        top = sq.smooth_group(get_module(model, g.prev), [get_module(model, n) for n in g.linears],
+                              maxima[g.linears[0]], cfg.smoothquant_alpha, arch.norm_offset)
+        smoothed.update({n: top for n in g.linears})
+    return smoothing_summary(cfg, ctx.recipe.calibration.data, windows, len(groups), skipped), smoothed
+
+
+def smoothing_summary(cfg: Int8Stage, default_data: str, windows: torch.Tensor, folded: int,
+                      skipped: list[str]) -> dict[str, Any]:
+    return {"alpha": cfg.smoothquant_alpha, "data": cfg.data or default_data,
+            "calibration_windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]),
+            "folded_groups": folded, "skipped_groups": skipped}
 
 
 def _relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:

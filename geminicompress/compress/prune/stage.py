@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Container, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -124,10 +124,10 @@ CALIBRATED: dict[str, Criterion] = {
 }
 
 
-def _layer_fn(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern | None,
+def _layer_fn(cfg: PruneStage, targets: Container[str], pattern: Pattern | None,
               alloc: dict[str, int] | None = None) -> Callable[[LayerJob], tuple[dict[str, Any], dict[str, torch.Tensor]]]:
-    """The per-decoder-layer step of a calibrated criterion for `run_layerwise` (`alloc`: pruned weights
-    per linear of an allocation, else cfg.sparsity everywhere)."""
+    """The per-decoder-layer step of a calibrated criterion for `run_layerwise` (`targets`: the param names
+    to prune; `alloc`: pruned weights per linear of an allocation, else cfg.sparsity everywhere)."""
     criterion = CALIBRATED[cfg.method]
 
     @torch.no_grad()

@@ -1,0 +1,62 @@
+"""Peak memory and disk of a streamed run, estimated from the tensor shapes before any work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from geminicompress.compress.arch import get_module
+from geminicompress.models.lazy import LazyCheckpoint
+
+BASE_BYTES = 800 << 20  # the interpreter, torch, transformers, the skeleton and tokenizer (measured: ~0.7 GiB)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How a calibrated run holds a layer: the windows (n, T), the dtype the layer computes in and the
+    dtype of its weights, whether a stage runs the windows in one pass (`onepass.py`: every window's
+    activations up to the MLP product alive at once), and how many float32 (widest input)² buffers the
+    stages hold at their peak (Hessians, solver scratch: GPTQ 2, SparseGPT 4, AWQ 2, Wanda and
+    SmoothQuant none)."""
+
+    windows: tuple[int, int]
+    calib_dtype: torch.dtype
+    layer_dtype: torch.dtype
+    one_pass: bool
+    squares: int
+
+
+def estimate(ckpt: LazyCheckpoint, out_dtype: torch.dtype, quantized: bool, max_shard: int,
+             calib: Calibration | None = None) -> dict[str, int]:
+    """Peak memory and disk of a streamed run, from the tensor shapes alone. Uncalibrated: one layer as
+    stored plus a few float32 temporaries of its biggest tensor; calibrated: the layer's weights (and a
+    copy in the calibration dtype where that differs), the activations held (one pass: every window's
+    layer input, residual, normed input and (n·T, intermediate) product at the MLP's down projection;
+    else the layer's inputs and outputs and a batch's), the stages' square buffers and three float32
+    copies of the biggest linear (a solver's weight, its codes, the dequantized result)."""
+    n_layers = len(ckpt.layers)
+    prefix = ckpt.layer_prefix(0) + "."
+    biggest = max(i.numel for n, i in ckpt.tensors.items() if n.startswith(prefix))  # a decoder linear
+    if calib is None:
+        layer = max(ckpt.nbytes(ckpt.layer_prefix(i)) for i in range(n_layers)) + 3 * 4 * biggest
+        outside = max((2 * ckpt.nbytes(m) for m in ckpt.outside_modules()), default=0)  # read + written copy
+        peak = BASE_BYTES + max(layer, outside)
+    else:
+        layer = max(ckpt.nbytes(ckpt.layer_prefix(i), calib.layer_dtype) for i in range(n_layers))
+        if calib.calib_dtype != calib.layer_dtype:
+            layer += max(ckpt.nbytes(ckpt.layer_prefix(i), calib.calib_dtype) for i in range(n_layers))
+        widest = max(get_module(ckpt.model, n).in_features for n in
+                     (f"{ckpt.layer_prefix(0)}.{lin}" for lin in ckpt.arch.linears))
+        hidden = ckpt.model.config.hidden_size
+        per_token = widest + 3 * hidden if calib.one_pass else 3 * hidden  # else: in and out, and a batch's
+        n, T = calib.windows
+        activations = n * T * per_token * calib.calib_dtype.itemsize
+        peak = BASE_BYTES + layer + activations + calib.squares * 4 * widest**2 + 3 * 4 * biggest
+    disk = 0
+    for name, info in ckpt.tensors.items():
+        if info.dtype.is_floating_point:
+            disk += info.numel * (1 if quantized and name.endswith("proj.weight") else out_dtype.itemsize)
+        else:
+            disk += info.nbytes
+    return {"peak_memory_bytes": peak, "disk_bytes": disk + min(max_shard, disk)}

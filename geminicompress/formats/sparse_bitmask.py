@@ -120,6 +120,21 @@ def exporter(dtype: str, masks: dict[str, Tensor], structure: str,
     return export
 
 
+def dense_state_dict(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Replace every `<module>.{compressed,bitmask,shape[,row_offsets]}` group by `<module>.weight`."""
+    modules = {k.removesuffix(".bitmask") for k in tensors if k.endswith(".bitmask")}
+    dense = {}
+    for key, value in tensors.items():
+        prefix, _, suffix = key.rpartition(".")
+        if prefix in modules and suffix in SUFFIXES:
+            continue
+        dense[key] = value
+    for module in modules:
+        parts = {s: tensors[f"{module}.{s}"] for s in SUFFIXES if f"{module}.{s}" in tensors}
+        dense[f"{module}.weight"] = decompress(parts)
+    return dense
+
+
 def reader(path: Path, config: dict[str, Any]) -> ModuleReader:
     """How a sparse-bitmask linear is read: an ordinary `nn.Linear` with its dense weight decompressed."""
 

@@ -175,12 +175,12 @@ def _helper_rank() -> int:
 def _export(ctx: StageContext, recipe: Recipe, tmp: Path, progress: Progress, verify: bool = True) -> dict:
     from geminicompress.verify import Probe
 
-    probe = Probe.of_model(ctx.model, ctx.tokenizer) if verify else None  # before export: exporters may cast the model
+    probe = Probe(ctx.model, ctx.tokenizer) if verify else None  # before export: exporters may cast the model
     progress.info(f"writing {tmp.name.removeprefix('.').removesuffix('.partial')}")
     t0 = time.perf_counter()
     exporter = ctx.exporter or dense_exporter(recipe.output.dtype)
     info = exporter(ctx.model, ctx.tokenizer, tmp)
     info["seconds"] = round(time.perf_counter() - t0, 3)
     if probe is not None:
-        info["verified"] = probe.check(tmp, trust_remote_code=recipe.trust_remote_code, progress=progress)
+        info["verified"] = probe.check(tmp, ctx.model, trust_remote_code=recipe.trust_remote_code, progress=progress)
     return info

@@ -8,7 +8,9 @@ Every format module has
 - `reader(path, config) -> reader.ModuleReader`: how one of its quantized modules is read (picked by
   `module_reader` below); its `load` and the layer-at-a-time reader of a checkpoint bigger than memory
   (`models/lazy.py`) both build modules through it;
-- `write(model, tokenizer, out, ...) -> dict`: write it (the summary goes into report.json).
+- `write(model, tokenizer, out, ...) -> dict`: write it (the summary goes into report.json);
+- `STORES_CODES = True` (gptq, awq, pack-quantized): a quantized linear's weight is stored as integer codes
+  and scales that give back the in-process weight exactly, whatever the float dtype of the checkpoint.
 Formats that hold quantized weights (`QUANTIZED`) share one write signature,
 `write(model, tokenizer, out, qweights, meta)`, and a `check_shape(name, out, in, spec)` that refuses
 what they cannot hold before any work starts. Shared plumbing (float tensors, config.json,
@@ -84,3 +86,8 @@ def module_reader(path: Path, config: dict[str, Any]) -> Any:
         raise InputError(f"{path}: quantization format '{key}' is not one geminicompress reads "
                          f"(it reads: {', '.join(FORMATS)})")
     return module(key).reader(Path(path), config)
+
+
+def stores_codes(key: str | None) -> bool:
+    """Whether format `key` stores quantized linears as codes that dequantize exactly (`STORES_CODES`)."""
+    return key is not None and key in {*FORMATS, *QUANTIZED} and getattr(module(key), "STORES_CODES", False)

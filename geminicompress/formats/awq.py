@@ -31,6 +31,9 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDE
 BITS = 4
 PACK = 32 // BITS
 SUFFIXES = ("qweight", "qzeros", "scales")
+# A quantized linear's weight is its integer codes and scales, which dequantize exactly to the weights the
+# run computed with (scales rounded to their stored dtype first): not rounded to the checkpoint's float dtype.
+STORES_CODES = True
 
 
 def detect(qc: dict[str, Any]) -> bool:

@@ -33,6 +33,9 @@ from geminicompress.formats.mixed import base_spec, dynamic_spec, gptq_dynamic, 
 
 KEY = "gptq"
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+# A quantized linear's weight is its integer codes and scales, which dequantize exactly to the weights the
+# run computed with (scales rounded to their stored dtype first): not rounded to the checkpoint's float dtype.
+STORES_CODES = True
 
 
 def detect(qc: dict[str, Any]) -> bool:

@@ -31,6 +31,9 @@ from geminicompress.formats.mixed import base_spec, ct_config_groups, ct_spec_of
 
 KEY = "compressed-tensors:pack-quantized"
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+# A quantized linear's weight is its integer codes and scales, which dequantize exactly to the weights the
+# run computed with (scales rounded to their stored dtype first): not rounded to the checkpoint's float dtype.
+STORES_CODES = True
 COMPRESSED_TENSORS_VERSION = "0.19.0"  # the layout of that release (dense bit streams for 3-bit)
 
 

@@ -129,7 +129,7 @@ class Probe:
         t0 = time.perf_counter()
         streamed = too_big(out) if streamed is None else streamed
         progress.info(f"verifying {final_name(out)}: loading it back {'one layer at a time' if streamed else 'in memory'}")
-        got = loaded_logits(out, self.windows, trust_remote_code, streamed)
+        got = loaded_logits(out, self.windows, trust_remote_code, streamed, next(model.parameters()).device)
         stored = stored_dtype(out)
         as_stored(model, stored, code_weights(out))
         for name, value in self.computed.items():
@@ -151,18 +151,24 @@ def too_big(out: Path) -> bool:
     return is_readable_dir(out) and loaded_bytes(out, torch.float32) > AUTO_FRACTION * available_memory()
 
 
-def loaded_logits(out: Path, windows: torch.Tensor, trust_remote_code: bool, streamed: bool) -> torch.Tensor:
-    """OUT's logits (n, T, vocab) in float32, loaded in float32 by the loader (or read one layer at a time)."""
+def loaded_logits(out: Path, windows: torch.Tensor, trust_remote_code: bool, streamed: bool,
+                  device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """OUT's logits (n, T, vocab) in float32, loaded in float32 by the loader (or read one layer at a time),
+    computed on `device` one window at a time like the in-process side: with per-token INT8 activations a
+    last-bit difference (a batched matmul) can flip an activation code, which is not what is checked here."""
     if streamed:
-        from geminicompress.models.forward import streamed_logits
+        from geminicompress.models.forward import final_hidden, head_logits
         from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 
-        ckpt = LazyCheckpoint(out, trust_remote_code=trust_remote_code)
-        parts = dict(streamed_logits(LazyLayers(ckpt, torch.float32), windows, device=torch.device("cpu")))
-        return torch.cat([parts[k] for k in sorted(parts)])
+        source = LazyLayers(LazyCheckpoint(out, trust_remote_code=trust_remote_code), torch.float32)
+        hidden = final_hidden(source, windows, device=device, batch=1)
+        try:
+            return torch.cat([logits for _, logits in head_logits(source, hidden, device=device)])
+        finally:
+            hidden.close()
     from geminicompress.models.loading import load_model
 
-    model = load_model(str(out), dtype=torch.float32, trust_remote_code=trust_remote_code).model
+    model = load_model(str(out), dtype=torch.float32, trust_remote_code=trust_remote_code).model.to(device)
     try:
         return model_logits(model, windows)
     finally:

@@ -109,24 +109,26 @@ def through_layer(layer: nn.Module, inp: torch.Tensor, out: torch.Tensor, kwargs
 
 @torch.no_grad()
 def embed(source: nn.Module | LayerSource, windows: torch.Tensor, *, device: torch.device,
-          dtype: torch.dtype = torch.float32, path: Path | None = None) -> StreamedHidden:
+          dtype: torch.dtype = torch.float32, path: Path | None = None,
+          stored: torch.dtype = torch.float32) -> StreamedHidden:
     """Decoder layer 0's inputs of every window (n, T) -> (n, T, d) in `dtype` (in the file `path` when
-    given), with the keyword arguments the model passes its decoder layers."""
+    given), with the keyword arguments the model passes its decoder layers. A lazy source's embeddings
+    are read rounded to `stored` (as a checkpoint in that dtype holds them) and held in float32."""
     source = source if not isinstance(source, nn.Module) else ModelLayers(source)
     shape = (windows.shape[0], windows.shape[1], source.model.config.hidden_size)
     store = ActivationStore(shape, dtype, path)
-    return StreamedHidden(store, _capture_into(source, windows, store.tensor, device, dtype))
+    return StreamedHidden(store, _capture_into(source, windows, store.tensor, device, dtype, stored))
 
 
 def _capture_into(source: LayerSource, windows: torch.Tensor, into: torch.Tensor, device: torch.device,
-                  dtype: torch.dtype) -> dict[str, Any]:
+                  dtype: torch.dtype, stored: torch.dtype = torch.float32) -> dict[str, Any]:
     """Layer 0's inputs of every window, written into `into` (n, T, d); returns the layers' kwargs. The
     modules a forward up to layer 0 needs (the embeddings) are read meanwhile, in float32 as a model in
-    memory holds them."""
+    memory holds them (rounded to `stored` first)."""
     loaded = source.capture_modules()
     ckpt = getattr(source, "ckpt", None)
     for name in loaded:
-        ckpt.materialise(name, torch.float32)
+        ckpt.materialise(name, stored).float()
     kwargs: dict[str, Any] = {}
     try:
         for b in range(0, windows.shape[0], CAPTURE_CHUNK):

@@ -101,15 +101,19 @@ def compare(reference: torch.Tensor, got: torch.Tensor, stored: torch.dtype, loa
     scale = float(reference.abs().max())
     bound = TOLERANCE * scale
     rounding = float((unrounded - reference).abs().max()) if unrounded is not None else 0.0
-    record = {"windows": list(reference.shape[:2]), "max_abs_logit_diff": diff, "max_abs_logit": round(scale, 4),
-              "tolerance": round(bound, 6), "dtype": str(stored).removeprefix("torch."),
-              "storage_rounding_diff": round(rounding, 6), "loaded": loaded, "seconds": round(seconds, 3)}
+    record = {"windows": list(reference.shape[:2]), "max_abs_logit_diff": _g(diff), "max_abs_logit": _g(scale),
+              "tolerance": _g(bound), "dtype": str(stored).removeprefix("torch."),
+              "storage_rounding_diff": _g(rounding), "loaded": loaded, "seconds": round(seconds, 3)}
     if not diff <= bound:  # also catches NaN
         raise GeminiError(f"verification failed: the written checkpoint's logits differ from the in-process "
                           f"model's by up to {diff:.4g} (allowed {bound:.3g}: {TOLERANCE:g} of the largest logit, "
                           f"{scale:.4g}); the output was not kept. This is a bug in a format writer or loader: "
                           "please report it (--no-verify skips the check)")
     return record
+
+
+def _g(x: float) -> float:
+    return float(f"{x:.6g}")
 
 
 class Probe:

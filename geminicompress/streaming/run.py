@@ -101,7 +101,7 @@ def run_streamed(recipe: Recipe, out: Path, *, force: bool = False, progress: Pr
         export = {"format": output.format, "dtype": str(out_dtype).removeprefix("torch."), "streamed": True,
                   **shards, "estimated": need}
         if probe is not None:
-            export["verified"] = probe.check(tmp, written_head(int8), trust_remote_code=recipe.trust_remote_code,
+            export["verified"] = probe.check(tmp, written_head(int8), state, trust_remote_code=recipe.trust_remote_code,
                                              progress=progress)
         report = {"geminicompress": __version__, "command": command or sys.argv, "model": recipe.model,
                   "output": str(out), "load_seconds": 0.0, "total_seconds": round(time.perf_counter() - started, 3),

@@ -14,6 +14,7 @@ check is then skipped, and the record says so.
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -23,11 +24,13 @@ import torch.nn as nn
 
 from geminicompress.compress.arch import get_module
 from geminicompress.compress.layerwise import computing_in
+from geminicompress.errors import GeminiError
 from geminicompress.models.forward import embed, head_logits, through_layer
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.streaming.sink import ShardSink
-from geminicompress.verify import as_stored, compare, final_name, loaded_logits, probe_windows, stored_dtype, too_big
+from geminicompress import verify as check
+from geminicompress.verify import as_stored, compare, final_name, loaded_logits, probe_windows, stored_dtype
 
 ExactWeights = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]  # (layer, kept) -> {module: weight}
 HeadModule = Callable[[str, nn.Module], nn.Module]  # what the run writes for an outside module (the INT8 head)
@@ -53,9 +56,11 @@ class StreamedProbe:
             through_layer(layer, self.hidden.tensor, self.hidden.tensor, self.hidden.kwargs, device=self.device,
                           dtype=torch.float32, batch=1)  # one window at a time, as the loaded side
 
-    def check(self, out: Path, head: HeadModule | None, *, trust_remote_code: bool = False,
+    def check(self, out: Path, head: HeadModule | None, state: Path, *, trust_remote_code: bool = False,
               progress: Progress | None = None) -> dict[str, Any]:
-        """The head over the carried activations, then OUT loaded back and compared (verify.compare)."""
+        """The head over the carried activations, then OUT loaded back and compared (verify.compare). On a
+        failure the run's resume state (`state`) goes too: its finished layers are what was written wrong,
+        and a rerun resuming from them would skip the check."""
         progress = progress or NullProgress()
         try:
             if self.resumed:
@@ -70,12 +75,16 @@ class StreamedProbe:
 
             parts = dict(head_logits(LazyLayers(self.ckpt), self.hidden, device=self.device, transform=as_written))
             reference = torch.cat([parts[k] for k in sorted(parts)])
-            streamed = too_big(out)
+            streamed = check.too_big(out)
             progress.info(f"verifying {final_name(out)}: loading it back "
                           f"{'one layer at a time' if streamed else 'in memory'}")
             got = loaded_logits(out, self.windows, trust_remote_code, streamed, self.device)
-            return compare(reference, got, stored_dtype(out), "streamed" if streamed else "in-memory",
-                           seconds=time.perf_counter() - t0)
+            try:
+                return compare(reference, got, stored_dtype(out), "streamed" if streamed else "in-memory",
+                               seconds=time.perf_counter() - t0)
+            except GeminiError:
+                shutil.rmtree(state, ignore_errors=True)
+                raise
         finally:
             self.hidden.close()
 

@@ -68,6 +68,7 @@ def test_every_format_is_verified(bf16, text_file, tmp_path, name, stream):
     assert v["windows"] == [2, 64] and v["loaded"] == "in-memory" and v["dtype"] == "bfloat16"
     assert v["max_abs_logit_diff"] <= v["tolerance"] == pytest.approx(1e-4 * v["max_abs_logit"], rel=1e-3)
     assert v["max_abs_logit"] > 0.5  # real logits, not an empty comparison
+    assert (v["storage_rounding_diff"] is None) is stream  # a streamed run carries its layers as stored only
     assert json.loads((tmp_path / "out" / "report.json").read_text())["export"]["verified"] == v
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -30,6 +30,7 @@ from geminicompress.memory import heap_reuse, release_free_heap
 from geminicompress.progress import NullProgress, Progress
 
 CAPTURE_CHUNK = 8  # windows run up to layer 0 at a time (bounds the capture's own temporaries)
+HeadTransform = Callable[[str, nn.Module], nn.Module]  # (module name, module as read) -> module to compute with
 
 
 class ActivationStore:
@@ -79,19 +80,14 @@ def final_hidden(source: nn.Module | LayerSource, windows: torch.Tensor, *, devi
     `dtype`; activations are kept in `dtype` (in files under `spill_dir` when given)."""
     progress = progress or NullProgress()
     source = source if not isinstance(source, nn.Module) else ModelLayers(source)
-    hidden_size = source.model.config.hidden_size
-    shape = (windows.shape[0], windows.shape[1], hidden_size)
     files = [spill_dir / f"activations-{k}.bin" for k in (0, 1)] if spill_dir is not None else [None, None]
-    inp = ActivationStore(shape, dtype, files[0])
-    kwargs = _capture_into(source, windows, inp.tensor, device, dtype)
-    out = ActivationStore(shape, dtype, files[1])
+    first = embed(source, windows, device=device, dtype=dtype, path=files[0])
+    inp, kwargs = first.store, first.kwargs
+    out = ActivationStore(tuple(inp.tensor.shape), dtype, files[1])
     with progress.task(description, total=len(source)) as bar, heap_reuse():
         for i in range(len(source)):
             layer = source.load(i).to(device)
-            with computing_in(layer, dtype):
-                for b in range(0, shape[0], batch):
-                    y = layer_output(layer, inp.tensor[b:b + batch].to(device), kwargs)
-                    out.tensor[b:b + batch].copy_(y)
+            through_layer(layer, inp.tensor, out.tensor, kwargs, device=device, dtype=dtype, batch=batch)
             layer.to("cpu")
             source.release(i)
             inp, out = out, inp
@@ -101,15 +97,38 @@ def final_hidden(source: nn.Module | LayerSource, windows: torch.Tensor, *, devi
     return StreamedHidden(inp, kwargs)
 
 
+@torch.no_grad()
+def through_layer(layer: nn.Module, inp: torch.Tensor, out: torch.Tensor, kwargs: dict[str, Any], *,
+                  device: torch.device, dtype: torch.dtype, batch: int = 4) -> None:
+    """out = layer(inp) for every window, `batch` at a time, the layer computing in `dtype` (its own
+    tensors left as they are). inp, out: (n, T, d), may be the same tensor."""
+    with computing_in(layer, dtype):
+        for b in range(0, inp.shape[0], batch):
+            out[b:b + batch].copy_(layer_output(layer, inp[b:b + batch].to(device), kwargs))
+
+
+@torch.no_grad()
+def embed(source: nn.Module | LayerSource, windows: torch.Tensor, *, device: torch.device,
+          dtype: torch.dtype = torch.float32, path: Path | None = None,
+          stored: torch.dtype = torch.float32) -> StreamedHidden:
+    """Decoder layer 0's inputs of every window (n, T) -> (n, T, d) in `dtype` (in the file `path` when
+    given), with the keyword arguments the model passes its decoder layers. A lazy source's embeddings
+    are read rounded to `stored` (as a checkpoint in that dtype holds them) and held in float32."""
+    source = source if not isinstance(source, nn.Module) else ModelLayers(source)
+    shape = (windows.shape[0], windows.shape[1], source.model.config.hidden_size)
+    store = ActivationStore(shape, dtype, path)
+    return StreamedHidden(store, _capture_into(source, windows, store.tensor, device, dtype, stored))
+
+
 def _capture_into(source: LayerSource, windows: torch.Tensor, into: torch.Tensor, device: torch.device,
-                  dtype: torch.dtype) -> dict[str, Any]:
+                  dtype: torch.dtype, stored: torch.dtype = torch.float32) -> dict[str, Any]:
     """Layer 0's inputs of every window, written into `into` (n, T, d); returns the layers' kwargs. The
     modules a forward up to layer 0 needs (the embeddings) are read meanwhile, in float32 as a model in
-    memory holds them."""
+    memory holds them (rounded to `stored` first)."""
     loaded = source.capture_modules()
     ckpt = getattr(source, "ckpt", None)
     for name in loaded:
-        ckpt.materialise(name, torch.float32)
+        ckpt.materialise(name, stored).float()
     kwargs: dict[str, Any] = {}
     try:
         for b in range(0, windows.shape[0], CAPTURE_CHUNK):
@@ -123,18 +142,28 @@ def _capture_into(source: LayerSource, windows: torch.Tensor, into: torch.Tensor
 
 
 @contextmanager
-def _head_only(source: LayerSource, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[nn.Module, nn.Module]]:
+def _head_only(source: LayerSource, dtype: torch.dtype, device: torch.device,
+               transform: HeadTransform | None = None) -> Iterator[tuple[nn.Module, nn.Module]]:
     """The model with its decoder layers swapped for an empty list and its final norm and output head read
-    (lazy sources) and on `device` in `dtype`; yields (model, final norm)."""
+    (lazy sources) and on `device` in `dtype`; yields (model, final norm). `transform(name, module)` may
+    give a lazy source's module another one to compute with meanwhile (e.g. the INT8 head a streamed run
+    made of the checkpoint's)."""
     model = source.model
     arch = arch_for(model)
     names = {m: n for n, m in model.named_modules()}
     head = [arch.final_norm, names[model.get_output_embeddings()]]
     ckpt = getattr(source, "ckpt", None)
     saved = {n: {k: v for k, v in get_module(model, n).state_dict(keep_vars=True).items()} for n in head}
+    read: dict[str, nn.Module] = {}
     for n in head:
-        module = ckpt.materialise(n, dtype) if ckpt is not None else get_module(model, n)
-        module.to(device, dtype)
+        if ckpt is not None:  # read in dtype; a quantized head keeps the dtypes its reader gave it (as loaded)
+            read[n] = ckpt.materialise(n, dtype)
+            used = transform(n, read[n]) if transform is not None else read[n]
+            if used is not read[n]:
+                set_module(model, n, used)
+            used.to(device)
+        else:
+            get_module(model, n).to(device, dtype)
     layers = get_module(model, arch.layers)
     set_module(model, arch.layers, nn.ModuleList())
     try:
@@ -143,6 +172,7 @@ def _head_only(source: LayerSource, dtype: torch.dtype, device: torch.device) ->
         set_module(model, arch.layers, layers)
         for n in head:
             if ckpt is not None:
+                set_module(model, n, read[n])
                 ckpt.release(n)
             else:
                 get_module(model, n).load_state_dict(saved[n], assign=True)
@@ -150,13 +180,14 @@ def _head_only(source: LayerSource, dtype: torch.dtype, device: torch.device) ->
 
 @torch.no_grad()
 def head_logits(source: nn.Module | LayerSource, hidden: StreamedHidden, *, device: torch.device,
-                dtype: torch.dtype = torch.float32, batch: int = 1) -> Iterator[tuple[int, torch.Tensor]]:
+                dtype: torch.dtype = torch.float32, batch: int = 1,
+                transform: HeadTransform | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """(first window index, logits (b, T, vocab) in float32) for every batch of `batch` windows of `hidden`,
-    in order, through the model's own final norm and head."""
+    in order, through the model's own final norm and head (for a lazy source, as `transform` makes them)."""
     source = source if not isinstance(source, nn.Module) else ModelLayers(source)
     n, T, d = hidden.tensor.shape
     current: list[torch.Tensor] = []
-    with _head_only(source, dtype, device) as (model, norm):
+    with _head_only(source, dtype, device, transform) as (model, norm):
         handle = norm.register_forward_pre_hook(lambda m, args: (current[0],) + tuple(args[1:]))
         try:
             for b in range(0, n, batch):

@@ -108,11 +108,15 @@ def test_streamed_quantize_equals_in_memory_bitwise(sharded, tmp_path, args):
         assert search_m.keys() == search_s.keys() and all(torch.equal(search_m[k], search_s[k]) for k in search_m)
 
 
-def test_wanda_resumes_after_a_crash_bitwise(sharded, tmp_path, monkeypatch):
-    """Killed at layer 2: layers 0-1 come back from the written shards (Wanda only zeroes bf16 weights, so
-    they are exactly what the run computed with) and the result equals an uninterrupted run."""
-    recipe = recipe_from_stage(str(sharded), {"type": "prune", "method": "wanda", "sparsity": 0.5,
-                                              "format": "compressed-tensors"}, {"samples": 4, "seq_len": 48}, "test")
+@pytest.mark.parametrize("stage", [
+    {"type": "prune", "method": "wanda", "sparsity": 0.5, "format": "compressed-tensors"},
+    {"type": "quantize", "method": "w8a8"},  # SmoothQuant: the next inputs come from the float layers
+])
+def test_calibrated_run_resumes_after_a_crash_bitwise(sharded, tmp_path, monkeypatch, stage):
+    """Killed at layer 2: the next layer's inputs come back through layers 0-1 as written (Wanda only zeroes
+    bf16 weights: exactly what the run computed with) or as read from the input (SmoothQuant's float
+    layers), and the result equals an uninterrupted run."""
+    recipe = recipe_from_stage(str(sharded), stage, {"samples": 4, "seq_len": 48}, "test")
     run_streamed(recipe, tmp_path / "straight", max_shard_bytes=40_000)
     finish = ShardSink.finish
 

@@ -4,9 +4,10 @@ command -> pipeline -> stage -> solver. A stage is a function `run(cfg, ctx) -> 
 `ctx.model` in place (or replaces it), may set `ctx.exporter` to write its on-disk format, and returns
 a small JSON-able summary that goes into report.json. Stages are found through an explicit table.
 
-Order of work: non-eval stages -> export OUT (into the hidden partial folder) -> eval stages, which load
-the written checkpoint back from disk and compare it with the recipe's input model, so what is
-measured is exactly what ships -> report.json -> rename onto OUT.
+Order of work: non-eval stages -> export OUT (into the hidden partial folder), verified: loaded back, it
+gives the in-process model's logits on probe windows (verify.py) -> eval stages, which load the written
+checkpoint back from disk and compare it with the recipe's input model, so what is measured is exactly
+what ships -> report.json -> rename onto OUT.
 """
 
 from __future__ import annotations
@@ -105,20 +106,27 @@ def run_recipe(
     command: list[str] | None = None,
     loaded: LoadedModel | None = None,
     stream: bool | None = None,
+    verify: bool = True,
 ) -> dict:
     """Run every stage of `recipe` and write OUT; return the report (also written to OUT/report.json).
 
     stream: run layer by layer from disk (streaming/): True, False, or None to decide from the model's
-    size and whether every stage can stream."""
+    size and whether every stage can stream.
+    verify: load OUT back and compare its logits with the in-process model's before keeping it (verify.py)."""
     progress = progress or NullProgress()
     device = device or default_device()
     if loaded is None and not _helper_rank():
         from geminicompress.streaming import run_streamed, should_stream
 
         if should_stream(recipe, stream):
-            return run_streamed(recipe, out, force=force, progress=progress, device=device, command=command)
+            return run_streamed(recipe, out, force=force, progress=progress, device=device, command=command,
+                                verify=verify)
     tags = [stage_tag(s) for s in recipe.stages]
     runners = [stage_runner(t) for t in tags]  # fail before loading anything if a stage is missing
+    if loaded is None:  # a first distill stage may read its teacher, the recipe's model, layer by layer
+        from geminicompress.distill.streamed_teacher import streamed_input
+
+        loaded = streamed_input(recipe, progress)
     torch.manual_seed(recipe.seed)
     started = time.perf_counter()
     helper = _helper_rank()
@@ -126,15 +134,16 @@ def run_recipe(
         out, force = out.with_name(f".{out.name}.rank{helper}"), True
     with OutputDir(out, force, fingerprint(recipe)) as tmp:
         t0 = time.perf_counter()
-        progress.info(f"loading {recipe.model}")
-        loaded = loaded or load_model(recipe.model, trust_remote_code=recipe.trust_remote_code, allow_pickle=recipe.allow_pickle)
+        if loaded is None:
+            progress.info(f"loading {recipe.model}")
+            loaded = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code, allow_pickle=recipe.allow_pickle)
         load_s = time.perf_counter() - t0
         ctx = StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, progress, device, tmp, tmp)
         results: list[dict] = []
         exported = None
         for i, (stage, tag, run) in enumerate(zip(recipe.stages, tags, runners)):
             if stage.type == "eval" and exported is None:
-                exported = _export(ctx, recipe, tmp, progress)
+                exported = _export(ctx, recipe, tmp, progress, verify)
             ctx.state_dir = tmp / "state" / f"{i}-{stage.type}"
             ctx.state_dir.mkdir(parents=True, exist_ok=True)
             progress.info(f"stage {i}: {tag}")
@@ -143,7 +152,7 @@ def run_recipe(
             results.append({"index": i, "stage": tag, "options": stage.model_dump(mode="json"),
                             "seconds": round(time.perf_counter() - t0, 3), "result": summary})
         if exported is None:
-            exported = _export(ctx, recipe, tmp, progress)
+            exported = _export(ctx, recipe, tmp, progress, verify)
         report = {
             "geminicompress": __version__,
             "command": command or sys.argv,
@@ -168,10 +177,15 @@ def _helper_rank() -> int:
     return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
 
 
-def _export(ctx: StageContext, recipe: Recipe, tmp: Path, progress: Progress) -> dict:
+def _export(ctx: StageContext, recipe: Recipe, tmp: Path, progress: Progress, verify: bool = True) -> dict:
+    from geminicompress.verify import Probe
+
+    probe = Probe(ctx.model, ctx.tokenizer) if verify else None  # before export: exporters may cast the model
     progress.info(f"writing {tmp.name.removeprefix('.').removesuffix('.partial')}")
     t0 = time.perf_counter()
     exporter = ctx.exporter or dense_exporter(recipe.output.dtype)
     info = exporter(ctx.model, ctx.tokenizer, tmp)
     info["seconds"] = round(time.perf_counter() - t0, 3)
+    if probe is not None:
+        info["verified"] = probe.check(tmp, ctx.model, trust_remote_code=recipe.trust_remote_code, progress=progress)
     return info

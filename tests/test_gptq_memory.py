@@ -26,3 +26,53 @@ def test_overwrite_gives_the_same_codes(group_size, act_order, static):
     for a, b in ((ref.q, got.q), (ref.scales, got.scales), (ref.zeros, got.zeros), (ref.g_idx, got.g_idx)):
         assert torch.equal(a, b)
     assert not torch.equal(H2, H)  # the caller's H was used as scratch (that is the point)
+
+
+def _reference_factor(H: torch.Tensor, damp: float, perm: torch.Tensor | None) -> torch.Tensor:
+    """The inverse factor the way the GPTQ reference computes it, in fresh buffers (lower triangle read)."""
+    A = H.clone()
+    dead = torch.diag(A) == 0
+    A[dead, dead] = 1.0
+    if perm is not None:
+        A = A[perm][:, perm]
+    A.diagonal().add_(damp * torch.mean(torch.diag(A)))
+    L = torch.linalg.cholesky(A)  # reads the lower triangle
+    return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
+
+
+@pytest.mark.parametrize("act_order", [True, False])
+def test_inverse_factor_in_place_is_the_reference_bitwise_in_one_buffer(act_order):
+    from geminicompress.compress.hessian import inverse_hessian_factor
+
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(700, 600, generator=g) * torch.rand(600, generator=g) * 3
+    X[:, 7] = 0
+    H = 2 * X.t() @ X / 700
+    H[3, 10] += 1e-3  # not exactly symmetric, as an accumulated Hessian need not be: the lower triangle counts
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else None
+    ref = _reference_factor(H, 0.01, perm)
+    scratch = H.clone()
+    U = inverse_hessian_factor(scratch, 0.01, perm, overwrite=True)
+    assert U.untyped_storage().data_ptr() == scratch.untyped_storage().data_ptr()  # no second buffer
+    assert torch.equal(U, ref)
+    assert torch.equal(inverse_hessian_factor(H, 0.01, perm), ref)
+
+
+def test_in_place_moves_equal_indexing():
+    from geminicompress.compress.inplace import mirror_lower_, permute_rows_, permute_symmetric_, transpose_
+
+    g = torch.Generator().manual_seed(2)
+    A = torch.randn(1100, 1100, generator=g)  # not a multiple of the block
+    perm = torch.randperm(1100, generator=g)
+    B = A.clone()
+    permute_rows_(B, perm)
+    assert torch.equal(B, A[perm])
+    B = A.clone()
+    transpose_(B)
+    assert torch.equal(B, A.t())
+    B = A.clone()
+    permute_symmetric_(B, perm)
+    assert torch.equal(B, A[perm][:, perm])
+    B = A.clone()
+    mirror_lower_(B)
+    assert torch.equal(B, torch.tril(A) + torch.tril(A, -1).t())

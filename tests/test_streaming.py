@@ -77,6 +77,9 @@ def test_lazy_layers_equal_the_model_and_are_freed(tmp_path):
     assert ckpt.outside_modules() == ["model.embed_tokens", "model.norm", "lm_head"]
     lazy = LazyTensors(ckpt, ["model.layers.0.mlp.up_proj.weight", "lm_head.weight"])
     assert lazy.total == 128 * 64 + 384 * 64 and torch.equal(lazy[1], model.lm_head.weight)
+    # the threshold's strided sample, read through a memory map: the same values as in memory
+    up, head = model.model.layers[0].mlp.up_proj.weight, model.lm_head.weight
+    assert torch.equal(lazy.sample(7), torch.cat([up.flatten()[::7], head.flatten()[::7]]).float())
 
 
 def test_lazy_reads_bf16_as_stored_or_cast(sharded):
@@ -84,6 +87,10 @@ def test_lazy_reads_bf16_as_stored_or_cast(sharded):
     assert ckpt.dtype == torch.bfloat16
     assert ckpt.materialise("model.layers.1").self_attn.q_proj.weight.dtype == torch.bfloat16
     assert ckpt.materialise("model.layers.1", torch.float32).self_attn.q_proj.weight.dtype == torch.float32
+    names = ["model.layers.1.mlp.down_proj.weight", "model.layers.2.self_attn.o_proj.weight"]
+    lazy = LazyTensors(ckpt, names)
+    want = torch.cat([ckpt.read([n])[n].flatten()[::5] for n in names]).float()
+    assert torch.equal(lazy.sample(5), want)  # bf16 through the memory map
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -179,6 +186,35 @@ def test_shard_writer_resumes_after_a_crash_mid_unit(tmp_path):
     straight.finish(tmp_path / "b")
     for f in sorted((tmp_path / "b").iterdir()):
         assert f.read_bytes() == (tmp_path / "a" / f.name).read_bytes(), f.name
+
+
+@pytest.mark.parametrize("max_bytes", [10**6, 600])  # header in its reserved region / too big for it: copied
+def test_shard_writer_writes_each_byte_once_and_survives_a_kill_at_close(tmp_path, monkeypatch, max_bytes):
+    from safetensors.torch import load_file as load
+
+    if max_bytes == 600:
+        monkeypatch.setattr(shards_mod, "header_reserve", lambda max_bytes: 64)  # smaller than any header
+    units = _units()
+    flat = {k: v for u in units for k, v in u.items()}
+    writer = ShardWriter(tmp_path / "work", max_bytes=max_bytes)
+    writer.write("unit0", units[0])
+    # killed right after a shard was closed, before progress.json recorded it
+    save_state = ShardWriter._save_state
+    monkeypatch.setattr(ShardWriter, "_save_state", lambda self: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        writer._close_open()
+    monkeypatch.setattr(ShardWriter, "_save_state", save_state)
+    writer = ShardWriter(tmp_path / "work", max_bytes=max_bytes)
+    for i, u in enumerate(units):
+        writer.write(f"unit{i}", u)
+    (tmp_path / "out").mkdir()
+    info = writer.finish(tmp_path / "out")
+    got = {k: v for f in info["files"] for k, v in load(str(tmp_path / "out" / f)).items()}
+    assert set(got) == set(flat) and all(torch.equal(got[k], flat[k]) for k in flat)
+    if max_bytes == 10**6:  # one shard: the reserved header region, then the data, nothing copied
+        data = sum(v.numel() * v.element_size() for v in flat.values())
+        assert info["files"] == ["model.safetensors"]
+        assert (tmp_path / "out" / "model.safetensors").stat().st_size == shards_mod.header_reserve(10**6) + data
 
 
 def test_shard_writer_disk_full_is_one_line_and_resumable(tmp_path, monkeypatch):

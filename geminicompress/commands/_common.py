@@ -129,6 +129,11 @@ STREAM = typer.Option(None, "--stream/--no-stream", help="Read, process and writ
                       "exceed half the available memory and every stage can stream).")
 DTYPE = typer.Option(None, "--dtype", help="Float dtype of the written weights: float32, bfloat16, float16 "
                      "(default: float32 in memory; the input's own dtype when streaming).")
+NO_VERIFY = typer.Option(False, "--no-verify", help="Skip the check of OUT after writing it: by default OUT is loaded "
+                         "back (in memory, or one layer at a time when it is big) and its logits on 2 x 64 probe "
+                         "tokens are compared with the in-process model's; the run fails, keeping nothing, when "
+                         "they differ. The check costs one load of OUT plus a 128-token forward (a second pass "
+                         "over the layers read from disk for a streamed run).")
 QUIET = typer.Option(False, "--quiet", "-q", help="No progress bars or info lines.")
 THREADS = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: the cores not busy with other "
                        "processes when the command starts; see docs/eval.md).")
@@ -162,7 +167,7 @@ def calibration_options(data: Optional[str], text_column: str, samples: Optional
 def run_single_stage(model: str, stage: dict, cal: dict, out: Path, force: bool, device: Optional[str],
                      trust: bool, allow_pickle: bool, seed: int, quiet: bool, source: str,
                      threads: Optional[int] = None, stream: Optional[bool] = None,
-                     dtype: Optional[str] = None) -> dict:
+                     dtype: Optional[str] = None, verify: bool = True) -> dict:
     """Build a one-stage recipe from options, run it, print where the output went."""
     import sys
 
@@ -175,6 +180,7 @@ def run_single_stage(model: str, stage: dict, cal: dict, out: Path, force: bool,
     check_output_path(out, force)
     dev = parse_device(device)
     choice = use_threads(threads, recipe.threads)
-    report = run_recipe(recipe, out, force=force, progress=RichProgress(quiet), device=dev, command=sys.argv, stream=stream)
+    report = run_recipe(recipe, out, force=force, progress=RichProgress(quiet), device=dev, command=sys.argv, stream=stream,
+                        verify=verify)
     console.print(wrote_line(out, report["total_seconds"], choice), highlight=False, soft_wrap=True)
     return report

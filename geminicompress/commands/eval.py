@@ -38,6 +38,10 @@ def eval_(
     no_quality: bool = typer.Option(False, "--no-quality", help="Latency only: skip perplexity, KL and agreement."),
     tasks: Optional[str] = typer.Option(None, "--tasks", help="lm-eval-harness tasks, comma separated (needs lm-eval)."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Draft MODEL: also time speculative decoding of the baseline."),
+    stream: Optional[bool] = typer.Option(None, "--stream/--no-stream", help="Perplexity/KL one decoder layer at a "
+                                          "time read from disk, for models bigger than memory (default: for each "
+                                          "model whose weights exceed half the available memory). Latency is not "
+                                          "measured for a streamed model."),
     text_column: str = c.TEXT_COLUMN,
     device: str = c.DEVICE,
     force: bool = c.FORCE,
@@ -77,7 +81,7 @@ def eval_(
     dev = c.parse_device(device)
     choice = c.use_threads(threads, None)
     report = evaluate(models, baseline or models[0], data, None, options, c.RichProgress(quiet), device=dev,
-                      trust_remote_code=trust, allow_pickle=allow_pickle)
+                      trust_remote_code=trust, allow_pickle=allow_pickle, stream=stream)
     from geminicompress.eval.report import write_report
 
     with OutputDir(output, force) as tmp:

@@ -34,6 +34,7 @@ def prune(
     allow_pickle: bool = c.PICKLE,
     stream: Optional[bool] = c.STREAM,
     dtype: Optional[str] = c.DTYPE,
+    no_verify: bool = c.NO_VERIFY,
     quiet: bool = c.QUIET,
     threads: Optional[int] = c.THREADS,
 ) -> None:
@@ -50,7 +51,8 @@ def prune(
     stage = {"type": "prune", **{k: v for k, v in given.items() if v is not None}}
     cal = c.calibration_options(data, text_column, samples, calib_seq_len)
     report = c.run_single_stage(model, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed,
-                                quiet, source="prune options", threads=threads, stream=stream, dtype=dtype)
+                                quiet, source="prune options", threads=threads, stream=stream, dtype=dtype,
+                                verify=not no_verify)
     if not quiet:
         c.out_console.print(sparsity_table(report["stages"][0]["result"]))
 

@@ -53,6 +53,7 @@ def quantize(
     allow_pickle: bool = c.PICKLE,
     stream: Optional[bool] = c.STREAM,
     dtype: Optional[str] = c.DTYPE,
+    no_verify: bool = c.NO_VERIFY,
     quiet: bool = c.QUIET,
     threads: Optional[int] = c.THREADS,
 ) -> None:
@@ -81,7 +82,8 @@ def quantize(
     _check_applicable(method, stage)
     cal = c.calibration_options(data, text_column, samples, calib_seq_len)
     c.run_single_stage(model, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed, quiet,
-                       source="quantize options", threads=threads, stream=stream, dtype=dtype)
+                       source="quantize options", threads=threads, stream=stream, dtype=dtype,
+                       verify=not no_verify)
 
 
 def parse_percent(text: str, option: str) -> float:

@@ -18,6 +18,7 @@ def run(
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key, e.g. --set stages.0.bits=3 (repeatable)."),
     force: bool = c.FORCE,
     device: str = c.DEVICE,
+    no_verify: bool = c.NO_VERIFY,
     quiet: bool = c.QUIET,
     threads: Optional[int] = c.THREADS,
     stream: Optional[bool] = c.STREAM,
@@ -37,7 +38,7 @@ def run(
     dev = c.parse_device(device)
     choice = c.use_threads(threads, parsed.threads)
     report = run_recipe(parsed, output, force=force, progress=c.RichProgress(quiet), device=dev, command=sys.argv,
-                        stream=stream)
+                        stream=stream, verify=not no_verify)
     c.console.print(c.wrote_line(output, report["total_seconds"], choice), highlight=False, soft_wrap=True)
     _print_eval_tables(report, output)
 

@@ -9,6 +9,8 @@ One `Arch` per `model_type`. Used by every layer-by-layer method:
   A group whose shapes do not allow folding (e.g. v_proj -> o_proj under grouped-query attention)
   is skipped at run time by the caller, as llm-awq does.
 - `norm_offset`: 1.0 where the norm multiplies by (1 + weight) (Gemma), else 0.0.
+- `final_norm`: path from the CausalLM to the norm applied after the last decoder layer (a layer-streamed
+  forward hands its final hidden states to that module: models/forward.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Arch:
     sequential: tuple[tuple[str, ...], ...]
     smooth: tuple[SmoothGroup, ...]
     norm_offset: float = 0.0
+    final_norm: str = "model.norm"
 
     @property
     def linears(self) -> tuple[str, ...]:
@@ -60,6 +63,7 @@ GPT_NEOX = Arch(
         SmoothGroup("input_layernorm", ("attention.query_key_value",), "attention"),
         SmoothGroup("post_attention_layernorm", ("mlp.dense_h_to_4h",), "mlp"),
     ),
+    final_norm="gpt_neox.final_layer_norm",
 )
 
 ARCHS: dict[str, Arch] = {

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from geminicompress.compress.inplace import mirror_lower_, permute_symmetric_
 from geminicompress.errors import GeminiError
 
 
@@ -89,26 +90,28 @@ def inverse_hessian_factor(H: torch.Tensor, damp: float, perm: torch.Tensor | No
                            overwrite: bool = False) -> torch.Tensor:
     """Upper Cholesky factor U of (P H Pᵀ + λI)⁻¹ = UᵀU, λ = damp · mean(diag H), P the permutation `perm`
     (None: none), dead inputs (H_jj = 0) given H_jj = 1 first: the rows GPTQ and SparseGPT spread each
-    column's error with. H: (in, in) -> U: (in, in) float32, a column-major view.
+    column's error with. H: (in, in) -> U: (in, in) float32, a column-major view. Only H's lower triangle
+    is read (after the permutation).
 
-    overwrite: H (float32) is the caller's scratch. The steps then alternate between H's memory and one
-    other buffer, each result written column-major into the other (LAPACK's layout, so torch writes it in
-    place rather than through a temporary): two Hessian-sized buffers at most (822 MB each for an 8B
-    model's 14336-wide down_proj). Raises GeminiError if H is not positive definite after damping."""
-    H = H.detach().to(torch.float32, copy=not overwrite)
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
+    overwrite: H (float32) is the caller's scratch, and every step happens in its memory: the permutation
+    and the mirroring of the lower triangle by in-place data movement (inplace.py), then Cholesky, inverse
+    and upper factor by LAPACK in place on the column-major view (torch writes `out=` the input itself
+    without a temporary). No second Hessian-sized buffer (822 MB for an 8B model's 14336-wide down_proj):
+    the same bits as computing into fresh buffers (tests/test_gptq_memory.py). Raises GeminiError if H is
+    not positive definite after damping."""
+    A = H.detach().to(torch.float32, copy=not overwrite)
+    dead = torch.diag(A) == 0
+    A[dead, dead] = 1.0
     if perm is not None:
-        A, spare = H[perm[:, None], perm], H  # (in, in) row-major; H itself is free from here on
-    else:
-        A, spare = H, torch.empty_like(H)
+        permute_symmetric_(A, perm)
     A.diagonal().add_(damp * torch.mean(torch.diag(A)))
-    info = torch.zeros((), dtype=torch.int32, device=H.device)
-    torch.linalg.cholesky_ex(A, out=(spare.mT, info))  # L, column-major in spare
+    mirror_lower_(A)  # symmetric, so the column-major view A.mT holds the same matrix
+    info = torch.zeros((), dtype=torch.int32, device=A.device)
+    torch.linalg.cholesky_ex(A.mT, out=(A.mT, info))  # L, column-major
     if info == 0:
-        torch.cholesky_inverse(spare.mT, out=A.mT)  # (P H Pᵀ + λI)⁻¹, column-major in A
-        torch.linalg.cholesky_ex(A.mT, upper=True, out=(spare.mT, info))
+        torch.cholesky_inverse(A.mT, out=A.mT)  # (P H Pᵀ + λI)⁻¹
+        torch.linalg.cholesky_ex(A.mT, upper=True, out=(A.mT, info))
         if info == 0:
-            return spare.mT
+            return A.mT
     raise GeminiError(f"the Hessian is not positive definite even after dampening by {damp}; "
                       "raise damp (e.g. 0.1) or use more calibration tokens")

@@ -6,12 +6,16 @@ latency, footprint); then each model in turn, loaded, measured and freed, so at 
 in memory (two only when the baseline's log-probs do not fit the disk cache and it must recompute).
 A model that fails (does not load, too short a context, ...) gets one warning line and a note in
 the report; the other models are still evaluated. Only a baseline that does not load stops the run.
+
+A model bigger than memory (or any model with `stream=True`) is not loaded: its windows go through one
+decoder layer at a time read from disk (streamed.py), scored by the same meters; no latency for it.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,12 +30,14 @@ from geminicompress.eval.extras import run_speculative, run_tasks, tasks_availab
 from geminicompress.eval.footprint import (PeakMemory, count_params, masks_size_mb, prune_masks_path, quantization_zeros,
                                            tensor_mb, weight_sparsity, weights_size_mb)
 from geminicompress.eval.latency import measure_latency
-from geminicompress.eval.quality import measure_quality
+from geminicompress.eval.perplexity import window_logprobs
+from geminicompress.eval.quality import score_windows
 from geminicompress.eval.report import write_report
+from geminicompress.eval.streamed import open_streamed, params_of, stream_reason, streamed_logprobs
 from geminicompress.eval.table import describe_timing
 from geminicompress.machine import machine, versions
 from geminicompress.models import demo
-from geminicompress.models.loading import LoadedModel, load_model, resolve_model
+from geminicompress.models.loading import LoadedModel, _load_tokenizer, load_model, resolve_model
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.schema import EvalStage
 
@@ -120,8 +126,11 @@ def evaluate(
     names: dict[str, str] | None = None,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
+    stream: bool | None = None,
 ) -> dict:
-    """Evaluate `baseline` and `models`; return the report (and write it to `out_dir` when given)."""
+    """Evaluate `baseline` and `models`; return the report (and write it to `out_dir` when given).
+    stream: evaluate one decoder layer at a time from disk: True, False, or None for the models whose
+    weights exceed half of the available memory (streamed.py)."""
     progress = progress or NullProgress()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     options = plan.with_device_defaults(options, device)
@@ -129,6 +138,7 @@ def evaluate(
     specs = list(dict.fromkeys([baseline, *models]))
     shown = [(names or {}).get(s, n) for s, n in zip(specs, display_names(specs))]
     load = dict(trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    streamed = {spec: stream_reason(spec, stream, stored_dtype(spec)) for spec in specs}  # refuses --stream early
     progress.info(_plan_line(baseline, len(specs), text, data, options, device, trust_remote_code))
     if options.tasks and not tasks_available():
         progress.warn("--tasks needs lm-eval-harness (pip install 'geminicompress[lm-eval]'): downstream tasks skipped")
@@ -137,11 +147,21 @@ def evaluate(
     base_model, base = None, None
     try:
         for spec, name in zip(specs, shown):
-            entry, kept, state = _evaluate_one(spec, name, text, options, base, device, progress, load)
+            if streamed[spec] is not None:
+                entry, kept, state = _evaluate_streamed(spec, name, text, options, base, device, progress, load,
+                                                        streamed[spec])
+            else:
+                entry, kept, state = _evaluate_one(spec, name, text, options, base, device, progress, load)
             if base is None:
                 base, base_model = state, kept
             entries.append(entry)
-        speculative = run_speculative(baseline, options, base, device, progress, load) if options.draft else None
+        speculative = None
+        if options.draft and streamed[baseline] is not None:
+            progress.warn("--draft: the baseline is evaluated streamed (it does not fit in memory): speculative "
+                          "decoding skipped")
+            speculative = {"available": False, "reason": "the baseline is evaluated streamed"}
+        elif options.draft:
+            speculative = run_speculative(baseline, options, base, device, progress, load)
     finally:
         if base is not None and base.cache is not None:
             base.cache.close()
@@ -202,7 +222,7 @@ def _timing_warning(entries: list[dict]) -> str | None:
 def _new_entry(spec: str, name: str, is_base: bool) -> dict:
     return {"name": name, "path": spec, "baseline": is_base, "format": None, "dtype": None, "quality": None,
             "latency": None, "peak_memory_mb": None, "tensors_mb": None, "size_mb": None, "masks_mb": None,
-            "params": None, "sparsity": None, "quant_zeros": None, "tasks": None, "notes": []}
+            "params": None, "sparsity": None, "quant_zeros": None, "tasks": None, "streamed": None, "notes": []}
 
 
 def _evaluate_one(spec, name, text, options, base, device, progress, load):
@@ -230,7 +250,8 @@ def _evaluate_one(spec, name, text, options, base, device, progress, load):
                      tensors_mb=tensor_mb(model), params=count_params(model),
                      sparsity=weight_sparsity(model, prune_masks_path(weights_path(loaded))),
                      quant_zeros=quantization_zeros(model))
-        state, ids = _quality(model, loaded.tokenizer, name, text, options, base, device, progress, entry, note)
+        state, ids = _quality(model, lambda w: (window_logprobs(model, x, device) for x in w), loaded.tokenizer,
+                              name, text, options, base, progress, entry, note)
         if options.latency:
             entry["latency"] = _latency(model, ids, options, device, progress, note)
         if options.tasks:
@@ -244,8 +265,10 @@ def _evaluate_one(spec, name, text, options, base, device, progress, load):
     return entry, (model if keep else None), state
 
 
-def _quality(model, tok, name, text, options, base, device, progress, entry, note):
-    """Perplexity (+ drift when comparable); returns (Baseline state if this is the baseline, ids)."""
+def _quality(model, logprobs_of, tok, name, text, options, base, progress, entry, note):
+    """Perplexity (+ drift when comparable) from `logprobs_of(windows)` (each window's (T-1, V) log-probs,
+    in order); `model` gives the config (a skeleton will do). Returns (Baseline state if this is the
+    baseline, ids)."""
     if not options.quality:
         ids = tokenize(tok, text, options.max_tokens)
         return (Baseline(tok, ids, None, None, None) if base is None else None), ids
@@ -272,11 +295,50 @@ def _quality(model, tok, name, text, options, base, device, progress, entry, not
             note(f"its output vocabulary ({model.config.vocab_size}) differs from the baseline's "
                  f"({base.cache.shape[1]}): KL and top-1 agreement skipped")
             comparable = False
-        entry["quality"] = measure_quality(
-            model, windows, device, label=name, store=cache, against=base.cache if comparable else None,
-            base_ppl=base.perplexity if base is not None else None, progress=progress)
+        elif comparable and not base.cache.stored and base.cache.model is None:
+            note("KL and top-1 agreement skipped: the baseline was evaluated streamed and its log-probs "
+                 f"({base.cache.window_bytes * windows.shape[0] / 2**30:.1f} GiB) do not fit the disk cache")
+            comparable = False
+        with closing(iter(logprobs_of(windows))) as logprobs:
+            entry["quality"] = score_windows(
+                logprobs, windows, label=name, store=cache, against=base.cache if comparable else None,
+                base_ppl=base.perplexity if base is not None else None, progress=progress)
     state = Baseline(tok, ids, windows, cache, (entry["quality"] or {}).get("perplexity")) if base is None else None
     return state, ids
+
+
+def _evaluate_streamed(spec, name, text, options, base, device, progress, load, reason):
+    """Measure one model one decoder layer at a time from disk (no latency); as `_evaluate_one` returns."""
+    is_base = base is None
+    entry = _new_entry(spec, name, is_base)
+
+    def note(message: str) -> None:
+        entry["notes"].append(message)
+        progress.warn(f"{name}: {message}")
+
+    progress.info(f"evaluating {name}" + (" (baseline)" if is_base else "") + f", one layer at a time ({reason})")
+    dtype = stored_dtype(spec)
+    with PeakMemory(device) as peak:
+        try:
+            ckpt, path = open_streamed(spec, load["trust_remote_code"])
+            tok = _load_tokenizer(str(path), load["trust_remote_code"])
+        except GeminiError as exc:
+            if is_base:
+                raise type(exc)(f"baseline: {exc}") from exc
+            entry["error"] = str(exc)
+            note(f"skipped: {exc}")
+            return entry, None, None
+        entry.update(format=ckpt.format or "dense", dtype=str(dtype).removeprefix("torch."), streamed=reason,
+                     size_mb=weights_size_mb(path), masks_mb=masks_size_mb(path), params=params_of(ckpt))
+        state, _ = _quality(ckpt.model, lambda w: streamed_logprobs(ckpt, w, device, dtype, progress), tok, name, text,
+                            options, base, progress, entry, note)
+    entry["peak_memory_mb"] = peak.peak_mb
+    skipped = [what for what, asked in (("latency and throughput", options.latency), ("lm-eval tasks", options.tasks))
+               if asked]
+    if skipped:
+        note(f"{' and '.join(skipped)} not measured: evaluated one layer at a time from disk ({reason}); "
+             "they are measured only for models loaded in memory")
+    return entry, None, state
 
 
 def _latency(model, ids, options, device, progress, note):

@@ -2,9 +2,12 @@
 that shares the baseline's tokenizer) drift against the baseline's cached log-probs.
 
 Only one window's logits live at a time: (T-1, V) for the model and, for drift, the baseline's.
+`score_windows` takes the log-probs from anywhere (a model bigger than memory: eval/streamed.py).
 """
 
 from __future__ import annotations
+
+from typing import Iterable
 
 import torch
 
@@ -27,11 +30,27 @@ def measure_quality(
 ) -> dict:
     """Perplexity over `windows` (n, T); with `store` (the baseline) each window's log-probs are
     cached; with `against` KL/agreement to the cached baseline are measured too."""
+    logprobs = (window_logprobs(model, window, device) for window in windows)  # (T-1, V) each
+    return score_windows(logprobs, windows, label=label, store=store, against=against, base_ppl=base_ppl,
+                         progress=progress)
+
+
+def score_windows(
+    logprobs: Iterable[torch.Tensor],
+    windows: torch.Tensor,
+    *,
+    label: str,
+    store: BaselineCache | None = None,
+    against: BaselineCache | None = None,
+    base_ppl: float | None = None,
+    progress: Progress | None = None,
+) -> dict:
+    """Perplexity (and drift against `against`) from each window's next-token log-probs, (T-1, V) in
+    window order, as `measure_quality` describes."""
     progress = progress or NullProgress()
     ppl, drift = PerplexityMeter(), DriftMeter()
     with progress.task(f"perplexity {label}", windows.shape[0]) as bar:
-        for i, window in enumerate(windows):
-            logp = window_logprobs(model, window, device)  # (T-1, V)
+        for i, (window, logp) in enumerate(zip(windows, logprobs)):
             ppl.add(token_nll(logp, window))
             if store is not None:
                 store.put(i, logp)

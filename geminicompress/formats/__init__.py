@@ -5,7 +5,12 @@ Every format module has
 - `detect(qc: dict) -> bool`: whether a `quantization_config` is this format (a test checks that
   `detect` below and the modules agree);
 - `load(path, config, dtype) -> PreTrainedModel`: read it back (what `eval` measures is what ships);
-- `write(model, tokenizer, out, ...) -> dict`: write it (the summary goes into report.json).
+- `reader(path, config) -> reader.ModuleReader`: how one of its quantized modules is read (picked by
+  `module_reader` below); its `load` and the layer-at-a-time reader of a checkpoint bigger than memory
+  (`models/lazy.py`) both build modules through it;
+- `write(model, tokenizer, out, ...) -> dict`: write it (the summary goes into report.json);
+- `STORES_CODES = True` (gptq, awq, pack-quantized): a quantized linear's weight is stored as integer codes
+  and scales that give back the in-process weight exactly, whatever the float dtype of the checkpoint.
 Formats that hold quantized weights (`QUANTIZED`) share one write signature,
 `write(model, tokenizer, out, qweights, meta)`, and a `check_shape(name, out, in, spec)` that refuses
 what they cannot hold before any work starts. Shared plumbing (float tensors, config.json,
@@ -70,3 +75,19 @@ def load(path: Path, config: dict[str, Any], dtype: Any) -> Any:
         raise InputError(f"{path}: quantization format '{key}' is not one geminicompress reads "
                          f"(it reads: {', '.join(FORMATS)})")
     return module(key).load(Path(path), config, dtype)
+
+
+def module_reader(path: Path, config: dict[str, Any]) -> Any:
+    """The `reader.ModuleReader` of the checkpoint at `path` (config.json = `config`), None when it is dense."""
+    key = detect(config)
+    if key is None:
+        return None
+    if key not in FORMATS:
+        raise InputError(f"{path}: quantization format '{key}' is not one geminicompress reads "
+                         f"(it reads: {', '.join(FORMATS)})")
+    return module(key).reader(Path(path), config)
+
+
+def stores_codes(key: str | None) -> bool:
+    """Whether format `key` stores quantized linears as codes that dequantize exactly (`STORES_CODES`)."""
+    return key is not None and key in {*FORMATS, *QUANTIZED} and getattr(module(key), "STORES_CODES", False)

@@ -22,7 +22,8 @@ from geminicompress import __version__
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, group_index
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.checkpoint import single_spec, write_packed
-from geminicompress.formats.dequant import load_with_dequant_linears
+from geminicompress.formats.dequant import dequant_reader
+from geminicompress.formats.reader import ModuleReader, load_with_reader
 
 KEY = "awq"
 
@@ -30,6 +31,9 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDE
 BITS = 4
 PACK = 32 // BITS
 SUFFIXES = ("qweight", "qzeros", "scales")
+# A quantized linear's weight is its integer codes and scales, which dequantize exactly to the weights the
+# run computed with (scales rounded to their stored dtype first): not rounded to the checkpoint's float dtype.
+STORES_CODES = True
 
 
 def detect(qc: dict[str, Any]) -> bool:
@@ -112,11 +116,16 @@ def _last_names(names: list[str]) -> list[str]:
     return sorted({n.rsplit(".", 1)[-1] for n in names})
 
 
-def load(path: Path, config: dict, dtype: torch.dtype) -> nn.Module:
-    """An AWQ GEMM checkpoint as a model whose quantized linears rebuild their weights on the fly."""
+def reader(path: Path, config: dict) -> ModuleReader:
+    """How an AWQ GEMM linear is read: a `DequantLinear` rebuilding its weight on the fly."""
     qc = config["quantization_config"]
     if int(qc.get("bits", BITS)) != BITS or str(qc.get("version", "gemm")).lower() != "gemm":
         raise GeminiError(f"{path}: only 4-bit AWQ in the GEMM layout loads here "
                           f"(got bits={qc.get('bits')}, version={qc.get('version')})")
     spec = QuantSpec(BITS, int(qc["group_size"]), sym=not qc.get("zero_point", True))
-    return load_with_dequant_linears(Path(path), dtype, SUFFIXES, lambda parts: unpack_awq(parts, spec))
+    return dequant_reader(SUFFIXES, lambda name, parts: unpack_awq(parts, spec))
+
+
+def load(path: Path, config: dict, dtype: torch.dtype) -> nn.Module:
+    """An AWQ GEMM checkpoint as a model whose quantized linears rebuild their weights on the fly."""
+    return load_with_reader(Path(path), dtype, reader(path, config))

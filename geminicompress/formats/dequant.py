@@ -7,17 +7,14 @@ float32) so that a forward pass costs one gather and one multiply more than a fl
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from geminicompress.compress.arch import get_module, set_module
 from geminicompress.compress.grid import QuantizedWeight
-from geminicompress.errors import GeminiError
-from geminicompress.formats.checkpoint import float_skeleton, read_tensors
+from geminicompress.formats.reader import ModuleReader
 
 
 class DequantLinear(nn.Module):
@@ -46,34 +43,14 @@ class DequantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, bias={self.bias is not None}"
 
 
-def load_with_dequant_linears(path: Path, dtype: torch.dtype, suffixes: tuple[str, ...],
-                              unpack: Callable[[dict[str, torch.Tensor]], QuantizedWeight],
-                              bias_key: str = "bias",
-                              unpack_module: Callable[[str, dict[str, torch.Tensor]], QuantizedWeight] | None = None,
-                              ) -> nn.Module:
-    """Build the model, put a `DequantLinear` wherever the checkpoint has `<module>.<suffixes[0]>`
-    (the per-module tensors named by `suffixes` go to `unpack`, or to `unpack_module(name, tensors)` when
-    the spec depends on the module: mixed precision), load everything else as it is."""
-    tensors = read_tensors(path)
-    model = float_skeleton(path, dtype)
-    marker = "." + suffixes[0]
-    prefixes = sorted(k[: -len(marker)] for k in tensors if k.endswith(marker))
-    for prefix in prefixes:
-        parts = {s: tensors.pop(f"{prefix}.{s}") for s in suffixes if f"{prefix}.{s}" in tensors}
-        bias = tensors.pop(f"{prefix}.{bias_key}", None)
-        try:
-            get_module(model, prefix)
-        except AttributeError as exc:
-            raise GeminiError(f"{path}: quantized module {prefix} does not exist in the model's architecture") from exc
-        qw = unpack_module(prefix, parts) if unpack_module is not None else unpack(parts)
-        set_module(model, prefix, DequantLinear(qw, bias, dtype))
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    quantized = tuple(p + "." for p in prefixes)
-    missing = [k for k in missing if not k.startswith(quantized)]
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.tie_weights()
-        missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
-        raise GeminiError(f"{path}: checkpoint does not match the architecture ({what})")
-    return model.eval()
+def dequant_reader(suffixes: tuple[str, ...], unpack_module: Callable[[str, dict[str, torch.Tensor]], QuantizedWeight],
+                   bias_key: str = "bias") -> ModuleReader:
+    """How a packed format's linear is read: a `DequantLinear` wherever the checkpoint has
+    `<module>.<suffixes[0]>`, its tensors named by `suffixes` unpacked by `unpack_module(name, tensors)`
+    (the spec may depend on the module: mixed precision)."""
+
+    def build(name: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
+        bias = parts.pop(bias_key, None)
+        return DequantLinear(unpack_module(name, parts), bias, dtype)
+
+    return ModuleReader(suffixes[0], (*suffixes, bias_key), build)

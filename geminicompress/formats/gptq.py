@@ -27,11 +27,15 @@ from geminicompress.compress.grid import QuantizedWeight, QuantSpec
 from geminicompress.formats.bits import pack_bits, unpack_bits
 from geminicompress.formats.checkpoint import quantized_summary, write_packed
 from geminicompress.errors import GeminiError, InputError
-from geminicompress.formats.dequant import load_with_dequant_linears
+from geminicompress.formats.dequant import dequant_reader
+from geminicompress.formats.reader import ModuleReader, load_with_reader
 from geminicompress.formats.mixed import base_spec, dynamic_spec, gptq_dynamic, specs_of
 
 KEY = "gptq"
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+# A quantized linear's weight is its integer codes and scales, which dequantize exactly to the weights the
+# run computed with (scales rounded to their stored dtype first): not rounded to the checkpoint's float dtype.
+STORES_CODES = True
 
 
 def detect(qc: dict[str, Any]) -> bool:
@@ -131,8 +135,8 @@ def write(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, meta: dict
     return quantized_summary(KEY, spec, qweights, not_quantized, size)
 
 
-def load(path: Path, config: dict, dtype: torch.dtype):
-    """Load a GPTQ v1 (or v2) checkpoint with `DequantLinear`s in place of the quantized linears."""
+def reader(path: Path, config: dict) -> ModuleReader:
+    """How a GPTQ v1 (or v2) linear is read: a `DequantLinear` at its (possibly `dynamic`) spec."""
     qc = config["quantization_config"]
     try:
         spec = QuantSpec(int(qc["bits"]), int(qc.get("group_size", -1)), bool(qc.get("sym", True)))
@@ -140,5 +144,9 @@ def load(path: Path, config: dict, dtype: torch.dtype):
         raise GeminiError(f"{path}: quantization_config lacks {exc}") from exc
     v1 = str(qc.get("checkpoint_format", "gptq")).lower() != "gptq_v2"
     dynamic = qc.get("dynamic")
-    return load_with_dequant_linears(path, dtype, SUFFIXES, lambda t: unpack_gptq(t, spec, v1), bias_key="bias",
-                                     unpack_module=lambda name, t: unpack_gptq(t, dynamic_spec(dynamic, name, spec), v1))
+    return dequant_reader(SUFFIXES, lambda name, t: unpack_gptq(t, dynamic_spec(dynamic, name, spec), v1))
+
+
+def load(path: Path, config: dict, dtype: torch.dtype):
+    """Load a GPTQ v1 (or v2) checkpoint with `DequantLinear`s in place of the quantized linears."""
+    return load_with_reader(path, dtype, reader(path, config))

@@ -26,11 +26,11 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import set_module
 from geminicompress.compress.int8.modules import Int8Base, Int8WeightOnlyLinear, W8A8Linear
 from geminicompress.compress.int8.shared_input import share_inputs
 from geminicompress.errors import GeminiError
-from geminicompress.formats.checkpoint import compressed_tensors_format, float_linears, float_skeleton, read_tensors
+from geminicompress.formats.checkpoint import compressed_tensors_format, float_linears
+from geminicompress.formats.reader import ModuleReader, load_with_reader
 
 FORMAT = "int-quantized"
 KEY = f"compressed-tensors:{FORMAT}"
@@ -85,28 +85,30 @@ def exporter(method: str, dtype: str) -> Callable[[Any, Any, Path], dict]:
     return export
 
 
+def reader(path: Path, config: dict[str, Any]) -> ModuleReader:
+    """How an int-quantized linear is read: `W8A8Linear` when the checkpoint declares input activations,
+    else `Int8WeightOnlyLinear`, holding the stored int8 codes and per-channel scales."""
+    cls = W8A8Linear if _check_scheme(path, config["quantization_config"]) else Int8WeightOnlyLinear
+
+    def build(name: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
+        codes = parts.get("weight")
+        if codes is None or codes.dtype != torch.int8 or codes.dim() != 2:
+            raise GeminiError(f"{path}: {name}.weight_scale is stored but {name}.weight is not a 2-D int8 tensor")
+        zero = parts.get("weight_zero_point")
+        if zero is not None and zero.abs().max() > 0:
+            raise GeminiError(f"{path}: {name}.weight_zero_point is non-zero (asymmetric weights); "
+                              "geminicompress reads symmetric int8 only")
+        module = cls(codes.shape[1], codes.shape[0], "bias" in parts, dtype)
+        module.load_state_dict({k: v for k, v in parts.items() if k in ("weight", "weight_scale", "bias")})
+        return module
+
+    # q/k/v and gate/up as one GEMM each at run time (compress/int8/shared_input.py): same results
+    return ModuleReader("weight_scale", ("weight", "weight_scale", "bias", *_OPTIONAL), build, after_load=share_inputs)
+
+
 def load(path: Path, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
-    w8a8 = _check_scheme(path, config["quantization_config"])
-    state = read_tensors(path)
-    model = float_skeleton(path, dtype, init=False)  # we place the quantized modules ourselves
-    cls = W8A8Linear if w8a8 else Int8WeightOnlyLinear
-    for name, module in list(model.named_modules()):
-        codes = state.get(f"{name}.weight")
-        if isinstance(module, nn.Linear) and codes is not None and codes.dtype == torch.int8:
-            if f"{name}.weight_scale" not in state:
-                raise GeminiError(f"{path}: {name}.weight is int8 but {name}.weight_scale is missing")
-            set_module(model, name, cls(module.in_features, module.out_features, module.bias is not None, dtype))
-    _check_zero_points(path, state)
-    state = {k: v for k, v in state.items() if not k.endswith(_OPTIONAL)}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    really_missing = [k for k in missing if k not in tied and not _is_tied_output(model, k)]
-    if really_missing or unexpected:
-        what = really_missing[:1] or unexpected[:1]
-        raise GeminiError(f"{path}: the int-quantized weights do not match the architecture (e.g. {what[0]})")
-    model.tie_weights()
-    share_inputs(model)  # q/k/v and gate/up as one GEMM each at run time (compress/int8/shared_input.py)
-    return model.eval()
+    """The checkpoint with every int8 linear (`<name>.weight` int8 + `<name>.weight_scale`) an INT8 module."""
+    return load_with_reader(path, dtype, reader(path, config))
 
 
 def _check_scheme(path: Path, qc: dict[str, Any]) -> bool:
@@ -123,14 +125,3 @@ def _check_scheme(path: Path, qc: dict[str, Any]) -> bool:
     if act and (act.get("num_bits"), act.get("type")) != (8, "int"):
         raise GeminiError(f"{path}: input activations are {act.get('num_bits')}-bit {act.get('type')}; expected 8-bit int")
     return bool(act)
-
-
-def _check_zero_points(path: Path, state: dict[str, torch.Tensor]) -> None:
-    for key, value in state.items():
-        if key.endswith("weight_zero_point") and value.abs().max() > 0:
-            raise GeminiError(f"{path}: {key} is non-zero (asymmetric weights); geminicompress reads symmetric int8 only")
-
-
-def _is_tied_output(model: nn.Module, key: str) -> bool:
-    out = model.get_output_embeddings()
-    return bool(model.config.tie_word_embeddings) and out is not None and key.endswith("lm_head.weight")

@@ -25,11 +25,15 @@ from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.bits import pack_bits, unpack_bits
 from geminicompress.formats.checkpoint import (compressed_tensors_format, quantized_summary, scale_dtype,
                                                write_packed)
-from geminicompress.formats.dequant import load_with_dequant_linears
+from geminicompress.formats.dequant import dequant_reader
+from geminicompress.formats.reader import ModuleReader, load_with_reader
 from geminicompress.formats.mixed import base_spec, ct_config_groups, ct_spec_of, specs_of
 
 KEY = "compressed-tensors:pack-quantized"
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+# A quantized linear's weight is its integer codes and scales, which dequantize exactly to the weights the
+# run computed with (scales rounded to their stored dtype first): not rounded to the checkpoint's float dtype.
+STORES_CODES = True
 COMPRESSED_TENSORS_VERSION = "0.19.0"  # the layout of that release (dense bit streams for 3-bit)
 
 
@@ -131,8 +135,8 @@ def write(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, meta: dict
     return quantized_summary("compressed-tensors", spec, qweights, not_quantized, size)
 
 
-def load(path: Path, config: dict, dtype: torch.dtype):
-    """Load a compressed-tensors pack-quantized checkpoint with `DequantLinear`s."""
+def reader(path: Path, config: dict) -> ModuleReader:
+    """How a pack-quantized linear is read: a `DequantLinear` at the spec of its config group."""
     qc = config["quantization_config"]
     groups = qc.get("config_groups") or {}
     if not any(g.get("weights") for g in groups.values()):
@@ -147,4 +151,9 @@ def load(path: Path, config: dict, dtype: torch.dtype):
             raise GeminiError(f"{path}: quantized module {name} matches no config group")
         return unpack_ct(tensors, spec)
 
-    return load_with_dequant_linears(path, dtype, SUFFIXES, None, bias_key="bias", unpack_module=unpack_module)
+    return dequant_reader(SUFFIXES, unpack_module)
+
+
+def load(path: Path, config: dict, dtype: torch.dtype):
+    """Load a compressed-tensors pack-quantized checkpoint with `DequantLinear`s."""
+    return load_with_reader(path, dtype, reader(path, config))

@@ -2,9 +2,12 @@
 
 A safetensors file starts with a header (8-byte length, JSON of every tensor's dtype, shape and byte
 range), so a shard cannot be written before all its tensors are known. The writer therefore appends each
-tensor's bytes to the open shard's data file as soon as it is given, and when the next tensor would make
-the shard exceed `max_bytes` it closes the shard: header + data streamed into `part-NNNNN.safetensors`
-(through a temporary name, then renamed). Memory: one tensor at a time; disk: the output plus one shard.
+tensor's bytes to the open shard's data file as soon as it is given, after a reserved region at its
+start, and when the next tensor would make the shard exceed `max_bytes` it closes the shard: the header,
+padded with spaces (which the format allows) to fill the reserved region exactly, is written into that
+region and the file is renamed `part-NNNNN.safetensors`. Every byte is written once. (A header bigger
+than the reserve, which needs thousands of tensors in one shard, is written the slow way: header + data
+copied into a new file.) Memory: one tensor at a time.
 
 Resumable at *unit* granularity (a unit = one decoder layer's tensors, or one module outside them):
 after a unit's bytes are flushed to disk, `progress.json` (rewritten atomically) records the unit, its
@@ -31,6 +34,7 @@ from geminicompress.errors import GeminiError
 DEFAULT_MAX_BYTES = 2 * 10**9
 PROGRESS = "progress.json"
 INDEX = "model.safetensors.index.json"
+RESERVE_MAX = 1 << 20  # bytes reserved for a shard's header: ~8,000 tensor entries
 _CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
           torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
           torch.bool: "BOOL"}
@@ -44,6 +48,12 @@ def _bytes(t: torch.Tensor) -> memoryview:
     """The tensor's bytes in memory order, without a copy when it is contiguous on the CPU."""
     t = t.detach().to("cpu").contiguous()
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def header_reserve(max_bytes: int) -> int:
+    """Bytes reserved at the start of each shard for its header: a thousandth of the shard limit, between
+    512 bytes and RESERVE_MAX, a multiple of 8 (the data stays 8-byte aligned)."""
+    return min(RESERVE_MAX, max(512, max_bytes // 1000)) // 8 * 8
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -61,7 +71,7 @@ class ShardWriter:
         self.max_bytes = max_bytes
         path = self.work / PROGRESS
         self.state: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {
-            "max_bytes": max_bytes, "closed": [], "open": {"tensors": {}, "bytes": 0}, "units": {}}
+            "max_bytes": max_bytes, "closed": [], "open": self._new_open(max_bytes), "units": {}}
         self._recover()
 
     # ---- public ----
@@ -100,7 +110,7 @@ class ShardWriter:
             meta = self.state["open"]["tensors"][name]
             start, stop = meta["data_offsets"]
             with open(self._data_path(), "rb") as f:
-                f.seek(start)
+                f.seek(self._reserve() + start)
                 raw = bytearray(f.read(stop - start))
             dtype = next(d for d, c in _CODES.items() if c == meta["dtype"])
             out[name] = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(meta["shape"]).clone() \
@@ -130,6 +140,13 @@ class ShardWriter:
         return {"files": names, "total_bytes": total}
 
     # ---- shards ----
+    @staticmethod
+    def _new_open(max_bytes: int) -> dict[str, Any]:
+        return {"tensors": {}, "bytes": 0, "reserve": header_reserve(max_bytes)}
+
+    def _reserve(self) -> int:
+        return self.state["open"].get("reserve", 0)
+
     def _data_path(self) -> Path:
         return self.work / f"part-{len(self.state['closed']) + 1:05d}.data"
 
@@ -140,32 +157,51 @@ class ShardWriter:
         start = opened["bytes"]
         path = self._data_path()
         with self._guard(path):
+            if not path.is_file():  # a new shard: its header's reserved region first (a hole on most filesystems)
+                with open(path, "wb") as f:
+                    f.truncate(self._reserve())
             with open(path, "ab") as f:
                 f.write(_bytes(t))
         opened["tensors"][name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [start, start + size]}
         opened["bytes"] = start + size
 
     def _close_open(self) -> None:
-        """Write header + data of the open shard as part-NNNNN.safetensors; start a new open shard."""
+        """Write the open shard's header into its reserved region (or, when it does not fit, header + data
+        into a new file) as part-NNNNN.safetensors; start a new open shard."""
         opened = self.state["open"]
         data = self._data_path()
         final = data.with_suffix(".safetensors")
         header = json.dumps({"__metadata__": {"format": "pt"}, **opened["tensors"]}, separators=(",", ":")).encode()
-        header += b" " * (-len(header) % 8)  # the format allows trailing spaces; keeps data 8-byte aligned
+        reserve = self._reserve()
+        if 8 + len(header) <= reserve:
+            header += b" " * (reserve - 8 - len(header))  # trailing spaces: allowed, and the data starts at `reserve`
+            with self._guard(data):
+                with open(data, "r+b") as out:
+                    out.write(struct.pack("<Q", len(header)))
+                    out.write(header)
+                    out.flush()
+                    os.fsync(out.fileno())
+            os.replace(data, final)
+        else:
+            self._copy_with_header(data, final, header, reserve)
+        self.state["closed"].append({"file": final.name, "tensors": list(opened["tensors"]),
+                                     "bytes": final.stat().st_size})
+        self.state["open"] = self._new_open(self.max_bytes)
+        self._save_state()
+        data.unlink(missing_ok=True)
+
+    def _copy_with_header(self, data: Path, final: Path, header: bytes, skip: int) -> None:
+        header += b" " * (-len(header) % 8)  # keeps the data 8-byte aligned
         tmp = final.with_name(final.name + ".tmp")
         with self._guard(tmp):
             with open(tmp, "wb") as out, open(data, "rb") as src:
                 out.write(struct.pack("<Q", len(header)))
                 out.write(header)
+                src.seek(skip)
                 shutil.copyfileobj(src, out, 64 << 20)
                 out.flush()
                 os.fsync(out.fileno())
         os.replace(tmp, final)
-        self.state["closed"].append({"file": final.name, "tensors": list(opened["tensors"]),
-                                     "bytes": final.stat().st_size})
-        self.state["open"] = {"tensors": {}, "bytes": 0}
-        self._save_state()
-        data.unlink(missing_ok=True)
 
     def _sync(self) -> None:
         path = self._data_path()
@@ -184,9 +220,14 @@ class ShardWriter:
         for tmp in self.work.glob("*.tmp"):
             tmp.unlink()
         path = self._data_path()
+        closed = path.with_suffix(".safetensors")
+        if not path.is_file() and closed.is_file():  # killed between closing the shard and recording it
+            os.replace(closed, path)  # its header region is rewritten when it closes again
         keep = self.state["open"]["bytes"]
-        if path.is_file() and path.stat().st_size != keep:
-            os.truncate(path, keep)
+        if path.is_file() and not keep:
+            path.unlink()
+        elif path.is_file() and path.stat().st_size != self._reserve() + keep:
+            os.truncate(path, self._reserve() + keep)
         elif not path.is_file() and keep:
             raise GeminiError(f"{path} is missing: the resume state in {self.work} is damaged; rerun with --force")
 

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.nn as nn
 from torch import Tensor
 
-from geminicompress.errors import GeminiError
-from geminicompress.formats.checkpoint import (compressed_tensors_format, float_linears, float_skeleton, read_tensors,
-                                               save_weights, tied_output_names, write_config)
+from geminicompress.formats.checkpoint import compressed_tensors_format, float_linears, save_weights, write_config
+from geminicompress.formats.reader import ModuleReader, load_with_reader
 
 KEY = "compressed-tensors:sparse-bitmask"  # and its 2:4 variant, sparse-24-bitmask
 FORMATS = ("sparse-bitmask", "sparse-24-bitmask")
@@ -135,15 +135,21 @@ def dense_state_dict(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     return dense
 
 
-def load(path: Path, config: dict[str, Any], dtype: torch.dtype):
+def reader(path: Path, config: dict[str, Any]) -> ModuleReader:
+    """How a sparse-bitmask linear is read: an ordinary `nn.Linear` with its dense weight decompressed."""
+
+    def build(name: str, parts: dict[str, Tensor], dtype: torch.dtype) -> nn.Module:
+        weight = decompress(parts).to(dtype)  # (out, in)
+        bias = parts.get("bias")
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=dtype)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+        return linear
+
+    return ModuleReader("bitmask", (*SUFFIXES, "bias"), build)
+
+
+def load(path: Path, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
     """A sparse-bitmask (or sparse-24-bitmask) checkpoint as a dense model."""
-    model = float_skeleton(path, dtype)
-    tensors = read_tensors(path)
-    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in dense_state_dict(tensors).items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    untied = set(missing) - tied_output_names(model)
-    if unexpected or untied:
-        bad = sorted(untied) or sorted(unexpected)
-        raise GeminiError(f"{path}: sparse-bitmask checkpoint does not match its config ({len(bad)} keys differ, e.g. {bad[0]})")
-    model.tie_weights()
-    return model
+    return load_with_reader(path, dtype, reader(path, config))

@@ -8,6 +8,12 @@ present in its shard, every parameter's shape the one config.json implies. `mate
 reads one module's tensors from the memory-mapped files (each file opened only while it is read, so its
 mapped pages leave resident memory again) and `release(prefix)` puts them back on the meta device.
 
+A checkpoint in a format this project writes (GPTQ, AWQ, compressed-tensors int-quantized,
+pack-quantized, sparse-bitmask) is read the same way: each quantized module is built, when its layer is
+read, by the format's own `ModuleReader` (formats/reader.py), the one its in-memory `load` uses (a
+`DequantLinear`, an INT8 module, a decompressed linear), and swapped back for the skeleton's meta linear
+on release. So a layer computes exactly what the same layer of the model loaded in memory computes.
+
 `LazyLayers` is the layer *source* of `layerwise.run_layerwise` for such a checkpoint; `ModelLayers`
 (layerwise.py) is the one for a model already in memory.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +31,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import Arch, arch_for, get_module
+from geminicompress.compress.arch import Arch, arch_for, get_module, set_module
 from geminicompress.errors import InputError
 
 INDEX = "model.safetensors.index.json"
@@ -35,10 +42,10 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "
 
 
 class TensorInfo:
-    __slots__ = ("file", "dtype", "shape")
+    __slots__ = ("file", "dtype", "shape", "offset")
 
-    def __init__(self, file: Path, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        self.file, self.dtype, self.shape = file, dtype, shape
+    def __init__(self, file: Path, dtype: torch.dtype, shape: tuple[int, ...], offset: int = -1) -> None:
+        self.file, self.dtype, self.shape, self.offset = file, dtype, shape, offset  # offset: of its bytes in file
 
     @property
     def numel(self) -> int:
@@ -54,14 +61,28 @@ class TensorInfo:
 
 def is_streamable_dir(path: Path) -> bool:
     """A dense (no quantization_config) transformers directory with safetensors weights."""
+    config = _safetensors_config(path)
+    return config is not None and not config.get("quantization_config")
+
+
+def is_readable_dir(path: Path) -> bool:
+    """A transformers directory with safetensors weights, dense or in a format geminicompress reads
+    (what `LazyCheckpoint` can read one layer at a time)."""
+    from geminicompress.formats import FORMATS, detect
+
+    config = _safetensors_config(path)
+    return config is not None and (not config.get("quantization_config") or detect(config) in FORMATS)
+
+
+def _safetensors_config(path: Path) -> dict | None:
+    """config.json of a directory that holds safetensors weights, else None."""
     path = Path(path)
     if not (path / "config.json").is_file() or not ((path / INDEX).is_file() or (path / SINGLE).is_file()):
-        return False
+        return None
     try:
-        config = json.loads((path / "config.json").read_text())
+        return json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
-        return False
-    return not config.get("quantization_config")
+        return None
 
 
 def _open(file: Path):
@@ -71,6 +92,20 @@ def _open(file: Path):
         return safe_open(str(file), framework="pt")
     except Exception as exc:  # safetensors raises its own error type for a damaged header
         raise InputError(f"{file}: cannot be read ({str(exc).splitlines()[0]}): the shard is truncated or damaged") from exc
+
+
+def _data_offsets(file: Path) -> dict[str, int]:
+    """Where each tensor's bytes start in a safetensors file (8-byte header length, JSON header, data)."""
+    with open(file, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            return {}
+        size = struct.unpack("<Q", raw)[0]
+        try:
+            header = json.loads(f.read(size))
+        except (json.JSONDecodeError, UnicodeDecodeError, MemoryError):
+            return {}  # safe_open reports the damage in one line
+    return {k: 8 + size + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
 
 
 def read_headers(path: Path) -> dict[str, TensorInfo]:
@@ -92,10 +127,11 @@ def read_headers(path: Path) -> dict[str, TensorInfo]:
         file = path / name
         if not file.is_file():
             raise InputError(f"{index_file} names shard {file.name}, which does not exist")
+        offsets = _data_offsets(file)
         with _open(file) as f:
             for key in f.keys():
                 sl = f.get_slice(key)
-                infos[key] = TensorInfo(file, _DTYPES[sl.get_dtype()], tuple(sl.get_shape()))
+                infos[key] = TensorInfo(file, _DTYPES[sl.get_dtype()], tuple(sl.get_shape()), offsets.get(key, -1))
     for key, name in weight_map.items():
         if key not in infos or infos[key].file.name != name:
             raise InputError(f"{index_file} maps tensor {key} to {name}, which does not hold it")
@@ -107,6 +143,8 @@ def _skeleton(path: Path, trust_remote_code: bool) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if hasattr(config, "quantization_config"):  # the float architecture: quantized modules are swapped in per read
+        del config.quantization_config
     with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary) real and small
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     if (path / "generation_config.json").is_file():
@@ -124,11 +162,19 @@ def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 class LazyCheckpoint:
-    """A dense safetensors checkpoint whose weights stay on disk until a module asks for them."""
+    """A safetensors checkpoint (dense or quantized) whose weights stay on disk until a module asks for them."""
 
     def __init__(self, path: Path | str, trust_remote_code: bool = False) -> None:
+        from geminicompress import formats
+
         self.path = Path(path)
         self.tensors = read_headers(self.path)
+        config = _safetensors_config(self.path) or {}
+        self.format: str | None = formats.detect(config)
+        self.reader = formats.module_reader(self.path, config)  # None for a dense checkpoint
+        # {module name: its checkpoint keys} for every module stored quantized (read by `reader`)
+        self.quantized: dict[str, list[str]] = self.reader.modules(self.tensors) if self.reader else {}
+        self._swapped: dict[str, nn.Module] = {}  # quantized module name -> the skeleton's meta module
         self.model = _skeleton(self.path, trust_remote_code)
         self.arch: Arch = arch_for(self.model)
         self.layers: nn.ModuleList = get_module(self.model, self.arch.layers)
@@ -157,9 +203,11 @@ class LazyCheckpoint:
 
     def nbytes(self, prefix: str = "", dtype: torch.dtype | None = None) -> int:
         """Bytes of the tensors under `prefix` (each as stored, or in `dtype` when it is floating)."""
+        names = [self.stored_name(n) for n in self.names(prefix)]
+        names += [k for q in self._quantized_under(prefix) for k in self.quantized[q]]
         total = 0
-        for n in self.names(prefix):
-            info = self.tensors.get(self.stored_name(n))
+        for n in names:
+            info = self.tensors.get(n)
             if info is None:
                 continue
             size = dtype.itemsize if dtype is not None and info.dtype.is_floating_point else info.dtype.itemsize
@@ -184,16 +232,40 @@ class LazyCheckpoint:
 
     # ---- the skeleton ----
     def materialise(self, prefix: str, dtype: torch.dtype | None = None) -> nn.Module:
-        """Module `prefix` of the skeleton with its tensors read from disk (floats in `dtype` when given)."""
-        module = self.model.get_submodule(prefix)
+        """Module `prefix` of the skeleton with its tensors read from disk (floats in `dtype` when given;
+        quantized modules built by the format's reader in `dtype`, or in the checkpoint's float dtype)."""
+        names = [n for n in self.names(prefix) if self._on_disk(n) and self._owner(n) is None]
+        for q in self._quantized_under(prefix):
+            self._swap_in(q, dtype or self.dtype)
+        module = self.model.get_submodule(prefix)  # after the swap: `prefix` may itself be a quantized module
         head = f"{prefix}." if prefix else ""
-        for name, value in self.read([n for n in self.names(prefix) if self._on_disk(n)], dtype).items():
+        for name, value in self.read(names, dtype).items():
             _set_tensor(module, name[len(head):], value)
         return module
 
+    def _swap_in(self, name: str, dtype: torch.dtype) -> None:
+        """Put quantized module `name`, built from its stored tensors by the format's reader, into the skeleton."""
+        from geminicompress.errors import GeminiError
+        from geminicompress.formats.reader import check_replaces
+
+        if name in self._swapped:
+            return
+        keys = self.quantized[name]
+        try:
+            new = self.reader.module(name, self.read(keys), dtype)
+            check_replaces(self.model, name, new, self.tensors[keys[0]].file)
+        except GeminiError as exc:
+            raise InputError(str(exc)) from exc
+        self._swapped[name] = get_module(self.model, name)
+        set_module(self.model, name, new)
+
     def release(self, prefix: str) -> None:
         """Free module `prefix`: its parameters and persistent buffers (including those of modules a
-        method swapped in, e.g. INT8 codes) go back to the meta device; computed buffers (rotary) stay."""
+        method swapped in, e.g. INT8 codes) go back to the meta device; computed buffers (rotary) stay.
+        Quantized modules read from the checkpoint give their place back to the skeleton's meta module."""
+        for q in self._quantized_under(prefix):
+            if q in self._swapped:
+                set_module(self.model, q, self._swapped.pop(q))
         module = self.model.get_submodule(prefix)
         for owner in module.modules():
             for name, p in list(owner._parameters.items()):
@@ -223,6 +295,16 @@ class LazyCheckpoint:
         """The output head's module name when it shares the input embedding's weight (stored once)."""
         return next(iter(self._tied), "").removesuffix(".weight") or None
 
+    def _quantized_under(self, prefix: str) -> list[str]:
+        """The quantized modules at or under module `prefix`."""
+        head = f"{prefix}." if prefix else ""
+        return [q for q in self.quantized if q == prefix or q.startswith(head)]
+
+    def _owner(self, name: str) -> str | None:
+        """The quantized module that tensor `name` (a skeleton name) belongs to, if any."""
+        owner = name.rpartition(".")[0]
+        return owner if owner in self.quantized else None
+
     def _on_disk(self, name: str) -> bool:
         """Whether `name` is read from the checkpoint (persistent buffers computed at init are not)."""
         return self.stored_name(name) in self.tensors or name not in dict(self.model.named_buffers())
@@ -238,9 +320,15 @@ class LazyCheckpoint:
         return {head: emb} if head not in self.tensors else {}
 
     def _check_against_config(self) -> None:
-        """Every tensor the skeleton needs is on disk with the shape config.json implies."""
+        """Every tensor the skeleton needs is on disk with the shape config.json implies (a quantized
+        module's tensors are checked by its reader when its layer is read: only that it exists here)."""
+        modules = dict(self.model.named_modules())
+        for q in self.quantized:
+            if not isinstance(modules.get(q), nn.Linear):
+                raise InputError(f"{self.tensors[self.quantized[q][0]].file}: quantized module {q} is not a linear "
+                                 "layer of the model's architecture (config.json)")
         for name, expected in self.model.state_dict(keep_vars=True).items():
-            if not self._on_disk(name):
+            if not self._on_disk(name) or self._owner(name) is not None:
                 continue
             info = self.tensors.get(self.stored_name(name))
             if info is None:
@@ -294,6 +382,26 @@ class LazyTensors(Sequence):
     @property
     def total(self) -> int:
         return sum(self.ckpt.tensors[self.ckpt.stored_name(n)].numel for n in self.names)
+
+    def sample(self, step: int) -> torch.Tensor:
+        """Every tensor's flat[::step] (as float32, concatenated): the strided sample an in-memory list of
+        the same tensors gives, read through a memory map of the file, so only the sampled values are
+        touched and nothing else is copied or converted."""
+        import numpy as np
+
+        parts = []
+        for name in self.names:
+            info = self.ckpt.tensors[self.ckpt.stored_name(name)]
+            if info.offset < 0:
+                parts.append(self[self.names.index(name)].flatten()[::step])
+                continue
+            width = info.dtype.itemsize
+            raw = np.memmap(info.file, dtype=f"<u{width}" if width > 1 else "u1", mode="r", offset=info.offset,
+                            shape=(info.numel,))
+            picked = torch.from_numpy(np.array(raw[::step]))  # a copy: the map is read-only
+            parts.append(picked.view(info.dtype).float())
+            del raw
+        return torch.cat(parts)
 
 
 def available_memory() -> int:

@@ -18,6 +18,7 @@ from geminicompress.errors import InputError
 from geminicompress.formats.shards import DEFAULT_MAX_BYTES, ShardWriter
 from geminicompress.machine import machine, versions
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers, free_disk
+from geminicompress.models.loading import _load_tokenizer
 from geminicompress.output import OutputDir, write_json
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.loader import recipe_yaml
@@ -30,16 +31,20 @@ from geminicompress.streaming.output import DenseOutput, Int8Output, LoadBack
 from geminicompress.streaming.plan import calibration, make_stages
 from geminicompress.streaming.sink import ShardSink, module_tensors
 from geminicompress.streaming.stage import Done, StreamedStage, stage_kept
+from geminicompress.streaming.verify import StreamedProbe, VerifyingSink, exact_weights, written_head
 
 
 def run_streamed(recipe: Recipe, out: Path, *, force: bool = False, progress: Progress | None = None,
                  device: torch.device | None = None, command: list[str] | None = None,
-                 max_shard_bytes: int = DEFAULT_MAX_BYTES) -> dict:
-    """Run `recipe` layer by layer from disk to OUT's shards; return the report (also OUT/report.json)."""
+                 max_shard_bytes: int = DEFAULT_MAX_BYTES, verify: bool = True) -> dict:
+    """Run `recipe` layer by layer from disk to OUT's shards; return the report (also OUT/report.json).
+    verify: carry probe windows through the finished layers and compare OUT's logits with them (verify.py)."""
     from geminicompress.pipeline import fingerprint
 
     progress = progress or NullProgress()
     device = device or torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     reason = not_streamable(recipe)
     if reason:
         raise InputError(f"cannot stream: {reason}")
@@ -76,10 +81,13 @@ def run_streamed(recipe: Recipe, out: Path, *, force: bool = False, progress: Pr
         # calibrated stages hold float32 master weights as in memory (unless bfloat16 ones are exact: plan.py);
         # the others read layers as stored (half the memory for bf16) and compute in float32 per tensor
         source = LazyLayers(ckpt, calib.layer_dtype if calib is not None else None)
+        tokenizer = _load_tokenizer(str(path), recipe.trust_remote_code)
+        probe = StreamedProbe(ckpt, tokenizer, out_dtype, device) if verify else None  # before any layer is read
+        sink = (VerifyingSink(writer, tensors_of, _load_back(stages, output), probe, exact_weights(output, owner, n))
+                if probe is not None else ShardSink(writer, tensors_of, _load_back(stages, output)))
         summaries, _ = run_layerwise(source, windows, compose(*[s.layer_fn() for s in stages]), device=device,
                                      progress=progress, description="streamed layers",
-                                     calib_dtype=calib.calib_dtype if calib is not None else None,
-                                     sink=ShardSink(writer, tensors_of, _load_back(stages, output)))
+                                     calib_dtype=calib.calib_dtype if calib is not None else None, sink=sink)
         int8 = next((s for s in stages if isinstance(s, StreamedInt8)), None)
         outside_rows = _write_outside(ckpt, writer, int8, out_dtype, progress)
         layers_s = time.perf_counter() - t0
@@ -93,7 +101,12 @@ def run_streamed(recipe: Recipe, out: Path, *, force: bool = False, progress: Pr
         output.write_config(tmp, results[owner]["result"] if owner is not None else {})
         _save_tokenizer(path, tmp, recipe.trust_remote_code)
         export = {"format": output.format, "dtype": str(out_dtype).removeprefix("torch."), "streamed": True,
-                  **shards, "estimated": need}
+                  **shards, "estimated": need, "device": str(device)}
+        if device.type == "cuda":
+            export["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        if probe is not None:
+            export["verified"] = probe.check(tmp, written_head(int8), state, trust_remote_code=recipe.trust_remote_code,
+                                             progress=progress)
         report = {"geminicompress": __version__, "command": command or sys.argv, "model": recipe.model,
                   "output": str(out), "load_seconds": 0.0, "total_seconds": round(time.perf_counter() - started, 3),
                   "export": export, "stages": results, "versions": versions(), "machine": machine()}
@@ -136,7 +149,6 @@ def _write_outside(ckpt: LazyCheckpoint, writer: ShardWriter, int8: StreamedInt8
 def _windows(recipe: Recipe, path: Path, stages: list[StreamedStage]) -> torch.Tensor:
     """The calibration windows (n, T) of the recipe's calibrated stages, checked against GPTQ's need for tokens."""
     from geminicompress.data.windows import calibration_windows
-    from geminicompress.models.loading import _load_tokenizer
 
     cal = recipe.calibration
     windows = calibration_windows(_load_tokenizer(str(path), recipe.trust_remote_code), calibration_data(recipe),
@@ -151,6 +163,4 @@ def _windows(recipe: Recipe, path: Path, stages: list[StreamedStage]) -> torch.T
 
 
 def _save_tokenizer(src: Path, out: Path, trust: bool) -> None:
-    from geminicompress.models.loading import _load_tokenizer
-
     _load_tokenizer(str(src), trust).save_pretrained(out)

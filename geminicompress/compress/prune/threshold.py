@@ -50,9 +50,14 @@ def _in_bracket(a: Tensor, lo: float, hi: float) -> Tensor:
 
 
 def _sample_bracket(tensors: Sequence[Tensor], k: int, total: int, size: int) -> tuple[float, float]:
-    """[lo, hi] likely to contain the k-th smallest |w|, from an evenly strided sample of ~`size` values."""
+    """[lo, hi] likely to contain the k-th smallest |w|, from an evenly strided sample of ~`size` values
+    (tensors read from disk, such as `models.lazy.LazyTensors`, give theirs by `sample(step)`: a few
+    rows of each, without reading the rest)."""
     step = max(1, total // size)
-    sample = torch.cat([t.detach().flatten()[::step].abs().float() for t in tensors]).sort().values
+    if hasattr(tensors, "sample"):
+        sample = tensors.sample(step).abs().float().sort().values
+    else:
+        sample = torch.cat([t.detach().flatten()[::step].abs().float() for t in tensors]).sort().values
     n = sample.numel()
     rank = k / total * n
     spread = 6.0 * math.sqrt(max(1.0, n * (k / total) * (1 - k / total))) + 2  # ~6 sd of a sampled rank

@@ -1,0 +1,103 @@
+"""Quality of a model bigger than memory: its windows go through one decoder layer at a time
+(`models/forward.py`), read from disk (`models/lazy.py`, dense or any format geminicompress writes),
+and the log-probs of each window are scored by the same meters as a model in memory (quality.py).
+
+Chosen per model: `--stream` forces it, `--no-stream` forbids it, and otherwise a model streams when
+its weights, as the loader would hold them, exceed half of the available memory (the rule
+`streaming.should_stream` uses for prune/quantize). Latency and throughput are not measured for a
+streamed model: a model that does not fit has no in-memory latency to report (reading every layer from
+disk per token is not a serving figure), and the report says so.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from geminicompress.errors import GeminiError, InputError
+from geminicompress.models.forward import activations_bytes, streamed_logits
+from geminicompress.models.lazy import LazyCheckpoint, LazyLayers, available_memory, is_readable_dir, read_headers
+from geminicompress.progress import Progress
+
+AUTO_FRACTION = 0.5  # stream when the loaded weights exceed this share of available memory (as streaming.py)
+SPILL_FRACTION = 0.25  # keep the activations in files when the two stores exceed this share of available memory
+
+
+def local_dir(spec: str) -> Path | None:
+    """The local directory MODEL names (the demo's converted copy included), else None (.gguf, hub id).
+    Raises the loader's own error for a MODEL that does not exist."""
+    from geminicompress.models.loading import _demo_dir, resolve_model
+
+    source = resolve_model(spec)
+    if source.kind == "demo":
+        return _demo_dir()
+    return source.path if source.kind == "dir" else None
+
+
+def loaded_bytes(path: Path, dtype: torch.dtype) -> int:
+    """About what the model at `path` holds in memory when loaded in `dtype`: float tensors in `dtype`,
+    packed integer codes at twice their stored bytes (a 4-bit code unpacks to one byte), int8 codes as stored."""
+    total = 0
+    for info in read_headers(path).values():
+        if info.dtype.is_floating_point:
+            total += info.numel * dtype.itemsize
+        else:
+            total += info.nbytes * (2 if info.dtype == torch.int32 else 1)
+    return total
+
+
+def stream_reason(spec: str, stream: bool | None, dtype: torch.dtype) -> str | None:
+    """Why `spec` is evaluated one layer at a time, or None when it is loaded into memory (as also for a
+    MODEL that does not resolve: the loader then says why, in the model's own entry)."""
+    if stream is False:
+        return None
+    try:
+        path = local_dir(spec)
+    except GeminiError:
+        return None
+    readable = path is not None and is_readable_dir(path)
+    if stream and not readable:
+        raise InputError(f"--stream: {spec} is not a local directory of safetensors weights (dense or in a format "
+                         "geminicompress writes); download or convert it to one first")
+    if not readable:
+        return None
+    if stream:
+        return "--stream"
+    need, free = loaded_bytes(path, dtype), available_memory()
+    if need > AUTO_FRACTION * free:
+        return (f"its weights take {need / 2**30:.1f} GiB in memory, more than half of the "
+                f"{free / 2**30:.1f} GiB available")
+    return None
+
+
+def open_streamed(spec: str, trust_remote_code: bool) -> tuple[LazyCheckpoint, Path]:
+    path = local_dir(spec)
+    return LazyCheckpoint(path, trust_remote_code=trust_remote_code), path
+
+
+def streamed_logprobs(ckpt: LazyCheckpoint, windows: torch.Tensor, device: torch.device, dtype: torch.dtype,
+                      progress: Progress | None = None) -> Iterator[torch.Tensor]:
+    """Log-probabilities of the next token at every position but the last, (T-1, V) float32 on the CPU, for
+    each window of `windows` (n, T) in order: what `perplexity.window_logprobs` gives for a model in memory."""
+    hidden = ckpt.model.config.hidden_size
+    spill = 2 * activations_bytes(windows, hidden, dtype) > SPILL_FRACTION * available_memory()
+    with tempfile.TemporaryDirectory(prefix="geminicompress-activations-") as folder:
+        for _, logits in streamed_logits(LazyLayers(ckpt, dtype), windows, device=device, dtype=dtype,
+                                         spill_dir=Path(folder) if spill else None, progress=progress):
+            for row in logits:  # (T, V)
+                yield F.log_softmax(row[:-1].float(), dim=-1).cpu()
+
+
+def params_of(ckpt: LazyCheckpoint) -> int:
+    """Parameters of the checkpoint's architecture (quantized linears at their logical in*out), a tied head once."""
+    from geminicompress.eval.footprint import count_params
+
+    total = count_params(ckpt.model)
+    head = ckpt.model.get_output_embeddings()
+    if ckpt.tied_output and head is not None and head.weight is not ckpt.model.get_input_embeddings().weight:
+        total -= head.weight.numel()
+    return total

@@ -1,0 +1,212 @@
+"""Logits of many windows from a model read one decoder layer at a time (memory follows one layer).
+
+Every window goes through decoder layer 0, then every window through layer 1, and so on (the GPTQ
+paper's scheme, as `layerwise.run_layerwise`), so only one layer's weights are in memory at a time.
+What grows with the number of windows is their activations, held twice (a layer's inputs and its
+outputs, (n, T, d) each): in memory, or with `spill_dir` in two files mapped into memory, which the
+kernel writes out and drops under memory pressure ("activations on disk when they do not fit").
+
+The final norm and the output head then run window batch by window batch through the model's *own*
+forward: the decoder layers are swapped for an empty list and a pre-hook hands the final norm the stored
+hidden states, so whatever the model does after its layers (final norm, head, logit soft-capping) is
+exactly what transformers does. The embeddings are read only for layer 0's inputs.
+
+Users: `eval --stream` (perplexity and KL of a model bigger than memory), the check of OUT after a
+streamed run, and distill's teacher top-k cache for a teacher bigger than memory.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from geminicompress.compress.arch import arch_for, get_module, set_module
+from geminicompress.compress.layerwise import LayerSource, ModelLayers, capture_inputs, computing_in, layer_output
+from geminicompress.memory import heap_reuse, release_free_heap
+from geminicompress.progress import NullProgress, Progress
+
+CAPTURE_CHUNK = 8  # windows run up to layer 0 at a time (bounds the capture's own temporaries)
+HeadTransform = Callable[[str, nn.Module], nn.Module]  # (module name, module as read) -> module to compute with
+
+
+class ActivationStore:
+    """The (n, T, d) activations of every window at one depth, in memory or in a memory-mapped file."""
+
+    def __init__(self, shape: tuple[int, int, int], dtype: torch.dtype, path: Path | None = None) -> None:
+        self.path = path
+        numel = shape[0] * shape[1] * shape[2]
+        if path is None:
+            self.tensor = torch.empty(shape, dtype=dtype)
+        else:
+            path.unlink(missing_ok=True)
+            self.tensor = torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
+
+    def close(self) -> None:
+        """Drop the activations (and their file)."""
+        self.tensor = torch.empty(0)
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+
+def activations_bytes(windows: torch.Tensor, hidden: int, dtype: torch.dtype) -> int:
+    """Bytes of one ActivationStore for `windows` (n, T): the forward holds two."""
+    return windows.numel() * hidden * dtype.itemsize
+
+
+class StreamedHidden:
+    """The final hidden states of every window (after the last decoder layer, before the final norm)
+    and the keyword arguments the model passes its decoder layers (rotary embeddings, mask)."""
+
+    def __init__(self, store: ActivationStore, kwargs: dict[str, Any]) -> None:
+        self.store, self.kwargs = store, kwargs
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.store.tensor  # (n, T, d)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+@torch.no_grad()
+def final_hidden(source: nn.Module | LayerSource, windows: torch.Tensor, *, device: torch.device,
+                 dtype: torch.dtype = torch.float32, batch: int = 4, spill_dir: Path | None = None,
+                 progress: Progress | None = None, description: str = "layers") -> StreamedHidden:
+    """Run `windows` (n, T) through every decoder layer of `source`, one layer at a time, computing in
+    `dtype`; activations are kept in `dtype` (in files under `spill_dir` when given)."""
+    progress = progress or NullProgress()
+    source = source if not isinstance(source, nn.Module) else ModelLayers(source)
+    files = [spill_dir / f"activations-{k}.bin" for k in (0, 1)] if spill_dir is not None else [None, None]
+    first = embed(source, windows, device=device, dtype=dtype, path=files[0])
+    inp, kwargs = first.store, first.kwargs
+    out = ActivationStore(tuple(inp.tensor.shape), dtype, files[1])
+    with progress.task(description, total=len(source)) as bar, heap_reuse():
+        for i in range(len(source)):
+            layer = source.load(i).to(device)
+            through_layer(layer, inp.tensor, out.tensor, kwargs, device=device, dtype=dtype, batch=batch)
+            layer.to("cpu")
+            source.release(i)
+            inp, out = out, inp
+            release_free_heap()
+            bar.advance(1)
+    out.close()
+    return StreamedHidden(inp, kwargs)
+
+
+@torch.no_grad()
+def through_layer(layer: nn.Module, inp: torch.Tensor, out: torch.Tensor, kwargs: dict[str, Any], *,
+                  device: torch.device, dtype: torch.dtype, batch: int = 4) -> None:
+    """out = layer(inp) for every window, `batch` at a time, the layer computing in `dtype` (its own
+    tensors left as they are). inp, out: (n, T, d), may be the same tensor."""
+    with computing_in(layer, dtype):
+        for b in range(0, inp.shape[0], batch):
+            out[b:b + batch].copy_(layer_output(layer, inp[b:b + batch].to(device), kwargs))
+
+
+@torch.no_grad()
+def embed(source: nn.Module | LayerSource, windows: torch.Tensor, *, device: torch.device,
+          dtype: torch.dtype = torch.float32, path: Path | None = None,
+          stored: torch.dtype = torch.float32) -> StreamedHidden:
+    """Decoder layer 0's inputs of every window (n, T) -> (n, T, d) in `dtype` (in the file `path` when
+    given), with the keyword arguments the model passes its decoder layers. A lazy source's embeddings
+    are read rounded to `stored` (as a checkpoint in that dtype holds them) and held in float32."""
+    source = source if not isinstance(source, nn.Module) else ModelLayers(source)
+    shape = (windows.shape[0], windows.shape[1], source.model.config.hidden_size)
+    store = ActivationStore(shape, dtype, path)
+    return StreamedHidden(store, _capture_into(source, windows, store.tensor, device, dtype, stored))
+
+
+def _capture_into(source: LayerSource, windows: torch.Tensor, into: torch.Tensor, device: torch.device,
+                  dtype: torch.dtype, stored: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Layer 0's inputs of every window, written into `into` (n, T, d); returns the layers' kwargs. The
+    modules a forward up to layer 0 needs (the embeddings) are read meanwhile, in float32 as a model in
+    memory holds them (rounded to `stored` first)."""
+    loaded = source.capture_modules()
+    ckpt = getattr(source, "ckpt", None)
+    for name in loaded:
+        ckpt.materialise(name, stored).float()
+    kwargs: dict[str, Any] = {}
+    try:
+        for b in range(0, windows.shape[0], CAPTURE_CHUNK):
+            captured = capture_inputs(source.model, windows[b:b + CAPTURE_CHUNK], device, dtype=dtype)
+            into[b:b + CAPTURE_CHUNK].copy_(torch.cat([h.to("cpu") for h in captured.hidden]))
+            kwargs = kwargs or captured.kwargs
+    finally:
+        for name in loaded:
+            ckpt.release(name)
+    return kwargs
+
+
+@contextmanager
+def _head_only(source: LayerSource, dtype: torch.dtype, device: torch.device,
+               transform: HeadTransform | None = None) -> Iterator[tuple[nn.Module, nn.Module]]:
+    """The model with its decoder layers swapped for an empty list and its final norm and output head read
+    (lazy sources) and on `device` in `dtype`; yields (model, final norm). `transform(name, module)` may
+    give a lazy source's module another one to compute with meanwhile (e.g. the INT8 head a streamed run
+    made of the checkpoint's)."""
+    model = source.model
+    arch = arch_for(model)
+    names = {m: n for n, m in model.named_modules()}
+    head = [arch.final_norm, names[model.get_output_embeddings()]]
+    ckpt = getattr(source, "ckpt", None)
+    saved = {n: {k: v for k, v in get_module(model, n).state_dict(keep_vars=True).items()} for n in head}
+    read: dict[str, nn.Module] = {}
+    for n in head:
+        if ckpt is not None:  # read in dtype; a quantized head keeps the dtypes its reader gave it (as loaded)
+            read[n] = ckpt.materialise(n, dtype)
+            used = transform(n, read[n]) if transform is not None else read[n]
+            if used is not read[n]:
+                set_module(model, n, used)
+            used.to(device)
+        else:
+            get_module(model, n).to(device, dtype)
+    layers = get_module(model, arch.layers)
+    set_module(model, arch.layers, nn.ModuleList())
+    try:
+        yield model, get_module(model, arch.final_norm)
+    finally:
+        set_module(model, arch.layers, layers)
+        for n in head:
+            if ckpt is not None:
+                set_module(model, n, read[n])
+                ckpt.release(n)
+            else:
+                get_module(model, n).load_state_dict(saved[n], assign=True)
+
+
+@torch.no_grad()
+def head_logits(source: nn.Module | LayerSource, hidden: StreamedHidden, *, device: torch.device,
+                dtype: torch.dtype = torch.float32, batch: int = 1,
+                transform: HeadTransform | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first window index, logits (b, T, vocab) in float32) for every batch of `batch` windows of `hidden`,
+    in order, through the model's own final norm and head (for a lazy source, as `transform` makes them)."""
+    source = source if not isinstance(source, nn.Module) else ModelLayers(source)
+    n, T, d = hidden.tensor.shape
+    current: list[torch.Tensor] = []
+    with _head_only(source, dtype, device, transform) as (model, norm):
+        handle = norm.register_forward_pre_hook(lambda m, args: (current[0],) + tuple(args[1:]))
+        try:
+            for b in range(0, n, batch):
+                h = hidden.tensor[b:b + batch].to(device, dtype)
+                current[:] = [h]
+                dummy = torch.zeros(h.shape, dtype=dtype, device=device)  # replaced at the final norm
+                logits = model(inputs_embeds=dummy, use_cache=False).logits
+                yield b, logits.float()
+        finally:
+            handle.remove()
+
+
+@torch.no_grad()
+def streamed_logits(source: nn.Module | LayerSource, windows: torch.Tensor, *, device: torch.device,
+                    dtype: torch.dtype = torch.float32, spill_dir: Path | None = None,
+                    progress: Progress | None = None, head_batch: int = 1) -> Iterator[tuple[int, torch.Tensor]]:
+    """`final_hidden` then `head_logits`: (first window index, logits (b, T, vocab)) for every window."""
+    hidden = final_hidden(source, windows, device=device, dtype=dtype, spill_dir=spill_dir, progress=progress)
+    try:
+        yield from head_logits(source, hidden, device=device, dtype=dtype, batch=head_batch)
+    finally:
+        hidden.close()

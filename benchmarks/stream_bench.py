@@ -2,6 +2,10 @@
 sparsity counted from the written files, and whether the output loads in transformers.
 
 Makes nothing itself: give it a synthetic checkpoint (../shared/tools/synth_model.py) and the runs to do.
+On a GPU machine, the issue's GPU check (peak GPU memory and time per layer of the 8B-shaped GPTQ):
+
+  python benchmarks/stream_bench.py --model SYNTH_8B --work /tmp/sb --name gptq_cuda \
+      --run "gptq_cuda:--method gptq --bits 4 --group-size 128 --samples 32 --calib-seq-len 512 --device cuda --data TEXT"
 
   python benchmarks/stream_bench.py --model /work/synth8b --work /work/scratch \\
       --run prune:"--sparsity 0.4" --run int8:"--method int8" [--load-check SMALL_OUT_DIR]
@@ -90,6 +94,15 @@ def main() -> None:
             report = json.loads((out / "report.json").read_text())
             row["output_bytes"] = report["export"]["total_bytes"]
             row["estimated_peak_gib"] = round(report["export"]["estimated"]["peak_memory_bytes"] / 2**30, 3)
+            row["device"] = report["export"].get("device", "cpu")
+            if "gpu_peak_bytes" in report["export"]:
+                row["gpu_peak_gib"] = round(report["export"]["gpu_peak_bytes"] / 2**30, 3)
+            seconds = [x["layer_seconds"] for st in report["stages"][:1] for x in st["result"].get("layers", [])
+                       if isinstance(x, dict) and "layer_seconds" in x]
+            if seconds:
+                import statistics
+
+                row["layer_seconds_median"] = round(statistics.median(seconds), 2)
             if command == "prune":
                 row.update(sparsity_from_files(out))
             if not a.keep:
@@ -107,10 +120,11 @@ def main() -> None:
                                             cwd=ROOT).stdout.strip()})
     dest = ROOT / "benchmarks" / "results" / f"stream_bench{'_' + a.name if a.name else ''}.json"
     dest.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n{'run':<12} {'exit':>4} {'peak RSS GiB':>12} {'est. GiB':>8} {'sparsity':>9}")
+    print(f"\n{'run':<12} {'exit':>4} {'peak RSS GiB':>12} {'est. GiB':>8} {'sparsity':>9} {'GPU GiB':>8} {'s/layer':>8}")
     for r in rows:
         sp = f"{r['sparsity']:.4%}" if "sparsity" in r else "-"
-        print(f"{r['name']:<12} {r['exit']:>4} {r['peak_rss_gib']:>12} {r.get('estimated_peak_gib', '-'):>8} {sp:>9}")
+        print(f"{r['name']:<12} {r['exit']:>4} {r['peak_rss_gib']:>12} {r.get('estimated_peak_gib', '-'):>8} {sp:>9} "
+              f"{r.get('gpu_peak_gib', '-'):>8} {r.get('layer_seconds_median', '-'):>8}")
     for c in checks:
         print(f"load check {c['path']}: {c}")
     print(f"wrote {dest}")

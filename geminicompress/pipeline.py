@@ -123,6 +123,10 @@ def run_recipe(
                                 verify=verify)
     tags = [stage_tag(s) for s in recipe.stages]
     runners = [stage_runner(t) for t in tags]  # fail before loading anything if a stage is missing
+    if loaded is None:  # a first distill stage may read its teacher, the recipe's model, layer by layer
+        from geminicompress.distill.streamed_teacher import streamed_input
+
+        loaded = streamed_input(recipe, progress)
     torch.manual_seed(recipe.seed)
     started = time.perf_counter()
     helper = _helper_rank()
@@ -130,8 +134,9 @@ def run_recipe(
         out, force = out.with_name(f".{out.name}.rank{helper}"), True
     with OutputDir(out, force, fingerprint(recipe)) as tmp:
         t0 = time.perf_counter()
-        progress.info(f"loading {recipe.model}")
-        loaded = loaded or load_model(recipe.model, trust_remote_code=recipe.trust_remote_code, allow_pickle=recipe.allow_pickle)
+        if loaded is None:
+            progress.info(f"loading {recipe.model}")
+            loaded = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code, allow_pickle=recipe.allow_pickle)
         load_s = time.perf_counter() - t0
         ctx = StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, progress, device, tmp, tmp)
         results: list[dict] = []

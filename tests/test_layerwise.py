@@ -85,3 +85,16 @@ def test_hessian_from_bf16_inputs_equals_float32_products():
         b16.add_batch(batch)
     assert b16.H.dtype == torch.float32
     torch.testing.assert_close(b16.H, f32.H, atol=0, rtol=0)  # bf16 values are exact in float32
+
+
+def test_activation_storage_keeps_activations_on_the_gpu_only_when_they_fit(monkeypatch):
+    from geminicompress.compress.layerwise import activation_storage
+
+    windows = torch.zeros(32, 512, dtype=torch.long)
+    cuda = torch.device("cuda")
+    need = 2 * 32 * 512 * 4096 * 2  # inputs and outputs, bf16: 256 MiB
+    assert activation_storage(windows, 4096, torch.bfloat16, torch.device("cpu")) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * need, 8 * need))
+    assert activation_storage(windows, 4096, torch.bfloat16, cuda) == cuda
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * need - 1, 8 * need))
+    assert activation_storage(windows, 4096, torch.bfloat16, cuda) == torch.device("cpu")

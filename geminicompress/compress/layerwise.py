@@ -22,6 +22,7 @@ storing activations on disk.
 from __future__ import annotations
 
 import json
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -332,15 +333,19 @@ def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, 
                 summary, tensors = sink.restore(i, None)
                 summary = {**summary, "resumed": True}
             else:
+                t0 = time.perf_counter()
                 layer = source.load(i).to(device)
                 done = sink.restore(i, layer) if finished else None
                 summary, tensors, inputs = _one_layer(i, layer, inputs, process, device, arch, calib_dtype, done, sink)
                 layer.to("cpu" if device.type != "cpu" else device)
                 source.release(i)
+                if done is None:
+                    summary = {**summary, "layer_seconds": round(time.perf_counter() - t0, 3)}
             kept.update({f"{i}.{k}": v for k, v in tensors.items()})
             summaries.append({"layer": i, **summary})
             release_free_heap()  # the layer's freed small buffers leave resident memory (memory.py)
-            bar.advance(1, **{k: v for k, v in summary.items() if isinstance(v, (int, float)) and k != "layer"})
+            bar.advance(1, **{k: v for k, v in summary.items()
+                              if isinstance(v, (int, float)) and k not in ("layer", "layer_seconds")})
     _move_outside_layers(source.model, layers, torch.device("cpu"))
     return summaries, kept
 
@@ -353,11 +358,25 @@ def _capture(source: LayerSource, windows: torch.Tensor, device: torch.device,
     materialise = getattr(source, "ckpt", None)
     for name in loaded:
         materialise.materialise(name, torch.float32)
+    hidden = source.model.config.hidden_size
+    storage = activation_storage(windows, hidden, calib_dtype or torch.float32, device)
     try:
-        return capture_inputs(source.model, windows, device, dtype=calib_dtype)
+        return capture_inputs(source.model, windows, device, storage, dtype=calib_dtype)
     finally:
         for name in loaded:
             materialise.release(name)
+
+
+def activation_storage(windows: torch.Tensor, hidden: int, dtype: torch.dtype, device: torch.device,
+                       share: float = 0.25) -> torch.device:
+    """Where the calibration activations live between layers: on the GPU when a layer's inputs and outputs
+    for every window (2·n·T·hidden values) take at most `share` of its free memory (no copy to and from
+    the host per layer), else on the CPU (the GPU then holds one batch at a time)."""
+    if device.type != "cuda":
+        return torch.device("cpu")
+    free, _ = torch.cuda.mem_get_info(device)
+    need = 2 * windows.numel() * hidden * dtype.itemsize
+    return device if need <= share * free else torch.device("cpu")
 
 
 def _one_layer(i: int, layer: nn.Module, inputs: LayerInputs | None, process: LayerFn, device: torch.device,

@@ -6,6 +6,8 @@ Who is who (the pipeline passes one model in memory, `ctx.model`):
 - none given, and an earlier stage changed the model (prune -> distill): the student is `ctx.model`
   and the teacher is the recipe's input model, loaded fresh (or `teacher`);
 - none given and distill comes first: a student with half the teacher's layers.
+A teacher bigger than memory is read one decoder layer at a time for its top-k cache and never loaded
+whole (streamed_teacher.py; `ctx.model` is None when the pipeline left the teacher on disk for us).
 The student replaces `ctx.model`/`ctx.tokenizer` for the following stages and the export. A pruned
 student (masks from `ctx.masks` or `prune_masks.safetensors`) keeps its zeros; with `reconstruct` its
 pruned linears are first refit to the teacher's, layer by layer, on calibration windows (reconstruct.py).
@@ -21,6 +23,7 @@ import torch
 
 from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.distill import masks as M
+from geminicompress.distill import streamed_teacher as ST
 from geminicompress.distill.plot import plot_curve
 from geminicompress.distill.reconstruct import check_same_shape, reconstruct
 from geminicompress.distill.student import (check_tokenizers, derive_student, evenly_mapped, n_params,
@@ -29,6 +32,7 @@ from geminicompress.distill.topk_cache import build_topk_cache
 from geminicompress.distill.train import train
 from geminicompress.errors import InputError
 from geminicompress.formats.masks import read_masks, write_masks
+from geminicompress.models.lazy import LazyCheckpoint
 from geminicompress.models.loading import load_model
 from geminicompress.recipes.schema import DistillStage
 
@@ -43,6 +47,7 @@ class Pair:
     kept: list[int] | None  # teacher layers the student copied, when derived
     masks: dict[str, torch.Tensor] | None
     how: str
+    lazy: LazyCheckpoint | None = None  # the streamed teacher's checkpoint (`teacher` is its skeleton)
 
 
 def run(cfg: DistillStage, ctx) -> dict:
@@ -60,8 +65,14 @@ def run(cfg: DistillStage, ctx) -> dict:
     if cfg.topk_cache:
         if cfg.loss.hidden_mse or cfg.loss.hidden_cos:
             raise InputError("topk_cache stores logits only; hidden-state losses need the teacher online (drop one)")
-        cache = build_topk_cache(pair.teacher, train_w, cfg.topk_cache, ctx.device, cfg.batch_size, progress=ctx.progress)
-    teacher_ppl = _teacher_ppl(pair.teacher, eval_w, ctx.device)
+    if pair.lazy is not None:  # one streamed pass: the cache and the held-out perplexity
+        cache, teacher_ppl = ST.build_streamed_topk_cache(pair.lazy, train_w, eval_w, cfg.topk_cache, ctx.device,
+                                                          work_dir=ctx.state_dir, progress=ctx.progress)
+    else:
+        if cfg.topk_cache:
+            cache = build_topk_cache(pair.teacher, train_w, cfg.topk_cache, ctx.device, cfg.batch_size,
+                                     progress=ctx.progress)
+        teacher_ppl = _teacher_ppl(pair.teacher, eval_w, ctx.device)
     ctx.progress.info(f"distilling {pair.how}: teacher {t_params / 1e6:.1f}M -> student {s_params / 1e6:.1f}M "
                       f"parameters, {len(train_w)} training windows of {cfg.seq_len}")
     student, history = train(pair.student, None if cache and not layer_map else pair.teacher, train_w, eval_w, cfg,
@@ -82,7 +93,8 @@ def run(cfg: DistillStage, ctx) -> dict:
             "loss_first": history.loss[0] if history.loss else None, "loss_last": history.loss[-1] if history.loss else None,
             "loss_curve": history.loss[:: max(1, steps // 200)], "ppl_curve": history.ppl,
             "teacher_ppl": teacher_ppl, "reconstruct": rebuilt, "topk_cache": str(cache.path) if cache else None,
-            "topk_cache_reused": cache.reused if cache else None, "curve_png": CURVE}
+            "topk_cache_reused": cache.reused if cache else None, "teacher_streamed": pair.lazy is not None,
+            "curve_png": CURVE}
 
 
 def choose_models(cfg: DistillStage, ctx) -> Pair:
@@ -92,30 +104,46 @@ def choose_models(cfg: DistillStage, ctx) -> Pair:
     if not explicit and not first:
         spec = cfg.teacher or ctx.recipe.model
         ctx.progress.info(f"loading the teacher {spec} for the model of the previous stages")
-        teacher = _load(spec, ctx)
-        check_tokenizers(teacher.tokenizer, ctx.tokenizer, teacher.model, ctx.model, "(the pipeline's model)")
+        teacher, tokenizer, lazy = _teacher(spec, cfg, ctx)
+        check_tokenizers(tokenizer, ctx.tokenizer, teacher, ctx.model, "(the pipeline's model)")
         masks = ctx.masks or M.masks_from_zeros(ctx.model)
-        return Pair(teacher.model, ctx.model, ctx.tokenizer, None, _masks(ctx.model, masks), "previous stages' model")
+        return Pair(teacher, ctx.model, ctx.tokenizer, None, _masks(ctx.model, masks), "previous stages' model", lazy)
     if cfg.teacher:
-        loaded = _load(cfg.teacher, ctx)
-        teacher, tokenizer = loaded.model, loaded.tokenizer
+        teacher, tokenizer, lazy = _teacher(cfg.teacher, cfg, ctx)
+    elif ctx.model is None:  # the pipeline left the recipe's model on disk: it streams (ST.streamed_input)
+        lazy = ST.open_teacher(ctx.recipe.model, ctx.recipe.trust_remote_code)
+        teacher, tokenizer = lazy.model, ctx.tokenizer
     else:
-        teacher, tokenizer = ctx.model, ctx.tokenizer
+        teacher, tokenizer, lazy = ctx.model, ctx.tokenizer, None
     if cfg.student is not None:
         loaded = _load(cfg.student, ctx)
         check_tokenizers(tokenizer, loaded.tokenizer, teacher, loaded.model, cfg.student)
         masks = (read_masks(loaded.source.path) if loaded.source.path and loaded.source.kind == "dir" else None)
         masks = masks or M.masks_from_zeros(loaded.model)
-        return Pair(teacher, loaded.model, loaded.tokenizer, None, _masks(loaded.model, masks), f"into {cfg.student}")
+        return Pair(teacher, loaded.model, loaded.tokenizer, None, _masks(loaded.model, masks), f"into {cfg.student}",
+                    lazy)
     if cfg.student_config is not None:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(cfg.student_config)
-        student, kept = student_from_config(teacher, config)
-        return Pair(teacher, student, tokenizer, kept, None, f"into a student from {cfg.student_config}")
+        student, kept = student_from_config(teacher, config, lazy)
+        return Pair(teacher, student, tokenizer, kept, None, f"into a student from {cfg.student_config}", lazy)
     spec = cfg.student_layers if cfg.student_layers is not None else 0.5
-    student, kept = derive_student(teacher, spec, cfg.mlp_ratio)
-    return Pair(teacher, student, tokenizer, kept, None, f"into {len(kept)} of {teacher.config.num_hidden_layers} layers")
+    student, kept = derive_student(teacher, spec, cfg.mlp_ratio, lazy)
+    return Pair(teacher, student, tokenizer, kept, None, f"into {len(kept)} of {teacher.config.num_hidden_layers} layers",
+                lazy)
+
+
+def _teacher(spec: str, cfg: DistillStage, ctx) -> tuple[Any, Any, LazyCheckpoint | None]:
+    """(model, tokenizer, lazy checkpoint) of the teacher `spec`: loaded, or opened to stream when it
+    does not fit (the model is then its skeleton on the meta device)."""
+    if ST.streams(cfg, spec, ctx.progress):
+        from geminicompress.models.loading import _load_tokenizer
+
+        lazy = ST.open_teacher(spec, ctx.recipe.trust_remote_code)
+        return lazy.model, _load_tokenizer(str(lazy.path), ctx.recipe.trust_remote_code), lazy
+    loaded = _load(spec, ctx)
+    return loaded.model, loaded.tokenizer, None
 
 
 def training_windows(cfg: DistillStage, ctx, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:

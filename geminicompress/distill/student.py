@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from geminicompress.compress.arch import arch_for
 from geminicompress.errors import InputError
+from geminicompress.models.lazy import LazyCheckpoint
 
 
 def keep_layers(n_layers: int, spec: float | list[int]) -> list[int]:
@@ -67,36 +68,59 @@ def mlp_channels(layer: nn.Module, mlp_in: tuple[str, ...], mlp_out: tuple[str, 
     return score.topk(keep).indices.sort().values
 
 
-def derive_student(teacher: nn.Module, spec: float | list[int] = 0.5, mlp_ratio: float = 1.0) -> tuple[nn.Module, list[int]]:
-    """Build the student from `teacher`: kept layers copied exactly, MLP channels selected by norm."""
+def derive_student(teacher: nn.Module, spec: float | list[int] = 0.5, mlp_ratio: float = 1.0,
+                   ckpt: LazyCheckpoint | None = None) -> tuple[nn.Module, list[int]]:
+    """Build the student from `teacher`: kept layers copied exactly, MLP channels selected by norm.
+    With `ckpt` (the teacher's lazy checkpoint; `teacher` its skeleton) only the tensors the student
+    keeps are read from disk, in float32 as a loaded teacher holds them."""
     from transformers import AutoModelForCausalLM
 
     arch = arch_for(teacher)
     kept = keep_layers(teacher.config.num_hidden_layers, spec)
     config = student_config(teacher.config, kept, mlp_ratio)
-    dtype = next(teacher.parameters()).dtype
+    dtype = torch.float32 if ckpt is not None else next(teacher.parameters()).dtype
     student = AutoModelForCausalLM.from_config(config, dtype=dtype)
     mlp_in, mlp_out = arch.sequential[-2], arch.sequential[-1]
-    teacher_sd = teacher.state_dict()
     prefix = arch.layers + "."
-    channels = {}
-    if mlp_ratio < 1.0:
-        layers = dict(teacher.named_modules())[arch.layers]
-        channels = {t: mlp_channels(layers[t], mlp_in, mlp_out, config.intermediate_size) for t in kept}
-    state = {}
+    channels = {t: _layer_channels(teacher, ckpt, f"{prefix}{t}", mlp_in, mlp_out, config.intermediate_size)
+                for t in kept} if mlp_ratio < 1.0 else {}
+    source = {}  # student key -> (teacher key, teacher layer or None, name inside the layer)
     for key in student.state_dict():
         if not key.startswith(prefix):
-            state[key] = teacher_sd[key]
+            source[key] = (key, None, key)
             continue
         j, rest = key[len(prefix):].split(".", 1)
-        t = kept[int(j)]
-        value = teacher_sd[f"{prefix}{t}.{rest}"]
+        source[key] = (f"{prefix}{kept[int(j)]}.{rest}", kept[int(j)], rest)
+    teacher_sd = _teacher_tensors(teacher, ckpt, [name for name, _, _ in source.values()])
+    state = dict(student.state_dict())  # buffers a lazy teacher does not store keep the student's own
+    for key, (name, t, rest) in source.items():
+        if name not in teacher_sd:
+            continue
+        value = teacher_sd[name]
         if t in channels:
             value = _select_channels(value, rest, channels[t], mlp_in, mlp_out)
         state[key] = value
     student.load_state_dict(state, strict=True)
     student.generation_config = copy.deepcopy(teacher.generation_config)
     return student.eval(), kept
+
+
+def _teacher_tensors(teacher: nn.Module, ckpt: LazyCheckpoint | None, names: list[str]) -> dict[str, torch.Tensor]:
+    """The teacher's tensors `names`: its state_dict, or read from its lazy checkpoint (those on disk)."""
+    if ckpt is None:
+        return teacher.state_dict()
+    return ckpt.read([n for n in names if ckpt.stored_name(n) in ckpt.tensors], torch.float32)
+
+
+def _layer_channels(teacher: nn.Module, ckpt: LazyCheckpoint | None, prefix: str, mlp_in: tuple, mlp_out: tuple,
+                    keep: int) -> torch.Tensor:
+    """`mlp_channels` of the teacher's layer `prefix`, read from disk for the time of the scoring when lazy."""
+    if ckpt is None:
+        return mlp_channels(teacher.get_submodule(prefix), mlp_in, mlp_out, keep)
+    try:
+        return mlp_channels(ckpt.materialise(prefix, torch.float32), mlp_in, mlp_out, keep)
+    finally:
+        ckpt.release(prefix)
 
 
 def _select_channels(value: torch.Tensor, name: str, idx: torch.Tensor, mlp_in: tuple, mlp_out: tuple) -> torch.Tensor:
@@ -108,9 +132,11 @@ def _select_channels(value: torch.Tensor, name: str, idx: torch.Tensor, mlp_in: 
     return value
 
 
-def student_from_config(teacher: nn.Module, config: Any) -> tuple[nn.Module, list[int] | None]:
+def student_from_config(teacher: nn.Module, config: Any, ckpt: LazyCheckpoint | None = None
+                        ) -> tuple[nn.Module, list[int] | None]:
     """A student from a config of the teacher's architecture: derived from the teacher when only
-    depth/MLP width differ (weights copied), otherwise randomly initialised (returns kept=None)."""
+    depth/MLP width differ (weights copied; `ckpt` as in `derive_student`), otherwise randomly
+    initialised (returns kept=None)."""
     from transformers import AutoModelForCausalLM
 
     t = teacher.config
@@ -123,8 +149,9 @@ def student_from_config(teacher: nn.Module, config: Any) -> tuple[nn.Module, lis
     same = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
     if all(getattr(config, k, None) == getattr(t, k, None) for k in same) and config.num_hidden_layers <= t.num_hidden_layers:
         ratio = min(1.0, config.intermediate_size / t.intermediate_size)
-        return derive_student(teacher, keep_layers(t.num_hidden_layers, config.num_hidden_layers / t.num_hidden_layers), ratio)
-    dtype = next(teacher.parameters()).dtype
+        return derive_student(teacher, keep_layers(t.num_hidden_layers, config.num_hidden_layers / t.num_hidden_layers), ratio,
+                              ckpt)
+    dtype = torch.float32 if ckpt is not None else next(teacher.parameters()).dtype
     return AutoModelForCausalLM.from_config(config, dtype=dtype).eval(), None
 
 

@@ -2,9 +2,14 @@
 
 With a cache the teacher does not run during training: epochs after the first, and later runs on the
 same teacher, data and k, read (values, indices) instead. The cache lives under
-`<cache root>/topk/<key>/topk.safetensors`; the key hashes the teacher's config and a checksum of its
+`<cache root>/topk/<key>/topk.safetensors`; the key hashes the teacher's config and a digest of its
 weights, the exact windows and k, so a different teacher or data never reuses a stale file.
 Storage: values float16 + indices int32, 6 bytes x k per token (k=64, 100k tokens: 38 MB).
+
+The weights digest is SHA-256 over every tensor's values as float32 (the dtype the teacher computes
+in), read in chunks of `DIGEST_CHUNK` values, so a teacher in memory and the same teacher read tensor by
+tensor from disk (streamed_teacher.py) give the same key, and neither needs more than one tensor plus
+a chunk in memory. The config's `dtype` is left out of the key for the same reason.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Iterable
 
 import torch
 import torch.nn as nn
@@ -21,15 +27,29 @@ from geminicompress.distill.losses import SparseLogits
 from geminicompress.models.demo import cache_root
 from geminicompress.progress import NullProgress, Progress
 
+DIGEST_CHUNK = 1 << 22  # values per hashed chunk (16 MiB as float32)
+TOPK_FILE = "topk.safetensors"
+_STORAGE_KEYS = ("dtype", "torch_dtype")  # how the weights are stored, not what the teacher computes
 
-def cache_key(teacher: nn.Module, windows: torch.Tensor, k: int) -> str:
+
+def teacher_key(config: dict, tensors: Iterable[tuple[str, torch.Tensor]], windows: torch.Tensor, k: int) -> str:
+    """The cache key of a teacher given as its config dict and (name, tensor) pairs in state_dict order."""
     h = hashlib.sha256()
-    h.update(json.dumps(teacher.config.to_dict(), sort_keys=True, default=str).encode())
-    for name, p in teacher.state_dict().items():
-        h.update(f"{name}:{float(p.double().sum()):.10e}:{float(p.double().abs().sum()):.10e}".encode())
+    kept = {key: value for key, value in config.items() if key not in _STORAGE_KEYS}
+    h.update(json.dumps(kept, sort_keys=True, default=str).encode())
+    for name, tensor in tensors:
+        h.update(f"{name}:{tuple(tensor.shape)}".encode())
+        flat = tensor.detach().reshape(-1)
+        for start in range(0, flat.numel(), DIGEST_CHUNK):
+            chunk = flat[start : start + DIGEST_CHUNK]
+            h.update((chunk.float() if chunk.is_floating_point() else chunk).cpu().contiguous().numpy())
     h.update(windows.numpy().tobytes())
     h.update(str(k).encode())
     return h.hexdigest()[:24]
+
+
+def cache_key(teacher: nn.Module, windows: torch.Tensor, k: int) -> str:
+    return teacher_key(teacher.config.to_dict(), teacher.state_dict().items(), windows, k)
 
 
 class TopKCache:
@@ -42,6 +62,38 @@ class TopKCache:
         return SparseLogits(self.values[idx].to(device), self.indices[idx].to(device))
 
 
+def cache_folder(key: str, root: Path | None = None) -> Path:
+    return (root or cache_root() / "topk") / key
+
+
+def read_cache(folder: Path) -> TopKCache | None:
+    """The cache stored in `folder`, or None when there is none."""
+    from safetensors.torch import load_file
+
+    path = folder / TOPK_FILE
+    if not path.is_file():
+        return None
+    data = load_file(path)
+    return TopKCache(data["values"], data["indices"], path, reused=True)
+
+
+def write_cache(folder: Path, values: torch.Tensor, indices: torch.Tensor) -> TopKCache:
+    """Store values (n, T, k) float16 and indices (n, T, k) int32 in `folder` (atomically)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f"{TOPK_FILE}.tmp-{os.getpid()}"
+    save_file({"values": values, "indices": indices}, str(tmp))
+    tmp.rename(folder / TOPK_FILE)
+    return TopKCache(values, indices, folder / TOPK_FILE, reused=False)
+
+
+def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values float16, indices int32) of the k largest logits (b, T, V) -> (b, T, k) each, on the CPU."""
+    top = logits.float().topk(k, dim=-1)
+    return top.values.half().cpu(), top.indices.int().cpu()
+
+
 @torch.no_grad()
 def build_topk_cache(
     teacher: nn.Module,
@@ -52,27 +104,18 @@ def build_topk_cache(
     root: Path | None = None,
     progress: Progress | None = None,
 ) -> TopKCache:
-    """Load the cache for (teacher, windows, k), computing and writing it first when absent."""
-    from safetensors.torch import load_file, save_file
-
-    folder = (root or cache_root() / "topk") / cache_key(teacher, windows, k)
-    path = folder / "topk.safetensors"
-    if path.is_file():
-        data = load_file(path)
-        return TopKCache(data["values"], data["indices"], path, reused=True)
+    """Load the cache for (teacher in memory, windows, k), computing and writing it first when absent."""
+    folder = cache_folder(cache_key(teacher, windows, k), root)
+    cached = read_cache(folder)
+    if cached is not None:
+        return cached
     progress = progress or NullProgress()
     values, indices = [], []
     with progress.task(f"teacher top-{k} logits", len(windows)) as bar:
         for start in range(0, len(windows), batch_size):
             batch = windows[start : start + batch_size].to(device)
-            logits = teacher(batch).logits  # (b, T, V)
-            top = logits.float().topk(k, dim=-1)
-            values.append(top.values.half().cpu())
-            indices.append(top.indices.int().cpu())
+            v, i = top_k(teacher(batch).logits, k)  # (b, T, k) each
+            values.append(v)
+            indices.append(i)
             bar.advance(len(batch))
-    data = {"values": torch.cat(values), "indices": torch.cat(indices)}
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f"topk.safetensors.tmp-{os.getpid()}"
-    save_file(data, str(tmp))
-    tmp.rename(path)
-    return TopKCache(data["values"], data["indices"], path, reused=False)
+    return write_cache(folder, torch.cat(values), torch.cat(indices))

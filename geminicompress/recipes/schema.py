@@ -135,6 +135,9 @@ class DistillStage(_StageBase):
     loss: LossWeights = Field(default_factory=LossWeights)
     layer_map: dict[int, int] | None = Field(None, description="student layer -> teacher layer for hidden losses")
     topk_cache: int | None = Field(None, ge=1, description="cache the teacher's top-k logits on disk")
+    teacher_stream: bool | None = Field(None, description="read the teacher one decoder layer at a time for the "
+                                        "top-k cache, never whole (default: when its float32 weights exceed half "
+                                        "the available memory and it can stream)")
     precision: Literal["no", "bf16", "fp16"] = "no"
     gradient_checkpointing: bool = False
     eval_every: int = Field(50, ge=1)

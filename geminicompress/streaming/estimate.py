@@ -17,7 +17,7 @@ class Calibration:
     """How a calibrated run holds a layer: the windows (n, T), the dtype the layer computes in and the
     dtype of its weights, whether a stage runs the windows in one pass (`onepass.py`: every window's
     activations up to the MLP product alive at once), and how many float32 (widest input)² buffers the
-    stages hold at their peak (Hessians, solver scratch: GPTQ 2, SparseGPT 4, AWQ 2, Wanda and
+    stages hold at their peak (Hessians, solver scratch: GPTQ 1, SparseGPT 2, AWQ 2, Wanda and
     SmoothQuant none)."""
 
     windows: tuple[int, int]

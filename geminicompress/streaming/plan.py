@@ -40,8 +40,10 @@ STAGES: dict[str, Maker] = {
     "quantize:rtn": lambda cfg, ckpt, dtype, state, progress, dtypes: StreamedRTN(cfg, ckpt, dtype, progress),
 }
 
-# float32 (widest input)² buffers a calibrated stage holds at its peak (Hessians, solver scratch)
-SQUARES = {"sparsegpt": 4, "wanda": 0, "w8a8": 0, "gptq": 2, "awq": 2, "awq+gptq": 3}
+# float32 (widest input)² buffers a calibrated stage holds at its peak (Hessians, solver scratch). GPTQ:
+# the accumulator, which the in-place inverse factor uses as its scratch (compress/hessian.py);
+# SparseGPT: the accumulator (shared by a group's linears) and the factor computed in a copy of it
+SQUARES = {"sparsegpt": 2, "wanda": 0, "w8a8": 0, "gptq": 1, "awq": 2, "awq+gptq": 2}
 
 
 def calibration(stages: list[Any], ckpt: LazyCheckpoint, out_dtype: torch.dtype,

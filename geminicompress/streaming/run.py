@@ -43,6 +43,8 @@ def run_streamed(recipe: Recipe, out: Path, *, force: bool = False, progress: Pr
 
     progress = progress or NullProgress()
     device = device or torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     reason = not_streamable(recipe)
     if reason:
         raise InputError(f"cannot stream: {reason}")
@@ -99,7 +101,9 @@ def run_streamed(recipe: Recipe, out: Path, *, force: bool = False, progress: Pr
         output.write_config(tmp, results[owner]["result"] if owner is not None else {})
         _save_tokenizer(path, tmp, recipe.trust_remote_code)
         export = {"format": output.format, "dtype": str(out_dtype).removeprefix("torch."), "streamed": True,
-                  **shards, "estimated": need}
+                  **shards, "estimated": need, "device": str(device)}
+        if device.type == "cuda":
+            export["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
         if probe is not None:
             export["verified"] = probe.check(tmp, written_head(int8), state, trust_remote_code=recipe.trust_remote_code,
                                              progress=progress)

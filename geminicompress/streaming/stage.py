@@ -31,6 +31,9 @@ class Done:
 
 
 class StreamedStage(Protocol):
+    """An adapter may also have `finish_layer(i, kept)`: called with its kept tensors of layer i just
+    before the layer is written (AWQ keeps its search results that way)."""
+
     cfg: Any
     calibrated: bool  # needs the layer's inputs on the calibration windows
 

@@ -240,3 +240,27 @@ def test_default_group_size_fits_the_model_and_is_reported(tmp_path, text_file, 
     assert stage["result"]["group_size"] == 32 and stage["result"]["group_size_auto"] is True
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["group_size"] == 32
+
+
+def _linear_zeros(path) -> dict[str, float]:
+    model = load_model(str(path), dtype=torch.float32).model
+    return {n: float((m.weight == 0).float().mean()) for n, m in model.named_modules()
+            if ".layers." in n and n.endswith("proj")}
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq+gptq"])
+def test_quantizing_a_pruned_model_keeps_its_zeros(tiny_dir, text_file, tmp_path, method):
+    """keep_zeros auto (the default): a 50%-pruned model stays at least as sparse per linear after GPTQ;
+    `--keep-zeros never` lets GPTQ's error feedback move pruned weights off zero."""
+    pruned = tmp_path / "pruned"
+    assert _cli("prune", tiny_dir, "-o", pruned, "--sparsity", "0.5", "--quiet").exit_code == 0
+    before = _linear_zeros(pruned)
+    assert len(before) == 14 and min(before.values()) > 0.3
+    after = {}
+    for keep in ("auto", "never"):
+        res = _cli("quantize", pruned, "-o", tmp_path / keep, "--method", method, "--bits", "4", "--group-size", "32",
+                   "--keep-zeros", keep, "--data", text_file, "--samples", "4", "--calib-seq-len", "64", "--quiet")
+        assert res.exit_code == 0, res.output
+        after[keep] = _linear_zeros(tmp_path / keep)
+    assert all(after["auto"][n] >= before[n] for n in before)
+    assert all(after["never"][n] < before[n] for n in before)  # measured: 0.3-4.8 pp fewer zeros per linear

@@ -213,6 +213,12 @@ def test_a_chain_of_calibrated_stages_streams_in_one_pass_per_layer(sharded, tmp
     logits = {}
     for name, path in (("dense", sharded), ("mem", tmp_path / "mem"), ("str", tmp_path / "str")):
         with torch.no_grad():
-            logits[name] = load_model(str(path), dtype=torch.float32).model(ids).logits
+            model = load_model(str(path), dtype=torch.float32).model
+            logits[name] = model(ids).logits
+        if name != "dense":  # GPTQ kept SparseGPT's zeros (keep_zeros: auto): every linear still half zero
+            linears = [m for n, m in model.named_modules() if ".layers." in n and hasattr(m, "weight")
+                       and n.endswith("proj")]
+            assert len(linears) == 21
+            assert min(float((m.weight == 0).float().mean()) for m in linears) >= 0.5
     gap = float((logits["str"] - logits["mem"]).norm())
     assert 0 < gap < float((logits["mem"] - logits["dense"]).norm())

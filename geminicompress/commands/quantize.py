@@ -30,6 +30,7 @@ def quantize(
     damp: Optional[float] = typer.Option(None, "--damp", help="gptq: dampening as a fraction of the mean Hessian diagonal (default 0.01)."),
     first_token_weight: Optional[float] = typer.Option(None, "--first-token-weight", help="gptq: weight of each calibration window's first token (the attention sink) in the Hessians (default 16; 1 = every token alike)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="gptq: columns per lazy-update block (default 128)."),
+    keep_zeros: Optional[str] = typer.Option(None, "--keep-zeros", help="gptq, awq+gptq on a pruned model: auto (default: weights at least 5% zero keep their zeros exactly), always or never (GPTQ's error feedback may move pruned weights off zero)."),
     calib_dtype: Optional[str] = typer.Option(None, "--calib-dtype", help="gptq: float32 (default) or bfloat16: the dtype layers compute in while calibrating; the solver and the saved weights stay float32. bfloat16 is faster on GPUs and on CPUs with AVX512-BF16."),
     smoothquant_alpha: Optional[float] = typer.Option(None, "--smoothquant-alpha", help="w8a8: SmoothQuant strength in [0, 1], calibrated on --data."),
     clip: Optional[bool] = typer.Option(None, "--clip/--no-clip", help="awq: search a clipping range per group (default on)."),
@@ -71,7 +72,7 @@ def quantize(
     given = {
         "bits": bits, "group_size": group_size, "sym": sym, "zero_point": zero_point, "act_order": act_order,
         "static_groups": static_groups, "true_sequential": true_sequential, "one_pass": one_pass, "damp": damp, "first_token_weight": first_token_weight, "block_size": block_size,
-        "calib_dtype": calib_dtype,
+        "calib_dtype": calib_dtype, "keep_zeros": keep_zeros,
         "smoothquant_alpha": smoothquant_alpha, "clip": clip, "n_grid": n_grid, "search_results": search_results,
         "ignore": ignore or None, "format": format,
     }

@@ -27,7 +27,7 @@ from geminicompress.compress.arch import SmoothGroup, get_module
 from geminicompress.compress.awq import results
 from geminicompress.compress.fold import fold_problem, fold_scales
 from geminicompress.compress.awq.search import apply_clip, linear_error, scaled_weights, search_clip, search_scales
-from geminicompress.compress.gptq.solver import gptq_quantize
+from geminicompress.compress.gptq.solver import gptq_quantize, zeros_to_keep
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, rtn_quantize
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.layerwise import LayerJob, run_layerwise
@@ -265,7 +265,8 @@ def _quantize(job: LayerJob, cfg: AWQStage, spec: QuantSpec, quantized: list[str
             if s is not None:
                 H = H / torch.outer(s, s)  # inputs x/s: H_ij / (s_i s_j)
             try:
-                qw, _ = gptq_quantize(W, H, spec, damp=cfg.damp, block_size=cfg.block_size)
+                qw, _ = gptq_quantize(W, H, spec, damp=cfg.damp, block_size=cfg.block_size,
+                                      keep_zero=zeros_to_keep(W, cfg.keep_zeros))
             except GeminiError as exc:
                 raise GeminiError(f"layer {job.index} {'/'.join(names)}: {exc}") from exc
         else:

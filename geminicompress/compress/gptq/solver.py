@@ -14,6 +14,9 @@ Options as in the reference implementation and AutoGPTQ:
 - `damp`: λ = damp · mean(diag H) added to the diagonal;
 - `act_order`: columns in order of decreasing H_jj; `static_groups` fixes the groups (and their
   scales) in the original column order first, so that g_idx stays j // group_size.
+- `keep_zero`: entries that must stay exactly zero (a pruned weight's zeros): they are given their group's
+  zero point, i.e. dequantize to 0, and their whole value is the error spread over the later columns, as
+  SparseGPT does for the weights it prunes. Without it the error feedback moves pruned weights off zero.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from geminicompress.compress.hessian import inverse_hessian_factor
 from geminicompress.errors import GeminiError
 
 _SUB_BLOCK = 32  # columns per rank-1 sub-block (the rest of the work goes through matmuls)
+_NUMPY_ON_CPU = True  # the column loop on numpy views on the CPU (tests switch it off to check the torch loop)
 
 
 def _all_finite(t: torch.Tensor, rows: int = 1024) -> bool:
@@ -36,19 +40,42 @@ def _all_finite(t: torch.Tensor, rows: int = 1024) -> bool:
     return all(bool(torch.isfinite(t[i:i + rows]).all()) for i in range(0, t.shape[0], rows))
 
 
+#: `zeros_to_keep(W, "auto")` keeps a weight's zeros when at least this share of it is exactly zero: a pruned
+#: weight (pruning removes 20-90%); a trained dense weight has almost none (the demo model: under 0.1%).
+AUTO_KEEP_ZEROS = 0.05
+
+
+def zeros_to_keep(W: torch.Tensor, mode: str = "auto", rows: int = 1024) -> torch.Tensor | None:
+    """The `keep_zero` mask for W (out, in): W == 0 for mode "always", None for "never"; for "auto" the mask
+    when at least AUTO_KEEP_ZEROS of W is zero, else None. Counted a block of rows at a time (no W-sized
+    temporary beside the mask itself)."""
+    if mode == "never":
+        return None
+    if mode not in ("auto", "always"):
+        raise GeminiError(f"keep_zeros is auto, always or never, got {mode!r}")
+    if mode == "auto":
+        zeros = sum(int((W[i:i + rows] == 0).sum()) for i in range(0, W.shape[0], rows))
+        if zeros < AUTO_KEEP_ZEROS * W.numel():
+            return None
+    return W == 0
+
+
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: float = 0.01, block_size: int = 128,
-                  act_order: bool = False, static_groups: bool = False,
+                  act_order: bool = False, static_groups: bool = False, keep_zero: torch.Tensor | None = None,
                   overwrite: bool = False) -> tuple[QuantizedWeight, float]:
     """Quantize W (out, in) given the layer Hessian H (in, in) = 2/N · Σ xᵀx.
 
     Returns the codes/scales/zeros/g_idx (g_idx in the original column order) and the summed
     loss Σ (w − q)² / (2 [H⁻¹]_jj²), the objective GPTQ reduces.
+    keep_zero: bool (out, in), True where the result must dequantize to exactly 0 (see the module docstring).
     overwrite: W and H (float32) may serve as scratch (the caller discards them): no copy of either, so the
     solve holds two Hessian-sized buffers at most (822 MB each for an 8B model's 14336-wide down_proj).
     """
     out_f, in_f = W.shape
     if H.shape != (in_f, in_f):
         raise GeminiError(f"Hessian shape {tuple(H.shape)} does not match the weight's {in_f} input columns")
+    if keep_zero is not None and keep_zero.shape != W.shape:
+        raise GeminiError(f"keep_zero mask shape {tuple(keep_zero.shape)} does not match the weight's {tuple(W.shape)}")
     if not _all_finite(W):
         raise GeminiError("the weight holds NaN/Inf values; the model is broken before quantization")
     if not _all_finite(H):
@@ -73,6 +100,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
     del H  # its memory holds Hinv or was freed (H is this function's own copy unless overwrite)
     Wt = torch.index_select(W.t(), 0, perm)  # (in, out): column j of W is the contiguous row j here
     del W
+    Mt = None if keep_zero is None else torch.index_select(keep_zero.to(Wt.device).t(), 0, perm)  # as Wt
 
     Q = torch.zeros_like(Wt)  # codes, quantization order: (in, out)
     # group of each column in quantization order: fixed groups follow the original columns
@@ -107,7 +135,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
                     zeros.append(zero)
                 params.append((scale[:, 0], zero[:, 0]))
             _quantize_columns(W1[j1:j2], Err1[j1:j2], Q[i1 + j1:i1 + j2], Hinv1[j1:j2, j1:j2], params,
-                              inv_d[j1:j2], spec.maxq)
+                              inv_d[j1:j2], spec.maxq, None if Mt is None else Mt[i1 + j1:i1 + j2])
             if j2 < b:
                 W1[j2:].addmm_(Hinv1[j1:j2, j2:].t(), Err1[j1:j2], alpha=-1.0)  # to the rest of the block
         loss += Err1.square().sum() / 2  # Σ (w − q)² / (2 [H⁻¹]_jj²)
@@ -132,30 +160,36 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
 
 
 def _quantize_columns(W: torch.Tensor, Err: torch.Tensor, Q: torch.Tensor, Hinv: torch.Tensor,
-                      params: list[tuple[torch.Tensor, torch.Tensor]], inv_d: list[float], maxq: int) -> None:
+                      params: list[tuple[torch.Tensor, torch.Tensor]], inv_d: list[float], maxq: int,
+                      keep_zero: torch.Tensor | None = None) -> None:
     """Quantize the k consecutive columns of a sub-block one after the other, in place (eq. 3):
-    W, Err, Q: (k, out) rows of the transposed weight, its scaled errors and its codes; Hinv: (k, k).
+    W, Err, Q: (k, out) rows of the transposed weight, its scaled errors and its codes; Hinv: (k, k);
+    keep_zero: (k, out) bool or None, entries whose code is the zero point (they dequantize to 0).
 
     Left-looking: column i first takes the updates of the columns before it in one product,
     w_i −= Σ_{j<i} [H⁻¹]_ji · err_j, then is quantized. The same sums as GPTQ's rank-1 updates after every
     column, in one operation instead of a shrinking rank-1 update per column. On the CPU the loop runs
     on numpy views of the same memory: per column it is ~10 operations on (out,) vectors, where torch's
     per-call overhead (~3 µs) costs more than the arithmetic (measured 9-15 vs 26 µs per column)."""
-    if W.device.type == "cpu":
+    if W.device.type == "cpu" and _NUMPY_ON_CPU:
         _columns_numpy(W.numpy(), Err.numpy(), Q.numpy(), Hinv.numpy(),
-                       [(s.numpy(), z.numpy()) for s, z in params], inv_d, maxq)
+                       [(s.numpy(), z.numpy()) for s, z in params], inv_d, maxq,
+                       None if keep_zero is None else keep_zero.numpy())
         return
     for i, (s, z) in enumerate(params):
         w = W[i]
         if i:
             w.sub_(Hinv[:i, i] @ Err[:i])
         q = quantize(w, s, z, maxq)
+        if keep_zero is not None:
+            q = torch.where(keep_zero[i], z, q)
         Q[i] = q
         Err[i] = (w - s * (q - z)) * inv_d[i]
 
 
 def _columns_numpy(W: np.ndarray, Err: np.ndarray, Q: np.ndarray, Hinv: np.ndarray,
-                   params: list[tuple[np.ndarray, np.ndarray]], inv_d: list[float], maxq: int) -> None:
+                   params: list[tuple[np.ndarray, np.ndarray]], inv_d: list[float], maxq: int,
+                   keep_zero: np.ndarray | None = None) -> None:
     """`_quantize_columns` on numpy arrays, written into the given buffers (no temporaries but one)."""
     deq = np.empty(W.shape[1], dtype=W.dtype)
     for i, (s, z) in enumerate(params):
@@ -166,6 +200,8 @@ def _columns_numpy(W: np.ndarray, Err: np.ndarray, Q: np.ndarray, Hinv: np.ndarr
         np.rint(q, out=q)  # half to even, like torch.round
         q += z
         np.clip(q, 0, maxq, out=q)
+        if keep_zero is not None:
+            np.copyto(q, z, where=keep_zero[i])  # the zero point: dequantizes to exactly 0
         np.subtract(q, z, out=deq)
         np.multiply(deq, s, out=deq)
         np.subtract(w, deq, out=e)

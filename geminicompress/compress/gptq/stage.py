@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from geminicompress.compress.gptq.allocate import module_specs, write_allocation
-from geminicompress.compress.gptq.solver import gptq_quantize
+from geminicompress.compress.gptq.solver import gptq_quantize, zeros_to_keep
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.layerwise import LayerJob, layer_output, run_layerwise
@@ -135,7 +135,8 @@ def _solve_group(job: LayerJob, group: list[str], H: torch.Tensor, *, cfg: GPTQS
     W = torch.cat([job.weight(n) for n in group])  # rows stacked: (Σ out, in), a new tensor of the master weights
     try:
         qw, loss = gptq_quantize(W, H, spec, damp=cfg.damp, block_size=cfg.block_size, act_order=cfg.act_order,
-                                 static_groups=cfg.static_groups, overwrite=overwrite)
+                                 static_groups=cfg.static_groups, keep_zero=zeros_to_keep(W, cfg.keep_zeros),
+                                 overwrite=overwrite)
     except GeminiError as exc:
         raise GeminiError(f"layer {job.index} {'/'.join(group)}: {exc}") from exc
     qw.scales = qw.scales.to(scales_as).float()  # what the checkpoint will hold

@@ -223,17 +223,15 @@ def test_kept_zeros_follow_the_textbook_algorithm_on_the_numpy_and_the_torch_loo
     assert bool((on_torch.dequantize()[W == 0] == 0).all())
 
 
-def test_zeros_to_keep_auto_means_pruned_weights_only():
-    from geminicompress.compress.gptq.solver import AUTO_KEEP_ZEROS, zeros_to_keep
+def test_zeros_to_keep_is_the_zero_mask_only_when_asked_and_present():
+    from geminicompress.compress.gptq.solver import zeros_to_keep
 
     dense = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
-    dense[0, :3] = 0.0  # a few exact zeros: under the auto threshold
-    assert zeros_to_keep(dense, "auto", rows=7) is None
-    assert int(zeros_to_keep(dense, "always").sum()) == 3
-    pruned = _pruned(64, 32, sparsity=AUTO_KEEP_ZEROS + 0.01)
-    assert torch.equal(zeros_to_keep(pruned, "auto", rows=7), pruned == 0)
-    assert zeros_to_keep(pruned, "never") is None
-    with pytest.raises(GeminiError, match="auto, always or never"):
-        zeros_to_keep(pruned, "sometimes")
+    assert zeros_to_keep(dense, True, rows=7) is None  # nothing to keep
+    dense[40, :3] = 0.0
+    assert int(zeros_to_keep(dense, True, rows=7).sum()) == 3
+    pruned = _pruned(64, 32)
+    assert torch.equal(zeros_to_keep(pruned, True, rows=7), pruned == 0)
+    assert zeros_to_keep(pruned, False) is None
     with pytest.raises(GeminiError, match="mask shape"):
         gptq_quantize(pruned, torch.eye(32), QuantSpec(4, 16), keep_zero=torch.zeros(3, 3, dtype=torch.bool))

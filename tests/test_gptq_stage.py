@@ -249,18 +249,20 @@ def _linear_zeros(path) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq+gptq"])
-def test_quantizing_a_pruned_model_keeps_its_zeros(tiny_dir, text_file, tmp_path, method):
-    """keep_zeros auto (the default): a 50%-pruned model stays at least as sparse per linear after GPTQ;
-    `--keep-zeros never` lets GPTQ's error feedback move pruned weights off zero."""
+def test_quantizing_a_pruned_model_keeps_its_zeros_when_asked(tiny_dir, text_file, tmp_path, method):
+    """`--keep-zeros`: a 50%-pruned model stays at least as sparse per linear after GPTQ; by default GPTQ's
+    error feedback moves pruned weights off zero in every linear."""
     pruned = tmp_path / "pruned"
     assert _cli("prune", tiny_dir, "-o", pruned, "--sparsity", "0.5", "--quiet").exit_code == 0
     before = _linear_zeros(pruned)
     assert len(before) == 14 and min(before.values()) > 0.3
     after = {}
-    for keep in ("auto", "never"):
-        res = _cli("quantize", pruned, "-o", tmp_path / keep, "--method", method, "--bits", "4", "--group-size", "32",
-                   "--keep-zeros", keep, "--data", text_file, "--samples", "4", "--calib-seq-len", "64", "--quiet")
+    for flags in ([], ["--keep-zeros"]):
+        out = tmp_path / ("keep" if flags else "default")
+        res = _cli("quantize", pruned, "-o", out, "--method", method, "--bits", "4", "--group-size", "32", *flags,
+                   "--data", text_file, "--samples", "4", "--calib-seq-len", "64", "--quiet")
         assert res.exit_code == 0, res.output
-        after[keep] = _linear_zeros(tmp_path / keep)
-    assert all(after["auto"][n] >= before[n] for n in before)
-    assert all(after["never"][n] < before[n] for n in before)  # measured: 0.3-4.8 pp fewer zeros per linear
+        after[out.name] = _linear_zeros(out)
+        assert json.loads((out / "report.json").read_text())["stages"][0]["options"]["keep_zeros"] == bool(flags)
+    assert all(after["keep"][n] >= before[n] for n in before)
+    assert all(after["default"][n] < before[n] for n in before)  # measured: 0.3-4.8 pp fewer zeros per linear

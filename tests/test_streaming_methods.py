@@ -186,7 +186,7 @@ model: {model}
 calibration: {{samples: 8, seq_len: 48}}
 stages:
   - {{type: prune, method: sparsegpt, sparsity: 0.5}}
-  - {{type: quantize, method: gptq, bits: 4, group_size: 32, calib_dtype: float32}}
+  - {{type: quantize, method: gptq, bits: 4, group_size: 32, calib_dtype: float32, keep_zeros: true}}
 """
 
 
@@ -215,7 +215,7 @@ def test_a_chain_of_calibrated_stages_streams_in_one_pass_per_layer(sharded, tmp
         with torch.no_grad():
             model = load_model(str(path), dtype=torch.float32).model
             logits[name] = model(ids).logits
-        if name != "dense":  # GPTQ kept SparseGPT's zeros (keep_zeros: auto): every linear still half zero
+        if name != "dense":  # GPTQ kept SparseGPT's zeros (keep_zeros): every linear still half zero
             linears = [m for n, m in model.named_modules() if ".layers." in n and hasattr(m, "weight")
                        and n.endswith("proj")]
             assert len(linears) == 21

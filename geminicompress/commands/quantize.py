@@ -30,7 +30,7 @@ def quantize(
     damp: Optional[float] = typer.Option(None, "--damp", help="gptq: dampening as a fraction of the mean Hessian diagonal (default 0.01)."),
     first_token_weight: Optional[float] = typer.Option(None, "--first-token-weight", help="gptq: weight of each calibration window's first token (the attention sink) in the Hessians (default 16; 1 = every token alike)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="gptq: columns per lazy-update block (default 128)."),
-    keep_zeros: Optional[str] = typer.Option(None, "--keep-zeros", help="gptq, awq+gptq on a pruned model: auto (default: weights at least 5% zero keep their zeros exactly), always or never (GPTQ's error feedback may move pruned weights off zero)."),
+    keep_zeros: Optional[bool] = typer.Option(None, "--keep-zeros/--no-keep-zeros", help="gptq, awq+gptq on a pruned model: keep its zeros exactly (default off: GPTQ's error feedback moves some off zero, which fits better; on the demo 68.2 vs 72.9 perplexity after SparseGPT 50%). For a sparsity pattern a later tool needs."),
     calib_dtype: Optional[str] = typer.Option(None, "--calib-dtype", help="gptq: float32 (default) or bfloat16: the dtype layers compute in while calibrating; the solver and the saved weights stay float32. bfloat16 is faster on GPUs and on CPUs with AVX512-BF16."),
     smoothquant_alpha: Optional[float] = typer.Option(None, "--smoothquant-alpha", help="w8a8: SmoothQuant strength in [0, 1], calibrated on --data."),
     clip: Optional[bool] = typer.Option(None, "--clip/--no-clip", help="awq: search a clipping range per group (default on)."),

@@ -77,9 +77,9 @@ class GPTQStage(WeightQuantStage):
     first_token_weight: float = Field(16.0, ge=1.0, description="weight of each calibration window's first token "
                                       "(the attention sink) in the Hessians: see compress/hessian.py")
     block_size: int = Field(128, ge=1)
-    keep_zeros: Literal["auto", "always", "never"] = Field(
-        "auto", description="keep a pruned weight's zeros at exactly zero (GPTQ's error feedback otherwise moves "
-        "them); auto: for weights at least 5% zero, i.e. pruned ones (compress/gptq/solver.py)")
+    keep_zeros: bool = Field(False, description="keep a pruned weight's zeros at exactly zero (GPTQ's error feedback "
+                             "otherwise moves some): for a sparsity pattern a later tool needs; costs quality "
+                             "(docs/gptq.md, \"GPTQ on a pruned model\")")
     calib_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="dtype the layers compute in while calibrating (their forward passes); "
         "Hessians and the solver are always float32. bfloat16 is faster on GPUs and on CPUs with AVX512-BF16/AMX")
@@ -108,8 +108,7 @@ class AWQStage(WeightQuantStage):
                                 "output error (activation statistics use all windows)")
     damp: float = Field(0.01, gt=0.0, lt=1.0)
     block_size: int = Field(128, ge=1)
-    keep_zeros: Literal["auto", "always", "never"] = Field(
-        "auto", description="awq+gptq: keep a pruned weight's zeros at exactly zero (see the gptq stage); awq's "
-        "round-to-nearest keeps them anyway")
+    keep_zeros: bool = Field(False, description="awq+gptq: keep a pruned weight's zeros at exactly zero (see the "
+                             "gptq stage); awq's round-to-nearest keeps them anyway")
     search_results: str | None = Field(None, description="re-apply saved scales/clips instead of searching")
     format: Literal["awq", "compressed-tensors", "dense"] = "awq"

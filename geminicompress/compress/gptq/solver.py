@@ -40,23 +40,11 @@ def _all_finite(t: torch.Tensor, rows: int = 1024) -> bool:
     return all(bool(torch.isfinite(t[i:i + rows]).all()) for i in range(0, t.shape[0], rows))
 
 
-#: `zeros_to_keep(W, "auto")` keeps a weight's zeros when at least this share of it is exactly zero: a pruned
-#: weight (pruning removes 20-90%); a trained dense weight has almost none (the demo model: under 0.1%).
-AUTO_KEEP_ZEROS = 0.05
-
-
-def zeros_to_keep(W: torch.Tensor, mode: str = "auto", rows: int = 1024) -> torch.Tensor | None:
-    """The `keep_zero` mask for W (out, in): W == 0 for mode "always", None for "never"; for "auto" the mask
-    when at least AUTO_KEEP_ZEROS of W is zero, else None. Counted a block of rows at a time (no W-sized
-    temporary beside the mask itself)."""
-    if mode == "never":
+def zeros_to_keep(W: torch.Tensor, keep: bool, rows: int = 1024) -> torch.Tensor | None:
+    """The `keep_zero` mask for W (out, in): W == 0 when `keep` and W holds any exact zero, else None.
+    Counted a block of rows at a time (no W-sized temporary when there is nothing to keep)."""
+    if not keep or not any(bool((W[i:i + rows] == 0).any()) for i in range(0, W.shape[0], rows)):
         return None
-    if mode not in ("auto", "always"):
-        raise GeminiError(f"keep_zeros is auto, always or never, got {mode!r}")
-    if mode == "auto":
-        zeros = sum(int((W[i:i + rows] == 0).sum()) for i in range(0, W.shape[0], rows))
-        if zeros < AUTO_KEEP_ZEROS * W.numel():
-            return None
     return W == 0
 
 

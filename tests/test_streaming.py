@@ -324,6 +324,33 @@ def test_multishard_output_index_and_resume_after_crash(sharded, tmp_path, monke
     assert straight["export"]["files"] == report["export"]["files"]
 
 
+def test_a_failure_after_the_shards_are_placed_still_resumes(sharded, tmp_path, monkeypatch):
+    """The writer's shards are hard-linked into the output, not moved: a failure after that (here while
+    saving the tokenizer) keeps a whole resume state, and the rerun recomputes no layer."""
+    from geminicompress.streaming import run as run_mod
+
+    recipe = _recipe(sharded, {"type": "prune", "sparsity": 0.4})
+    run_streamed(recipe, tmp_path / "straight", max_shard_bytes=50_000)
+    save = run_mod._save_tokenizer
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("late failure")
+
+    monkeypatch.setattr(run_mod, "_save_tokenizer", failing)
+    out = tmp_path / "late"
+    with pytest.raises(RuntimeError, match="late failure"):
+        run_streamed(recipe, out, max_shard_bytes=50_000)
+    assert not out.exists()
+    monkeypatch.setattr(run_mod, "_save_tokenizer", save)
+    seen = []
+    finish = ShardSink.finish
+    monkeypatch.setattr(ShardSink, "finish", lambda self, i, *a: seen.append(i) or finish(self, i, *a))
+    run_streamed(recipe, out, max_shard_bytes=50_000)
+    assert seen == []  # every layer came from the state the failed run left
+    _same_tensors(tmp_path / "straight", out)
+    assert not (out / "state").exists()
+
+
 def test_multi_stage_recipe_applies_every_stage_per_layer(sharded, tmp_path):
     stages = [{"type": "prune", "scope": "layer", "sparsity": 0.5}, {"type": "quantize", "method": "int8"}]
     recipe = recipe_from_stage(str(sharded), stages[0], {}, "test")

@@ -118,8 +118,10 @@ class ShardWriter:
         return out
 
     def finish(self, out: Path) -> dict[str, Any]:
-        """Close the last shard, move every shard into `out` under transformers' names, write the index
-        (none for a single shard, which becomes model.safetensors); return {files, total_bytes}."""
+        """Close the last shard, put every shard into `out` under transformers' names, write the index
+        (none for a single shard, which becomes model.safetensors); return {files, total_bytes}.
+        The shards are hard-linked, not moved: the resume state stays whole (at no extra disk), so a failure
+        after this (config, verification) still resumes; moved only where the filesystem has no links."""
         if self.state["open"]["tensors"]:
             self._close_open()
         closed = self.state["closed"]
@@ -130,7 +132,7 @@ class ShardWriter:
         for shard, name in zip(closed, names):
             src = self.work / shard["file"]
             if src.is_file():
-                os.replace(src, Path(out) / name)
+                _link_or_move(src, Path(out) / name)
             elif not (Path(out) / name).is_file():
                 raise GeminiError(f"{src} is missing: the resume state in {self.work} is damaged; rerun with --force")
             weight_map.update({t: name for t in shard["tensors"]})
@@ -250,3 +252,17 @@ class _DiskGuard:
             raise DiskFullError(f"disk full while writing {self.path} ({free / 2**30:.2f} GiB free): free some space "
                                 f"and rerun the same command; it resumes after the {self.finished} finished units") from exc
         return False
+
+
+def _link_or_move(src: Path, dest: Path) -> None:
+    """dest becomes src's file: a hard link (src stays), or a move where links are not supported."""
+    if dest.exists() and os.path.samefile(src, dest):
+        return
+    tmp = dest.with_name(dest.name + ".link")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:  # no hard links here (some network and FAT filesystems)
+        os.replace(src, dest)
+        return
+    os.replace(tmp, dest)

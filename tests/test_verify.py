@@ -65,7 +65,8 @@ def test_every_format_is_verified(bf16, text_file, tmp_path, name, stream):
     report = _run(bf16, STAGES[name], tmp_path / "out", stream=stream, data=text_file, output={"dtype": "bfloat16"})
     v = report["export"]["verified"]
     assert report["export"].get("streamed", False) is stream
-    assert v["windows"] == [2, 64] and v["loaded"] == "in-memory" and v["dtype"] == "bfloat16"
+    assert v["windows"] == [2, 64] and v["dtype"] == "bfloat16"
+    assert v["loaded"] == ("streamed" if stream else "in-memory")  # a streamed run reads OUT as it wrote it
     assert v["max_abs_logit_diff"] <= v["tolerance"] == pytest.approx(1e-4 * v["max_abs_logit"], rel=1e-3)
     assert v["max_abs_logit"] > 0.5  # real logits, not an empty comparison
     assert (v["storage_rounding_diff"] is None) is stream  # a streamed run carries its layers as stored only
@@ -81,10 +82,9 @@ def test_in_memory_run_with_float32_input_and_bfloat16_output_records_the_roundi
     assert report["export"]["verified"]["storage_rounding_diff"] == 0.0
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["in-memory-run", "streamed-run"])
-def test_loaded_back_one_layer_at_a_time_when_big(fp32, text_file, tmp_path, monkeypatch, stream):
+def test_loaded_back_one_layer_at_a_time_when_big(fp32, text_file, tmp_path, monkeypatch):
     monkeypatch.setattr(verify, "too_big", lambda out: True)
-    report = _run(fp32, STAGES["gptq"], tmp_path / "out", stream=stream, data=text_file)
+    report = _run(fp32, STAGES["gptq"], tmp_path / "out", stream=False, data=text_file)
     v = report["export"]["verified"]
     assert v["loaded"] == "streamed" and v["max_abs_logit_diff"] <= v["tolerance"]
 

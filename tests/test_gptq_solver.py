@@ -235,3 +235,28 @@ def test_zeros_to_keep_is_the_zero_mask_only_when_asked_and_present():
     assert zeros_to_keep(pruned, False) is None
     with pytest.raises(GeminiError, match="mask shape"):
         gptq_quantize(pruned, torch.eye(32), QuantSpec(4, 16), keep_zero=torch.zeros(3, 3, dtype=torch.bool))
+
+
+def test_overwrite_gives_the_same_result_and_frees_the_scratch():
+    """overwrite=True: the caller's W and H are used in place and their memory released (left empty)."""
+    X = _correlated(d=96)
+    W = torch.randn(24, 96, generator=torch.Generator().manual_seed(7))
+    spec = QuantSpec(4, 32, sym=False)
+    ref, loss = gptq_quantize(W, _hessian(X), spec, act_order=True, block_size=40)
+    W2, H2 = W.clone(), _hessian(X)
+    qw, loss2 = gptq_quantize(W2, H2, spec, act_order=True, block_size=40, overwrite=True)
+    assert torch.equal(qw.q, ref.q) and torch.equal(qw.scales, ref.scales) and loss2 == loss
+    assert W2.shape == H2.shape == (0,)
+
+
+def test_row_blocked_dequantize_equals_the_whole_matrix_formula():
+    g = torch.Generator().manual_seed(8)
+    spec = QuantSpec(4, 16, sym=False)
+    g_idx = torch.randperm(64, generator=g).to(torch.int32) // 16  # act-order: groups out of column order
+    from geminicompress.compress.grid import QuantizedWeight
+
+    qw = QuantizedWeight(torch.randint(0, 16, (37, 64), generator=g, dtype=torch.int32),
+                         torch.rand(37, 4, generator=g), torch.randint(0, 16, (37, 4), generator=g, dtype=torch.int32),
+                         g_idx, spec)
+    whole = qw.scales[:, g_idx.long()] * (qw.q.float() - qw.zeros[:, g_idx.long()].float())
+    assert torch.equal(qw.dequantize(rows=5), whole) and torch.equal(qw.dequantize(), whole)

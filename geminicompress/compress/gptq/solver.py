@@ -56,8 +56,10 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
     Returns the codes/scales/zeros/g_idx (g_idx in the original column order) and the summed
     loss Σ (w − q)² / (2 [H⁻¹]_jj²), the objective GPTQ reduces.
     keep_zero: bool (out, in), True where the result must dequantize to exactly 0 (see the module docstring).
-    overwrite: W and H (float32) may serve as scratch (the caller discards them): no copy of either, so the
-    solve holds two Hessian-sized buffers at most (822 MB each for an 8B model's 14336-wide down_proj).
+    overwrite: W and H (float32) are the caller's scratch: no copy of either, so the solve holds two
+    Hessian-sized buffers at most (822 MB each for an 8B model's 14336-wide down_proj), and their memory is
+    released once used (W after its transposed copy is made, H after the last column), even though the
+    caller's frames still name them: both are left empty, shape (0,).
     """
     out_f, in_f = W.shape
     if H.shape != (in_f, in_f):
@@ -69,6 +71,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
     if not _all_finite(H):
         raise GeminiError("the Hessian holds NaN/Inf values (calibration activations overflowed); "
                           "quantize in float32 or use other calibration data")
+    scratch = [W, H] if overwrite else []  # the caller's tensors, released below
     W = W.detach().to(torch.float32, copy=not overwrite)
     H = H.detach().to(torch.float32, copy=not overwrite)
     gs = in_f if spec.group_size == -1 else spec.group_size
@@ -87,6 +90,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
     Hinv = inverse_hessian_factor(H, damp, perm if act_order else None, overwrite=True)  # upper factor of H⁻¹
     del H  # its memory holds Hinv or was freed (H is this function's own copy unless overwrite)
     Wt = torch.index_select(W.t(), 0, perm)  # (in, out): column j of W is the contiguous row j here
+    if overwrite:
+        _release(scratch[0])
     del W
     Mt = None if keep_zero is None else torch.index_select(keep_zero.to(Wt.device).t(), 0, perm)  # as Wt
 
@@ -133,7 +138,9 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
     if static:
         scales = [sc for sc, _ in static]
         zeros = [zr for _, zr in static]
-    del Wt, Hinv
+    if overwrite:
+        _release(scratch[1])  # H's memory (the factor was made in it) goes with Hinv
+    del Wt, Hinv, scratch
     inv = torch.argsort(perm)
     g_idx = group_of[inv].to(torch.int32)
     Q = Q[inv]
@@ -145,6 +152,13 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
         spec=spec,
     )
     return qw, float(loss)
+
+
+def _release(*tensors: torch.Tensor) -> None:
+    """Make the caller's `tensors` empty (shape (0,)), so that their memory is freed as soon as this
+    function's own views of it are gone, although the caller's frames still name them."""
+    for t in tensors:
+        t.set_()
 
 
 def _quantize_columns(W: torch.Tensor, Err: torch.Tensor, Q: torch.Tensor, Hinv: torch.Tensor,

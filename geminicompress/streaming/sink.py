@@ -38,7 +38,9 @@ class ShardSink:
         return {}
 
 
-def module_tensors(prefix: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A module's state dict under `prefix`, floating tensors in `dtype` (what save_pretrained writes)."""
+def module_tensors(prefix: str, module: nn.Module, dtype: torch.dtype,
+                   skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """A module's state dict under `prefix`, floating tensors in `dtype` (what save_pretrained writes);
+    `skip`: names (relative to the module) the caller writes another way (packed linears' weights)."""
     return {f"{prefix}.{k}": (v.to(dtype) if v.is_floating_point() else v).contiguous()
-            for k, v in module.state_dict().items()}
+            for k, v in module.state_dict().items() if k not in skip}

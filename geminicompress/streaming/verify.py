@@ -16,6 +16,7 @@ check is then skipped, and the record says so.
 from __future__ import annotations
 
 import shutil
+from functools import partial
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -32,7 +33,8 @@ from geminicompress.progress import NullProgress, Progress
 from geminicompress.streaming.sink import ShardSink
 from geminicompress.verify import as_stored, compare, final_name, loaded_logits, probe_windows, stored_dtype
 
-ExactWeights = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]  # (layer, kept) -> {module: weight}
+# (layer, kept) -> {module: a function that makes its weight}: made one module at a time, as the probe sets them
+ExactWeights = Callable[[int, dict[str, torch.Tensor]], dict[str, Callable[[], torch.Tensor]]]
 HeadModule = Callable[[str, nn.Module], nn.Module]  # what the run writes for an outside module (the INT8 head)
 
 
@@ -46,13 +48,15 @@ class StreamedProbe:
         self.resumed: list[int] = []
 
     @torch.no_grad()
-    def advance(self, layer: nn.Module, exact: dict[str, torch.Tensor]) -> None:
+    def advance(self, layer: nn.Module, exact: dict[str, Callable[[], torch.Tensor]]) -> None:
         """Run the probe through a finished layer as it is stored: floats rounded to the output dtype, the
-        linears `exact` names ({name relative to the layer: weight}) with those weights."""
+        linears `exact` names ({name relative to the layer: a function making its weight}) with those weights,
+        made one at a time (each replaces the module's own weight, so one extra weight is alive at most: all
+        of an 8B layer's at once were +0.87 GB, the streamed GPTQ run's peak)."""
         with computing_in(layer, torch.float32):  # float32 copies of a lower-precision layer, put back after
             as_stored(layer, self.out_dtype, [f"{n}.weight" for n in exact])
-            for name, weight in exact.items():
-                get_module(layer, name).weight.data = weight.to(self.device, torch.float32)
+            for name, make in exact.items():
+                get_module(layer, name).weight.data = make().to(self.device, torch.float32)
             through_layer(layer, self.hidden.tensor, self.hidden.tensor, self.hidden.kwargs, device=self.device,
                           dtype=torch.float32, batch=1)  # one window at a time, as the loaded side
 
@@ -116,7 +120,11 @@ def exact_weights(output: Any, owner: int | None, n: int) -> ExactWeights:
 
     if not isinstance(output, PackedOutput):
         return lambda i, kept: {}
-    return lambda i, kept: {name: qw.dequantize() for name, qw in output.qweights(i, stage_kept(kept, owner, n)).items()}
+
+    def exact(i: int, kept: dict[str, torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]:
+        qweights = output.qweights(i, stage_kept(kept, owner, n))  # a lazy mapping: unpacked when read
+        return {name: partial(lambda q, name: q[name].dequantize(), qweights, name) for name in qweights}
+    return exact
 
 
 def written_head(int8: Any) -> HeadModule | None:

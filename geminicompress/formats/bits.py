@@ -25,8 +25,31 @@ def _layout(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
     return start // _WORD, offset, (offset + bits - _WORD).clamp(min=0)
 
 
+_ROWS = 512  # rows per block: the int64 working copies are ~8x the int32 codes (3 GB for a 58.7M-code matrix at once)
+
+
+def _by_rows(fn, t: torch.Tensor, *args: int) -> torch.Tensor:
+    """fn over blocks of rows of t viewed as (rows, last dim): rows are independent streams."""
+    *lead, last = t.shape
+    flat = t.reshape(-1, last)
+    if flat.shape[0] <= _ROWS:
+        out = fn(flat, *args)
+    else:
+        out = torch.cat([fn(flat[i:i + _ROWS], *args) for i in range(0, flat.shape[0], _ROWS)])
+    return out.reshape(*lead, out.shape[-1])
+
+
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes (..., n) integers in [0, 2^bits) -> int32 (..., packed_width(n, bits))."""
+    """codes (..., n) integers in [0, 2^bits) -> int32 (..., packed_width(n, bits)), a block of rows at a time."""
+    return _by_rows(_pack_rows, codes, bits)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """int32 (..., words) -> codes (..., n) as int32 in [0, 2^bits), a block of rows at a time."""
+    return _by_rows(_unpack_rows, packed, bits, n)
+
+
+def _pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
     *lead, n = codes.shape
     chunks = -(-n // _WORD)
     values = torch.zeros(*lead, chunks * _WORD, dtype=torch.int64, device=codes.device)
@@ -42,8 +65,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (words - ((words >> 31) << 32)).to(torch.int32)  # reinterpret uint32 as int32
 
 
-def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """int32 (..., words) -> codes (..., n) as int32 in [0, 2^bits)."""
+def _unpack_rows(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     *lead, width = packed.shape
     chunks = -(-n // _WORD)
     words = torch.zeros(*lead, chunks * bits + 1, dtype=torch.int64, device=packed.device)

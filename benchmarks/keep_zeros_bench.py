@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA, RESULTS, eval_windows, perplexity, run_child  # noqa: E402
 
 
-def sparsity(path: Path) -> tuple[dict, float]:
+def measure(path: Path) -> tuple[dict, float]:
     """({overall, lowest per linear, linears}, perplexity) of the checkpoint at path."""
     from geminicompress.models.loading import load_model
 
@@ -65,13 +65,13 @@ def main() -> None:
     wall, _, _ = run_child([*gm, "prune", demo, "-o", pruned, "--method", "sparsegpt", "--sparsity", "0.5",
                             "--scope", "layer", *cal], {"OMP_NUM_THREADS": "2"})
     rows = []
-    sp, ppl = sparsity(pruned)
+    sp, ppl = measure(pruned)
     rows.append({"row": "sparsegpt 50%", "flags": "", "ppl": ppl, "sparsity": sp, "seconds": round(wall, 1)})
     for flags in ([], ["--keep-zeros"]):
         out = work / ("gptq-keep" if flags else "gptq-default")
         wall, _, _ = run_child([*gm, "quantize", pruned, "-o", out, "--method", "gptq", "--bits", "4", *flags, *cal],
                                {"OMP_NUM_THREADS": "2"})
-        sp, ppl = sparsity(out)
+        sp, ppl = measure(out)
         rows.append({"row": "then gptq 4-bit", "flags": " ".join(flags) or "(default)", "ppl": ppl, "sparsity": sp,
                      "seconds": round(wall, 1)})
     print(f"{'row':<18} {'flags':<20} {'ppl':>8} {'zeros':>8} {'lowest linear':>14}")

@@ -96,7 +96,8 @@ class PackedOutput(DenseOutput):
         qweights = self.qweights(i, kept)
         prefix = self.ckpt.layer_prefix(i)
         # the packed linears' float weights are not cast only to be dropped (0.41 GB for an 8B layer in bf16)
-        tensors = module_tensors(prefix, layer, self.dtype, frozenset(f"{n[len(prefix) + 1:]}.weight" for n in qweights))
+        tensors = module_tensors(prefix, layer, self.dtype,
+                                 frozenset(f"{n.removeprefix(prefix + '.')}.weight" for n in qweights))
         for name in qweights:  # one module's unpacked codes alive at a time
             tensors.update({f"{name}.{k}": v.cpu() for k, v in self.pack(qweights[name]).items()})
         return tensors

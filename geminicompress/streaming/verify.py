@@ -16,7 +16,6 @@ check is then skipped, and the record says so.
 from __future__ import annotations
 
 import shutil
-from functools import partial
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -82,7 +81,7 @@ class StreamedProbe:
             # read back one layer at a time, as it was made: loaded whole, OUT took more memory than the run
             # (8B-shaped GPTQ, 8 layers: 5.44 GiB peak, against 3.95 GiB for the layers themselves)
             progress.info(f"verifying {final_name(out)}: loading it back one layer at a time")
-            got = loaded_logits(out, self.windows, trust_remote_code, True, self.device)
+            got = loaded_logits(out, self.windows, trust_remote_code, streamed=True, device=self.device)
             try:
                 return compare(reference, got, stored_dtype(out), "streamed", seconds=time.perf_counter() - t0)
             except GeminiError:
@@ -123,7 +122,7 @@ def exact_weights(output: Any, owner: int | None, n: int) -> ExactWeights:
 
     def exact(i: int, kept: dict[str, torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]:
         qweights = output.qweights(i, stage_kept(kept, owner, n))  # a lazy mapping: unpacked when read
-        return {name: partial(lambda q, name: q[name].dequantize(), qweights, name) for name in qweights}
+        return {name: (lambda name=name: qweights[name].dequantize()) for name in qweights}
     return exact
 
 

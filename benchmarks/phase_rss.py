@@ -68,7 +68,7 @@ def wrap(owner: object, name: str, label: str) -> None:
 def main() -> None:
     import geminicompress.compress.gptq.solver as solver
     import geminicompress.compress.gptq.stage as gstage
-    import geminicompress.compress.layerwise as lw
+    import geminicompress.engine.walk as lw
     import geminicompress.formats.shards as shards
     import geminicompress.streaming.output as sout
     import geminicompress.streaming.run as srun

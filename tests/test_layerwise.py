@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from geminicompress.compress.arch import arch_for, decoder_layers
-from geminicompress.compress.layerwise import capture_inputs, forward_layer, run_layerwise
+from geminicompress.engine.layers import capture_inputs, forward_layer
+from geminicompress.engine.walk import run_layerwise
 from geminicompress.errors import InputError
 from tiny import tiny_model
 
@@ -61,7 +62,7 @@ def test_unsupported_architecture_names_supported_ones():
 
 
 def test_computing_in_runs_bf16_and_hands_back_the_float32_masters():
-    from geminicompress.compress.layerwise import computing_in
+    from geminicompress.engine.layers import computing_in
 
     layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     original = layer[0].weight.data.clone()
@@ -88,7 +89,7 @@ def test_hessian_from_bf16_inputs_equals_float32_products():
 
 
 def test_activation_storage_keeps_activations_on_the_gpu_only_when_they_fit(monkeypatch):
-    from geminicompress.compress.layerwise import activation_storage
+    from geminicompress.engine.walk import activation_storage
 
     windows = torch.zeros(32, 512, dtype=torch.long)
     cuda = torch.device("cuda")

@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 
 from geminicompress.compress.arch import arch_for, decoder_layers
-from geminicompress.compress.layerwise import LayerJob, capture_inputs, forward_layer
-from geminicompress.compress.onepass import one_pass
+from geminicompress.engine.layers import LayerJob, capture_inputs, forward_layer
+from geminicompress.engine.onepass import one_pass
 from geminicompress.errors import GeminiError
 from geminicompress.pipeline import run_recipe
 from geminicompress.models.loading import load_model

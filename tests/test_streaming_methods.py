@@ -13,8 +13,8 @@ import torch
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
-from geminicompress.compress import layerwise
-from geminicompress.compress.compose import OnePassFn, compose
+from geminicompress.engine import layers as layerwise
+from geminicompress.engine.compose import OnePassFn, compose
 from geminicompress.formats.checkpoint import read_tensors
 from geminicompress.recipes.loader import recipe_from_stage
 from geminicompress.streaming import ShardSink, run_streamed
@@ -146,7 +146,7 @@ def test_consecutive_one_pass_stages_share_one_pass():
     """Two one-pass stages on a 4-linear llama layer: one forward per batch; in every group stage 0 solves
     before stage 1; stage 1 sees each group's input through the groups both stages solved already."""
     from geminicompress.compress.arch import arch_for, decoder_layers
-    from geminicompress.compress.layerwise import LayerJob, capture_inputs, forward_layer
+    from geminicompress.engine.layers import LayerJob, capture_inputs, forward_layer
 
     model = tiny_model("llama")
     inputs = capture_inputs(model, torch.randint(0, 384, (8, 16)), torch.device("cpu"))

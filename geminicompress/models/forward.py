@@ -25,7 +25,8 @@ import torch
 import torch.nn as nn
 
 from geminicompress.compress.arch import arch_for, get_module, set_module
-from geminicompress.compress.layerwise import LayerSource, ModelLayers, capture_inputs, computing_in, layer_output
+from geminicompress.engine.layers import capture_inputs, computing_in, layer_output
+from geminicompress.engine.walk import LayerSource, ModelLayers
 from geminicompress.memory import heap_reuse, release_free_heap
 from geminicompress.progress import NullProgress, Progress
 

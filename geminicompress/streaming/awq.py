@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from geminicompress.compress.grid import QuantizedWeight
-from geminicompress.compress.layerwise import LayerFn
+from geminicompress.engine.layers import LayerFn
 from geminicompress.models.lazy import LazyCheckpoint
 from geminicompress.progress import Progress
 from geminicompress.streaming.output import DenseOutput, PackedOutput

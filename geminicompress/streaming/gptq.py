@@ -7,9 +7,9 @@ from typing import Any, Mapping
 
 import torch
 
-from geminicompress.compress.compose import OnePassFn
+from geminicompress.engine.compose import OnePassFn
 from geminicompress.compress.grid import QuantizedWeight
-from geminicompress.compress.layerwise import LayerFn
+from geminicompress.engine.layers import LayerFn
 from geminicompress.models.lazy import LazyCheckpoint
 from geminicompress.progress import Progress
 from geminicompress.streaming.output import DenseOutput, PackedOutput

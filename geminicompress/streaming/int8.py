@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from geminicompress.compress.arch import get_module, set_module
-from geminicompress.compress.layerwise import LayerFn, LayerJob
+from geminicompress.engine.layers import LayerFn, LayerJob
 from geminicompress.errors import InputError
 from geminicompress.models.lazy import LazyCheckpoint
 from geminicompress.streaming.output import Int8Output

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from geminicompress.compress.arch import get_module
-from geminicompress.compress.compose import OnePassFn
-from geminicompress.compress.layerwise import LayerFn, LayerJob
+from geminicompress.engine.compose import OnePassFn
+from geminicompress.engine.layers import LayerFn, LayerJob
 from geminicompress.models.lazy import LazyCheckpoint, LazyTensors
 from geminicompress.progress import Progress
 from geminicompress.streaming.output import SparseOutput

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 import torch
 
 from geminicompress.compress.grid import QuantizedWeight
-from geminicompress.compress.layerwise import LayerFn, LayerJob
+from geminicompress.engine.layers import LayerFn, LayerJob
 from geminicompress.models.lazy import LazyCheckpoint
 from geminicompress.progress import Progress
 from geminicompress.streaming.output import DenseOutput, PackedOutput

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 from geminicompress import __version__
-from geminicompress.compress.compose import compose
-from geminicompress.compress.layerwise import run_layerwise
+from geminicompress.engine.compose import compose
+from geminicompress.engine.walk import run_layerwise
 from geminicompress.errors import InputError
 from geminicompress.formats.shards import DEFAULT_MAX_BYTES, ShardWriter
 from geminicompress.machine import machine, versions

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from geminicompress.compress.layerwise import LayerFn
+from geminicompress.engine.layers import LayerFn
 from geminicompress.progress import Progress
 from geminicompress.streaming.output import DenseOutput
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from geminicompress.compress.arch import get_module
-from geminicompress.compress.layerwise import computing_in
+from geminicompress.engine.layers import computing_in
 from geminicompress.errors import GeminiError
 from geminicompress.models.forward import embed, head_logits, through_layer
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers

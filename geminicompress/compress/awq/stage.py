@@ -30,7 +30,8 @@ from geminicompress.compress.awq.search import apply_clip, linear_error, scaled_
 from geminicompress.compress.gptq.solver import gptq_quantize, zeros_to_keep
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, rtn_quantize
 from geminicompress.compress.hessian import HessianAccumulator
-from geminicompress.compress.layerwise import LayerJob, run_layerwise
+from geminicompress.engine.layers import LayerJob
+from geminicompress.engine.walk import run_layerwise
 from geminicompress.compress.targets import weight_quant_targets
 from geminicompress.errors import GeminiError
 from geminicompress.formats.checkpoint import scale_dtype, write_quantized

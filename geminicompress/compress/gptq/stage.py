@@ -29,7 +29,8 @@ from geminicompress.compress.gptq.allocate import module_specs, write_allocation
 from geminicompress.compress.gptq.solver import gptq_quantize, zeros_to_keep
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec
 from geminicompress.compress.hessian import HessianAccumulator
-from geminicompress.compress.layerwise import LayerJob, layer_output, run_layerwise
+from geminicompress.engine.layers import LayerJob, layer_output
+from geminicompress.engine.walk import run_layerwise
 from geminicompress.compress.targets import present_groups, weight_quant_targets
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.checkpoint import check_shapes, scale_dtype, write_quantized

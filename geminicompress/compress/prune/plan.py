@@ -20,7 +20,8 @@ import torch.nn as nn
 
 from geminicompress.compress.allocation import allocate
 from geminicompress.compress.arch import Arch
-from geminicompress.compress.layerwise import LayerJob, run_layerwise
+from geminicompress.engine.layers import LayerJob
+from geminicompress.engine.walk import run_layerwise
 from geminicompress.compress.prune.allocate import exact_counts, outlier_ratio, owl_layer_sparsity
 from geminicompress.compress.prune.wanda import InputNorms, wanda_scores
 from geminicompress.compress.targets import present_groups

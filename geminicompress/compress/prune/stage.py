@@ -25,7 +25,9 @@ import torch.nn as nn
 
 from geminicompress.compress.arch import Arch, arch_for, get_module
 from geminicompress.compress.hessian import HessianAccumulator
-from geminicompress.compress.layerwise import LayerJob, run_layerwise, solver_threads
+from geminicompress.engine.layers import LayerJob
+from geminicompress.engine.walk import run_layerwise
+from geminicompress.threads import solver_threads
 from geminicompress.compress.prune import report
 from geminicompress.compress.prune.masks import Pattern, parse_pattern, pattern_mask, row_mask_count, tensor_mask
 from geminicompress.compress.prune.plan import module_counts

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from geminicompress.compress.arch import Arch, arch_for, get_module
 from geminicompress.compress.hessian import HessianAccumulator
-from geminicompress.compress.layerwise import LayerInputs, capture_inputs, forward_layer, layer_output
+from geminicompress.engine.layers import LayerInputs, capture_inputs, forward_layer, layer_output
 from geminicompress.compress.prune.wanda import InputNorms
 from geminicompress.compress.sensitivity.options import Option, apply_option, check_applicable
 from geminicompress.eval.drift import kl_per_token

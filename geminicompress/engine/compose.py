@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 from greenlet import getcurrent, greenlet
 
-from geminicompress.compress.layerwise import BATCH_WINDOWS, LayerFn, LayerJob
+from geminicompress.engine.layers import BATCH_WINDOWS, LayerFn, LayerJob
 
 _PAUSED = object()
 

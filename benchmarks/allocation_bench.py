@@ -94,9 +94,9 @@ def main() -> None:
     torch.set_num_threads(2)
 
     from geminicompress.machine import machine, versions
-    from geminicompress.models.loading import _demo_dir, load_model
+    from geminicompress.models.loading import demo_dir, load_model
 
-    demo = _demo_dir()
+    demo = demo_dir()
     tok = load_model(str(demo)).tokenizer
     eval_ids = eval_windows(tok, args.eval_windows)
     calib = calibration_ids(tok, args.windows, seed=0)

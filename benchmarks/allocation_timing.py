@@ -57,9 +57,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from geminicompress.machine import machine, versions
-    from geminicompress.models.loading import _demo_dir, load_model
+    from geminicompress.models.loading import demo_dir, load_model
 
-    demo = _demo_dir()
+    demo = demo_dir()
     calib = calibration_ids(load_model(str(demo)).tokenizer, args.windows, seed=0)
     work = Path(tempfile.mkdtemp(prefix="alloc-timing-"))
     gptq, sens = [], []

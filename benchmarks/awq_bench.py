@@ -101,9 +101,9 @@ def main() -> None:
     torch.set_num_threads(2)
 
     from geminicompress.machine import machine, versions
-    from geminicompress.models.loading import _demo_dir, load_model
+    from geminicompress.models.loading import demo_dir, load_model
 
-    model_dir = _demo_dir()
+    model_dir = demo_dir()
     tok = load_model(str(model_dir)).tokenizer
     layers = 2 if args.quick else None
     n_cal = 4 if args.quick else args.windows

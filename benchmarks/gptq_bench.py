@@ -90,10 +90,10 @@ def main() -> None:
     torch.set_num_threads(2)
 
     from geminicompress.machine import machine, versions
-    from geminicompress.models.loading import _demo_dir, load_model
+    from geminicompress.models.loading import demo_dir, load_model
 
     samples = 8 if args.quick else args.samples
-    demo = _demo_dir()
+    demo = demo_dir()
     work = Path(args.work or tempfile.mkdtemp(prefix="gc-gptq-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     base = load_model(str(demo))

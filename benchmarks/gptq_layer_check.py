@@ -75,12 +75,12 @@ def main() -> None:
     from geminicompress.compress.gptq.solver import gptq_quantize
     from geminicompress.compress.grid import QuantSpec, rtn_quantize
     from geminicompress.machine import machine, versions
-    from geminicompress.models.loading import _demo_dir, load_model
+    from geminicompress.models.loading import demo_dir, load_model
     from geminicompress.recipes.quantize import GPTQStage
 
     cfg = GPTQStage(method="gptq", bits=args.bits, group_size=args.group_size, **json.loads(args.flags))
     spec = QuantSpec(cfg.bits, cfg.group_size, cfg.sym)
-    loaded = load_model(str(_demo_dir()))
+    loaded = load_model(str(demo_dir()))
     model = loaded.model.float().eval()
     t0 = time.perf_counter()
     stats = collect(model, calibration_ids(loaded.tokenizer, args.samples))

@@ -53,9 +53,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     from geminicompress.machine import machine, versions
-    from geminicompress.models.loading import _demo_dir
+    from geminicompress.models.loading import demo_dir
 
-    demo = _demo_dir()
+    demo = demo_dir()
     work = Path(args.work or tempfile.mkdtemp(prefix="gc-keep-zeros-"))
     work.mkdir(parents=True, exist_ok=True)
     cal = ["--data", str(DATA / "enwiki-sample.txt"), "--samples", str(args.samples), "--calib-seq-len", "512",

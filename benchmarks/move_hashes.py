@@ -1,7 +1,8 @@
 """Hashes of what every command writes, so that a refactor can show it changed no byte (issue #27).
 
 Runs, through the CLI (in this process, `--threads 2 --no-verify`), every bundled recipe and every method x
-format x {in memory, streamed} on two models, and prints one hash per output:
+format x {in memory, streamed} on two models (on the demo, by default, one case of each method and format
+family: DEMO_CASES), and prints one hash per output:
 - `demo`: the demo model (smollm2-demo, float32, one file);
 - `tiny`: a tiny Llama built in-process (seed 0), saved in bfloat16 as three shards.
 Calibration is cut down so the whole sweep takes minutes, not hours (8 windows of 256 tokens of builtin text
@@ -67,6 +68,11 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "prune-owl": ("prune", ["--method", "wanda", "--allocation", "owl"]),
     "gptq-override": ("quantize", ["--method", "gptq", "--bits", "4"]),  # + an override (set in main)
 }
+# on the demo model (minutes a case on 2 cores) a case of each method and format family, the chain and two
+# recipes run by default; --all-demo runs every case there too
+DEMO_CASES = ("rtn-gptq", "rtn-awq", "int8", "w8a8", "gptq", "gptq-ct", "gptq-dense", "awq", "awq+gptq", "prune-global",
+              "prune-global-ct", "prune-24-ct", "wanda", "sparsegpt", "chain-sparsegpt-gptq", "recipe-quickstart",
+              "recipe-prune-2of4-wanda")
 # recipes run on both models (model overridden), cut down with --set
 RECIPE_SETS = {
     "calibration.samples": "8",
@@ -139,7 +145,7 @@ def one(args: list[str], out: Path) -> tuple[str, str]:
     return digest_output(out), ""
 
 
-def cases_for(model: str, path: str, work: Path, only: list[str]) -> list[tuple[str, list[str]]]:
+def cases_for(model: str, path: str, work: Path, only: list[str], everything: bool = False) -> list[tuple[str, list[str]]]:
     from geminicompress.recipes.loader import bundled_recipes
 
     runs = []
@@ -159,6 +165,8 @@ def cases_for(model: str, path: str, work: Path, only: list[str]) -> list[tuple[
         sets = [f"{k}={v}" for k, v in {**RECIPE_SETS, "model": path,
                                          "calibration.seq_len": _cal(model)["seq_len"]}.items()]
         runs.append((f"recipe-{name}", ["run", name, *[a for s in sets for a in ("--set", s)], *_recipe_cuts(name)]))
+    if model == "demo" and not everything:
+        runs = [(n, a) for n, a in runs if n in DEMO_CASES]
     return [(n, a) for n, a in runs if not only or any(o in n for o in only)]
 
 
@@ -191,6 +199,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the hashes here (JSON)")
     parser.add_argument("--check", type=Path, default=None, help="compare with these hashes; exit 1 on a difference")
     parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--all-demo", action="store_true", help="every case on the demo model too, not only DEMO_CASES")
+    parser.add_argument("--resume", type=Path, default=None, help="a JSON of hashes already made: skip those cases")
     args = parser.parse_args()
     torch.set_num_threads(2)
     work = args.work or Path(tempfile.mkdtemp(prefix="move-hashes-"))
@@ -198,13 +208,15 @@ def main() -> int:
     paths = {"demo": "smollm2-demo", "tiny": str(make_tiny(work / "tiny-model"))}
     only = [o for o in args.only.split(",") if o]
     expected = json.loads(args.check.read_text())["hashes"] if args.check else {}
-    hashes: dict[str, str] = {}
+    hashes: dict[str, str] = json.loads(args.resume.read_text())["hashes"] if args.resume and args.resume.is_file() else {}
     changed = []
     started = time.perf_counter()
     for model in args.models.split(","):
-        for name, cli in cases_for(model, paths[model], work, only):
+        for name, cli in cases_for(model, paths[model], work, only, args.all_demo):
             for mode in args.modes.split(","):
                 key = f"{model}/{name}/{mode}"
+                if key in hashes:
+                    continue
                 out = work / "out" / key.replace("/", "_")
                 t0 = time.perf_counter()
                 digest, why = one([*cli, "--stream" if mode == "stream" else "--no-stream"], out)
@@ -215,14 +227,20 @@ def main() -> int:
                     changed.append(key)
                     mark = f"  CHANGED (was {expected[key]})"
                 print(f"{key:48s} {digest}  {time.perf_counter() - t0:6.1f} s{mark}{'  ' + why if why else ''}", flush=True)
+                if args.out:  # after every case: a killed sweep resumes with --resume
+                    _save(args.out, hashes)
     print(f"{len(hashes)} outputs in {time.perf_counter() - started:.0f} s; {len(changed)} changed")
     if args.out:
-        import subprocess
-
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-        args.out.write_text(json.dumps({"commit": commit, "torch": torch.__version__, "hashes": hashes}, indent=1) + "\n")
+        _save(args.out, hashes)
     return 1 if changed else 0
+
+
+def _save(path: Path, hashes: dict[str, str]) -> None:
+    import subprocess
+
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    path.write_text(json.dumps({"commit": commit, "torch": torch.__version__, "hashes": hashes}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

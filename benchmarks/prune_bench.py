@@ -108,9 +108,9 @@ def main() -> None:
     torch.set_num_threads(2)
 
     from geminicompress.machine import machine, versions
-    from geminicompress.models.loading import _demo_dir, load_model
+    from geminicompress.models.loading import demo_dir, load_model
 
-    demo = _demo_dir()
+    demo = demo_dir()
     n_cal, n_eval = (2, 4) if args.quick else (args.windows, args.eval_windows)
     tok = load_model(str(demo)).tokenizer
     eval_ids = eval_windows(tok, n_eval)

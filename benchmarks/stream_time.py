@@ -39,9 +39,9 @@ def timed(cmd: list[str], log: Path) -> tuple[int, float, int]:
 
 
 def demo_dir() -> str:
-    from geminicompress.models.loading import _demo_dir
+    from geminicompress.models.loading import demo_dir
 
-    return str(_demo_dir())
+    return str(demo_dir())
 
 
 def main() -> None:

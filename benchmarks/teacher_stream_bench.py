@@ -89,9 +89,9 @@ def worker(args: argparse.Namespace) -> None:
             ST.SPILL_SHARE = 0.0  # force the activations into memory-mapped files
         t0 = time.perf_counter()
         ckpt = ST.open_teacher(args.teacher)
-        from geminicompress.models.loading import _load_tokenizer
+        from geminicompress.models.loading import load_tokenizer
 
-        tokenizer = _load_tokenizer(str(ckpt.path), False)
+        tokenizer = load_tokenizer(str(ckpt.path), False)
         result["load_s"] = round(time.perf_counter() - t0, 3)
         windows = eval_windows(tokenizer, args.windows + args.held_out)
         train, held = windows[: args.windows], windows[args.windows :]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import typer
 
 from geminicompress import __version__
-from geminicompress.commands import distill, eval as eval_cmd, prune, quantize, recipes, run, sensitivity, tune, validate
-from geminicompress.commands._common import setup_logging
+from geminicompress.commands import distill, prune, quantize, recipes, run, sensitivity, tune, validate
+from geminicompress.commands import eval as eval_cmd
+from geminicompress.commands.common import setup_logging
 from geminicompress.memory import return_freed_memory
 
 app = typer.Typer(

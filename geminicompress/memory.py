@@ -27,6 +27,7 @@ import ctypes.util
 import sys
 from contextlib import contextmanager
 from functools import lru_cache
+from pathlib import Path
 from typing import Iterator
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameter numbers, from glibc's malloc.h
@@ -90,3 +91,25 @@ def _mallopt(param: int, value: int) -> bool:
     if libc is None or not hasattr(libc, "mallopt"):  # musl or another libc without mallopt
         return False
     return bool(libc.mallopt(param, value))
+
+
+# The one "does it fit" rule: a model (to compress, to evaluate, as a distill teacher) or an OUT to check is
+# read one decoder layer at a time, never whole, when it would take more than this share of the memory
+# available when the command starts.
+AUTO_FRACTION = 0.5
+
+
+def available_memory() -> int:
+    """Bytes of memory available to new work (MemAvailable), or 0 when unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def too_big(nbytes: int) -> bool:
+    """Whether `nbytes` held in memory exceed AUTO_FRACTION of the available memory (the one rule)."""
+    return nbytes > AUTO_FRACTION * available_memory()

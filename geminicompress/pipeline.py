@@ -1,79 +1,51 @@
-"""Run a recipe: load the model once, pass it through the stages in memory, write OUT atomically.
+"""Run a recipe: its stages through the one engine (engine/), OUT written atomically, verified, evaluated.
 
-command -> pipeline -> stage -> solver. A stage is a function `run(cfg, ctx) -> dict`: it transforms
-`ctx.model` in place (or replaces it), may set `ctx.exporter` to write its on-disk format, and returns
-a small JSON-able summary that goes into report.json. Stages are found through an explicit table.
+command -> pipeline -> engine -> stage's per-layer function -> solver. Layer stages (quantize methods,
+prune) are the registry's classes (methods.py) run one decoder layer at a time; a model stage (distill)
+is a function `run(cfg, ctx) -> dict` on the model in memory; eval stages come last.
 
-Order of work: non-eval stages -> export OUT (into the hidden partial folder), verified: loaded back, it
-gives the in-process model's logits on probe windows (verify.py) -> eval stages, which load the written
-checkpoint back from disk and compare it with the recipe's input model, so what is measured is exactly
-what ships -> report.json -> rename onto OUT.
+In memory: the model is loaded; every layer stage walks it (in order, model stages between), and a last
+walk writes OUT. Streamed (`--stream`, or automatically when the model does not fit, memory.too_big): the
+checkpoint is read one layer at a time and one walk applies every stage to layer i and writes it before
+layer i+1 is read (engine/run.py). Both write OUT with the same sink and writers, in the format of the last
+stage that sets one, into the hidden partial folder (output.py); OUT is verified on the way out (a probe
+carried through the layers as written, compared with OUT loaded back: verify.py); eval stages then load it
+back from disk and compare it with the recipe's input model, so what is measured is exactly what ships;
+report.json; rename onto OUT.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from geminicompress import __version__
-from geminicompress.data.windows import calibration_windows
+from geminicompress.distill.streamed_teacher import streamed_input
+from geminicompress.engine.contract import StageContext, layer_kept, stage_kept
+from geminicompress.engine.estimate import announce
+from geminicompress.engine.run import Walked, load_back_of, make_stage, retain_of, run_stage, should_stream, walk
+from geminicompress.engine.sinks import ShardSink
+from geminicompress.engine.walk import ModelLayers
+from geminicompress.errors import InputError
+from geminicompress.formats.shards import DEFAULT_MAX_BYTES, ShardWriter
+from geminicompress.formats.writer import LayerWriter
 from geminicompress.machine import machine, versions
-from geminicompress.methods import METHODS
-from geminicompress.models.loading import LoadedModel, ModelSource, load_model
+from geminicompress.methods import STAGES, runner
+from geminicompress.models.lazy import LazyCheckpoint, LazyLayers, is_streamable_dir
+from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer, local_dir, resolve_model
 from geminicompress.output import OutputDir, write_json
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.loader import recipe_yaml
 from geminicompress.recipes.schema import Recipe, stage_tag
-
-STAGES: dict[str, str] = {
-    **{f"quantize:{name}": m.runner for name, m in METHODS.items()},
-    "prune": "geminicompress.compress.prune.stage:run",
-    "distill": "geminicompress.distill.stage:run",
-    "eval": "geminicompress.eval.stage:run",
-}
-
-Exporter = Callable[[Any, Any, Path], dict]
-
-
-@dataclass
-class StageContext:
-    """What a stage can see and change. `model`/`tokenizer` flow from stage to stage."""
-
-    model: Any
-    tokenizer: Any
-    source: ModelSource
-    recipe: Recipe
-    progress: Progress
-    device: torch.device
-    out_dir: Path  # the (partial) output folder; stages may add artifacts next to the weights
-    state_dir: Path  # this stage's private folder for resumable state; removed on success
-    exporter: Exporter | None = None
-    masks: dict[str, torch.Tensor] | None = None  # set by prune, honoured by distill
-    artifacts: dict[str, Any] = field(default_factory=dict)
-    _calibration: dict[tuple, torch.Tensor] = field(default_factory=dict)
-
-    def calibration(self, data: str | None = None, samples: int | None = None, seq_len: int | None = None) -> torch.Tensor:
-        """Seeded calibration windows (n, seq_len) from the stage's DATA or the recipe's default."""
-        cal = self.recipe.calibration
-        key = (data or cal.data, samples or cal.samples, seq_len or cal.seq_len, self.recipe.seed)
-        if key not in self._calibration:
-            self._calibration[key] = calibration_windows(self.tokenizer, key[0], key[1], key[2], key[3], cal.text_column)
-        return self._calibration[key]
-
-
-def stage_runner(tag: str) -> Callable[[Any, StageContext], dict]:
-    module_name, func = STAGES[tag].split(":")
-    return getattr(importlib.import_module(module_name), func)
+from geminicompress.verify import Probe
 
 
 def fingerprint(recipe: Recipe) -> str:
@@ -90,81 +62,42 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def dense_exporter(dtype: str) -> Exporter:
-    from geminicompress.formats import dense
-
-    return lambda model, tokenizer, out: dense.write(model, tokenizer, out, meta={"dtype": dtype})
-
-
-def run_recipe(
-    recipe: Recipe,
-    out: Path,
-    *,
-    force: bool = False,
-    progress: Progress | None = None,
-    device: torch.device | None = None,
-    command: list[str] | None = None,
-    loaded: LoadedModel | None = None,
-    stream: bool | None = None,
-    verify: bool = True,
-) -> dict:
+def run_recipe(recipe: Recipe, out: Path, *, force: bool = False, progress: Progress | None = None,
+               device: torch.device | None = None, command: list[str] | None = None, loaded: LoadedModel | None = None,
+               stream: bool | None = None, verify: bool = True, max_shard_bytes: int = DEFAULT_MAX_BYTES) -> dict:
     """Run every stage of `recipe` and write OUT; return the report (also written to OUT/report.json).
 
-    stream: run layer by layer from disk (streaming/): True, False, or None to decide from the model's
-    size and whether every stage can stream.
-    verify: load OUT back and compare its logits with the in-process model's before keeping it (verify.py)."""
+    stream: run layer by layer from disk: True, False, or None to decide from the model's size and whether
+    every stage can stream. verify: compare OUT, loaded back, with what the run computed (verify.py)."""
     progress = progress or NullProgress()
     device = device or default_device()
-    if loaded is None and not _helper_rank():
-        from geminicompress.streaming import run_streamed, should_stream
-
-        if should_stream(recipe, stream):
-            return run_streamed(recipe, out, force=force, progress=progress, device=device, command=command,
-                                verify=verify)
-    tags = [stage_tag(s) for s in recipe.stages]
-    runners = [stage_runner(t) for t in tags]  # fail before loading anything if a stage is missing
-    if loaded is None:  # a first distill stage may read its teacher, the recipe's model, layer by layer
-        from geminicompress.distill.streamed_teacher import streamed_input
-
-        loaded = streamed_input(recipe, progress)
-    torch.manual_seed(recipe.seed)
-    started = time.perf_counter()
+    for tag in (stage_tag(s) for s in recipe.stages):
+        if tag not in STAGES:
+            raise InputError(f"stage '{tag}' has no runner")
+        runner(tag)  # fail before loading anything if a stage does not import
     helper = _helper_rank()
+    source_dir = _source_dir(recipe) if loaded is None and not helper else None
+    streamed = source_dir is not None and should_stream(recipe, stream, source_dir)
+    started = time.perf_counter()
     if helper:  # another process of `accelerate launch`/torchrun: it trains along, rank 0 writes OUT
         out, force = out.with_name(f".{out.name}.rank{helper}"), True
     with OutputDir(out, force, fingerprint(recipe)) as tmp:
         t0 = time.perf_counter()
-        if loaded is None:
-            progress.info(f"loading {recipe.model}")
-            loaded = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code, allow_pickle=recipe.allow_pickle)
+        ctx = _open_streamed(recipe, source_dir, tmp, progress, device) if streamed else \
+            _open_in_memory(recipe, loaded, tmp, progress, device)
         load_s = time.perf_counter() - t0
-        ctx = StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, progress, device, tmp, tmp)
-        results: list[dict] = []
-        exported = None
-        for i, (stage, tag, run) in enumerate(zip(recipe.stages, tags, runners)):
-            if stage.type == "eval" and exported is None:
-                exported = _export(ctx, recipe, tmp, progress, verify)
-            ctx.state_dir = tmp / "state" / f"{i}-{stage.type}"
-            ctx.state_dir.mkdir(parents=True, exist_ok=True)
-            progress.info(f"stage {i}: {tag}")
-            t0 = time.perf_counter()
-            summary = run(stage, ctx)
-            results.append({"index": i, "stage": tag, "options": stage.model_dump(mode="json"),
-                            "seconds": round(time.perf_counter() - t0, 3), "result": summary})
-        if exported is None:
-            exported = _export(ctx, recipe, tmp, progress, verify)
-        report = {
-            "geminicompress": __version__,
-            "command": command or sys.argv,
-            "model": recipe.model,
-            "output": str(out),
-            "load_seconds": round(load_s, 3),
-            "total_seconds": round(time.perf_counter() - started, 3),
-            "export": exported,
-            "stages": results,
-            "versions": versions(),
-            "machine": machine(),
-        }
+        layers = [s for s in recipe.stages if s.type != "eval"]
+        if streamed:
+            results, export = _streamed(ctx, layers, tmp, verify, max_shard_bytes)
+        else:
+            results, export = _in_memory(ctx, layers, tmp, verify, max_shard_bytes)
+        for i, stage in enumerate(recipe.stages):
+            if stage.type == "eval":
+                results.append(_run_model_stage(ctx, i, stage, tmp))
+        report = {"geminicompress": __version__, "command": command or sys.argv, "model": recipe.model,
+                  "output": str(out), "load_seconds": round(load_s, 3),
+                  "total_seconds": round(time.perf_counter() - started, 3), "export": export, "stages": results,
+                  "versions": versions(), "machine": machine()}
         write_json(tmp / "report.json", report)
         (tmp / "recipe.yaml").write_text(recipe_yaml(recipe))
     if helper:
@@ -177,15 +110,153 @@ def _helper_rank() -> int:
     return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
 
 
-def _export(ctx: StageContext, recipe: Recipe, tmp: Path, progress: Progress, verify: bool = True) -> dict:
-    from geminicompress.verify import Probe
+def _source_dir(recipe: Recipe) -> Path | None:
+    """The local dense safetensors directory MODEL names (what a streamed run reads), else None."""
 
-    probe = Probe(ctx.model, ctx.tokenizer) if verify else None  # before export: exporters may cast the model
-    progress.info(f"writing {tmp.name.removeprefix('.').removesuffix('.partial')}")
-    t0 = time.perf_counter()
-    exporter = ctx.exporter or dense_exporter(recipe.output.dtype)
-    info = exporter(ctx.model, ctx.tokenizer, tmp)
-    info["seconds"] = round(time.perf_counter() - t0, 3)
+    path = local_dir(recipe.model)
+    return path if path is not None and is_streamable_dir(path) else None
+
+
+def _out_dtype(recipe: Recipe, stored: torch.dtype) -> torch.dtype:
+    """OUT's float dtype: the recipe's `output.dtype` when given; else float32 in memory, the input's own streamed."""
+    return getattr(torch, recipe.output.dtype) if "dtype" in recipe.output.model_fields_set else stored
+
+
+def _open_in_memory(recipe: Recipe, loaded: LoadedModel | None, tmp: Path, progress: Progress,
+                    device: torch.device) -> StageContext:
+    if loaded is None:  # a first distill stage may read its teacher, the recipe's model, layer by layer
+
+        loaded = streamed_input(recipe, progress)
+    if loaded is None:
+        progress.info(f"loading {recipe.model}")
+        loaded = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code, allow_pickle=recipe.allow_pickle)
+    torch.manual_seed(recipe.seed)
+    ctx = StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, progress, device, tmp, tmp,
+                       out_dtype=getattr(torch, recipe.output.dtype))
+    ctx.layers = ModelLayers(loaded.model) if loaded.model is not None else None
+    return ctx
+
+
+def _open_streamed(recipe: Recipe, path: Path, tmp: Path, progress: Progress, device: torch.device) -> StageContext:
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ckpt = LazyCheckpoint(path, trust_remote_code=recipe.trust_remote_code)
+    ctx = StageContext(ckpt.model, load_tokenizer(str(path), recipe.trust_remote_code), resolve_model(recipe.model),
+                       recipe, progress, device, tmp, tmp / "state" / "stream", out_dtype=_out_dtype(recipe, ckpt.dtype),
+                       source_dtype=ckpt.dtype, streamed=True)
+    ctx.layers = LazyLayers(ckpt, None)
+    ctx.state_dir.mkdir(parents=True, exist_ok=True)
+    return ctx
+
+
+def _result(i: int, stage: Any, seconds: float, summary: dict) -> dict:
+    return {"index": i, "stage": stage_tag(stage), "options": stage.model_dump(mode="json"),
+            "seconds": round(seconds, 3), "result": summary}
+
+
+def _in_memory(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, max_shard: int) -> tuple[list, dict]:
+    """Each stage on the model in memory (a layer stage walks it), then the walk that writes OUT."""
+    results: list[dict] = []
+    owner: tuple[Any, dict, dict] | None = None  # (the stage whose format OUT takes, its result, its kept tensors)
+    for i, stage in enumerate(stages):
+        ctx.state_dir = tmp / "state" / f"{i}-{stage.type}"
+        ctx.state_dir.mkdir(parents=True, exist_ok=True)
+        ctx.progress.info(f"stage {i}: {stage_tag(stage)}")
+        t0 = time.perf_counter()
+        cls, kind = runner(stage_tag(stage))
+        if kind == "model":
+            summary = cls(stage, ctx)
+            results.append(_result(i, stage, time.perf_counter() - t0, summary))
+            ctx.layers = ModelLayers(ctx.model)  # a distilled student replaces the model
+            continue
+        layer_stage, summary, kept = run_stage(stage, ctx)
+        results.append(_result(i, stage, time.perf_counter() - t0, summary))
+        if layer_stage.writer() is not None:
+            owner = (layer_stage, summary, kept)
+    ctx.state_dir = tmp / "state" / "out"
+    ctx.state_dir.mkdir(parents=True, exist_ok=True)
+    writer = owner[0].writer() if owner is not None else _dense(ctx)
+    kept = owner[2] if owner is not None else {}
+    probe = _probe(ctx, verify, unrounded=True)
+    shards = ShardWriter(ctx.state_dir / "shards", max_shard)
+    sink = ShardSink(shards, writer, lambda i, _: layer_kept(kept, i), probe=probe)
+    ctx.progress.info(f"writing {tmp.name.removeprefix('.').removesuffix('.partial')}")
+    walked = walk(ctx, [], sink, "writing")
+    export = _finish(ctx, tmp, shards, writer, owner[1] if owner is not None else {}, walked, probe, head=None)
+    return results, export
+
+
+def _streamed(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, max_shard: int) -> tuple[list, dict]:
+    """Every stage applied to layer i, and layer i written, before layer i+1 is read."""
+
+    layer_stages = [make_stage(s, ctx) for s in stages]
+    need = announce(ctx, layer_stages, max_shard)  # estimated memory and disk; refuses when the disk is short
+    n = len(layer_stages)
+    owners = [k for k, s in enumerate(layer_stages) if s.writer() is not None]
+    owner = owners[-1] if owners else None
+    writer = layer_stages[owner].writer() if owner is not None else _dense(ctx)
+    probe = _probe(ctx, verify)  # before any layer is read
+    shards = ShardWriter(ctx.state_dir / "shards", max_shard)
+    retain = retain_of(layer_stages)
+    sink = ShardSink(shards, writer, (lambda i, kept: stage_kept(kept, owner, n)) if owner is not None else
+                     (lambda i, kept: {}), load_back=load_back_of(layer_stages, writer), probe=probe, retain=retain,
+                     kept_writer=ShardWriter(ctx.state_dir / "kept") if retain is not None else None)
+    walked = walk(ctx, layer_stages, sink, "streamed layers")
+    results = [_result(k, stage, walked.seconds, s.summary(walked.summaries[k], walked.done(k, ctx)))
+               for k, (stage, s) in enumerate(zip(stages, layer_stages))]
+    hooks = [s.outside for s in layer_stages if hasattr(s, "outside")]
+    export = _finish(ctx, tmp, shards, writer, results[owner]["result"] if owner is not None else {}, walked, probe,
+                     head=_head(hooks) if hooks else None)
+    export.update(streamed=True, estimated=need)
+    if ctx.device.type == "cuda":
+        export["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
+    return results, export
+
+
+def _finish(ctx: StageContext, tmp: Path, shards: ShardWriter, writer: Any, result: dict, walked: Walked,
+            probe: Any, head: Any) -> dict:
+    """OUT's shards into place, config.json, the tokenizer; then the check of OUT."""
+    files = shards.finish(tmp)
+    info = writer.write_config(tmp, result)
+    ctx.tokenizer.save_pretrained(tmp)
+    export = {**info, "dtype": str(ctx.out_dtype).removeprefix("torch."), **files, "seconds": round(walked.seconds, 3),
+              "device": str(ctx.device)}
     if probe is not None:
-        info["verified"] = probe.check(tmp, ctx.model, trust_remote_code=recipe.trust_remote_code, progress=progress)
-    return info
+        export["verified"] = probe.check(tmp, head, ctx.state_dir, trust_remote_code=ctx.recipe.trust_remote_code,
+                                         progress=ctx.progress, streamed=True if ctx.streamed else None)
+    return export
+
+
+def _probe(ctx: StageContext, verify: bool, unrounded: bool = False) -> Any:
+    if not verify:
+        return None
+
+    return Probe(ctx.layers, ctx.tokenizer, ctx.out_dtype, ctx.device, unrounded=unrounded)
+
+
+def _head(hooks: list) -> Any:
+    """What a streamed run writes for a module outside the layers (the stages' `outside` hooks in order)."""
+    def module(name: str, read: Any) -> Any:
+        for hook in hooks:
+            changed = hook(name, read)
+            if changed is not None:
+                read = changed[0]
+        return read
+    return module
+
+
+def _dense(ctx: StageContext) -> Any:
+
+    return LayerWriter(ctx.model, ctx.out_dtype)
+
+
+def _run_model_stage(ctx: StageContext, i: int, stage: Any, tmp: Path) -> dict:
+    """An eval stage, after OUT is written (it loads OUT back from disk)."""
+    cls, _ = runner(stage_tag(stage))
+    ctx.state_dir = tmp / "state" / f"{i}-{stage.type}"
+    ctx.state_dir.mkdir(parents=True, exist_ok=True)
+    ctx.progress.info(f"stage {i}: {stage_tag(stage)}")
+    t0 = time.perf_counter()
+    summary = cls(stage, ctx)
+    return _result(i, stage, time.perf_counter() - t0, summary)

@@ -1,8 +1,9 @@
 """Verified on the way out: OUT, loaded back the way a user loads it, reproduces what the run computed.
 
 Probe: 2 windows x 64 token ids drawn with a fixed seed from the tokenizer's vocabulary (no data file).
-Before OUT is written they go through the in-process result: the model in memory after the stages, or,
-for a streamed run, each layer as it is finished and then the head (streaming/verify.py). After OUT is
+They are carried through the in-process result as OUT is written, the same way for a model in memory and
+for a streamed run: layer 0's inputs from the embeddings, each finished layer as it is written (the sink
+calls `Probe.advance` before handing the layer to the writer), then the final norm and head. After OUT is
 written into its hidden partial folder, it is loaded back in float32 (in memory by the project's loader
 when it fits, else one layer at a time by `models/lazy.py`, the reader `eval --stream` uses) and the
 same windows' logits are compared. Beyond the tolerance the run fails in one line before OUT is renamed
@@ -10,7 +11,8 @@ into place (output.py): a checkpoint that does not reproduce its model is never 
 
 What is compared with what. The in-process result is taken *as stored*: every float tensor rounded to
 the dtype OUT holds (what `--dtype` asks for), except the weights a format stores as integer codes and
-scales (gptq, awq, pack-quantized: `STORES_CODES`), which dequantize exactly to the in-process weights.
+scales (gptq, awq, pack-quantized: their writer's `exact_weights`), which dequantize exactly to the
+in-process weights.
 Both sides then hold identical values, run one window at a time on the same device, and can differ only
 in the order of float32 operations (a fused q/k/v GEMM, the dequantization formula): the bound is 1e-4
 of the largest |logit| (about 1,700 float32 unit roundoffs; every difference measured so far is 0).
@@ -31,19 +33,26 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
 
+from geminicompress.compress.arch import get_module
+from geminicompress.engine.layers import computing_in
 from geminicompress.errors import GeminiError
+from geminicompress.memory import too_big as over
+from geminicompress.models.forward import embed, final_hidden, head_logits, through_layer
+from geminicompress.models.lazy import LazyCheckpoint, LazyLayers, is_readable_dir, loaded_bytes
+from geminicompress.models.loading import load_model
 from geminicompress.progress import NullProgress, Progress
 
 WINDOWS, TOKENS, SEED = 2, 64, 0
-AUTO_FRACTION = 0.5  # load OUT in memory when its float32 weights take at most this share of available memory
 TOLERANCE = 1e-4  # of the largest |logit|: both sides hold the same values (see above)
+HeadModule = Callable[[str, nn.Module], nn.Module]  # what the run writes for a module outside the layers
 
 
 def probe_windows(tokenizer: Any, vocab_size: int) -> torch.Tensor:
@@ -79,18 +88,6 @@ def stored_dtype(out: Path) -> torch.dtype:
         str(config.get("dtype") or config.get("torch_dtype")), torch.float32)
 
 
-def code_weights(out: Path) -> list[str]:
-    """The weights the checkpoint at `out` stores as exact integer codes (names `<module>.weight`)."""
-    from geminicompress import formats
-    from geminicompress.models.lazy import read_headers
-
-    config = json.loads((out / "config.json").read_text())
-    key = formats.detect(config)
-    if not formats.stores_codes(key):
-        return []
-    return [f"{name}.weight" for name in formats.module_reader(out, config).modules(read_headers(out))]
-
-
 def compare(reference: torch.Tensor, got: torch.Tensor, stored: torch.dtype, loaded: str,
             unrounded: torch.Tensor | None = None, seconds: float = 0.0) -> dict[str, Any]:
     """The verification record; raises GeminiError when OUT's logits differ beyond the tolerance.
@@ -119,30 +116,78 @@ def _g(x: float) -> float:
 
 
 class Probe:
-    """The probe windows and the in-process model's logits on them, taken before export (exporters may
-    cast the model); `check(out, model)` compares OUT's with the model's as stored."""
+    """The probe windows carried through the run's finished layers as they are written, then checked
+    against OUT (the one check, for a model in memory and for a streamed run alike).
 
-    def __init__(self, model: nn.Module, tokenizer: Any) -> None:
+    Layer 0's inputs are captured from the source's embeddings as stored (a model in memory has them rounded
+    in place: it writes the same values); each finished layer, in the state it is written in, runs the probe
+    (`advance`, called by the shard sink before the layer is written); then the final norm and head, as
+    written. `unrounded`: the in-process logits before any rounding, for the record (a model in memory only).
+    Memory: the probe's (2, 64, hidden) activations."""
+
+    def __init__(self, source: Any, tokenizer: Any, out_dtype: torch.dtype, device: torch.device,
+                 unrounded: bool = False) -> None:
+
+        self.source, self.out_dtype, self.device = source, out_dtype, device
+        model = source.model
         self.windows = probe_windows(tokenizer, model.config.vocab_size)
-        self.reference = model_logits(model, self.windows)  # (n, T, vocab)
-        self.computed = {n: b.detach().clone() for n, b in _computed_buffers(model)}  # an exporter may cast them
+        self.unrounded = model_logits(model, self.windows) if unrounded else None
+        self.lazy = getattr(source, "ckpt", None) is not None
+        if not self.lazy:  # a model in memory: its embeddings rounded in place, as OUT holds them
+            as_stored(model.get_input_embeddings(), out_dtype)
+        self.hidden = embed(source, self.windows, device=device, stored=out_dtype)  # (n, T, d) float32
+        self.resumed: list[int] = []
 
-    def check(self, out: Path, model: nn.Module, *, trust_remote_code: bool = False,
-              progress: Progress | None = None, streamed: bool | None = None) -> dict[str, Any]:
-        """Load OUT back and compare its logits with the model's as stored; raise GeminiError beyond the
-        tolerance. Leaves `model` holding float32 tensors with the values OUT holds."""
+    @torch.no_grad()
+    def advance(self, layer: nn.Module, exact: dict[str, Callable[[], torch.Tensor]]) -> None:
+        """Run the probe through a finished layer as it is stored: floats rounded to the output dtype, the
+        linears `exact` names ({name relative to the layer: a function making its weight}) with those weights,
+        made one at a time (each replaces the module's own weight, so one extra weight is alive at most: all
+        of an 8B layer's at once were +0.87 GB, the streamed GPTQ run's peak)."""
+
+        with computing_in(layer, torch.float32):  # float32 copies of a lower-precision layer, put back after
+            as_stored(layer, self.out_dtype, [f"{n}.weight" for n in exact])
+            for name, make in exact.items():
+                get_module(layer, name).weight.data = make().to(self.device, torch.float32)
+            through_layer(layer, self.hidden.tensor, self.hidden.tensor, self.hidden.kwargs, device=self.device,
+                          dtype=torch.float32, batch=1)  # one window at a time, as the loaded side
+
+    def check(self, out: Path, head: HeadModule | None = None, state: Path | None = None, *,
+              trust_remote_code: bool = False, progress: Progress | None = None,
+              streamed: bool | None = None) -> dict[str, Any]:
+        """The head over the carried activations (`head(name, module)`: what the run writes for a module
+        outside the layers, e.g. an INT8 head made at write time), then OUT loaded back (in memory when it
+        fits, else one layer at a time; `streamed` forces either) and compared. On a failure the run's resume
+        state (`state`) goes too: its finished layers are what was written wrong, and a rerun resuming from
+        them would skip the check."""
+
         progress = progress or NullProgress()
-        t0 = time.perf_counter()
-        streamed = too_big(out) if streamed is None else streamed
-        progress.info(f"verifying {final_name(out)}: loading it back {'one layer at a time' if streamed else 'in memory'}")
-        got = loaded_logits(out, self.windows, trust_remote_code, streamed, next(model.parameters()).device)
-        stored = stored_dtype(out)
-        as_stored(model, stored, code_weights(out))
-        for name, value in self.computed.items():
-            _set_buffer(model, name, value)
-        reference = model_logits(model, self.windows) if stored != torch.float32 else self.reference
-        return compare(reference, got, stored, "streamed" if streamed else "in-memory", self.reference,
-                       time.perf_counter() - t0)
+        try:
+            if self.resumed:
+                return {"windows": list(self.windows.shape), "skipped": f"the run resumed: layers {self.resumed[0]}-"
+                        f"{self.resumed[-1]} were finished by an earlier process, which did not carry the probe"}
+            t0 = time.perf_counter()
+
+            def as_written(name: str, module: nn.Module) -> nn.Module:
+                module = head(name, module) if head is not None else module
+                as_stored(module, self.out_dtype)
+                return module
+
+            parts = dict(head_logits(self.source, self.hidden, device=self.device, transform=as_written))
+            reference = torch.cat([parts[k] for k in sorted(parts)])
+            streamed = too_big(out) if streamed is None else streamed
+            progress.info(f"verifying {final_name(out)}: loading it back "
+                          f"{'one layer at a time' if streamed else 'in memory'}")
+            got = loaded_logits(out, self.windows, trust_remote_code, streamed, self.device)
+            try:
+                return compare(reference, got, stored_dtype(out), "streamed" if streamed else "in-memory",
+                               self.unrounded, seconds=time.perf_counter() - t0)
+            except GeminiError:
+                if state is not None:
+                    shutil.rmtree(state, ignore_errors=True)
+                raise
+        finally:
+            self.hidden.close()
 
 
 def final_name(out: Path) -> str:
@@ -150,11 +195,9 @@ def final_name(out: Path) -> str:
 
 
 def too_big(out: Path) -> bool:
-    """Whether OUT, loaded in float32, would take more than AUTO_FRACTION of the available memory."""
-    from geminicompress.eval.streamed import loaded_bytes
-    from geminicompress.models.lazy import available_memory, is_readable_dir
+    """Whether OUT, loaded in float32, would not fit in memory (memory.too_big: the one rule)."""
 
-    return is_readable_dir(out) and loaded_bytes(out, torch.float32) > AUTO_FRACTION * available_memory()
+    return is_readable_dir(out) and over(loaded_bytes(out, torch.float32))
 
 
 def loaded_logits(out: Path, windows: torch.Tensor, trust_remote_code: bool, streamed: bool,
@@ -163,8 +206,6 @@ def loaded_logits(out: Path, windows: torch.Tensor, trust_remote_code: bool, str
     computed on `device` one window at a time like the in-process side: with per-token INT8 activations a
     last-bit difference (a batched matmul) can flip an activation code, which is not what is checked here."""
     if streamed:
-        from geminicompress.models.forward import final_hidden, head_logits
-        from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 
         source = LazyLayers(LazyCheckpoint(out, trust_remote_code=trust_remote_code), torch.float32)
         hidden = final_hidden(source, windows, device=device, batch=1)
@@ -172,7 +213,6 @@ def loaded_logits(out: Path, windows: torch.Tensor, trust_remote_code: bool, str
             return torch.cat([logits for _, logits in head_logits(source, hidden, device=device)])
         finally:
             hidden.close()
-    from geminicompress.models.loading import load_model
 
     model = load_model(str(out), dtype=torch.float32, trust_remote_code=trust_remote_code).model.to(device)
     try:
@@ -180,14 +220,3 @@ def loaded_logits(out: Path, windows: torch.Tensor, trust_remote_code: bool, str
     finally:
         del model
         gc.collect()
-
-
-def _computed_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [(f"{prefix}.{n}" if prefix else n, b) for prefix, owner in model.named_modules()
-            for n, b in owner._buffers.items() if b is not None and n in owner._non_persistent_buffers_set]
-
-
-def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
-    prefix, _, leaf = name.rpartition(".")
-    owner = model.get_submodule(prefix) if prefix else model
-    owner._buffers[leaf] = value.to(owner._buffers[leaf].device)

@@ -1,4 +1,4 @@
-"""Stages used only by the foundation tests, so the pipeline can be tested before real stages exist."""
+"""Model stages (run(cfg, ctx) -> dict) used only by the foundation tests: the pipeline tested without a real stage."""
 
 import torch
 

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from geminicompress import pipeline
+from geminicompress import methods
 from geminicompress.cli import app
 
 runner = CliRunner()
@@ -34,14 +34,14 @@ def test_every_registered_method_resolves_to_its_config_and_runner():
 
     for name, m in METHODS.items():
         assert name in typing.get_args(m.config.model_fields["method"].annotation)
-        assert callable(pipeline.stage_runner(f"quantize:{name}"))
+        assert callable(methods.runner(f"quantize:{name}")[0])
         assert STAGE_CONFIGS[f"quantize:{name}"] is m.config
         assert m.default_format == m.config.model_fields["format"].default
     assert "rtn" in invoke("quantize", "--help").output
 
 
 def test_pipeline_writes_loadable_output_with_report(tiny_dir, tmp_path, monkeypatch):
-    monkeypatch.setitem(pipeline.STAGES, "prune", "stage_for_tests:zero_first_layer")
+    monkeypatch.setitem(methods.STAGES, "prune", ("stage_for_tests:zero_first_layer", "model"))
     before = AutoModelForCausalLM.from_pretrained(tiny_dir).model.layers[0].self_attn.q_proj.weight.clone()
     out = tmp_path / "out"
     res = invoke("prune", tiny_dir, "-o", out, "--quiet")
@@ -64,7 +64,7 @@ def test_pipeline_writes_loadable_output_with_report(tiny_dir, tmp_path, monkeyp
 
 
 def test_existing_output_needs_force(tiny_dir, tmp_path, monkeypatch):
-    monkeypatch.setitem(pipeline.STAGES, "prune", "stage_for_tests:zero_first_layer")
+    monkeypatch.setitem(methods.STAGES, "prune", ("stage_for_tests:zero_first_layer", "model"))
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
@@ -78,7 +78,7 @@ def test_existing_output_needs_force(tiny_dir, tmp_path, monkeypatch):
 
 
 def test_failed_stage_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
-    monkeypatch.setitem(pipeline.STAGES, "prune", "stage_for_tests:explode")
+    monkeypatch.setitem(methods.STAGES, "prune", ("stage_for_tests:explode", "model"))
     res = invoke("prune", tiny_dir, "-o", tmp_path / "out", "-q")
     assert res.exit_code == 1
     assert "stage failed halfway" in res.output and "Traceback" not in res.output
@@ -132,3 +132,23 @@ def test_recipes_lists_bundled():
     res = invoke("recipes", "quickstart")
     assert "stages:" in res.output
     assert invoke("recipes", "nope").exit_code == 2
+
+
+def test_every_method_option_comes_from_its_config():
+    """Adding an option to a method is one field in its config: `quantize` and `prune` take every field of the
+    registry's configs (those a recipe alone sets, such as overrides, excepted) as an option with help."""
+    import inspect
+
+    from geminicompress.commands.prune import prune
+    from geminicompress.commands.quantize import quantize
+    from geminicompress.methods import METHODS
+    from geminicompress.recipes.schema import PruneStage
+
+    skip = {"type", "method", "data", "allocation", "overrides"}
+    for command, configs in ((quantize, [m.config for m in METHODS.values()]), (prune, [PruneStage])):
+        params = inspect.signature(command).parameters
+        fields = {f for cls in configs for f in cls.model_fields} - skip
+        assert fields <= set(params), fields - set(params)
+        assert all(params[f].default.help for f in fields)
+    res = invoke("quantize", "--help")
+    assert "--search-windows" in res.output and "--multi-pass" in res.output and "--asym" in res.output

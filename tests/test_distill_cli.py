@@ -17,7 +17,7 @@ from geminicompress.distill.topk_cache import build_topk_cache
 from geminicompress.distill.train import train
 from geminicompress.eval.speculative import measure_speculative
 from geminicompress.models.loading import load_model
-from geminicompress.pipeline import StageContext
+from geminicompress.engine.contract import StageContext
 from geminicompress.progress import NullProgress
 from geminicompress.recipes.schema import Recipe
 from tiny import save_tiny, tiny_model, tiny_tokenizer
@@ -156,9 +156,9 @@ def test_speculative_measurement_counts_acceptance():
 
 
 def test_helper_ranks_of_a_multi_process_launch_write_nothing(tiny_dir, tmp_path, monkeypatch):
-    from geminicompress import pipeline
+    from geminicompress import methods
 
-    monkeypatch.setitem(pipeline.STAGES, "prune", "stage_for_tests:zero_first_layer")
+    monkeypatch.setitem(methods.STAGES, "prune", ("stage_for_tests:zero_first_layer", "model"))
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     res = invoke("prune", tiny_dir, "-o", tmp_path / "out", "--quiet")

@@ -42,7 +42,8 @@ def _anchors(path: Path) -> set[str]:
 
 def broken_links(root: Path) -> list[str]:
     bad = []
-    for f in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+    pages = [root / "README.md", *([root / "CHANGELOG.md"] if (root / "CHANGELOG.md").exists() else [])]
+    for f in [*pages, *sorted((root / "docs").glob("*.md"))]:
         for i, line in enumerate(_unfenced(f.read_text()), 1):
             for target in re.findall(r"\]\(([^)\s]+)\)", line):
                 if re.match(r"[a-z]+:", target):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from geminicompress import pipeline
+from geminicompress import methods, pipeline
 from geminicompress.cli import app
 from geminicompress.eval.api import evaluate
 from geminicompress.models import load_model
@@ -195,7 +195,7 @@ def test_cli_draft_and_tasks_degrade_to_one_line(dirs, text_file, tmp_path, monk
 def test_eval_stage_at_the_end_of_a_recipe(dirs, text_file, tmp_path, monkeypatch):
     from geminicompress.recipes.schema import Recipe
 
-    monkeypatch.setitem(pipeline.STAGES, "prune", "stage_for_tests:zero_first_layer")
+    monkeypatch.setitem(methods.STAGES, "prune", ("stage_for_tests:zero_first_layer", "model"))
     base = dirs[0]
     recipe = Recipe(model=str(base), stages=[{"type": "prune"}, {**FAST, "data": str(text_file), "latency": False}])
     out = tmp_path / "out"

@@ -8,8 +8,10 @@ import json
 
 import pytest
 import torch
+from tiny import save_tiny
 from typer.testing import CliRunner
 
+from geminicompress import memory
 from geminicompress.cli import app
 from geminicompress.eval import streamed as streamed_mod
 from geminicompress.eval.api import evaluate
@@ -18,7 +20,6 @@ from geminicompress.models.loading import load_model
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage
 from geminicompress.recipes.schema import EvalStage
-from tiny import save_tiny
 
 FAST = dict(type="eval", seq_len=64, max_tokens=640, prompt_len=8, gen_len=3, batch_sizes=[1], repeats=1, warmup=0)
 QUALITY = ("perplexity", "mean_nll", "kl_to_baseline", "top1_agreement", "ppl_ratio", "tokens", "windows")
@@ -99,12 +100,14 @@ def test_automatic_when_the_weights_exceed_available_memory(models, text_file, m
     base, noisy, _ = models
     size = streamed_mod.loaded_bytes(base, torch.float32)
     assert size == pytest.approx(sum(p.numel() for p in load_model(str(base)).model.parameters()) * 4, rel=0.01)
-    monkeypatch.setattr(streamed_mod, "available_memory", lambda: int(1.9 * size))  # base exceeds half of it
+    monkeypatch.setattr(memory, "available_memory", lambda: int(1.9 * size))  # base exceeds half of it (the one rule)
+    monkeypatch.setattr(streamed_mod, "available_memory", lambda: int(1.9 * size))
     opts = EvalStage(**{**FAST, "latency": False})
     report = evaluate([str(noisy)], str(base), str(text_file), None, opts)
     assert all(m["streamed"].startswith("its weights take") for m in report["models"])
     report = evaluate([str(noisy)], str(base), str(text_file), None, opts, stream=False)
     assert all(m["streamed"] is None for m in report["models"])
+    monkeypatch.setattr(memory, "available_memory", lambda: int(2.1 * size))
     monkeypatch.setattr(streamed_mod, "available_memory", lambda: int(2.1 * size))
     report = evaluate([str(noisy)], str(base), str(text_file), None, opts)
     assert all(m["streamed"] is None for m in report["models"])

@@ -122,9 +122,9 @@ def test_recipe_threads_key_is_validated():
 
 
 def test_threads_option_applies_before_work(tiny_dir, tmp_path, monkeypatch):
-    from geminicompress import pipeline
+    from geminicompress import methods
 
-    monkeypatch.setitem(pipeline.STAGES, "prune", "stage_for_tests:zero_first_layer")
+    monkeypatch.setitem(methods.STAGES, "prune", ("stage_for_tests:zero_first_layer", "model"))
     seen = {}
     import stage_for_tests
 

@@ -125,8 +125,8 @@ def test_other_architectures(tmp_path, text_file, kind):
 
 
 def test_resume_restores_finished_layers(tiny_dir, text_file, tmp_path):
-    from geminicompress.compress.gptq import stage as gptq_stage
-    from geminicompress.pipeline import StageContext
+    from geminicompress.engine.run import run_stage
+    from geminicompress.engine.contract import StageContext
     from geminicompress.progress import NullProgress
 
     recipe = recipe_from_stage(str(tiny_dir), {"type": "quantize", "method": "gptq", "group_size": 32},
@@ -137,7 +137,7 @@ def test_resume_restores_finished_layers(tiny_dir, text_file, tmp_path):
         ctx = StageContext(loaded.model, loaded.tokenizer, resolve_model(str(tiny_dir)), recipe, NullProgress(),
                            CPU, tmp_path, tmp_path / "state")
         (tmp_path / "state").mkdir(exist_ok=True)
-        results.append((gptq_stage.run(recipe.stages[0], ctx), loaded.model))
+        results.append((run_stage(recipe.stages[0], ctx)[1], loaded.model))
     (first, a), (second, b) = results
     assert all(layer.get("resumed") for layer in second["layers"])
     assert second["total_error"] == first["total_error"]

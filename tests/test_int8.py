@@ -7,7 +7,13 @@ import torch.nn as nn
 from geminicompress.compress.fold import fold_scales
 from geminicompress.compress.int8 import smoothquant as sq
 from geminicompress.compress.int8.modules import Int8WeightOnlyLinear, W8A8Linear, fbgemm_available
-from geminicompress.compress.int8.quant import channel_scales, dequantize, fake_quantize_tokens, quantize, quantize_weight
+from geminicompress.compress.int8.quant import (
+    channel_scales,
+    dequantize,
+    fake_quantize_tokens,
+    quantize,
+    quantize_weight,
+)
 
 
 def test_channel_scales_and_codes_known_answer():
@@ -110,18 +116,32 @@ def test_folding_leaves_the_float_model_unchanged(kind):
     assert torch.allclose(model(ids).logits, before, atol=1e-4)
 
 
-def test_activation_maxima_are_window_maxima_averaged_per_channel():
-    from tiny import tiny_model
+def test_smoothquant_statistic_is_window_maxima_averaged_per_channel(tmp_path):
+    """The w8a8 stage smooths down_proj with s from the mean over the windows of each window's max |x| per
+    channel, taken on the float layer's inputs (not the max over all tokens, which grows with the text)."""
+    from tiny import tiny_model, tiny_tokenizer
 
-    model = tiny_model()
-    name = "model.layers.0.mlp.down_proj"
+    from geminicompress.engine.contract import StageContext
+    from geminicompress.engine.run import run_stage
+    from geminicompress.progress import NullProgress
+    from geminicompress.recipes.quantize import Int8Stage
+    from geminicompress.recipes.schema import Recipe
+
+    model, copy = tiny_model(), tiny_model()
+    windows = torch.randint(0, 384, (3, 16), generator=torch.Generator().manual_seed(0))
     seen = []
-    handle = model.model.layers[0].mlp.down_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach()))
-    windows = torch.randint(0, 384, (3, 16))
-    maxima = sq.activation_maxima(model, windows, [name])
+    handle = copy.model.layers[1].mlp.down_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach()))
+    with torch.no_grad():
+        for w in windows:  # the float model, one window at a time
+            copy(w.unsqueeze(0))
     handle.remove()
-    assert len(seen) == 3  # one forward per window
-    expected = torch.stack([s.reshape(-1, s.shape[-1]).abs().amax(dim=0) for s in seen]).mean(dim=0)
-    assert torch.allclose(maxima[name], expected)
+    mean_max = torch.stack([s.reshape(-1, s.shape[-1]).abs().amax(dim=0) for s in seen]).mean(dim=0)
+    expected = sq.smooth_scales(mean_max, sq.weight_column_max([copy.model.layers[1].mlp.down_proj]), 0.5)
     overall = torch.cat([s.reshape(-1, s.shape[-1]) for s in seen]).abs().amax(dim=0)
-    assert (maxima[name] <= overall + 1e-6).all() and (maxima[name] < overall - 1e-6).any()
+    assert (mean_max < overall - 1e-6).any()  # the two statistics differ here
+    ctx = StageContext(model, tiny_tokenizer(), None, Recipe(model="tiny", stages=[{"type": "quantize", "method": "w8a8"}]),
+                       NullProgress(), torch.device("cpu"), tmp_path, tmp_path)
+    ctx.calibration = lambda data=None, samples=None, seq_len=None: windows
+    summary = run_stage(Int8Stage(method="w8a8"), ctx)[1]
+    row = next(r for r in summary["layers"] if r["name"] == "model.layers.1.mlp.down_proj")
+    assert row["smoothquant_max_scale"] == round(float(expected.max()), 4)

@@ -1,7 +1,6 @@
 """The int8 / w8a8 stage on a tiny Llama: accuracy against fp32, the on-disk format, round trip, CLI errors."""
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,8 +8,9 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
-from geminicompress.compress.int8 import stage
 from geminicompress.compress.int8.modules import Int8WeightOnlyLinear, W8A8Linear
+from geminicompress.engine.contract import StageContext
+from geminicompress.engine.run import run_stage
 from geminicompress.models.loading import load_model
 from geminicompress.progress import NullProgress
 from geminicompress.recipes.quantize import Int8Stage
@@ -19,11 +19,12 @@ from geminicompress.recipes.schema import Recipe
 runner = CliRunner()
 
 
-def _ctx(model, tok):
+def _ctx(model, tok, tmp_path):
     recipe = Recipe(model="tiny", stages=[{"type": "quantize", "method": "w8a8"}])
     windows = torch.randint(0, 384, (4, 64), generator=torch.Generator().manual_seed(0))
-    return SimpleNamespace(model=model, tokenizer=tok, recipe=recipe, progress=NullProgress(), exporter=None,
-                           calibration=lambda data=None, samples=None, seq_len=None: windows)
+    ctx = StageContext(model, tok, None, recipe, NullProgress(), torch.device("cpu"), tmp_path, tmp_path)
+    ctx.calibration = lambda data=None, samples=None, seq_len=None: windows
+    return ctx
 
 
 def _logit_errors(model, reference, ids):
@@ -34,13 +35,13 @@ def _logit_errors(model, reference, ids):
 
 # Measured on this random tiny model: relative error 0.020 (int8), 0.027 (w8a8, with or without SmoothQuant).
 @pytest.mark.parametrize("method,alpha,tolerance", [("int8", None, 0.03), ("w8a8", None, 0.04), ("w8a8", 0.5, 0.04)])
-def test_logits_stay_close_to_fp32(method, alpha, tolerance, tok):
+def test_logits_stay_close_to_fp32(method, alpha, tolerance, tok, tmp_path):
     """Tolerance: ||Δlogits|| / ||logits|| over 2 x 32 tokens, and >= 85% of the fp32 top-1 tokens kept."""
     from tiny import tiny_model
 
     reference, model = tiny_model(), tiny_model()
-    ctx = _ctx(model, tok)
-    summary = stage.run(Int8Stage(method=method, smoothquant_alpha=alpha), ctx)
+    ctx = _ctx(model, tok, tmp_path)
+    summary = run_stage(Int8Stage(method=method, smoothquant_alpha=alpha), ctx)[1]
     cls = W8A8Linear if method == "w8a8" else Int8WeightOnlyLinear
     assert sum(isinstance(m, cls) for m in model.modules()) == summary["quantized"] == 14
     assert summary["kept_float"] == {"lm_head": "ignore 'lm_head'"}
@@ -54,14 +55,18 @@ def test_logits_stay_close_to_fp32(method, alpha, tolerance, tok):
 
 @pytest.mark.parametrize("method", ["int8", "w8a8"])
 def test_save_load_round_trip_is_identical(method, tok, tmp_path):
-    from tiny import tiny_model
+    from tiny import save_tiny
 
-    model = tiny_model()
-    ctx = _ctx(model, tok)
-    stage.run(Int8Stage(method=method, smoothquant_alpha=0.5 if method == "w8a8" else None), ctx)
-    info = ctx.exporter(model, tok, tmp_path)
-    assert info["quantized_linears"] == 14
-    loaded = load_model(str(tmp_path))
+    from geminicompress.pipeline import run_recipe
+    from geminicompress.recipes.loader import recipe_from_stage
+
+    src = save_tiny(tmp_path / "src")
+    recipe = recipe_from_stage(str(src), {"type": "quantize", "method": method}, {"samples": 4, "seq_len": 64}, "test")
+    loaded_src = load_model(str(src))
+    report = run_recipe(recipe, tmp_path / "out", device=torch.device("cpu"), loaded=loaded_src, verify=False)
+    model = loaded_src.model  # the model in memory after the stage
+    assert report["export"]["quantized_linears"] == 14
+    loaded = load_model(str(tmp_path / "out"))
     assert loaded.format == "compressed-tensors:int-quantized"
     cls = W8A8Linear if method == "w8a8" else Int8WeightOnlyLinear
     assert isinstance(loaded.model.model.layers[1].mlp.down_proj, cls)

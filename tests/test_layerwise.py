@@ -38,14 +38,16 @@ def test_modifications_feed_the_next_layer_and_resume(tmp_path):
         return {"err": float(job.index)}, {"marker": torch.tensor([job.index])}
 
     a = tiny_model()
-    summaries, kept = run_layerwise(a, windows, halve, device=CPU, state_dir=tmp_path)
+    walked = run_layerwise(a, windows, halve, device=CPU, state_dir=tmp_path)
+    summaries, kept = walked.summaries, walked.kept
     assert calls == [0, 1]
     assert [s["err"] for s in summaries] == [0.0, 1.0]
     assert kept["1.marker"].item() == 1
     # a fresh run over the same state directory restores both layers instead of processing them
     calls.clear()
     b = tiny_model()
-    summaries, kept = run_layerwise(b, windows, halve, device=CPU, state_dir=tmp_path)
+    walked = run_layerwise(b, windows, halve, device=CPU, state_dir=tmp_path)
+    summaries, kept = walked.summaries, walked.kept
     assert calls == [] and all(s["resumed"] for s in summaries)
     assert kept["0.marker"].item() == 0
     for p, q in zip(a.parameters(), b.parameters()):

@@ -136,13 +136,13 @@ def test_unknown_quantization_format_is_refused(written, tmp_path):
 
 def test_sharded_quantized_output_read_one_layer_at_a_time(tmp_path, text_file):
     """A streamed GPTQ output in ~20 KB shards: a module's packed tensors spread over several files."""
-    from geminicompress.streaming import run_streamed
+    from geminicompress.pipeline import run_recipe
 
     src = save_tiny(tmp_path / "src", num_hidden_layers=3)
     recipe = recipe_from_stage(str(src), CASES["gptq"][0], {"data": str(text_file), "samples": 6, "seq_len": 64},
                                "test")
     out = tmp_path / "out"
-    run_streamed(recipe, out, max_shard_bytes=20_000)
+    run_recipe(recipe, out, stream=True, max_shard_bytes=20_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     up = {index[k] for k in index if k.startswith("model.layers.1.mlp.")}
     assert len(set(index.values())) > 5 and len(up) > 1  # one layer's quantized MLP in more than one file

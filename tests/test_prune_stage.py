@@ -93,8 +93,8 @@ def test_global_scope_differs_per_layer_and_ignore(tiny_dir, tmp_path):
 
 
 def test_stage_sets_masks_for_distill(tiny_dir):
-    from geminicompress.compress.prune.stage import run
-    from geminicompress.pipeline import StageContext
+    from geminicompress.engine.run import run_stage
+    from geminicompress.engine.contract import StageContext
     from geminicompress.progress import NullProgress
     from geminicompress.recipes.schema import PruneStage, Recipe
 
@@ -111,7 +111,7 @@ def test_stage_sets_masks_for_distill(tiny_dir):
     with tempfile.TemporaryDirectory() as d:
         ctx = StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, Progress(), torch.device("cpu"),
                            Path(d), Path(d))
-        summary = run(PruneStage(type="prune", sparsity=0.95), ctx)
+        summary = run_stage(PruneStage(type="prune", sparsity=0.95), ctx)[1]
     assert set(ctx.masks) == {r["name"] for r in summary["layers"]}
     assert warnings and all("under the global threshold" in w for w in warnings)
     assert len(warnings) == len(summary["layers_over_90pct"])

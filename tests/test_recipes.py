@@ -6,7 +6,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from geminicompress import pipeline
+from geminicompress import methods, pipeline
 from geminicompress.cli import app
 from geminicompress.errors import InputError
 from geminicompress.recipes.loader import apply_overrides, bundled_recipes, load_recipe
@@ -105,4 +105,4 @@ def test_every_bundled_recipe_validates(tiny_dir):
         recipe, _ = load_recipe(name, [f"model={tiny_dir}"])
         assert recipe.stages
         for tag in (pipeline.stage_tag(s) for s in recipe.stages):
-            assert tag in pipeline.STAGES
+            assert tag in methods.STAGES

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import tiny_model, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from geminicompress import pipeline
+from geminicompress import memory, pipeline
 from geminicompress.cli import app
 from geminicompress.distill import streamed_teacher as ST
 from geminicompress.distill.stage import _teacher_ppl
@@ -20,7 +21,6 @@ from geminicompress.distill.student import derive_student, student_from_config
 from geminicompress.distill.topk_cache import build_topk_cache, cache_key
 from geminicompress.models.lazy import LazyCheckpoint
 from geminicompress.models.loading import load_model
-from tiny import tiny_model, tiny_tokenizer
 
 CPU = torch.device("cpu")
 K = 16
@@ -173,7 +173,7 @@ def test_distill_cli_with_a_streamed_teacher(teacher_dir, text_file, tmp_path, m
 
 def test_a_teacher_that_does_not_fit_streams_by_itself(teacher_dir, text_file, tmp_path, monkeypatch):
     monkeypatch.setenv("GEMINICOMPRESS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(ST, "available_memory", lambda: 100_000)  # less than twice its float32 weights
+    monkeypatch.setattr(memory, "available_memory", lambda: 100_000)  # less than twice its float32 weights
     out = tmp_path / "o"
     res = _invoke("distill", "--teacher", teacher_dir, "--topk-cache", K, "-o", out, "--data", text_file, *FAST)
     assert res.exit_code == 0, res.output

@@ -21,7 +21,8 @@ from geminicompress.formats.checkpoint import read_tensors
 from geminicompress.formats.shards import DiskFullError, ShardWriter
 from geminicompress.models.lazy import LazyCheckpoint, LazyTensors
 from geminicompress.recipes.loader import recipe_from_stage
-from geminicompress.streaming import ShardSink, run_streamed
+from geminicompress.engine.sinks import ShardSink
+from geminicompress.pipeline import run_recipe
 from tiny import tiny_model, tiny_tokenizer
 
 runner = CliRunner()
@@ -58,6 +59,10 @@ def _same_tensors(a: Path, b: Path) -> None:
 
 def invoke(*args):
     return runner.invoke(app, [str(a) for a in args])
+
+
+def run_streamed(recipe, out: Path, **kwargs) -> dict:
+    return run_recipe(recipe, out, stream=True, device=torch.device("cpu"), **kwargs)
 
 
 # ---- the lazy checkpoint ----
@@ -194,6 +199,8 @@ def test_shard_writer_writes_each_byte_once_and_survives_a_kill_at_close(tmp_pat
 
     if max_bytes == 600:
         monkeypatch.setattr(shards_mod, "header_reserve", lambda max_bytes: 64)  # smaller than any header
+    else:
+        monkeypatch.setattr(shards_mod, "SMALL_SHARD", 0)  # the header written in place however small the shard
     units = _units()
     flat = {k: v for u in units for k, v in u.items()}
     writer = ShardWriter(tmp_path / "work", max_bytes=max_bytes)
@@ -215,6 +222,22 @@ def test_shard_writer_writes_each_byte_once_and_survives_a_kill_at_close(tmp_pat
         data = sum(v.numel() * v.element_size() for v in flat.values())
         assert info["files"] == ["model.safetensors"]
         assert (tmp_path / "out" / "model.safetensors").stat().st_size == shards_mod.header_reserve(10**6) + data
+
+
+def test_a_small_shard_is_written_without_padding(tmp_path):
+    """A shard whose data is small next to the header reserve is rewritten with its exact header: a small
+    model's checkpoint is as big as its tensors (header + data), not padded by the reserve."""
+    import struct
+
+    flat = {k: v for u in _units() for k, v in u.items()}
+    writer = ShardWriter(tmp_path / "work")  # 2 GB shards: a 1 MB reserve
+    writer.write("unit0", flat)
+    (tmp_path / "out").mkdir()
+    writer.finish(tmp_path / "out")
+    raw = (tmp_path / "out" / "model.safetensors").read_bytes()
+    header = struct.unpack("<Q", raw[:8])[0]
+    data = sum(v.numel() * v.element_size() for v in flat.values())
+    assert len(raw) == 8 + header + data and header < 2048
 
 
 def test_shard_writer_disk_full_is_one_line_and_resumable(tmp_path, monkeypatch):
@@ -327,21 +350,21 @@ def test_multishard_output_index_and_resume_after_crash(sharded, tmp_path, monke
 def test_a_failure_after_the_shards_are_placed_still_resumes(sharded, tmp_path, monkeypatch):
     """The writer's shards are hard-linked into the output, not moved: a failure after that (here while
     saving the tokenizer) keeps a whole resume state, and the rerun recomputes no layer."""
-    from geminicompress.streaming import run as run_mod
+    from geminicompress.formats.writer import LayerWriter
 
     recipe = _recipe(sharded, {"type": "prune", "sparsity": 0.4})
     run_streamed(recipe, tmp_path / "straight", max_shard_bytes=50_000)
-    save = run_mod._save_tokenizer
+    save = LayerWriter.write_config
 
     def failing(*args, **kwargs):
         raise RuntimeError("late failure")
 
-    monkeypatch.setattr(run_mod, "_save_tokenizer", failing)
+    monkeypatch.setattr(LayerWriter, "write_config", failing)  # config.json is written after the shards are placed
     out = tmp_path / "late"
     with pytest.raises(RuntimeError, match="late failure"):
         run_streamed(recipe, out, max_shard_bytes=50_000)
     assert not out.exists()
-    monkeypatch.setattr(run_mod, "_save_tokenizer", save)
+    monkeypatch.setattr(LayerWriter, "write_config", save)
     seen = []
     finish = ShardSink.finish
     monkeypatch.setattr(ShardSink, "finish", lambda self, i, *a: seen.append(i) or finish(self, i, *a))
@@ -362,13 +385,44 @@ def test_multi_stage_recipe_applies_every_stage_per_layer(sharded, tmp_path):
 
 
 def test_not_streamable_recipe_is_refused_in_one_line(sharded, tmp_path):
-    res = invoke("prune", sharded, "-o", tmp_path / "out", "-q", "--stream", "--method", "wanda", "--allocation", "owl")
+    """What needs the whole model in memory says so: measuring a sensitivity table for an allocation."""
+    res = invoke("prune", sharded, "-o", tmp_path / "out", "-q", "--stream", "--method", "wanda",
+                 "--allocation", "sensitivity")
     assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
-    assert "--stream: stage 0: prune --allocation owl needs a whole-model pass" in res.output, res.output
+    assert "--stream: stage 0: prune --allocation sensitivity measures its sensitivity table with the model in " \
+           "memory" in res.output, res.output
     assert not (tmp_path / "out").exists()
-    with pytest.raises(GeminiError, match="gptq with an allocation or overrides"):
-        run_streamed(_recipe(sharded, {"type": "quantize", "method": "gptq", "overrides": {
-            "model.layers.0.mlp.down_proj": "b8g32"}}), tmp_path / "o2")
+    with pytest.raises(GeminiError, match="gptq mixed precision measures its sensitivity table"):
+        run_streamed(_recipe(sharded, {"type": "quantize", "method": "gptq", "allocation": {"target_bits": 3.5}}),
+                     tmp_path / "o2")
+
+
+@pytest.mark.parametrize("args", [
+    ["prune", "--method", "wanda", "--allocation", "owl", "--samples", "4", "--calib-seq-len", "48"],
+    ["quantize", "--method", "gptq", "--group-size", "32", "--samples", "4", "--calib-seq-len", "48",
+     "--calib-dtype", "float32"],
+])
+def test_whole_model_decisions_stream_as_pre_passes(sharded, tmp_path, args):
+    """OWL's outlier pass walks the checkpoint layer by layer; GPTQ overrides (mixed precision) are per-layer
+    specs: both stream and equal the run in memory (bfloat16 output) bitwise."""
+    extra = []
+    if args[0] == "quantize":
+        override = tmp_path / "r.yaml"
+        override.write_text(json.dumps({"model": str(sharded), "calibration": {"samples": 4, "seq_len": 48},
+                                        "output": {"dtype": "bfloat16"}, "stages": [
+            {"type": "quantize", "method": "gptq", "group_size": 32, "calib_dtype": "float32",
+             "overrides": {"model.layers.1.mlp.down_proj": "b8g32"}}]}))
+        for mode, out in (("--stream", "str"), ("--no-stream", "mem")):
+            res = invoke("run", override, "-o", tmp_path / out, "-q", mode)
+            assert res.exit_code == 0, res.output
+        dynamic = json.loads((tmp_path / "str" / "quantize_config.json").read_text())["dynamic"]
+        assert dynamic["+:^model\\.layers\\.1\\.mlp\\.down_proj$"]["bits"] == 8
+    else:
+        res = invoke(*args[:1], sharded, "-o", tmp_path / "str", "-q", "--stream", *args[1:], *extra)
+        assert res.exit_code == 0, res.output
+        res = invoke(*args[:1], sharded, "-o", tmp_path / "mem", "-q", "--no-stream", "--dtype", "bfloat16", *args[1:])
+        assert res.exit_code == 0, res.output
+    _same_tensors(tmp_path / "mem", tmp_path / "str")
 
 
 def test_gptq_resumes_through_finished_layers_bitwise(sharded, tmp_path, monkeypatch):

@@ -17,7 +17,8 @@ from geminicompress.engine import layers as layerwise
 from geminicompress.engine.compose import OnePassFn, compose
 from geminicompress.formats.checkpoint import read_tensors
 from geminicompress.recipes.loader import recipe_from_stage
-from geminicompress.streaming import ShardSink, run_streamed
+from geminicompress.engine.sinks import ShardSink
+from geminicompress.pipeline import run_recipe
 from tiny import tiny_model, tiny_tokenizer
 
 runner = CliRunner()
@@ -28,6 +29,10 @@ CALIB = ["--samples", "4", "--calib-seq-len", "48"]
 def _untimed(rows: list[dict]) -> list[dict]:
     """Per-layer summaries without their wall time (which differs from run to run)."""
     return [{k: v for k, v in r.items() if k != "layer_seconds"} for r in rows]
+
+def run_streamed(recipe, out, **kwargs) -> dict:
+    return run_recipe(recipe, out, stream=True, device=torch.device("cpu"), **kwargs)
+
 
 def invoke(*args):
     return runner.invoke(app, [str(a) for a in args])

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from geminicompress.commands import _common as c
+from geminicompress.commands import common as c
 from geminicompress.errors import InputError
 
 
@@ -87,6 +87,7 @@ def distill(
         "loss": _parse_loss(loss) if loss is not None else None,
     }
     stage = {"type": "distill", **{k: v for k, v in given.items() if v is not None}}
-    cal: dict = {"text_column": text_column, **({"samples": samples} if samples is not None else {})}
-    c.run_single_stage(teacher, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed, quiet,
-                       source="distill options", threads=threads)
+    run = {"data": None, "text_column": text_column, "samples": samples, "calib_seq_len": None, "seed": seed,
+           "force": force, "device": device, "trust_remote_code": trust_remote_code, "allow_pickle": allow_pickle,
+           "stream": None, "dtype": None, "no_verify": False, "quiet": quiet, "threads": threads}
+    c.run_single_stage(teacher, stage, output, run, source="distill options")

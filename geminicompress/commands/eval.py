@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from geminicompress.commands import _common as c
+from geminicompress.commands import common as c
 from geminicompress.errors import InputError
 
 

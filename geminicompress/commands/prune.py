@@ -3,40 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Any
 
 import typer
 
-from geminicompress.commands import _common as c
+from geminicompress.commands import common as c
+from geminicompress.recipes.schema import PruneStage
 
 
-@c.handle_errors
+PRUNE_OPTIONS = c.stage_options({"prune": PruneStage}, skip={"type", "data"})
+
+
 def prune(
     model: str = typer.Argument(..., help="MODEL: hub id, local directory, .gguf file, or smollm2-demo."),
     output: Path = c.OUT,
-    sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Fraction of prunable weights set to zero, in [0, 1) (default 0.4)."),
-    method: Optional[str] = typer.Option(None, "--method", help="magnitude (default), wanda or sparsegpt (the last two calibrate on --data)."),
-    scope: Optional[str] = typer.Option(None, "--scope", help="global: one threshold over all layers (magnitude only, default); layer: the same sparsity in every layer."),
-    pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M semi-structured sparsity, e.g. 2:4 (implies --scope layer)."),
-    ignore: Optional[List[str]] = typer.Option(None, "--ignore", help="Module name pattern (regex) never pruned; repeatable (default lm_head, embed_tokens)."),
-    true_sequential: Optional[bool] = typer.Option(None, "--true-sequential/--no-true-sequential", help="wanda/sparsegpt: prune attention, then MLP, each from inputs through the already-pruned linears, in one pass per layer (default on)."),
-    allocation: Optional[str] = typer.Option(None, "--allocation", help="How the total sparsity is split over the linears: uniform (= --scope layer), global (= --scope global), owl (outlier-weighted per layer) or sensitivity (knapsack over measured sensitivities; see --sensitivity)."),
-    sensitivity: Optional[str] = typer.Option(None, "--sensitivity", help="--allocation sensitivity: a sensitivity.json from `geminicompress sensitivity` (default: measure one first)."),
-    format: Optional[str] = typer.Option(None, "--format", help="dense (default; exact zeros) or compressed-tensors (sparse-bitmask, smaller on disk)."),
-    data: Optional[str] = c.DATA,
-    text_column: str = c.TEXT_COLUMN,
-    samples: Optional[int] = c.SAMPLES,
-    calib_seq_len: Optional[int] = c.CAL_SEQ_LEN,
-    seed: int = c.SEED,
-    force: bool = c.FORCE,
-    device: str = c.DEVICE,
-    trust_remote_code: bool = c.TRUST,
-    allow_pickle: bool = c.PICKLE,
-    stream: Optional[bool] = c.STREAM,
-    dtype: Optional[str] = c.DTYPE,
-    no_verify: bool = c.NO_VERIFY,
-    quiet: bool = c.QUIET,
-    threads: Optional[int] = c.THREADS,
+    **options: Any,
 ) -> None:
     """Prune MODEL's decoder linear layers and write a dense checkpoint with exact zeros (plus masks).
 
@@ -45,16 +26,13 @@ def prune(
       geminicompress prune smollm2-demo -o out-pruned    # 40% global magnitude
       geminicompress prune smollm2-demo -o out-24 --method wanda --pattern 2:4
     """
-    given = {"sparsity": sparsity, "method": method, "scope": scope, "pattern": pattern,
-             "ignore": ignore or None, "true_sequential": true_sequential, "format": format,
-             "allocation": allocation, "sensitivity": sensitivity}
-    stage = {"type": "prune", **{k: v for k, v in given.items() if v is not None}}
-    cal = c.calibration_options(data, text_column, samples, calib_seq_len)
-    report = c.run_single_stage(model, stage, cal, output, force, device, trust_remote_code, allow_pickle, seed,
-                                quiet, source="prune options", threads=threads, stream=stream, dtype=dtype,
-                                verify=not no_verify)
-    if not quiet:
+    given, run = c.split_options(options)
+    report = c.run_single_stage(model, {"type": "prune", **given}, output, run, source="prune options")
+    if not run["quiet"]:
         c.out_console.print(sparsity_table(report["stages"][0]["result"]))
+
+
+prune = c.handle_errors(c.with_options(prune, [*PRUNE_OPTIONS, *c.RUN_OPTIONS], before=None))
 
 
 def sparsity_table(summary: dict):

@@ -7,15 +7,14 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from geminicompress.commands import _common as c
+from geminicompress.commands import common as c
 from geminicompress.errors import InputError
+from geminicompress.recipes.loader import bundled_recipes, read_yaml
 
 
 @c.handle_errors
 def recipes(name: Optional[str] = typer.Argument(None, help="Print this bundled recipe's YAML.")) -> None:
     """List the bundled recipes; `geminicompress recipes NAME > my.yaml` copies one to edit."""
-    from geminicompress.recipes.loader import bundled_recipes, read_yaml
-
     bundled = bundled_recipes()
     if name is not None:
         if name not in bundled:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
-from geminicompress.commands import _common as c
+from geminicompress.commands import common as c
+from geminicompress.eval.table import rich_table
+from geminicompress.output import check_output_path
+from geminicompress.pipeline import run_recipe
+from geminicompress.recipes.loader import load_recipe
 
 
 @c.handle_errors
@@ -29,10 +34,6 @@ def run(
     Example:
       geminicompress run quickstart -o out-quickstart
     """
-    from geminicompress.output import check_output_path
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import load_recipe
-
     parsed, path = load_recipe(recipe, set_ or [])
     check_output_path(output, force)
     dev = c.parse_device(device)
@@ -45,10 +46,6 @@ def run(
 
 def _print_eval_tables(report: dict, output: Path) -> None:
     """After a recipe with an eval stage, show its table (read back from OUT/<report>)."""
-    import json
-
-    from geminicompress.eval.table import rich_table
-
     for stage in report["stages"]:
         if stage["stage"] == "eval" and isinstance(stage.get("result"), dict) and stage["result"].get("report"):
             report_file = output / stage["result"]["report"]

@@ -8,7 +8,16 @@ from typing import List, Optional
 
 import typer
 
-from geminicompress.commands import _common as c
+from geminicompress.commands import common as c
+from geminicompress.compress.arch import arch_for
+from geminicompress.compress.sensitivity.measure import MEASURES, measure_sensitivity
+from geminicompress.compress.sensitivity.options import parse_options
+from geminicompress.compress.sensitivity.plot import write_heatmap
+from geminicompress.compress.targets import decoder_linears as quantizable
+from geminicompress.data.windows import calibration_windows
+from geminicompress.errors import InputError
+from geminicompress.models.loading import load_model
+from geminicompress.output import OutputDir, check_output_path, write_json
 
 DEFAULT_OPTIONS = "gptq:b4g64,gptq:b3g64"
 
@@ -43,16 +52,6 @@ def sensitivity(
 
       geminicompress sensitivity smollm2-demo --data wiki.txt --options gptq:b4g64,gptq:b3g64 -o sens
     """
-    from geminicompress.compress.arch import arch_for
-    from geminicompress.compress.targets import decoder_linears as quantizable
-    from geminicompress.compress.sensitivity.measure import MEASURES, measure_sensitivity
-    from geminicompress.compress.sensitivity.options import parse_options
-    from geminicompress.compress.sensitivity.plot import write_heatmap
-    from geminicompress.data.windows import calibration_windows
-    from geminicompress.errors import InputError
-    from geminicompress.models.loading import load_model
-    from geminicompress.output import OutputDir, check_output_path, write_json
-
     parsed = parse_options(options)
     if measure not in MEASURES:
         raise InputError(f"--measure '{measure}' is not one of {', '.join(MEASURES)}")

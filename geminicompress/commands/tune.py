@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from geminicompress.commands import _common as c
+from geminicompress.commands import common as c
 from geminicompress.commands.quantize import parse_percent
+from geminicompress.compress.gptq.allocate import ALLOCATION_FILE, FRONTIER_FILE
+from geminicompress.compress.sensitivity.plot import write_frontier
+from geminicompress.output import check_output_path
+from geminicompress.pipeline import run_recipe
+from geminicompress.recipes.loader import check_paths, validate
 
 
 @c.handle_errors
@@ -47,9 +53,6 @@ def tune(
 
       geminicompress tune smollm2-demo -o out-tuned --max-drift 5% --data wiki.txt --eval-data builtin:pydoc
     """
-    from geminicompress.compress.gptq.allocate import ALLOCATION_FILE, FRONTIER_FILE
-    from geminicompress.compress.sensitivity.plot import write_frontier
-
     allocation = {"max_drift": parse_percent(max_drift, "--max-drift"),
                   "options": [o.strip() for o in options.split(",") if o.strip()]}
     if sensitivity is not None:
@@ -76,11 +79,7 @@ def tune(
 
 def run_stages(model: str, stages: list[dict], cal: dict, out: Path, force: bool, device: Optional[str], trust: bool,
                allow_pickle: bool, seed: int, quiet: bool) -> dict:
-    import sys
 
-    from geminicompress.output import check_output_path
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import check_paths, validate
 
     recipe = validate({"model": model, "seed": seed, "trust_remote_code": trust, "allow_pickle": allow_pickle,
                        "calibration": cal, "stages": stages}, "tune options")

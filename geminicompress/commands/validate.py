@@ -6,8 +6,9 @@ from typing import List, Optional
 
 import typer
 
-from geminicompress.commands import _common as c
+from geminicompress.commands import common as c
 from geminicompress.errors import InputError
+from geminicompress.recipes.loader import json_schema, load_recipe
 
 
 @c.handle_errors
@@ -17,8 +18,6 @@ def validate(
     schema: bool = typer.Option(False, "--schema", help="Print the recipe JSON Schema (for editors) and exit."),
 ) -> None:
     """Check RECIPE: keys, types, ranges, and that its files exist. Exit 2 with one line if not."""
-    from geminicompress.recipes.loader import json_schema, load_recipe
-
     if schema:
         typer.echo(json_schema())
         return

@@ -101,3 +101,26 @@ def set_module(root: nn.Module, path: str, new: nn.Module) -> None:
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return get_module(model, arch_for(model).layers)
+
+
+def outside_modules(model: nn.Module) -> list[str]:
+    """The modules holding parameters (or persistent buffers: an INT8 head) outside the decoder layers
+    (embeddings, final norm, head), in model order, each the smallest module that owns them."""
+    layers = arch_for(model).layers
+    out: list[str] = []
+    for name, module in model.named_modules():
+        if name == layers or name.startswith(f"{layers}."):
+            continue
+        buffers = [n for n, b in module._buffers.items() if b is not None and n not in module._non_persistent_buffers_set]
+        if buffers or any(True for _ in module.parameters(recurse=False)):
+            out.append(name)
+    return out
+
+
+def tied_output(model: nn.Module) -> str | None:
+    """The output head's module name when it shares the input embedding's weight (stored once), else None."""
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if out is None or inp is None or out.weight is not inp.weight:
+        return None
+    return next(name for name, m in model.named_modules() if m is out)

@@ -5,41 +5,73 @@ is compared with, and the fastest path. Writes every format the other b-bit meth
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import torch
+from pydantic import Field
 
-from geminicompress.compress.arch import get_module
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, rtn_quantize
 from geminicompress.compress.targets import weight_quant_targets
-from geminicompress.formats.checkpoint import scale_dtype, write_quantized
+from geminicompress.engine.contract import Done, StageContext
+from geminicompress.engine.layers import LayerFn, LayerJob
+from geminicompress.formats import writer_for
+from geminicompress.formats.checkpoint import scale_dtype
 from geminicompress.recipes.base import WeightQuantStage
+
+FIELDS = ("q", "scales", "zeros", "g_idx")
 
 
 class RTNStage(WeightQuantStage):
     """Round-to-nearest: scale and zero point from each group's min and max."""
 
     method: Literal["rtn"]
-    sym: bool = True
-    format: Literal["gptq", "awq", "compressed-tensors", "dense"] = "gptq"
+    sym: bool = Field(True, description="symmetric (default) or asymmetric with zero points",
+                      json_schema_extra={"cli": "--sym/--asym"})
+    format: Literal["gptq", "awq", "compressed-tensors", "dense"] = Field("gptq", description="on-disk format "
+                                                                         "(default: the method's own)")
 
 
-def run(cfg: RTNStage, ctx: Any) -> dict[str, Any]:
-    """Quantize every decoder linear of ctx.model in place (fake-quantized weights) and set the exporter."""
-    model = ctx.model
-    found = weight_quant_targets(model, cfg, ctx.progress, sym=cfg.sym, fmt=cfg.format)
-    targets, spec = found.names, found.spec
-    scales_as = scale_dtype(cfg.format, ctx.recipe.output.dtype)
-    qweights = {}
-    errors = []
-    with ctx.progress.task(f"rtn {spec.bits}-bit", len(targets)) as bar:
-        for name in targets:
-            qweights[name], err = quantize_linear(get_module(model, name).weight, spec, scales_as)
-            errors.append(err)
-            bar.advance(1)
-    meta = export_meta(cfg, ctx.recipe.output.dtype)
-    ctx.exporter = lambda m, tok, out: write_quantized(m, tok, out, qweights, cfg.format, meta)
-    return summary(cfg, spec, len(qweights), errors)
+class RTN:
+    """RTN as the engine runs it: every targeted linear of a layer rounded in place, its codes kept."""
+
+    calibrated = False
+
+    def __init__(self, cfg: RTNStage, ctx: StageContext) -> None:
+        found = weight_quant_targets(ctx.model, cfg, ctx.progress, sym=cfg.sym, fmt=cfg.format)
+        self.cfg, self.ctx, self.spec, self.targets = cfg, ctx, found.spec, found.names
+        self.scales_as = scale_dtype(cfg.format, str(ctx.out_dtype).removeprefix("torch."))
+
+    def layer_fn(self) -> LayerFn:
+        targets = set(self.targets)
+
+        def process(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+            prefix = f"{job.arch.layers}.{job.index}"
+            kept: dict[str, torch.Tensor] = {}
+            errors = []
+            for n in job.arch.linears:
+                if f"{prefix}.{n}" in targets:
+                    qw, err = quantize_linear(job.module(n).weight, self.spec, self.scales_as)
+                    kept.update({f"{n}.{f}": getattr(qw, f) for f in FIELDS})
+                    errors.append(err)
+            return {"errors": errors}, kept
+
+        return process
+
+    def qweights(self, i: int, kept: dict[str, torch.Tensor]) -> Mapping[str, QuantizedWeight]:
+        prefix = self.ctx.layer_prefix(i)
+        names = dict.fromkeys(k.rsplit(".", 1)[0] for k in kept)
+        return {f"{prefix}.{n}": QuantizedWeight(*(kept[f"{n}.{f}"] for f in FIELDS), self.spec) for n in names}
+
+    def writer(self) -> Any:
+        meta = {"dtype": str(self.ctx.out_dtype).removeprefix("torch."), "zero_point": not self.cfg.sym, "method": "rtn"}
+        return writer_for(self.cfg.format, self.ctx.model, self.ctx.out_dtype, {n: self.spec for n in self.targets},
+                          meta, self.qweights)
+
+    def summary(self, layers: list[dict], done: Done) -> dict[str, Any]:
+        errors = [e for s in layers for e in s.get("errors", [])]
+        return {"bits": self.spec.bits, "group_size": self.spec.group_size, "sym": self.spec.sym,
+                "format": self.cfg.format, "quantized_modules": len(self.targets),
+                "mean_weight_rel_error": sum(errors) / len(errors)}
 
 
 @torch.no_grad()
@@ -54,13 +86,3 @@ def quantize_linear(weight: torch.Tensor, spec: QuantSpec, scales_as: torch.dtyp
     weight.copy_(w_hat.to(weight.dtype))
     qw.q, qw.zeros = qw.q.to(torch.uint8).cpu(), qw.zeros.to(torch.uint8).cpu()  # a quarter of int32
     return qw, err
-
-
-def export_meta(cfg: RTNStage, dtype: str) -> dict[str, Any]:
-    """What the format writers read of the stage's options."""
-    return {"dtype": dtype, "zero_point": not cfg.sym, "method": "rtn"}
-
-
-def summary(cfg: RTNStage, spec: QuantSpec, quantized: int, errors: list[float]) -> dict[str, Any]:
-    return {"bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym, "format": cfg.format,
-            "quantized_modules": quantized, "mean_weight_rel_error": sum(errors) / len(errors)}

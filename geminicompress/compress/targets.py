@@ -16,7 +16,7 @@ import torch.nn as nn
 from geminicompress.compress.arch import Arch, arch_for, get_module
 from geminicompress.compress.grid import QuantSpec, auto_group_size
 from geminicompress.errors import InputError
-from geminicompress.formats.checkpoint import check_shapes
+from geminicompress.formats import check_shapes
 
 if TYPE_CHECKING:
     from geminicompress.recipes.base import WeightQuantStage

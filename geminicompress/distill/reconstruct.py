@@ -1,7 +1,7 @@
 """Layer-wise reconstruction of a pruned student from its dense teacher, before training.
 
 The student is a pruned copy of the teacher: the same decoder layers and shapes, with zeros fixed by
-masks. Layer by layer (`layerwise.run_layerwise`), every masked linear is refit in closed form
+masks. Layer by layer (the engine's walk), every masked linear is refit in closed form
 (`compress/prune/refit.py`) so that on the inputs the already-refit student feeds it, it reproduces the
 teacher's dense linear as closely as its mask allows:
 
@@ -24,10 +24,10 @@ import torch.nn as nn
 
 from geminicompress.compress.arch import arch_for, get_module
 from geminicompress.compress.hessian import HessianAccumulator
-from geminicompress.engine.layers import LayerJob
-from geminicompress.engine.walk import run_layerwise
 from geminicompress.compress.prune.refit import refit_masked
 from geminicompress.compress.targets import present_groups
+from geminicompress.engine.layers import LayerJob
+from geminicompress.engine.walk import run_layerwise
 from geminicompress.errors import InputError
 from geminicompress.progress import Progress
 
@@ -84,8 +84,8 @@ def reconstruct(student: nn.Module, teacher: nn.Module, windows: torch.Tensor, m
         ref = max(errors[2], 1e-30)
         return {"error_before": errors[0] / ref, "error_after": errors[1] / ref}, {}
 
-    summaries, _ = run_layerwise(student, windows, process, device=device, progress=progress, state_dir=state_dir,
-                                 description="reconstruct layers")
+    summaries = run_layerwise(student, windows, process, device=device, progress=progress, state_dir=state_dir,
+                              description="reconstruct layers").summaries
     return {"windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]), "damp": damp,
             "seconds": round(time.perf_counter() - t0, 3),
             "layers": [{k: round(v, 6) if isinstance(v, float) else v for k, v in s.items()} for s in summaries]}

@@ -26,8 +26,13 @@ from geminicompress.distill import masks as M
 from geminicompress.distill import streamed_teacher as ST
 from geminicompress.distill.plot import plot_curve
 from geminicompress.distill.reconstruct import check_same_shape, reconstruct
-from geminicompress.distill.student import (check_tokenizers, derive_student, evenly_mapped, n_params,
-                                            student_from_config)
+from geminicompress.distill.student import (
+    check_tokenizers,
+    derive_student,
+    evenly_mapped,
+    n_params,
+    student_from_config,
+)
 from geminicompress.distill.topk_cache import build_topk_cache
 from geminicompress.distill.train import train
 from geminicompress.errors import InputError
@@ -138,10 +143,10 @@ def _teacher(spec: str, cfg: DistillStage, ctx) -> tuple[Any, Any, LazyCheckpoin
     """(model, tokenizer, lazy checkpoint) of the teacher `spec`: loaded, or opened to stream when it
     does not fit (the model is then its skeleton on the meta device)."""
     if ST.streams(cfg, spec, ctx.progress):
-        from geminicompress.models.loading import _load_tokenizer
+        from geminicompress.models.loading import load_tokenizer
 
         lazy = ST.open_teacher(spec, ctx.recipe.trust_remote_code)
-        return lazy.model, _load_tokenizer(str(lazy.path), ctx.recipe.trust_remote_code), lazy
+        return lazy.model, load_tokenizer(str(lazy.path), ctx.recipe.trust_remote_code), lazy
     loaded = _load(spec, ctx)
     return loaded.model, loaded.tokenizer, None
 

@@ -30,16 +30,15 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from geminicompress.distill.topk_cache import (TopKCache, cache_folder, read_cache, teacher_key, top_k,
-                                               write_cache)
+from geminicompress.distill.topk_cache import TopKCache, cache_folder, read_cache, teacher_key, top_k, write_cache
 from geminicompress.errors import InputError
+from geminicompress.memory import available_memory, too_big
 from geminicompress.models.forward import activations_bytes, final_hidden, head_logits
-from geminicompress.models.lazy import LazyCheckpoint, LazyLayers, available_memory, is_streamable_dir, weights_bytes
-from geminicompress.models.loading import LoadedModel, resolve_model
+from geminicompress.models.lazy import LazyCheckpoint, LazyLayers, is_streamable_dir, weights_bytes
+from geminicompress.models.loading import LoadedModel, local_dir, resolve_model
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.schema import DistillStage, Recipe
 
-AUTO_FRACTION = 0.5  # stream the teacher when its float32 weights exceed this share of available memory
 SPILL_SHARE = 0.25  # activations go to disk when the two (n, T, d) float32 arrays exceed this share
 TEACHER_PPL = "teacher_ppl.json"  # next to the cache: held-out perplexity by held-out windows' digest
 
@@ -47,12 +46,8 @@ TEACHER_PPL = "teacher_ppl.json"  # next to the cache: held-out perplexity by he
 # ---- deciding ----
 def teacher_dir(spec: str) -> Path | None:
     """The local dense safetensors directory MODEL `spec` names (the demo's converted copy included)."""
-    source = resolve_model(spec)
-    if source.kind == "demo":
-        from geminicompress.models.loading import _demo_dir
-
-        return _demo_dir()
-    return source.path if source.kind == "dir" and is_streamable_dir(source.path) else None
+    path = local_dir(spec)
+    return path if path is not None and is_streamable_dir(path) else None
 
 
 def cannot_stream(cfg: DistillStage, spec: str) -> str | None:
@@ -71,7 +66,7 @@ def cannot_stream(cfg: DistillStage, spec: str) -> str | None:
 
 def streams(cfg: DistillStage, spec: str, progress: Progress | None = None) -> bool:
     """--teacher-stream: yes (or a one-line error saying why not); --no-teacher-stream: no; neither:
-    when it can and the teacher's float32 weights exceed AUTO_FRACTION of the available memory."""
+    when it can and the teacher's float32 weights do not fit (memory.too_big, the one rule)."""
     if cfg.teacher_stream is False:
         return False
     why = cannot_stream(cfg, spec)
@@ -82,7 +77,7 @@ def streams(cfg: DistillStage, spec: str, progress: Progress | None = None) -> b
     path = teacher_dir(spec)
     if path is None:
         return False
-    big = weights_bytes(path) > AUTO_FRACTION * available_memory()
+    big = too_big(weights_bytes(path))
     if big and why and progress is not None:
         progress.warn(f"the teacher {spec} may not fit in memory, and it cannot be streamed: {why}")
     return big and why is None
@@ -104,11 +99,11 @@ def streamed_input(recipe: Recipe, progress: Progress) -> LoadedModel | None:
     first = recipe.stages[0] if recipe.stages else None
     if first is None or first.type != "distill" or first.teacher is not None or not streams(first, recipe.model, progress):
         return None
-    from geminicompress.models.loading import _load_tokenizer
+    from geminicompress.models.loading import load_tokenizer
 
     progress.info(f"reading the teacher {recipe.model} one decoder layer at a time (it is not loaded whole)")
     path = teacher_dir(recipe.model)
-    return LoadedModel(None, _load_tokenizer(str(path), recipe.trust_remote_code), resolve_model(recipe.model))
+    return LoadedModel(None, load_tokenizer(str(path), recipe.trust_remote_code), resolve_model(recipe.model))
 
 
 def open_teacher(spec: str, trust_remote_code: bool = False) -> LazyCheckpoint:

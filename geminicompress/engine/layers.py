@@ -23,7 +23,6 @@ from geminicompress.compress.arch import Arch, arch_for, get_module
 from geminicompress.engine.onepass import one_pass
 from geminicompress.memory import release_free_heap
 
-
 BATCH_WINDOWS = 4  # calibration windows per forward batch
 
 
@@ -48,6 +47,11 @@ class LayerInputs:
     def of_batches(cls, batches: list[torch.Tensor], kwargs: dict[str, Any]) -> LayerInputs:
         """Inputs kept as (b, T, d) batch tensors, with every window a (1, T, d) view of them (no copy)."""
         return cls([y.unsqueeze(0) for b in batches for y in b], kwargs, batches)
+
+    @classmethod
+    def of_store(cls, store: torch.Tensor, kwargs: dict[str, Any], batch: int = BATCH_WINDOWS) -> LayerInputs:
+        """Inputs held in one (n, T, d) tensor (possibly a memory-mapped file), as views of it."""
+        return cls.of_batches([store[b:b + batch] for b in range(0, store.shape[0], batch)], kwargs)
 
     def batched(self, size: int, device: torch.device) -> list[torch.Tensor]:
         """The windows as (size, T, d) batches on the device: the stored batch tensors themselves when they
@@ -132,7 +136,7 @@ def capture_inputs(model: nn.Module, windows: torch.Tensor, device: torch.device
         captured.pop(key, None)
     kwargs = {k: _to(v, device, dtype) for k, v in captured.items()}
     batches = LayerInputs(hidden, kwargs).batched(BATCH_WINDOWS, storage)
-    del hidden  # the per-window copies; the windows become views of the batches
+    hidden.clear()  # the per-window copies; the windows become views of the batches
     return LayerInputs.of_batches(batches, kwargs)
 
 
@@ -144,18 +148,24 @@ def layer_output(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any])
 @torch.no_grad()
 def forward_layer(layer: nn.Module, inputs: LayerInputs, device: torch.device,
                   observe: dict[nn.Module, Callable[[torch.Tensor, torch.Tensor], None]] | None = None,
-                  keep_outputs: bool = True) -> list[torch.Tensor]:
-    """Run the layer over every window; `observe[module](x, y)` sees each module's input x and output y
-    (x: (1, T, in) on the device). Returns the layer outputs (on the inputs' storage device)."""
+                  keep_outputs: bool = True, batch: int = 1, into: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Run the layer over every window, `batch` windows per call; `observe[module](x, y)` sees each module's
+    input x and output y (x: (batch, T, in) on the device). Returns the layer outputs, (batch, T, d) each, on
+    the inputs' storage device, or views of `into` ((n, T, d): written there, e.g. a memory-mapped file)."""
     handles = []
     for module, fn in (observe or {}).items():
         handles.append(module.register_forward_hook(lambda m, a, y, fn=fn: fn(a[0].detach(), y.detach())))
     outs: list[torch.Tensor] = []
+    start = 0
     try:
-        for h in inputs.hidden:
+        for h in (inputs.hidden if batch == 1 else inputs.batched(batch, inputs.hidden[0].device)):
             y = layer_output(layer, h.to(device), inputs.kwargs)
-            if keep_outputs:
+            if into is not None:
+                outs.append(into[start:start + y.shape[0]])
+                outs[-1].copy_(y)
+            elif keep_outputs:
                 outs.append(y.to(h.device))
+            start += y.shape[0]
     finally:
         for handle in handles:
             handle.remove()

@@ -6,7 +6,7 @@ The GPTQ paper's memory-bounded scheme, for every method and every run, in memor
    layer at a time: `models.lazy.LazyLayers`), move it to the compute device, let the method's per-layer
    function (`LayerFn`, layers.py) collect what it needs from the layer's inputs and modify the layer,
    run the *modified* layer over the inputs to get the next layer's inputs, and hand the finished layer
-   to the *sink* (it stays in the model, resumable: `StateDirSink`; or it is written and dropped).
+   to the *sink* (sinks.py: it stays in the model, resumable; or it is written into OUT and dropped).
 Only one decoder layer and one set of activations are on the device at a time.
 
 Resumable: a sink knows which layers are finished; a restarted run restores them (the layer's weights and
@@ -15,18 +15,26 @@ the tensors the method kept) and recomputes the activations through them instead
 
 from __future__ import annotations
 
-import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
 
-from geminicompress.compress.arch import Arch, arch_for, get_module
-from geminicompress.engine.layers import (LayerFn, LayerInputs, LayerJob, capture_inputs, computing_in, forward_layer,
-                                          move_outside_layers)
+from geminicompress.compress.arch import Arch, arch_for, get_module, outside_modules, tied_output
+from geminicompress.engine.layers import (
+    LayerFn,
+    LayerInputs,
+    LayerJob,
+    capture_inputs,
+    computing_in,
+    forward_layer,
+    move_outside_layers,
+)
+from geminicompress.engine.sinks import ResidentSink
+from geminicompress.formats.shards import ShardWriter
 from geminicompress.memory import heap_reuse, release_free_heap
 from geminicompress.progress import NullProgress, Progress
 
@@ -45,10 +53,16 @@ class LayerSource(Protocol):
 
     def capture_modules(self) -> list[str]: ...  # modules outside the layers a forward up to layer 0 needs
 
+    def outside_modules(self) -> list[str]: ...  # the modules holding parameters outside the layers
+
+    def load_outside(self, name: str) -> nn.Module: ...
+
+    def release_outside(self, name: str) -> None: ...
+
 
 class LayerSink(Protocol):
-    """Where finished layers go: `StateDirSink` (they stay in the model; resumable copies in state_dir)
-    or `streaming.sink.ShardSink` (written into output shards, then dropped)."""
+    """Where finished layers go (sinks.py): `ResidentSink` (they stay in the model; resumable copies in a
+    state folder) or `ShardSink` (written into output shards, then dropped)."""
 
     restores_weights: bool  # whether `restore` loads a finished layer's weights back (else: summary only)
 
@@ -78,32 +92,49 @@ class ModelLayers:
     def capture_modules(self) -> list[str]:
         return []
 
+    def outside_modules(self) -> list[str]:
+        return outside_modules(self.model)
 
-class StateDirSink:
-    """Finished layers stay in the model; with a state_dir, each is also saved there for resuming."""
+    @property
+    def tied_output(self) -> str | None:
+        return tied_output(self.model)
 
-    restores_weights = True
+    def load_outside(self, name: str) -> nn.Module:
+        return self.model.get_submodule(name)
 
-    def __init__(self, state_dir: Path | None) -> None:
-        self.state_dir = state_dir
+    def tensors(self, names: list[str]) -> list[torch.Tensor]:
+        """The named parameters themselves (a pre-pass reads them, e.g. the global magnitude threshold)."""
+        return [self.model.get_parameter(n) for n in names]
 
-    def finished(self, i: int) -> bool:
-        return self.state_dir is not None and all(p.is_file() for p in _paths(self.state_dir, i))
+    def reading_in(self, dtype: torch.dtype | None) -> "ModelLayers":
+        """The same layers for a pass that computes in `dtype` (a model in memory is held as it is)."""
+        return self
 
-    def restore(self, i: int, layer: nn.Module | None) -> tuple[dict, dict[str, torch.Tensor]]:
-        done = _restore(self.state_dir, i, layer)
-        assert done is not None, "restore() is called for finished layers only"
-        return done
+    def release_outside(self, name: str) -> None:
+        return None
 
-    def finish(self, i: int, layer: nn.Module, summary: dict, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        _save(self.state_dir, i, layer, summary, kept)
-        return kept
+
+def nothing(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The per-layer function that changes nothing (a forward through the layers; the walk that writes OUT)."""
+    return {}, {}
+
+
+@dataclass
+class Walk:
+    """What a walk leaves: the per-layer summaries, the tensors the sink kept of all layers ("<layer>.<name>",
+    as the method named them, e.g. "3.self_attn.q_proj.q"), and the inputs of the layer after the last one
+    (the model's final hidden states on the windows; None without windows)."""
+
+    summaries: list[dict[str, Any]]
+    kept: dict[str, torch.Tensor]
+    inputs: LayerInputs | None
 
 
 def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, process: LayerFn, *,
                   device: torch.device, progress: Progress | None = None, state_dir: Path | None = None,
                   description: str = "layers", calib_dtype: torch.dtype | None = None,
-                  sink: LayerSink | None = None) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+                  sink: LayerSink | None = None, batch: int = 1,
+                  stores: tuple[torch.Tensor, torch.Tensor] | None = None) -> Walk:
     """Apply `process` to every decoder layer in order, feeding each layer the modified previous one.
 
     model: a model in memory, or a `LayerSource` (e.g. layers read from disk one at a time).
@@ -111,17 +142,22 @@ def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, 
     then not run at all, and `LayerJob.inputs` is None).
     calib_dtype: the dtype the layers compute in during calibration (None: their own). With a lower one,
     `process` must read and write weights through `LayerJob.weight`/`set_weight`.
-    sink: where finished layers go (default: they stay in the model, saved in `state_dir` for resuming).
-
-    Returns the per-layer summaries and the tensors the sink kept of all layers, keyed
-    `"<layer index>.<name>"` as the method named them (e.g. "3.self_attn.q_proj.q").
+    sink: where finished layers go (default: they stay in the model, saved in `state_dir` for resuming:
+    sinks.ResidentSink).
+    batch: windows per call when a layer runs its inputs into the next layer's (1: one window at a time,
+    what every calibrated method sees; a method's own passes choose their own).
+    stores: two (n, T, hidden) tensors (possibly memory-mapped files) that hold the activations between the
+    layers, used in turn: the walk's memory is then theirs, whatever n is (a forward of many windows).
     """
     progress = progress or NullProgress()
     source = model if not isinstance(model, nn.Module) else ModelLayers(model)
-    sink = sink or StateDirSink(state_dir)
+    sink = sink or ResidentSink(source.model, ShardWriter(state_dir) if state_dir is not None else None)
     arch = arch_for(source.model)
     layers = get_module(source.model, arch.layers)
-    inputs = _capture(source, windows, device, calib_dtype) if windows is not None else None
+    inputs = None
+    if windows is not None:
+        inputs = _capture(source, windows, device, calib_dtype) if stores is None else \
+            capture_into(source, windows, stores[0], device, calib_dtype or torch.float32)
     summaries: list[dict[str, Any]] = []
     kept: dict[str, torch.Tensor] = {}
     with progress.task(description, total=len(source)) as bar, heap_reuse():
@@ -134,7 +170,9 @@ def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, 
                 t0 = time.perf_counter()
                 layer = source.load(i).to(device)
                 done = sink.restore(i, layer) if finished else None
-                summary, tensors, inputs = _one_layer(i, layer, inputs, process, device, arch, calib_dtype, done, sink)
+                into = None if stores is None else stores[(i + 1) % 2]
+                summary, tensors, inputs = _one_layer(i, layer, inputs, process, device, arch, calib_dtype, done, sink,
+                                                      batch, into)
                 layer.to("cpu" if device.type != "cpu" else device)
                 source.release(i)
                 if done is None:
@@ -145,7 +183,7 @@ def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, 
             bar.advance(1, **{k: v for k, v in summary.items()
                               if isinstance(v, (int, float)) and k not in ("layer", "layer_seconds")})
     move_outside_layers(source.model, layers, torch.device("cpu"))
-    return summaries, kept
+    return Walk(summaries, kept, inputs)
 
 
 def _capture(source: LayerSource, windows: torch.Tensor, device: torch.device,
@@ -178,8 +216,8 @@ def activation_storage(windows: torch.Tensor, hidden: int, dtype: torch.dtype, d
 
 
 def _one_layer(i: int, layer: nn.Module, inputs: LayerInputs | None, process: LayerFn, device: torch.device,
-               arch: Arch, calib_dtype: torch.dtype | None, done: tuple | None,
-               sink: LayerSink) -> tuple[dict[str, Any], dict[str, torch.Tensor], LayerInputs | None]:
+               arch: Arch, calib_dtype: torch.dtype | None, done: tuple | None, sink: LayerSink, batch: int = 1,
+               into: torch.Tensor | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor], LayerInputs | None]:
     """Process (or restore) one layer; return its summary, kept tensors and the next layer's inputs."""
     with computing_in(layer, calib_dtype or next(layer.parameters()).dtype) as master:
         job = None
@@ -192,38 +230,65 @@ def _one_layer(i: int, layer: nn.Module, inputs: LayerInputs | None, process: La
         next_inputs = None
         if inputs is not None:
             batches = job.output_batches if job is not None else None  # a one-pass method already ran the layer
-            next_inputs = (LayerInputs.of_batches(batches, inputs.kwargs) if batches is not None
-                           else LayerInputs(forward_layer(layer, inputs, device), inputs.kwargs))
+            if batches is not None and into is not None:  # into the walk's activation store
+                batches = [into[s:s + b.shape[0]].copy_(b) for s, b in zip(_starts(batches), batches)]
+            next_inputs = LayerInputs.of_batches(batches if batches is not None else
+                                                 forward_layer(layer, inputs, device, batch=batch, into=into),
+                                                 inputs.kwargs)
     if job is not None:
         tensors = sink.finish(i, layer, summary, tensors)  # the master weights, after computing_in
     return summary, tensors, next_inputs
 
 
-def _paths(state_dir: Path, i: int) -> tuple[Path, Path]:
-    return state_dir / f"layer_{i:04d}.safetensors", state_dir / f"layer_{i:04d}.json"
+def _starts(batches: list[torch.Tensor]) -> list[int]:
+    out, start = [], 0
+    for b in batches:
+        out.append(start)
+        start += b.shape[0]
+    return out
 
 
-def _save(state_dir: Path | None, i: int, layer: nn.Module, summary: dict, tensors: dict[str, torch.Tensor]) -> None:
-    if state_dir is None:
-        return
-    weights, meta = _paths(state_dir, i)
-    flat = {f"state.{k}": v.detach().cpu().contiguous() for k, v in layer.state_dict().items()}
-    flat.update({f"kept.{k}": v.detach().cpu().contiguous() for k, v in tensors.items()})
-    tmp = weights.with_suffix(".tmp")
-    save_file(flat, str(tmp))
-    tmp.rename(weights)
-    meta.write_text(json.dumps(summary, default=float))  # written last: marks the layer as finished
+def capture_into(source: LayerSource, windows: torch.Tensor, into: torch.Tensor, device: torch.device,
+                 dtype: torch.dtype, stored: torch.dtype = torch.float32, chunk: int = 8) -> LayerInputs:
+    """Layer 0's inputs of every window, written into `into` (n, T, d) `chunk` windows at a time (bounding the
+    capture's own temporaries). The modules a forward up to layer 0 needs (the embeddings) are read meanwhile,
+    in float32 as a model in memory holds them (rounded to `stored` first)."""
+    loaded = source.capture_modules()
+    ckpt = getattr(source, "ckpt", None)
+    for name in loaded:
+        ckpt.materialise(name, stored).float()
+    kwargs: dict[str, Any] = {}
+    try:
+        for b in range(0, windows.shape[0], chunk):
+            captured = capture_inputs(source.model, windows[b:b + chunk], device, dtype=dtype)
+            into[b:b + chunk].copy_(torch.cat([h.to("cpu") for h in captured.hidden]))
+            kwargs = kwargs or captured.kwargs
+    finally:
+        for name in loaded:
+            ckpt.release(name)
+    return LayerInputs.of_store(into, kwargs)
 
 
-def _restore(state_dir: Path | None, i: int, layer: nn.Module) -> tuple[dict, dict[str, torch.Tensor]] | None:
-    if state_dir is None:
-        return None
-    weights, meta = _paths(state_dir, i)
-    if not (meta.is_file() and weights.is_file()):
-        return None
-    flat = load_file(str(weights))
-    device = next(layer.parameters()).device
-    layer.load_state_dict({k[6:]: v for k, v in flat.items() if k.startswith("state.")})
-    layer.to(device)
-    tensors = {k[5:]: v for k, v in flat.items() if k.startswith("kept.")}
-    return json.loads(meta.read_text()), tensors
+def walk_outside(source: LayerSource, hooks: list[Callable[[str, nn.Module], Any]], sink: Any) -> list[dict]:
+    """After the layers: every module outside them (embeddings, final norm, head; a tied head is not stored)
+    read one at a time, passed through the stages' `outside(name, module) -> (module, row) | None` hooks
+    in order, and handed to the sink. Returns the hooks' rows (report.json), those of a resumed run too."""
+    rows: list[dict] = []
+    for name in source.outside_modules():
+        if name == source.tied_output:
+            continue
+        done = sink.outside_done(name)
+        if done is not None:
+            rows += done
+            continue
+        module = source.load_outside(name)
+        mine = []
+        for hook in hooks:
+            changed = hook(name, module)
+            if changed is not None:
+                module, row = changed
+                mine.append(row)
+        sink.outside(name, module, mine)
+        rows += mine
+        source.release_outside(name)
+    return rows

@@ -27,8 +27,16 @@ from geminicompress.errors import GeminiError
 from geminicompress.eval import plan
 from geminicompress.eval.baseline_cache import BaselineCache
 from geminicompress.eval.extras import run_speculative, run_tasks, tasks_available
-from geminicompress.eval.footprint import (PeakMemory, count_params, masks_size_mb, prune_masks_path, quantization_zeros,
-                                           tensor_mb, weight_sparsity, weights_size_mb)
+from geminicompress.eval.footprint import (
+    PeakMemory,
+    count_params,
+    masks_size_mb,
+    prune_masks_path,
+    quantization_zeros,
+    tensor_mb,
+    weight_sparsity,
+    weights_size_mb,
+)
 from geminicompress.eval.latency import measure_latency
 from geminicompress.eval.perplexity import window_logprobs
 from geminicompress.eval.quality import score_windows
@@ -37,7 +45,7 @@ from geminicompress.eval.streamed import open_streamed, params_of, stream_reason
 from geminicompress.eval.table import describe_timing
 from geminicompress.machine import machine, versions
 from geminicompress.models import demo
-from geminicompress.models.loading import LoadedModel, _load_tokenizer, load_model, resolve_model
+from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer, resolve_model
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.schema import EvalStage
 
@@ -321,7 +329,7 @@ def _evaluate_streamed(spec, name, text, options, base, device, progress, load, 
     with PeakMemory(device) as peak:
         try:
             ckpt, path = open_streamed(spec, load["trust_remote_code"])
-            tok = _load_tokenizer(str(path), load["trust_remote_code"])
+            tok = load_tokenizer(str(path), load["trust_remote_code"])
         except GeminiError as exc:
             if is_base:
                 raise type(exc)(f"baseline: {exc}") from exc

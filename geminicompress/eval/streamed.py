@@ -3,8 +3,8 @@
 and the log-probs of each window are scored by the same meters as a model in memory (quality.py).
 
 Chosen per model: `--stream` forces it, `--no-stream` forbids it, and otherwise a model streams when
-its weights, as the loader would hold them, exceed half of the available memory (the rule
-`streaming.should_stream` uses for prune/quantize). Latency and throughput are not measured for a
+its weights, as the loader would hold them, exceed half of the available memory (memory.too_big: the
+one rule, which prune/quantize and distill's teacher use too). Latency and throughput are not measured for a
 streamed model: a model that does not fit has no in-memory latency to report (reading every layer from
 disk per token is not a serving figure), and the report says so.
 """
@@ -19,35 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from geminicompress.errors import GeminiError, InputError
+from geminicompress.memory import available_memory, too_big
 from geminicompress.models.forward import activations_bytes, streamed_logits
-from geminicompress.models.lazy import LazyCheckpoint, LazyLayers, available_memory, is_readable_dir, read_headers
+from geminicompress.models.lazy import LazyCheckpoint, LazyLayers, is_readable_dir, loaded_bytes
+from geminicompress.models.loading import local_dir
 from geminicompress.progress import Progress
 
-AUTO_FRACTION = 0.5  # stream when the loaded weights exceed this share of available memory (as streaming.py)
 SPILL_FRACTION = 0.25  # keep the activations in files when the two stores exceed this share of available memory
-
-
-def local_dir(spec: str) -> Path | None:
-    """The local directory MODEL names (the demo's converted copy included), else None (.gguf, hub id).
-    Raises the loader's own error for a MODEL that does not exist."""
-    from geminicompress.models.loading import _demo_dir, resolve_model
-
-    source = resolve_model(spec)
-    if source.kind == "demo":
-        return _demo_dir()
-    return source.path if source.kind == "dir" else None
-
-
-def loaded_bytes(path: Path, dtype: torch.dtype) -> int:
-    """About what the model at `path` holds in memory when loaded in `dtype`: float tensors in `dtype`,
-    packed integer codes at twice their stored bytes (a 4-bit code unpacks to one byte), int8 codes as stored."""
-    total = 0
-    for info in read_headers(path).values():
-        if info.dtype.is_floating_point:
-            total += info.numel * dtype.itemsize
-        else:
-            total += info.nbytes * (2 if info.dtype == torch.int32 else 1)
-    return total
 
 
 def stream_reason(spec: str, stream: bool | None, dtype: torch.dtype) -> str | None:
@@ -68,7 +46,7 @@ def stream_reason(spec: str, stream: bool | None, dtype: torch.dtype) -> str | N
     if stream:
         return "--stream"
     need, free = loaded_bytes(path, dtype), available_memory()
-    if need > AUTO_FRACTION * free:
+    if too_big(need):
         return (f"its weights take {need / 2**30:.1f} GiB in memory, more than half of the "
                 f"{free / 2**30:.1f} GiB available")
     return None

@@ -8,11 +8,10 @@ Every format module has
 - `reader(path, config) -> reader.ModuleReader`: how one of its quantized modules is read (picked by
   `module_reader` below); its `load` and the layer-at-a-time reader of a checkpoint bigger than memory
   (`models/lazy.py`) both build modules through it;
-- `write(model, tokenizer, out, ...) -> dict`: write it (the summary goes into report.json);
-- `STORES_CODES = True` (gptq, awq, pack-quantized): a quantized linear's weight is stored as integer codes
-  and scales that give back the in-process weight exactly, whatever the float dtype of the checkpoint.
-Formats that hold quantized weights (`QUANTIZED`) share one write signature,
-`write(model, tokenizer, out, qweights, meta)`, and a `check_shape(name, out, in, spec)` that refuses
+- `writer(...)`: its writer, one decoder layer at a time (writer.py); a checkpoint is written as a loop
+  over the layers by the engine's sink, in memory and streamed alike;
+Formats that hold quantized weights (`QUANTIZED`) share one writer signature,
+`writer(model, dtype, specs, meta, qweights)`, and a `check_shape(name, out, in, spec)` that refuses
 what they cannot hold before any work starts. Shared plumbing (float tensors, config.json,
 safetensors reading, the float skeleton) lives in `checkpoint.py`; nothing reaches into another
 format's private helpers.
@@ -28,7 +27,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from geminicompress.compress.grid import QuantSpec
 from geminicompress.errors import InputError
+from geminicompress.formats.checkpoint import compressed_tensors_format
 
 # KEY -> module. The order is the order `detect` asks in.
 FORMATS: dict[str, str] = {
@@ -62,8 +63,6 @@ def detect(config: dict[str, Any]) -> str | None:
     qc = config.get("quantization_config")
     if not qc:
         return None
-    from geminicompress.formats.checkpoint import compressed_tensors_format
-
     fmt = compressed_tensors_format(qc)
     return f"compressed-tensors:{fmt}" if fmt is not None else str(qc.get("quant_method", "")).lower()
 
@@ -88,6 +87,15 @@ def module_reader(path: Path, config: dict[str, Any]) -> Any:
     return module(key).reader(Path(path), config)
 
 
-def stores_codes(key: str | None) -> bool:
-    """Whether format `key` stores quantized linears as codes that dequantize exactly (`STORES_CODES`)."""
-    return key is not None and key in {*FORMATS, *QUANTIZED} and getattr(module(key), "STORES_CODES", False)
+def check_shapes(fmt: str, shapes: dict[str, tuple[int, int]], spec: QuantSpec) -> None:
+    """Raise InputError before any work if quantized format `fmt` cannot hold these (out, in) shapes."""
+    if fmt not in QUANTIZED:
+        raise InputError(f"format '{fmt}' is not one of {', '.join(QUANTIZED)}")
+    for name, (out_f, in_f) in shapes.items():
+        module(fmt).check_shape(name, out_f, in_f, spec)
+
+
+def writer_for(fmt: str, model: Any, dtype: Any, specs: dict[str, Any], meta: dict[str, Any], qweights: Any) -> Any:
+    """The per-layer writer (writer.py) of quantized format `fmt` (a `QUANTIZED` name) for the modules of
+    `specs` ({full name: QuantSpec}), their codes given per layer by `qweights(i, kept)`."""
+    return module(fmt).writer(model, dtype, specs, meta, qweights)

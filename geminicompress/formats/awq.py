@@ -18,12 +18,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from geminicompress import __version__
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, group_index
 from geminicompress.errors import GeminiError, InputError
-from geminicompress.formats.checkpoint import single_spec, write_packed
 from geminicompress.formats.dequant import dequant_reader
 from geminicompress.formats.reader import ModuleReader, load_with_reader
+from geminicompress.formats.writer import PackedWriter, QWeights
 
 KEY = "awq"
 
@@ -31,9 +30,6 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDE
 BITS = 4
 PACK = 32 // BITS
 SUFFIXES = ("qweight", "qzeros", "scales")
-# A quantized linear's weight is its integer codes and scales, which dequantize exactly to the weights the
-# run computed with (scales rounded to their stored dtype first): not rounded to the checkpoint's float dtype.
-STORES_CODES = True
 
 
 def detect(qc: dict[str, Any]) -> bool:
@@ -100,16 +96,14 @@ def quantization_config(spec: QuantSpec, meta: dict[str, Any], not_quantized: li
     return awq_config(spec, bool(meta.get("zero_point", not spec.sym)), _last_names(not_quantized))
 
 
-def write(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, meta: dict[str, Any]) -> dict[str, Any]:
-    """Write model + tokenizer to `out` in the AWQ GEMM layout; return a summary for report.json."""
-    spec = single_spec(qweights)
-    zero_point = bool(meta.get("zero_point", not spec.sym))
-    size, not_quantized = write_packed(model, tokenizer, out, qweights, getattr(torch, meta.get("dtype", "float32")),
-                                       pack_awq, lambda nq: quantization_config(spec, meta, nq))
-    not_converted = _last_names(not_quantized)
-    return {"format": KEY, "bits": spec.bits, "group_size": spec.group_size, "zero_point": zero_point,
-            "quantized_modules": len(qweights), "float_modules": not_converted, "version": __version__,
-            "size_bytes": size}
+def writer(model: nn.Module, dtype: torch.dtype, specs: dict[str, QuantSpec], meta: dict[str, Any],
+           qweights: QWeights) -> PackedWriter:
+    """The per-layer writer of the AWQ GEMM layout (one spec per checkpoint)."""
+    if len(set(specs.values())) != 1:
+        raise InputError(f"one AWQ checkpoint holds one quantization spec, got {len(set(specs.values()))}")
+    spec = next(iter(specs.values()))
+    return PackedWriter(model, dtype, KEY, specs, qweights, pack_awq, lambda name, parts: unpack_awq(parts, spec),
+                        SUFFIXES, lambda base, all_specs, nq: quantization_config(base, meta, nq))
 
 
 def _last_names(names: list[str]) -> list[str]:

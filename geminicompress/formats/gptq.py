@@ -24,18 +24,15 @@ import torch.nn as nn
 from geminicompress import __version__
 from geminicompress.compress.arch import arch_for
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec
-from geminicompress.formats.bits import pack_bits, unpack_bits
-from geminicompress.formats.checkpoint import quantized_summary, write_packed
 from geminicompress.errors import GeminiError, InputError
+from geminicompress.formats.bits import pack_bits, unpack_bits
 from geminicompress.formats.dequant import dequant_reader
+from geminicompress.formats.mixed import dynamic_spec, gptq_dynamic
 from geminicompress.formats.reader import ModuleReader, load_with_reader
-from geminicompress.formats.mixed import base_spec, dynamic_spec, gptq_dynamic, specs_of
+from geminicompress.formats.writer import PackedWriter, QWeights
 
 KEY = "gptq"
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
-# A quantized linear's weight is its integer codes and scales, which dequantize exactly to the weights the
-# run computed with (scales rounded to their stored dtype first): not rounded to the checkpoint's float dtype.
-STORES_CODES = True
 
 
 def detect(qc: dict[str, Any]) -> bool:
@@ -120,19 +117,18 @@ def write_quantize_config(out: Path, config: dict[str, Any]) -> None:
     (out / "quantize_config.json").write_text(json.dumps(quantize_config, indent=2) + "\n")
 
 
-def write(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, meta: dict[str, Any]) -> dict[str, Any]:
-    """Write model + tokenizer in GPTQ v1 (+ quantize_config.json); float tensors in meta["dtype"]."""
-    spec = base_spec(qweights)  # mixed precision: the others as `dynamic` overrides (formats/mixed.py)
+def writer(model: nn.Module, dtype: torch.dtype, specs: dict[str, QuantSpec], meta: dict[str, Any],
+           qweights: QWeights) -> PackedWriter:
+    """The per-layer writer of GPTQ v1 (+ quantize_config.json); mixed precision as `dynamic` overrides."""
     layers = arch_for(model).layers + "."
-    specs = specs_of(qweights)
+    base = next(iter(specs.values()))
 
-    def qconfig(not_quantized: list[str]) -> dict[str, Any]:
-        return quantization_config(spec, specs, meta, layers, not_quantized)
+    def unpack(name: str, parts: dict[str, torch.Tensor]) -> QuantizedWeight:
+        return unpack_gptq(parts, specs.get(name, base))
 
-    size, not_quantized = write_packed(model, tokenizer, out, qweights, getattr(torch, meta.get("dtype", "float32")),
-                                       pack_gptq, qconfig)
-    write_quantize_config(out, qconfig(not_quantized))
-    return quantized_summary(KEY, spec, qweights, not_quantized, size)
+    return PackedWriter(model, dtype, KEY, specs, qweights, pack_gptq, unpack, SUFFIXES,
+                        lambda spec, all_specs, nq: quantization_config(spec, all_specs, meta, layers, nq),
+                        write_quantize_config)
 
 
 def reader(path: Path, config: dict) -> ModuleReader:

@@ -19,18 +19,18 @@ weights, replace every linear whose stored `weight` is int8 (with a `weight_scal
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.int8.modules import Int8Base, Int8WeightOnlyLinear, W8A8Linear
+from geminicompress.compress.int8.modules import Int8WeightOnlyLinear, W8A8Linear
 from geminicompress.compress.int8.shared_input import share_inputs
 from geminicompress.errors import GeminiError
 from geminicompress.formats.checkpoint import compressed_tensors_format, float_linears
 from geminicompress.formats.reader import ModuleReader, load_with_reader
+from geminicompress.formats.writer import LayerWriter
 
 FORMAT = "int-quantized"
 KEY = f"compressed-tensors:{FORMAT}"
@@ -68,21 +68,21 @@ def quantization_config(method: str, ignore: list[str]) -> dict[str, Any]:
     }
 
 
-def exporter(method: str, dtype: str) -> Callable[[Any, Any, Path], dict]:
-    """An exporter `(model, tokenizer, out) -> info` for `ctx.exporter`; float tensors saved as `dtype`."""
+class Int8Writer(LayerWriter):
+    """compressed-tensors int-quantized, one layer at a time: the layer's INT8 modules write their codes and
+    scales themselves (their state dicts); `targets`: the linears made INT8 (the others are `ignore`)."""
 
-    def export(model: nn.Module, tokenizer: Any, out: Path) -> dict:
-        model = model.to(getattr(torch, dtype))  # float tensors only: int8 codes are untouched
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        config_path = out / "config.json"
-        config = json.loads(config_path.read_text())
-        config["quantization_config"] = quantization_config(method, float_linears(model))
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        return {"format": f"compressed-tensors:{FORMAT}", "method": method, "dtype": dtype,
-                "quantized_linears": sum(isinstance(m, Int8Base) for m in model.modules())}
+    format = KEY
 
-    return export
+    def __init__(self, model: nn.Module, dtype: torch.dtype, method: str, targets: list[str]) -> None:
+        super().__init__(model, dtype)
+        self.method, self.targets = method, set(targets)
+
+    def qconfig(self, result: dict[str, Any]) -> dict[str, Any]:
+        return quantization_config(self.method, float_linears(self.model, self.targets))
+
+    def write_config(self, out: Path, result: dict[str, Any]) -> dict[str, Any]:
+        return {**super().write_config(out, result), "method": self.method, "quantized_linears": len(self.targets)}
 
 
 def reader(path: Path, config: dict[str, Any]) -> ModuleReader:

@@ -12,26 +12,10 @@ Pure functions on {module name: spec}; the format modules call them.
 from __future__ import annotations
 
 import re
-from collections import Counter
 from typing import Any, Callable
 
 from geminicompress.compress.grid import QuantSpec
 from geminicompress.errors import GeminiError
-
-
-def specs_of(qweights: Any) -> dict[str, QuantSpec]:
-    return {name: qweights[name].spec for name in qweights}
-
-
-def base_spec(qweights: Any) -> QuantSpec:
-    """The spec holding the most weights (ties: the first met)."""
-    if not len(qweights):
-        raise GeminiError("nothing was quantized: no module to export")
-    weights: Counter = Counter()
-    for name in qweights:
-        qw = qweights[name]
-        weights[qw.spec] += qw.q.numel()
-    return weights.most_common(1)[0][0]
 
 
 def exact(name: str) -> str:

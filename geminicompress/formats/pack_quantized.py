@@ -23,17 +23,14 @@ from geminicompress import __version__
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, group_index
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.bits import pack_bits, unpack_bits
-from geminicompress.formats.checkpoint import (compressed_tensors_format, quantized_summary, scale_dtype,
-                                               write_packed)
+from geminicompress.formats.checkpoint import compressed_tensors_format, scale_dtype
 from geminicompress.formats.dequant import dequant_reader
+from geminicompress.formats.mixed import ct_config_groups, ct_spec_of
 from geminicompress.formats.reader import ModuleReader, load_with_reader
-from geminicompress.formats.mixed import base_spec, ct_config_groups, ct_spec_of, specs_of
+from geminicompress.formats.writer import PackedWriter, QWeights
 
 KEY = "compressed-tensors:pack-quantized"
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
-# A quantized linear's weight is its integer codes and scales, which dequantize exactly to the weights the
-# run computed with (scales rounded to their stored dtype first): not rounded to the checkpoint's float dtype.
-STORES_CODES = True
 COMPRESSED_TENSORS_VERSION = "0.19.0"  # the layout of that release (dense bit streams for 3-bit)
 
 
@@ -126,13 +123,16 @@ def quantization_config(spec: QuantSpec, specs: dict[str, QuantSpec], meta: dict
     return ct_config(spec, {**meta, "version": __version__}, ignore, specs)
 
 
-def write(model: nn.Module, tokenizer: Any, out: Path, qweights: Any, meta: dict[str, Any]) -> dict[str, Any]:
-    """Write model + tokenizer as compressed-tensors pack-quantized; float tensors in meta["dtype"]."""
-    spec = base_spec(qweights)
-    specs = specs_of(qweights)
-    size, not_quantized = write_packed(model, tokenizer, out, qweights, getattr(torch, meta.get("dtype", "float32")),
-                                       packer(meta), lambda ignore: quantization_config(spec, specs, meta, ignore))
-    return quantized_summary("compressed-tensors", spec, qweights, not_quantized, size)
+def writer(model: nn.Module, dtype: torch.dtype, specs: dict[str, QuantSpec], meta: dict[str, Any],
+           qweights: QWeights) -> PackedWriter:
+    """The per-layer writer of pack-quantized; mixed precision as one config group per spec."""
+    base = next(iter(specs.values()))
+
+    def unpack(name: str, parts: dict[str, torch.Tensor]) -> QuantizedWeight:
+        return unpack_ct(parts, specs.get(name, base))
+
+    return PackedWriter(model, dtype, KEY, specs, qweights, packer(meta), unpack, SUFFIXES,
+                        lambda spec, all_specs, ignore: quantization_config(spec, all_specs, meta, ignore))
 
 
 def reader(path: Path, config: dict) -> ModuleReader:

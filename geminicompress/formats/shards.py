@@ -6,8 +6,9 @@ tensor's bytes to the open shard's data file as soon as it is given, after a res
 start, and when the next tensor would make the shard exceed `max_bytes` it closes the shard: the header,
 padded with spaces (which the format allows) to fill the reserved region exactly, is written into that
 region and the file is renamed `part-NNNNN.safetensors`. Every byte is written once. (A header bigger
-than the reserve, which needs thousands of tensors in one shard, is written the slow way: header + data
-copied into a new file.) Memory: one tensor at a time.
+than the reserve, which needs thousands of tensors in one shard, and a shard so small that the padding
+would be more than 1.5% of it, are written the slow way: header + data copied into a new file; a small
+model's checkpoint is then as big as its tensors.) Memory: one tensor at a time.
 
 Resumable at *unit* granularity (a unit = one decoder layer's tensors, or one module outside them):
 after a unit's bytes are flushed to disk, `progress.json` (rewritten atomically) records the unit, its
@@ -35,6 +36,7 @@ DEFAULT_MAX_BYTES = 2 * 10**9
 PROGRESS = "progress.json"
 INDEX = "model.safetensors.index.json"
 RESERVE_MAX = 1 << 20  # bytes reserved for a shard's header: ~8,000 tensor entries
+SMALL_SHARD = 64  # a shard with less data than this many reserves is rewritten with its exact header (no padding)
 _CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
           torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
           torch.bool: "BOOL"}
@@ -175,7 +177,7 @@ class ShardWriter:
         final = data.with_suffix(".safetensors")
         header = json.dumps({"__metadata__": {"format": "pt"}, **opened["tensors"]}, separators=(",", ":")).encode()
         reserve = self._reserve()
-        if 8 + len(header) <= reserve:
+        if 8 + len(header) <= reserve and opened["bytes"] >= SMALL_SHARD * reserve:
             header += b" " * (reserve - 8 - len(header))  # trailing spaces: allowed, and the data starts at `reserve`
             with self._guard(data):
                 with open(data, "r+b") as out:

@@ -19,8 +19,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from geminicompress.formats.checkpoint import compressed_tensors_format, float_linears, save_weights, write_config
+from geminicompress.formats.checkpoint import compressed_tensors_format, float_linears
 from geminicompress.formats.reader import ModuleReader, load_with_reader
+from geminicompress.formats.writer import LayerWriter
 
 KEY = "compressed-tensors:sparse-bitmask"  # and its 2:4 variant, sparse-24-bitmask
 FORMATS = ("sparse-bitmask", "sparse-24-bitmask")
@@ -92,32 +93,32 @@ def quantization_config(structure: str, global_sparsity: float, ignore: list[str
             "sparsity_config": sparsity_config(fmt, structure, global_sparsity, ignore)}
 
 
-def exporter(dtype: str, masks: dict[str, Tensor], structure: str,
-             global_sparsity: float) -> Callable[[Any, Any, Path], dict]:
-    """Exporter writing `masks`' weights (param name -> keep-mask) in a sparse-bitmask layout; the rest dense."""
-    two_four = structure == "2:4"
-    fmt = layout(structure)
+class SparseWriter(LayerWriter):
+    """compressed-tensors sparse-bitmask (2:4: sparse-24-bitmask) of the pruned weights, one layer at a time,
+    from the keep-masks the stage kept for the layer (`masks(i, kept)`: {param name: keep}); the stage's
+    achieved sparsity goes into the config; `targets`: the pruned weights (param names)."""
 
-    def export(model: Any, tokenizer: Any, out: Path) -> dict:
-        model = model.to(getattr(torch, dtype))
-        tensors: dict[str, Tensor] = {}
-        seen: set[int] = set()
-        for name, tensor in model.state_dict().items():
-            if tensor.data_ptr() in seen and tensor.numel():  # tied weights are stored once
-                continue
-            seen.add(tensor.data_ptr())
-            tensor = tensor.detach().cpu().contiguous()
-            if name in masks:
-                tensors.update(weight_tensors(name, tensor, masks[name], two_four))
-            else:
-                tensors[name] = tensor
-        save_weights(tensors, out)
-        ignore = [n for n in float_linears(model) if f"{n}.weight" not in masks]
-        write_config(model, out, quantization_config(structure, global_sparsity, ignore), getattr(torch, dtype))
-        tokenizer.save_pretrained(out)
-        return {"format": f"compressed-tensors:{fmt}", "dtype": dtype, "sparsity_structure": structure}
+    def __init__(self, model: nn.Module, dtype: torch.dtype, structure: str, targets: list[str],
+                 masks: Callable[[int, dict[str, Tensor]], dict[str, Tensor]]) -> None:
+        super().__init__(model, dtype)
+        self.format = f"compressed-tensors:{layout(structure)}"
+        self.structure, self.targets, self.masks = structure, set(targets), masks
 
-    return export
+    def layer_tensors(self, i: int, layer: nn.Module, kept: dict[str, Tensor]) -> dict[str, Tensor]:
+        tensors = super().layer_tensors(i, layer, kept)
+        for name, keep in self.masks(i, kept).items():
+            tensors.update(weight_tensors(name, tensors.pop(name), keep, self.structure == "2:4"))
+        return tensors
+
+    def dense(self, i: int, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        return super().dense(i, dense_state_dict(tensors))
+
+    def qconfig(self, result: dict[str, Any]) -> dict[str, Any]:
+        ignore = [n for n in float_linears(self.model) if f"{n}.weight" not in self.targets]
+        return quantization_config(self.structure, result["achieved_sparsity"], ignore)
+
+    def write_config(self, out: Path, result: dict[str, Any]) -> dict[str, Any]:
+        return {**super().write_config(out, result), "sparsity_structure": self.structure}
 
 
 def dense_state_dict(tensors: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -1,12 +1,13 @@
 """Logits of many windows from a model read one decoder layer at a time (memory follows one layer).
 
-Every window goes through decoder layer 0, then every window through layer 1, and so on (the GPTQ
-paper's scheme, as `layerwise.run_layerwise`), so only one layer's weights are in memory at a time.
+Every window goes through decoder layer 0, then every window through layer 1, and so on: the engine's
+one walk (engine/walk.py), with nothing done to the layers, so only one layer's weights are in memory at a time.
 What grows with the number of windows is their activations, held twice (a layer's inputs and its
 outputs, (n, T, d) each): in memory, or with `spill_dir` in two files mapped into memory, which the
 kernel writes out and drops under memory pressure ("activations on disk when they do not fit").
 
-The final norm and the output head then run window batch by window batch through the model's *own*
+The probe that checks OUT (verify.py) uses the pieces here too: `embed` (layer 0's inputs, the embeddings
+read as stored) and `through_layer` (one finished layer as written). The final norm and the output head then run window batch by window batch through the model's *own*
 forward: the decoder layers are swapped for an empty list and a pre-hook hands the final norm the stored
 hidden states, so whatever the model does after its layers (final norm, head, logit soft-capping) is
 exactly what transformers does. The embeddings are read only for layer 0's inputs.
@@ -25,12 +26,10 @@ import torch
 import torch.nn as nn
 
 from geminicompress.compress.arch import arch_for, get_module, set_module
-from geminicompress.engine.layers import capture_inputs, computing_in, layer_output
-from geminicompress.engine.walk import LayerSource, ModelLayers
-from geminicompress.memory import heap_reuse, release_free_heap
+from geminicompress.engine.layers import computing_in, layer_output
+from geminicompress.engine.walk import LayerSource, ModelLayers, capture_into, nothing, run_layerwise
 from geminicompress.progress import NullProgress, Progress
 
-CAPTURE_CHUNK = 8  # windows run up to layer 0 at a time (bounds the capture's own temporaries)
 HeadTransform = Callable[[str, nn.Module], nn.Module]  # (module name, module as read) -> module to compute with
 
 
@@ -77,25 +76,19 @@ class StreamedHidden:
 def final_hidden(source: nn.Module | LayerSource, windows: torch.Tensor, *, device: torch.device,
                  dtype: torch.dtype = torch.float32, batch: int = 4, spill_dir: Path | None = None,
                  progress: Progress | None = None, description: str = "layers") -> StreamedHidden:
-    """Run `windows` (n, T) through every decoder layer of `source`, one layer at a time, computing in
-    `dtype`; activations are kept in `dtype` (in files under `spill_dir` when given)."""
-    progress = progress or NullProgress()
+    """Run `windows` (n, T) through every decoder layer of `source`, one layer at a time (the engine's walk,
+    with nothing done to the layers), computing in `dtype`, `batch` windows per call; the activations are
+    two (n, T, d) stores in `dtype` (files under `spill_dir` when given)."""
     source = source if not isinstance(source, nn.Module) else ModelLayers(source)
     files = [spill_dir / f"activations-{k}.bin" for k in (0, 1)] if spill_dir is not None else [None, None]
-    first = embed(source, windows, device=device, dtype=dtype, path=files[0])
-    inp, kwargs = first.store, first.kwargs
-    out = ActivationStore(tuple(inp.tensor.shape), dtype, files[1])
-    with progress.task(description, total=len(source)) as bar, heap_reuse():
-        for i in range(len(source)):
-            layer = source.load(i).to(device)
-            through_layer(layer, inp.tensor, out.tensor, kwargs, device=device, dtype=dtype, batch=batch)
-            layer.to("cpu")
-            source.release(i)
-            inp, out = out, inp
-            release_free_heap()
-            bar.advance(1)
-    out.close()
-    return StreamedHidden(inp, kwargs)
+    shape = (windows.shape[0], windows.shape[1], source.model.config.hidden_size)
+    stores = [ActivationStore(shape, dtype, f) for f in files]
+    walked = run_layerwise(source, windows, nothing, device=device, progress=progress or NullProgress(),
+                           description=description, calib_dtype=dtype, batch=batch,
+                           stores=(stores[0].tensor, stores[1].tensor))
+    last = len(source) % 2  # the store the last layer wrote (layer i writes into store (i + 1) % 2)
+    stores[1 - last].close()
+    return StreamedHidden(stores[last], walked.inputs.kwargs)
 
 
 @torch.no_grad()
@@ -118,28 +111,7 @@ def embed(source: nn.Module | LayerSource, windows: torch.Tensor, *, device: tor
     source = source if not isinstance(source, nn.Module) else ModelLayers(source)
     shape = (windows.shape[0], windows.shape[1], source.model.config.hidden_size)
     store = ActivationStore(shape, dtype, path)
-    return StreamedHidden(store, _capture_into(source, windows, store.tensor, device, dtype, stored))
-
-
-def _capture_into(source: LayerSource, windows: torch.Tensor, into: torch.Tensor, device: torch.device,
-                  dtype: torch.dtype, stored: torch.dtype = torch.float32) -> dict[str, Any]:
-    """Layer 0's inputs of every window, written into `into` (n, T, d); returns the layers' kwargs. The
-    modules a forward up to layer 0 needs (the embeddings) are read meanwhile, in float32 as a model in
-    memory holds them (rounded to `stored` first)."""
-    loaded = source.capture_modules()
-    ckpt = getattr(source, "ckpt", None)
-    for name in loaded:
-        ckpt.materialise(name, stored).float()
-    kwargs: dict[str, Any] = {}
-    try:
-        for b in range(0, windows.shape[0], CAPTURE_CHUNK):
-            captured = capture_inputs(source.model, windows[b:b + CAPTURE_CHUNK], device, dtype=dtype)
-            into[b:b + CAPTURE_CHUNK].copy_(torch.cat([h.to("cpu") for h in captured.hidden]))
-            kwargs = kwargs or captured.kwargs
-    finally:
-        for name in loaded:
-            ckpt.release(name)
-    return kwargs
+    return StreamedHidden(store, capture_into(source, windows, store.tensor, device, dtype, stored).kwargs)
 
 
 @contextmanager
@@ -148,7 +120,7 @@ def _head_only(source: LayerSource, dtype: torch.dtype, device: torch.device,
     """The model with its decoder layers swapped for an empty list and its final norm and output head read
     (lazy sources) and on `device` in `dtype`; yields (model, final norm). `transform(name, module)` may
     give a lazy source's module another one to compute with meanwhile (e.g. the INT8 head a streamed run
-    made of the checkpoint's)."""
+    made of the checkpoint's), or change a model in memory's in place (its floats rounded as written)."""
     model = source.model
     arch = arch_for(model)
     names = {m: n for n, m in model.named_modules()}
@@ -163,8 +135,11 @@ def _head_only(source: LayerSource, dtype: torch.dtype, device: torch.device,
             if used is not read[n]:
                 set_module(model, n, used)
             used.to(device)
-        else:
-            get_module(model, n).to(device, dtype)
+        else:  # a model in memory: `transform` may change its module in place (rounded as stored)
+            module = get_module(model, n)
+            if transform is not None and transform(n, module) is not module:
+                raise ValueError("a model in memory takes a transform that changes its module in place")
+            module.to(device, dtype)
     layers = get_module(model, arch.layers)
     set_module(model, arch.layers, nn.ModuleList())
     try:

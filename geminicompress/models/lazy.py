@@ -14,8 +14,8 @@ read, by the format's own `ModuleReader` (formats/reader.py), the one its in-mem
 `DequantLinear`, an INT8 module, a decompressed linear), and swapped back for the skeleton's meta linear
 on release. So a layer computes exactly what the same layer of the model loaded in memory computes.
 
-`LazyLayers` is the layer *source* of `layerwise.run_layerwise` for such a checkpoint; `ModelLayers`
-(layerwise.py) is the one for a model already in memory.
+`LazyLayers` is the layer *source* of the engine's walk (engine/walk.py) for such a checkpoint; `ModelLayers`
+(walk.py) is the one for a model already in memory.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import Arch, arch_for, get_module, set_module
+from geminicompress.compress.arch import Arch, arch_for, get_module, outside_modules, set_module
 from geminicompress.errors import InputError
 
 INDEX = "model.safetensors.index.json"
@@ -280,15 +280,8 @@ class LazyCheckpoint:
         return f"{self.arch.layers}.{i}"
 
     def outside_modules(self) -> list[str]:
-        """The modules holding parameters outside the decoder layers (embeddings, final norm, head), in
-        model order, each the smallest module that owns them."""
-        out: list[str] = []
-        for name, module in self.model.named_modules():
-            if name == self.arch.layers or name.startswith(f"{self.arch.layers}."):
-                continue
-            if any(True for _ in module.parameters(recurse=False)):
-                out.append(name)
-        return out
+        """The modules holding parameters outside the decoder layers (embeddings, final norm, head)."""
+        return outside_modules(self.model)
 
     @property
     def tied_output(self) -> str | None:
@@ -359,6 +352,28 @@ class LazyLayers:
         names = {m: n for n, m in self.model.named_modules()}
         return [names[self.model.get_input_embeddings()]]
 
+    def outside_modules(self) -> list[str]:
+        return self.ckpt.outside_modules()
+
+    @property
+    def tied_output(self) -> str | None:
+        return self.ckpt.tied_output
+
+    def load_outside(self, name: str) -> nn.Module:
+        """Module `name` (outside the layers) read from disk as stored."""
+        return self.ckpt.materialise(name)
+
+    def release_outside(self, name: str) -> None:
+        self.ckpt.release(name)
+
+    def tensors(self, names: list[str]) -> "LazyTensors":
+        """The named tensors, read from disk one at a time when visited (float32)."""
+        return LazyTensors(self.ckpt, names)
+
+    def reading_in(self, dtype: torch.dtype | None) -> "LazyLayers":
+        """The same checkpoint's layers read in `dtype` (a pre-pass that must compute as in memory: float32)."""
+        return LazyLayers(self.ckpt, dtype)
+
 
 class LazyTensors(Sequence):
     """A read-only sequence of checkpoint tensors read on access (as float32), for passes such as
@@ -404,21 +419,22 @@ class LazyTensors(Sequence):
         return torch.cat(parts)
 
 
-def available_memory() -> int:
-    """Bytes of memory available to new work (MemAvailable), or 0 when unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def weights_bytes(path: Path, dtype_size: int = 4) -> int:
     """Bytes the checkpoint's float weights take in memory at `dtype_size` bytes each (headers only)."""
     return sum(i.numel * (dtype_size if i.dtype.is_floating_point else i.dtype.itemsize)
                for i in read_headers(path).values())
+
+
+def loaded_bytes(path: Path, dtype: torch.dtype) -> int:
+    """About what the model at `path` holds in memory when loaded in `dtype`: float tensors in `dtype`,
+    packed integer codes at twice their stored bytes (a 4-bit code unpacks to one byte), int8 codes as stored."""
+    total = 0
+    for info in read_headers(path).values():
+        if info.dtype.is_floating_point:
+            total += info.numel * dtype.itemsize
+        else:
+            total += info.nbytes * (2 if info.dtype == torch.int32 else 1)
+    return total
 
 
 def free_disk(path: Path) -> int:

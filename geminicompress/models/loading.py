@@ -23,9 +23,9 @@ from typing import Any, Literal
 
 import torch
 
+from geminicompress import formats
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.models import demo
-from geminicompress import formats
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def load_model(
     """Load model and tokenizer from MODEL; raise a `GeminiError` with one clear line on failure."""
     source = resolve_model(spec)
     if source.kind == "demo":
-        path = _demo_dir()
+        path = demo_dir()
         model, tok, fmt = _load_dir(path, dtype, trust_remote_code, allow_pickle)
         return LoadedModel(model, tok, source, fmt)
     if source.kind == "gguf":
@@ -134,10 +134,10 @@ def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool, allow_pic
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise GeminiError(f"{path} does not load as a causal language model: {_first_line(exc)}") from exc
     model.eval()
-    return model, _load_tokenizer(str(path), trust_remote_code), key
+    return model, load_tokenizer(str(path), trust_remote_code), key
 
 
-def _load_tokenizer(where: str, trust_remote_code: bool, **kwargs: Any):
+def load_tokenizer(where: str, trust_remote_code: bool, **kwargs: Any):
     from transformers import AutoTokenizer
 
     try:
@@ -157,7 +157,7 @@ def _load_gguf(folder: Path, gguf_file: str, dtype: torch.dtype):
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise GeminiError(f"{folder / gguf_file} does not load: {_first_line(exc)}") from exc
-    tok = _load_tokenizer(str(folder), False, gguf_file=gguf_file)
+    tok = load_tokenizer(str(folder), False, gguf_file=gguf_file)
     # Dequantized to float: drop the GGUF quantizer so the model saves as an ordinary dense checkpoint.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -181,7 +181,7 @@ def _load_hub(spec: str, dtype: torch.dtype, trust_remote_code: bool, allow_pick
             "(offline? download it once or pass a local directory)"
         ) from exc
     model.eval()
-    return model, _load_tokenizer(spec, trust_remote_code, local_files_only=offline)
+    return model, load_tokenizer(spec, trust_remote_code, local_files_only=offline)
 
 
 def _hub_offline(spec: str) -> bool:
@@ -239,7 +239,16 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def _demo_dir() -> Path:
+def local_dir(spec: str) -> Path | None:
+    """The local transformers directory MODEL names (the demo's converted copy included), else None (a .gguf
+    file, a hub id). Raises the resolver's own one-line error for a MODEL that does not exist."""
+    source = resolve_model(spec)
+    if source.kind == "demo":
+        return demo_dir()
+    return source.path if source.kind == "dir" else None
+
+
+def demo_dir() -> Path:
     """The demo model converted once into a transformers directory in the cache."""
     target = demo.demo_cache_dir()
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():

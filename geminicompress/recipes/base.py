@@ -12,8 +12,8 @@ class Strict(BaseModel):
 
 
 GroupSize = Union[Annotated[int, Field(ge=-1)], Literal["auto"]]
-GROUP_SIZE_HELP = ("input columns per scale; -1 or 0 = per output channel; auto = the largest of 128, 64, 32 "
-                   "dividing every quantized layer's input features")
+GROUP_SIZE_HELP = ("input columns sharing a scale; -1 or 0 = per output channel; default auto: the largest of 128, "
+                   "64, 32 dividing every quantized layer's input features (printed, and recorded in report.json)")
 
 
 class StageBase(Strict):
@@ -29,6 +29,7 @@ class WeightQuantStage(StageBase):
 
     type: Literal["quantize"] = "quantize"
     method: str
-    bits: Literal[2, 3, 4, 8] = 4
+    bits: Literal[2, 3, 4, 8] = Field(4, description="weight bits: 2, 3, 4 or 8")
     group_size: GroupSize = Field("auto", description=GROUP_SIZE_HELP)
-    ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="module name patterns to keep in float")
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="module name pattern (regex) to keep "
+                              "in float; repeatable (default lm_head)")

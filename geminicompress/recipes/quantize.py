@@ -16,12 +16,13 @@ class Int8Stage(StageBase):
 
     type: Literal["quantize"] = "quantize"
     method: Literal["int8", "w8a8"]
-    bits: Literal[8] = 8
+    bits: Literal[8] = Field(8, description="8")
     smoothquant_alpha: float | None = Field(
-        0.5, ge=0.0, le=1.0, description="w8a8: SmoothQuant migration strength, calibrated on the stage's DATA "
-        "(default: the recipe's calibration data); 0 or null = no SmoothQuant. Not used by int8")
-    ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="module name patterns to keep in float")
-    format: Literal["compressed-tensors"] = "compressed-tensors"
+        0.5, ge=0.0, le=1.0, description="SmoothQuant strength in [0, 1] (default 0.5), calibrated on the stage's "
+        "DATA; 0 or null = no SmoothQuant")
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="module name pattern (regex) to keep "
+                              "in float; repeatable (default lm_head)")
+    format: Literal["compressed-tensors"] = Field("compressed-tensors", description="compressed-tensors int-quantized")
 
     @model_validator(mode="after")
     def _smoothquant_needs_w8a8(self) -> "Int8Stage":
@@ -65,25 +66,30 @@ class GPTQStage(WeightQuantStage):
     """GPTQ (Frantar et al., 2022): Hessian-aware rounding, layer by layer."""
 
     method: Literal["gptq"]
-    sym: bool = True
+    sym: bool = Field(True, description="symmetric (default) or asymmetric with zero points",
+                      json_schema_extra={"cli": "--sym/--asym"})
     # defaults measured on the demo model (docs/gptq.md, "Defaults, and why"): act-order with groups in quantization order
     # and the first token weighted 16x gave the lowest perplexity of the settings tried at 4-bit g64
-    act_order: bool = True
-    static_groups: bool = False
-    true_sequential: bool = True
-    one_pass: bool = Field(True, description="true-sequential in one pass over the windows per layer (holds every "
-                           "window's activations of one layer); false re-runs the layer per group (less memory)")
-    damp: float = Field(0.01, gt=0.0, lt=1.0, description="dampening, fraction of the mean Hessian diagonal")
+    act_order: bool = Field(True, description="quantize columns by decreasing Hessian diagonal (default on)")
+    static_groups: bool = Field(False, description="with act-order: fix groups before reordering so g_idx stays "
+                                "monotone (default off: lower quality on the demo model, see docs/gptq.md)")
+    true_sequential: bool = Field(True, description="quantize attention before MLP inside each layer (default on)")
+    one_pass: bool = Field(True, description="true-sequential: one pass over the windows per layer (default; holds a "
+                           "layer's activations for every window) or one pass per group of linears (less memory, "
+                           "slower)", json_schema_extra={"cli": "--one-pass/--multi-pass"})
+    damp: float = Field(0.01, gt=0.0, lt=1.0, description="dampening, fraction of the mean Hessian diagonal "
+                        "(default 0.01)")
     first_token_weight: float = Field(16.0, ge=1.0, description="weight of each calibration window's first token "
-                                      "(the attention sink) in the Hessians: see compress/hessian.py")
-    block_size: int = Field(128, ge=1)
-    keep_zeros: bool = Field(False, description="keep a pruned weight's zeros at exactly zero (GPTQ's error feedback "
-                             "otherwise moves some): for a sparsity pattern a later tool needs; costs quality "
-                             "(docs/gptq.md, \"GPTQ on a pruned model\")")
+                                      "(the attention sink) in the Hessians (default 16; 1 = every token alike)")
+    block_size: int = Field(128, ge=1, description="columns per lazy-update block (default 128)")
+    keep_zeros: bool = Field(False, description="on a pruned model: keep its zeros exactly (default off: GPTQ's error "
+                             "feedback moves some off zero, which fits better; on the demo 68.2 vs 72.9 perplexity after "
+                             "SparseGPT 50%); for a sparsity pattern a later tool needs")
     calib_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="dtype the layers compute in while calibrating (their forward passes); "
-        "Hessians and the solver are always float32. bfloat16 is faster on GPUs and on CPUs with AVX512-BF16/AMX")
-    format: Literal["gptq", "compressed-tensors", "dense"] = "gptq"
+        "float32", description="float32 (default) or bfloat16: the dtype layers compute in while calibrating; the "
+        "solver and the saved weights stay float32. bfloat16 is faster on GPUs and on CPUs with AVX512-BF16")
+    format: Literal["gptq", "compressed-tensors", "dense"] = Field("gptq", description="on-disk format (default: the "
+                                                                  "method's own)")
     allocation: QuantAllocation | None = Field(None, description="mixed precision: bits per module under a budget")
     overrides: dict[str, str] = Field(default_factory=dict, description="module name -> b<bits>g<group> "
                                       "(e.g. model.layers.0.self_attn.v_proj: b8g64); wins over the allocation")
@@ -101,14 +107,18 @@ class AWQStage(WeightQuantStage):
     """AWQ (Lin et al., 2023): activation-aware scaling (+ clipping), then RTN or GPTQ."""
 
     method: Literal["awq", "awq+gptq"]
-    zero_point: bool = True
-    clip: bool = True
-    n_grid: int = Field(20, ge=1, le=1000, description="points of the alpha grid in [0, 1) for the scale search")
+    zero_point: bool = Field(True, description="asymmetric with zero points (default) or symmetric")
+    clip: bool = Field(True, description="search a clipping range per group (default on)")
+    n_grid: int = Field(20, ge=1, le=1000, description="points in the alpha grid in [0, 1) of the scale search "
+                        "(default 20)")
     search_windows: int = Field(8, ge=1, description="calibration windows on which the scale search measures the "
                                 "output error (activation statistics use all windows)")
-    damp: float = Field(0.01, gt=0.0, lt=1.0)
-    block_size: int = Field(128, ge=1)
-    keep_zeros: bool = Field(False, description="awq+gptq: keep a pruned weight's zeros at exactly zero (see the "
-                             "gptq stage); awq's round-to-nearest keeps them anyway")
-    search_results: str | None = Field(None, description="re-apply saved scales/clips instead of searching")
-    format: Literal["awq", "compressed-tensors", "dense"] = "awq"
+    damp: float = Field(0.01, gt=0.0, lt=1.0, description="dampening of GPTQ's Hessian (awq+gptq), "
+                        "fraction of its mean diagonal")
+    block_size: int = Field(128, ge=1, description="GPTQ's columns per lazy-update block (awq+gptq)")
+    keep_zeros: bool = Field(False, description="keep a pruned weight's zeros at exactly zero in GPTQ (awq+gptq; "
+                             "see gptq); awq's round-to-nearest keeps them anyway")
+    search_results: str | None = Field(None, description="re-apply saved scales/clips (OUT/awq_search/) instead of "
+                                       "searching")
+    format: Literal["awq", "compressed-tensors", "dense"] = Field("awq", description="on-disk format (default: the "
+                                                                 "method's own)")

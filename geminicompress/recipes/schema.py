@@ -35,24 +35,30 @@ class PruneStage(_StageBase):
     """Unstructured or N:M pruning: magnitude (global or per layer), Wanda, SparseGPT."""
 
     type: Literal["prune"]
-    method: Literal["magnitude", "wanda", "sparsegpt"] = "magnitude"
-    sparsity: float = Field(0.4, ge=0.0, lt=1.0)
-    scope: Literal["global", "layer"] = "global"
-    pattern: str | None = Field(None, description="N:M semi-structured sparsity, e.g. 2:4")
-    ignore: list[str] = Field(default_factory=lambda: ["lm_head", "embed_tokens"])
-    damp: float = Field(0.01, gt=0.0, lt=1.0, description="SparseGPT dampening")
-    block_size: int = Field(128, ge=1)
-    true_sequential: bool = Field(True, description="wanda/sparsegpt: prune each group of a layer from inputs that "
-                                  "went through the already-pruned groups (one pass); false: all from the dense layer")
-    format: Literal["dense", "compressed-tensors"] = "dense"
+    method: Literal["magnitude", "wanda", "sparsegpt"] = Field(
+        "magnitude", description="magnitude (default), wanda or sparsegpt (the last two calibrate on --data)")
+    sparsity: float = Field(0.4, ge=0.0, lt=1.0, description="fraction of prunable weights set to zero, in [0, 1) "
+                            "(default 0.4)")
+    scope: Literal["global", "layer"] = Field("global", description="global: one threshold over all layers (magnitude "
+                                              "only, default); layer: the same sparsity in every layer")
+    pattern: str | None = Field(None, description="N:M semi-structured sparsity, e.g. 2:4 (implies scope layer)")
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head", "embed_tokens"], description="module name pattern "
+                              "(regex) never pruned; repeatable (default lm_head, embed_tokens)")
+    damp: float = Field(0.01, gt=0.0, lt=1.0, description="sparsegpt: dampening, fraction of the mean Hessian diagonal")
+    block_size: int = Field(128, ge=1, description="sparsegpt: columns per block")
+    true_sequential: bool = Field(True, description="wanda/sparsegpt: prune attention, then MLP, each from inputs "
+                                  "through the already-pruned linears, in one pass per layer (default on); off: all "
+                                  "from the dense layer")
+    format: Literal["dense", "compressed-tensors"] = Field("dense", description="dense (default; exact zeros) or "
+                                                           "compressed-tensors (sparse-bitmask, smaller on disk)")
     allocation: Literal["uniform", "global", "owl", "sensitivity"] | None = Field(
         None, description="how the total sparsity is split over the linears: uniform (= scope layer), global "
         "(= scope global, magnitude only), owl (outlier-weighted per decoder layer, calibrated) or sensitivity "
         "(a knapsack over measured per-linear sensitivities); the total over the decoder linears is exact")
     owl_lambda: float = Field(0.08, ge=0.0, lt=1.0, description="owl: layer sparsities span target +- lambda")
     owl_threshold: float = Field(5.0, gt=0.0, description="owl: a score above this many times the layer's mean is an outlier")
-    sensitivity: str | None = Field(None, description="allocation sensitivity: a sensitivity.json to allocate from "
-                                    "(default: measure one on the calibration data first)")
+    sensitivity: str | None = Field(None, description="allocation sensitivity: a sensitivity.json from `geminicompress "
+                                    "sensitivity` to allocate from (default: measure one first, in memory)")
 
     @field_validator("pattern")
     @classmethod

@@ -18,55 +18,69 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from geminicompress.compress.arch import SmoothGroup, get_module
 from geminicompress.compress.awq import results
-from geminicompress.compress.fold import fold_problem, fold_scales
 from geminicompress.compress.awq.search import apply_clip, linear_error, scaled_weights, search_clip, search_scales
+from geminicompress.compress.fold import fold_problem, fold_scales
 from geminicompress.compress.gptq.solver import gptq_quantize, zeros_to_keep
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, rtn_quantize
 from geminicompress.compress.hessian import HessianAccumulator
-from geminicompress.engine.layers import LayerJob
-from geminicompress.engine.walk import run_layerwise
 from geminicompress.compress.targets import weight_quant_targets
+from geminicompress.engine.contract import Done, StageContext
+from geminicompress.engine.layers import LayerFn, LayerJob
 from geminicompress.errors import GeminiError
-from geminicompress.formats.checkpoint import scale_dtype, write_quantized
-
-if TYPE_CHECKING:
-    from geminicompress.pipeline import StageContext
-    from geminicompress.recipes.quantize import AWQStage
+from geminicompress.formats import writer_for
+from geminicompress.formats.checkpoint import scale_dtype
+from geminicompress.recipes.quantize import AWQStage
 
 CLIP_TOKENS = 512
 NO_CLIP = ("q_proj", "k_proj", "query_key_value")  # their outputs meet in q·kᵀ (llm-awq skips them too)
 FIELDS = ("q", "scales", "zeros", "g_idx")
 
 
-def run(cfg: AWQStage, ctx: StageContext) -> dict[str, Any]:
-    """Scale, clip and quantize ctx.model in place (fake-quantized weights), save the search results, set
-    the exporter for cfg.format, and return the summary for report.json. Bad input fails before work."""
-    model = ctx.model
-    found = weight_quant_targets(model, cfg, ctx.progress, sym=not cfg.zero_point, fmt=cfg.format)
-    arch, targets, spec = found.arch, found.names, found.spec
-    num_layers = len(get_module(model, arch.layers))
-    model_type = model.config.model_type
-    saved = results.load_search(cfg.search_results, model_type, num_layers)[0] if cfg.search_results else None
-    windows = ctx.calibration(cfg.data)  # (n, T)
-    layers_path = arch.layers + "."
-    process = partial(_awq_layer, cfg=cfg, spec=spec, saved=saved, norm_offset=arch.norm_offset,
-                      scales_as=scale_dtype(cfg.format, ctx.recipe.output.dtype),
-                      targets={n.removeprefix(layers_path) for n in targets})
-    desc = f"{cfg.method} {spec.bits}-bit" + (" (saved search)" if saved is not None else "")
-    summaries, kept = run_layerwise(model, windows, process, device=ctx.device, progress=ctx.progress,
-                                    state_dir=ctx.state_dir, description=desc)
-    results.save_search(ctx.out_dir, results.search_tensors(kept), search_meta(cfg, model_type, num_layers, spec, windows))
-    qweights = _qweights(kept, spec, layers_path)
-    meta = export_meta(cfg, ctx.recipe.output.dtype)
-    ctx.exporter = lambda m, tok, out: write_quantized(m, tok, out, qweights, cfg.format, meta)
-    return summary(cfg, spec, windows, len(qweights), summaries)
+class AWQ:
+    """AWQ / AWQ+GPTQ as the engine runs it: steps 1-4 on each layer (`_awq_layer`), the codes packed per layer
+    by the format's writer, the search results (scales, clips: small) held until the end and saved in
+    OUT/awq_search/ (a saved search re-applied instead with `search_results`)."""
+
+    calibrated = True
+    squares = 2  # float32 (in)² buffers at its peak (estimate.py)
+
+    def __init__(self, cfg: AWQStage, ctx: StageContext) -> None:
+        found = weight_quant_targets(ctx.model, cfg, ctx.progress, sym=not cfg.zero_point, fmt=cfg.format)
+        self.cfg, self.ctx, self.spec, self.targets = cfg, ctx, found.spec, found.names
+        self.num_layers = len(get_module(ctx.model, found.arch.layers))
+        self.model_type = ctx.model.config.model_type
+        saved = results.load_search(cfg.search_results, self.model_type, self.num_layers)[0] \
+            if cfg.search_results else None
+        self.layers_path = found.arch.layers + "."
+        self.process = partial(_awq_layer, cfg=cfg, spec=self.spec, saved=saved, norm_offset=found.arch.norm_offset,
+                               scales_as=scale_dtype(cfg.format, str(ctx.out_dtype).removeprefix("torch.")),
+                               targets={n.removeprefix(self.layers_path) for n in self.targets})
+
+    def layer_fn(self) -> LayerFn:
+        return self.process
+
+    def retain(self, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What a streamed run holds of a finished layer until the summary: its search results."""
+        return {k: v for k, v in kept.items() if not k.startswith("qw.")}
+
+    def qweights(self, i: int, kept: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
+        return _qweights({f"{i}.{k}": v for k, v in kept.items()}, self.spec, self.layers_path)
+
+    def writer(self) -> Any:
+        return writer_for(self.cfg.format, self.ctx.model, self.ctx.out_dtype, {n: self.spec for n in self.targets},
+                          export_meta(self.cfg, str(self.ctx.out_dtype).removeprefix("torch.")), self.qweights)
+
+    def summary(self, layers: list[dict], done: Done) -> dict[str, Any]:
+        meta = search_meta(self.cfg, self.model_type, self.num_layers, self.spec, done.windows)
+        results.save_search(done.out_dir, results.search_tensors(done.kept), meta)
+        return summary(self.cfg, self.spec, done.windows, len(self.targets), layers)
 
 
 def summary(cfg: AWQStage, spec: QuantSpec, windows: torch.Tensor, quantized: int, layers: list[dict]) -> dict[str, Any]:

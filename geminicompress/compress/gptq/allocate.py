@@ -18,6 +18,8 @@ import torch.nn as nn
 
 from geminicompress.compress.allocation import Allocation, allocate, allocate_within_drift, check_budget, frontier
 from geminicompress.compress.grid import QuantSpec
+from geminicompress.compress.sensitivity.measure import measure_sensitivity
+from geminicompress.compress.sensitivity.options import parse_options
 from geminicompress.errors import InputError
 
 ALLOCATION_FILE = "allocation.json"
@@ -36,16 +38,16 @@ def drift_pct(kl: float) -> float:
     return 100.0 * math.expm1(kl)
 
 
-def fixed_bytes(model: nn.Module, quantized: list[str], dtype_bytes: int) -> float:
+def fixed_bytes(model: nn.Module, quantized: list[str], dtype_bytes: int, tied: str | None = None) -> float:
     """Bytes of everything but the quantized weights' codes/scales: float tensors (tied ones once) at the
-    output dtype, plus each quantized module's int32 g_idx."""
-    skip = {f"{n}.weight" for n in quantized}
+    output dtype, plus each quantized module's int32 g_idx. `tied`: the output head stored as the input
+    embedding (a skeleton read from disk does not share the tensor in memory)."""
+    skip = {f"{n}.weight" for n in quantized} | ({f"{tied}.weight"} if tied else set())
     seen, total = set(), 0.0
-    for key, t in model.state_dict().items():
-        ident = (t.data_ptr(), tuple(t.shape))
-        if key in skip or ident in seen:
+    for key, t in model.state_dict(keep_vars=True).items():
+        if key in skip or id(t) in seen:
             continue
-        seen.add(ident)
+        seen.add(id(t))
         total += t.numel() * (dtype_bytes if t.is_floating_point() else t.element_size())
     return total + sum(4 * dict(model.named_modules())[n].in_features for n in quantized)
 
@@ -110,9 +112,8 @@ def module_specs(cfg: Any, ctx: Any, targets: list[str], spec: QuantSpec) -> tup
     summary: dict[str, Any] = {}
     if cfg.allocation is not None:
         table = _table(cfg, ctx, targets)
-        dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}[ctx.recipe.output.dtype]
         chosen, summary = allocate_specs(table, cfg.allocation, targets, cfg.sym,
-                                         fixed_bytes(ctx.model, targets, dtype_bytes))
+                                         fixed_bytes(ctx.model, targets, ctx.out_dtype.itemsize, ctx.layers.tied_output))
         specs.update(chosen)
     for name, label in cfg.overrides.items():
         if name not in specs:
@@ -128,8 +129,6 @@ def _table(cfg: Any, ctx: Any, targets: list[str]) -> dict[str, Any]:
         if not path.is_file():
             raise InputError(f"sensitivity table {path} does not exist")
         return json.loads(path.read_text())
-    from geminicompress.compress.sensitivity.measure import measure_sensitivity
-    from geminicompress.compress.sensitivity.options import parse_options
 
     return measure_sensitivity(ctx.model, ctx.calibration(cfg.data), parse_options(",".join(alloc.options)),
                                keep=set(targets), kl_windows=alloc.kl_windows, measure=alloc.measure, fuse=alloc.fuse,

@@ -18,9 +18,9 @@ The codes/scales/zeros/g_idx are kept and packed at export (formats/).
 
 from __future__ import annotations
 
-from functools import partial
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -29,60 +29,101 @@ from geminicompress.compress.gptq.allocate import module_specs, write_allocation
 from geminicompress.compress.gptq.solver import gptq_quantize, zeros_to_keep
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec
 from geminicompress.compress.hessian import HessianAccumulator
-from geminicompress.engine.layers import LayerJob, layer_output
-from geminicompress.engine.walk import run_layerwise
 from geminicompress.compress.targets import present_groups, weight_quant_targets
+from geminicompress.engine.compose import OnePassFn
+from geminicompress.engine.contract import Done, StageContext
+from geminicompress.engine.layers import LayerFn, LayerJob, layer_output
 from geminicompress.errors import GeminiError, InputError
-from geminicompress.formats.checkpoint import check_shapes, scale_dtype, write_quantized
-
-if TYPE_CHECKING:
-    from geminicompress.pipeline import StageContext
-    from geminicompress.recipes.quantize import GPTQStage
+from geminicompress.formats import check_shapes, writer_for
+from geminicompress.formats.checkpoint import scale_dtype
+from geminicompress.recipes.quantize import GPTQStage
 
 
 class _Stop(Exception):
     """Raised by a hook once every observed linear has run: the rest of the layer is not needed."""
 
 
-def run(cfg: GPTQStage, ctx: StageContext) -> dict[str, Any]:
-    """Quantize ctx.model in place (fake-quantized weights), set the exporter for cfg.format, and
-    return the summary for report.json (per-layer GPTQ losses included). Bad input fails before work."""
-    model = ctx.model
-    found = weight_quant_targets(model, cfg, ctx.progress, sym=cfg.sym,
-                                 fmt=cfg.format if cfg.allocation is None else None)
-    arch, targets, shapes, spec = found.arch, found.names, found.shapes, found.spec
-    specs, allocation = module_specs(cfg, ctx, targets, spec)  # per module: allocation / overrides (allocate.py)
-    for name, s in specs.items():
-        if s != spec or cfg.allocation is not None:
-            check_shapes(cfg.format, {name: shapes[name]}, s)
-    windows = ctx.calibration(cfg.data)  # (n, T)
-    widest = max(in_f for _, in_f in shapes.values())
-    if windows.numel() < widest:
-        raise InputError(f"GPTQ needs at least {widest} calibration tokens (the widest quantized layer's inputs), "
-                         f"got {windows.numel()}; raise --samples or --calib-seq-len")
+class GPTQ:
+    """GPTQ as the engine runs it: the layer's groups solved by `quantize_layer`, its codes kept and packed
+    per layer by the format's writer. Opening (before any work): targets, the spec (group size "auto"
+    resolved), per-module specs of an allocation or overrides (allocate.py: a pre-pass), the format's shape
+    checks, enough calibration tokens."""
 
-    layers_path = arch.layers + "."
-    scales_as = scale_dtype(cfg.format, ctx.recipe.output.dtype)
-    relative = {n.removeprefix(layers_path): s for n, s in specs.items() if s != spec}
-    process = partial(_quantize_layer, cfg=cfg, spec=spec, scales_as=scales_as,
-                      targets={n.removeprefix(layers_path) for n in targets}, specs=relative)
-    summaries, kept = run_layerwise(model, windows, process, device=ctx.device, progress=ctx.progress,
-                                    state_dir=ctx.state_dir, description=f"gptq {spec.bits}-bit",
-                                    calib_dtype=getattr(torch, cfg.calib_dtype))
-    qweights = _KeptCodes(kept, spec, layers_path, relative)
-    if allocation:
-        write_allocation(allocation, specs, ctx.out_dir)
-    meta = export_meta(cfg, ctx.recipe.output.dtype)
-    ctx.exporter = lambda m, tok, out: write_quantized(m, tok, out, qweights, cfg.format, meta)
-    return {
-        "bits": spec.bits, "group_size": spec.group_size, "group_size_auto": cfg.group_size == "auto",
-        "sym": spec.sym, "format": cfg.format,
-        "calibration_tokens": int(windows.numel()), "quantized_modules": len(qweights),
-        "total_error": sum(s["err"] for s in summaries), "layers": summaries,
-        **({"mixed": {f"b{s.bits}g{s.group_size}": sum(1 for v in specs.values() if v == s) for s in set(specs.values())}}
-           if relative else {}),
-        **({"allocation": {k: v for k, v in allocation.items() if k != "frontier"}} if allocation else {}),
-    }
+    calibrated = True
+    squares = 1  # float32 (in)² buffers at its peak: the Hessian, the in-place inverse factor's scratch
+
+    @staticmethod
+    def cannot_stream(cfg: GPTQStage, first: bool) -> str | None:
+        if cfg.allocation is not None and cfg.allocation.sensitivity is None:
+            return ("gptq mixed precision measures its sensitivity table with the model in memory; give a table "
+                    "(--sensitivity sensitivity.json, from `geminicompress sensitivity`) or run it with --no-stream")
+        return None
+
+    def __init__(self, cfg: GPTQStage, ctx: StageContext) -> None:
+        self.one_pass_memory = cfg.true_sequential and cfg.one_pass
+        found = weight_quant_targets(ctx.model, cfg, ctx.progress, sym=cfg.sym,
+                                     fmt=cfg.format if cfg.allocation is None else None)
+        self.cfg, self.ctx, self.spec, self.targets = cfg, ctx, found.spec, found.names
+        self.specs, self.allocation = module_specs(cfg, ctx, found.names, found.spec)  # allocate.py
+        for name, s in self.specs.items():
+            if s != self.spec or cfg.allocation is not None:
+                check_shapes(cfg.format, {name: found.shapes[name]}, s)
+        windows = ctx.calibration(cfg.data)  # (n, T)
+        widest = max(in_f for _, in_f in found.shapes.values())
+        if windows.numel() < widest:
+            raise InputError(f"GPTQ needs at least {widest} calibration tokens (the widest quantized layer's "
+                             f"inputs), got {windows.numel()}; raise --samples or --calib-seq-len")
+        self.layers_path = found.arch.layers + "."
+        self.relative = {n.removeprefix(self.layers_path): s for n, s in self.specs.items() if s != self.spec}
+        self.dtypes = gptq_dtypes(cfg, ctx.source_dtype, ctx.out_dtype)
+
+    def layer_fn(self) -> LayerFn:
+        """`quantize_layer`; with true-sequential in one pass it shares that pass with a one-pass stage
+        before it in a streamed recipe (e.g. SparseGPT: engine/compose.py)."""
+        process = partial(quantize_layer, cfg=self.cfg, spec=self.spec,
+                          scales_as=scale_dtype(self.cfg.format, str(self.ctx.out_dtype).removeprefix("torch.")),
+                          targets={n.removeprefix(self.layers_path) for n in self.targets}, specs=self.relative)
+        return OnePassFn(process) if self.cfg.true_sequential and self.cfg.one_pass else process
+
+    def qweights(self, i: int, kept: dict[str, torch.Tensor]) -> Mapping[str, QuantizedWeight]:
+        """Layer i's quantized linears from the codes the step kept (unpacked one module at a time)."""
+        return KeptCodes({f"{i}.{k}": v for k, v in kept.items()}, self.spec, self.layers_path, self.relative)
+
+    def writer(self) -> Any:
+        return writer_for(self.cfg.format, self.ctx.model, self.ctx.out_dtype, self.specs,
+                          export_meta(self.cfg, str(self.ctx.out_dtype).removeprefix("torch.")), self.qweights)
+
+    def summary(self, layers: list[dict], done: Done) -> dict[str, Any]:
+        if self.allocation:
+            write_allocation(self.allocation, self.specs, done.out_dir)
+        spec, specs = self.spec, self.specs
+        return {
+            "bits": spec.bits, "group_size": spec.group_size, "group_size_auto": self.cfg.group_size == "auto",
+            "sym": spec.sym, "format": self.cfg.format,
+            "calibration_tokens": int(done.windows.numel()), "quantized_modules": len(self.targets),
+            "calib_dtype": str(done.calib_dtype).removeprefix("torch."),
+            "total_error": sum(s.get("err", 0.0) for s in layers), "layers": layers,
+            **({"mixed": {f"b{s.bits}g{s.group_size}": sum(1 for v in specs.values() if v == s) for s in set(specs.values())}}
+               if self.relative else {}),
+            **({"allocation": {k: v for k, v in self.allocation.items() if k != "frontier"}} if self.allocation else {}),
+        }
+
+
+def gptq_dtypes(cfg: GPTQStage, source: torch.dtype, out_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(dtype the layers compute in while calibrating, dtype of the weights the solver reads and writes),
+    for a model stored in `source` and written in `out_dtype`.
+
+    A bfloat16 checkpoint calibrates in bfloat16 unless --calib-dtype says otherwise: its activations
+    take half the memory (32 x 512 windows of an 8B model: 0.9 instead of 1.7 GB held in one pass). When
+    the output is bfloat16 too, float32 master weights would only hold values that are rounded to the
+    bfloat16 the layer computes with anyway (the input exactly, the solved weights when written), so the
+    layer stays bfloat16: the same tensors as a float32 run with `--calib-dtype bfloat16`, bitwise (tested).
+    Otherwise the layer is float32 (a model in memory is held in float32)."""
+    calib = getattr(torch, cfg.calib_dtype)
+    if "calib_dtype" not in cfg.model_fields_set and source == torch.bfloat16:
+        calib = torch.bfloat16
+    exact = calib == out_dtype == source == torch.bfloat16
+    return calib, torch.bfloat16 if exact else torch.float32
 
 
 def export_meta(cfg: GPTQStage, dtype: str) -> dict[str, Any]:
@@ -91,7 +132,7 @@ def export_meta(cfg: GPTQStage, dtype: str) -> dict[str, Any]:
             "true_sequential": cfg.true_sequential, "damp": cfg.damp, "first_token_weight": cfg.first_token_weight}
 
 
-def _quantize_layer(job: LayerJob, *, cfg: GPTQStage, spec: QuantSpec, scales_as: torch.dtype,
+def quantize_layer(job: LayerJob, *, cfg: GPTQStage, spec: QuantSpec, scales_as: torch.dtype,
                     targets: set[str], specs: dict[str, QuantSpec] | None = None
                     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Quantize the linears of one decoder layer in place; return ({err, modules}, kept tensors).
@@ -194,7 +235,7 @@ def _codes(q: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
     return torch.stack([q & 15, q >> 4], dim=-1).reshape(q.shape[0], -1)
 
 
-class _KeptCodes(Mapping[str, QuantizedWeight]):
+class KeptCodes(Mapping[str, QuantizedWeight]):
     """{full module name: QuantizedWeight} over the "<layer>.<linear>.<field>" tensors kept per layer, built
     on access: the exporter packs one module at a time, so the unpacked codes of one module at a time are
     alive, not those of the whole model next to their packed copies (export is the run's memory peak).

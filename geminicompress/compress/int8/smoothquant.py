@@ -10,20 +10,18 @@ produces X (a RMSNorm/LayerNorm weight, or the rows of a preceding linear such a
 is only multiplied element-wise before it reaches down_proj), so the smoothed model costs nothing
 extra at run time. Which op feeds which linears comes from the architecture table (`arch.py`).
 
-The activation statistic max|X_:,j| is taken per calibration window and averaged over the windows
-(`activation_maxima`), not maxed over all of them: the maximum over all tokens keeps growing with the
+The activation statistic max|X_:,j| is taken per calibration window (`window_max`) and averaged over the
+windows (the int8 stage, one decoder layer at a time), not maxed over all of them: the maximum over all tokens keeps growing with the
 number of windows (one rare token sets it), so the scales, and the quality, would depend on how much text
 was given. Measured on the demo model with 32 / 128 windows of builtin:pydoc, alpha 0.5, WikiText-2
 drift: max over all tokens +0.75% / +1.15%, mean of the window maxima +0.86% / +0.59% (docs/int8.md).
 
-`smooth_scales` and `fold` are pure tensor math; `activation_maxima` runs the calibration forward.
+`smooth_scales`, `window_max` and `smooth_group` are pure tensor math; the int8 stage runs the calibration.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -95,40 +93,3 @@ def smooth_group(prev: nn.Module, linears: list[nn.Linear], act_max: torch.Tenso
     s = smooth_scales(act_max, weight_column_max(linears), alpha)
     fold_scales(prev, linears, s, norm_offset)
     return round(float(s.max()), 4)
-
-
-@torch.no_grad()
-def activation_maxima(model: nn.Module, windows: torch.Tensor, names: list[str], progress=None) -> dict[str, torch.Tensor]:
-    """Per input channel of each named linear: max |x| over one window's tokens, averaged over the windows
-    (see the module docstring for why not the max over all tokens).
-
-    windows: (n, T) token ids, run one window at a time.  -> {name: (in,) float32}"""
-    sums: dict[str, torch.Tensor] = {}
-
-    def record(name: str, x: torch.Tensor) -> None:
-        m = window_max(x)
-        sums[name] = sums[name] + m if name in sums else m
-
-    run_windows(model, windows, names, record, progress)
-    return {n: (total / len(windows)).cpu() for n, total in sums.items()}
-
-
-@torch.no_grad()
-def run_windows(model: nn.Module, windows: torch.Tensor, names: list[str],
-                record: Callable[[str, torch.Tensor], None], progress=None) -> None:
-    """Run each window (n, T) through the model alone, calling record(name, input) with each named
-    linear's input (1, T, in) as it is used."""
-    handles = [get_module(model, n).register_forward_pre_hook(lambda _m, args, n=n: record(n, args[0]))
-               for n in names]
-    device = next(model.parameters()).device
-    # Only the decoder's activations matter: the output head's logits for every position (a fifth of a
-    # small model's work) are skipped where the model allows it.
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    try:
-        for window in windows:
-            model(window.unsqueeze(0).to(device), use_cache=False, **extra)
-            if progress is not None:
-                progress.advance(1)
-    finally:
-        for h in handles:
-            h.remove()

@@ -1,12 +1,14 @@
 """The `quantize` stage for methods `int8` (W8A16) and `w8a8`: optional SmoothQuant, then per-channel
-INT8 of every linear not ignored, each swapped for the fast module of `modules.py`.
+INT8 of every linear not ignored, each swapped for the fast module of `modules.py`, one decoder layer at a
+time; the linears outside the layers (an output head not ignored) after them.
 
-Steps: pick the linears (`ignore` regexes; a tied output head always stays float) -> SmoothQuant
-(w8a8, on by default with alpha 0.5: calibrate per-channel activation maxima on the stage's DATA or the
-recipe's calibration data, builtin:pydoc unless told otherwise, and fold the scales; per-token INT8
-activations without it drift ~2x more on the demo model, docs/int8.md) -> replace the
-linears -> set the exporter to the compressed-tensors `int-quantized` writer. The summary lists what
-was done to every linear (goes into report.json).
+Steps per layer: (w8a8, SmoothQuant on by default with alpha 0.5) the layer's per-channel activation maxima
+from its inputs on the calibration windows (the stage's DATA or the recipe's; builtin:pydoc unless told
+otherwise), one window at a time, averaged over the windows (smoothquant.py says why); the float layer's
+outputs from that same pass are the next layer's inputs, so every statistic is the float model's, as
+SmoothQuant takes it; the scales are folded into the producing norm/linear -> every targeted linear made
+INT8. Per-token INT8 activations without SmoothQuant drift ~2x more on the demo model (docs/int8.md).
+Written as compressed-tensors `int-quantized`; the summary lists what was done to every linear.
 """
 
 from __future__ import annotations
@@ -16,56 +18,120 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import arch_for, get_module, set_module
+from geminicompress.compress.arch import get_module, set_module
 from geminicompress.compress.int8 import smoothquant as sq
 from geminicompress.compress.int8.modules import MODULES
 from geminicompress.compress.targets import check_patterns_match, compile_patterns
+from geminicompress.engine.contract import Done, StageContext
+from geminicompress.engine.layers import LayerFn, LayerJob
 from geminicompress.errors import InputError
-from geminicompress.compress.int8.shared_input import share_inputs
-from geminicompress.formats import int_quantized
+from geminicompress.formats.int_quantized import Int8Writer
 from geminicompress.recipes.quantize import Int8Stage
 
 
-def run(cfg: Int8Stage, ctx: Any) -> dict:
-    model: nn.Module = ctx.model
-    targets, kept = select_linears(model, cfg.ignore, explicit="ignore" in cfg.model_fields_set)
-    if not targets:
-        raise InputError("the ignore patterns leave no linear layer to quantize")
-    smoothing: dict[str, Any] = {"alpha": None}
-    smoothed: dict[str, float] = {}
-    if cfg.smoothquant_alpha is not None:
-        smoothing, smoothed = _smooth(model, cfg, ctx, set(targets))
-    layers = []
-    with torch.no_grad(), ctx.progress.task(f"{cfg.method}: quantizing linears", len(targets)) as bar:
-        for name in targets:
-            linear = get_module(model, name)
-            module = MODULES[cfg.method].from_linear(linear)
-            err = _relative_error(linear.weight, module.dequantized_weight())
-            set_module(model, name, module)
-            layers.append({"name": name, "shape": [module.out_features, module.in_features], "kernel": module.kernel,
-                           "smoothquant_max_scale": smoothed.get(name), "weight_rel_error": round(err, 6)})
-            bar.advance(1)
-    share_inputs(model)  # run-time only: q/k/v and gate/up as one GEMM each (compress/int8/shared_input.py)
-    ctx.exporter = int_quantized.exporter(cfg.method, ctx.recipe.output.dtype)
-    return {
-        "method": cfg.method,
-        "weights": "int8 symmetric per output channel",
-        "activations": "int8 dynamic per token" if cfg.method == "w8a8" else "float (weight-only)",
-        "quantized": len(targets),
-        "kept_float": kept,
-        "smoothquant": smoothing,
-        "layers": layers,
-    }
+class Int8:
+    """int8 / w8a8 as the engine runs it."""
+
+    resume_from_input = True  # the next layer's inputs are the float layer's outputs (engine/run.py load_back_of)
+
+    def __init__(self, cfg: Int8Stage, ctx: StageContext) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        self.targets, self.kept = select_linears(ctx.model, cfg.ignore, explicit="ignore" in cfg.model_fields_set)
+        tied = ctx.layers.tied_output  # a skeleton read from disk is not tied in memory: the source says it
+        if tied and tied not in self.kept:
+            self.kept[tied] = "output head tied to the input embeddings"
+            self.targets = [t for t in self.targets if t != tied]
+        if not self.targets:
+            raise InputError("the ignore patterns leave no linear layer to quantize")
+        self.calibrated = cfg.smoothquant_alpha is not None
+        self.groups, self.skipped = ([], [])
+        if self.calibrated:
+            from geminicompress.compress.arch import arch_for
+
+            self.groups, self.skipped = sq.foldable_groups(ctx.model, arch_for(ctx.model), set(self.targets))
+
+    def quantize(self, root: nn.Module, prefix: str, smoothed: dict[str, float] | None = None) -> list[dict[str, Any]]:
+        """Swap every targeted linear under module `root` (named `prefix` in the model) for its INT8 module."""
+        rows = []
+        head = f"{prefix}." if prefix else ""
+        for full in self.targets:
+            if not (full == prefix or full.startswith(head)):
+                continue
+            rel = full[len(head):]
+            linear = get_module(root, rel) if rel else root
+            module = MODULES[self.cfg.method].from_linear(linear)
+            err = relative_error(linear.weight, module.dequantized_weight())
+            if rel:
+                set_module(root, rel, module)
+            rows.append({"name": full, "shape": [module.out_features, module.in_features], "kernel": module.kernel,
+                         "smoothquant_max_scale": (smoothed or {}).get(full), "weight_rel_error": round(err, 6),
+                         "module": module})
+        return rows
+
+    @torch.no_grad()
+    def _smooth(self, job: LayerJob) -> dict[str, float]:
+        """SmoothQuant on one layer: statistic from the float layer's inputs, its outputs kept for the next
+        layer, scales folded. Returns {linear: largest scale}."""
+        head = f"{job.arch.layers}.{job.index}."
+        groups = [g for g in self.groups if g.prev.startswith(head)]
+        sums: dict[str, torch.Tensor] = {}
+
+        def record(name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+            m = sq.window_max(x)  # one window: x (1, T, in)
+            sums[name] = sums[name] + m if name in sums else m
+
+        first = {g.linears[0] for g in groups}
+        observe = {job.module(n[len(head):]): (lambda x, y, n=n: record(n, x, y)) for n in first}
+        job.output_batches = job.forward(observe, keep_outputs=True)  # the float layer's outputs, one per window
+        windows = len(job.inputs.hidden)
+        smoothed: dict[str, float] = {}
+        for g in groups:
+            top = sq.smooth_group(job.module(g.prev[len(head):]), [job.module(n[len(head):]) for n in g.linears],
+                                  (sums[g.linears[0]] / windows).cpu(), self.cfg.smoothquant_alpha,
+                                  job.arch.norm_offset)
+            smoothed.update({n: top for n in g.linears})
+        return smoothed
+
+    def layer_fn(self) -> LayerFn:
+        @torch.no_grad()
+        def process(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+            smoothed = self._smooth(job) if self.calibrated else None
+            rows = self.quantize(job.layer, f"{job.arch.layers}.{job.index}", smoothed)
+            return {"quantized": len(rows), "int8_rows": [public_row(r) for r in rows]}, {}
+
+        return process
+
+    @torch.no_grad()
+    def outside(self, name: str, module: nn.Module) -> tuple[nn.Module, dict] | None:
+        """A targeted linear outside the decoder layers (an output head not ignored): its INT8 module."""
+        if name not in self.targets:
+            return None
+        row = self.quantize(module, name)[0]
+        return row["module"], public_row(row)
+
+    def writer(self) -> Int8Writer:
+        return Int8Writer(self.ctx.model, self.ctx.out_dtype, self.cfg.method, self.targets)
+
+    def summary(self, layers: list[dict], done: Done) -> dict[str, Any]:
+        rows = [r for s in layers for r in s.get("int8_rows", [])] + done.outside_rows
+        smoothing: dict[str, Any] = {"alpha": None}
+        if self.calibrated:
+            smoothing = smoothing_summary(self.cfg, done.calibration_data, done.windows, len(self.groups), self.skipped)
+        return {"method": self.cfg.method, "weights": "int8 symmetric per output channel",
+                "activations": "int8 dynamic per token" if self.cfg.method == "w8a8" else "float (weight-only)",
+                "quantized": len(rows), "kept_float": self.kept, "smoothquant": smoothing, "layers": rows}
 
 
 def select_linears(model: nn.Module, ignore: list[str], explicit: bool) -> tuple[list[str], dict[str, str]]:
     """(names of linears to quantize, {kept linear: why}).  A user-given pattern matching no linear is
     an InputError: it is almost always a typo."""
+    from geminicompress.compress.arch import tied_output
+
     patterns = compile_patterns(ignore)
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if explicit:
         check_patterns_match(patterns, linears)
-    tied_head = _tied_output_name(model)
+    tied_head = tied_output(model)
     targets, kept = [], {}
     for name in linears:
         hit = next((rx.pattern for rx in patterns if rx.search(name)), None)
@@ -78,29 +144,6 @@ def select_linears(model: nn.Module, ignore: list[str], explicit: bool) -> tuple
     return targets, kept
 
 
-def _tied_output_name(model: nn.Module) -> str | None:
-    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if out is None or inp is None or out.weight is not inp.weight:
-        return None
-    return next(name for name, m in model.named_modules() if m is out)
-
-
-def _smooth(model: nn.Module, cfg: Int8Stage, ctx: Any, quantized: set[str]) -> tuple[dict, dict[str, float]]:
-    """Calibrate and fold SmoothQuant scales; return (summary, {linear: max scale})."""
-    arch = arch_for(model)
-    groups, skipped = sq.foldable_groups(model, arch, quantized)
-    windows = ctx.calibration(cfg.data)
-    with ctx.progress.task("smoothquant: calibrating", len(windows)) as bar:
-        maxima = sq.activation_maxima(model, windows, [g.linears[0] for g in groups], bar)
-    smoothed: dict[str, float] = {}
-    for g in groups:
-        top = sq.smooth_group(get_module(model, g.prev), [get_module(model, n) for n in g.linears],
-                              maxima[g.linears[0]], cfg.smoothquant_alpha, arch.norm_offset)
-        smoothed.update({n: top for n in g.linears})
-    return smoothing_summary(cfg, ctx.recipe.calibration.data, windows, len(groups), skipped), smoothed
-
-
 def smoothing_summary(cfg: Int8Stage, default_data: str, windows: torch.Tensor, folded: int,
                       skipped: list[str]) -> dict[str, Any]:
     return {"alpha": cfg.smoothquant_alpha, "data": cfg.data or default_data,
@@ -108,6 +151,10 @@ def smoothing_summary(cfg: Int8Stage, default_data: str, windows: torch.Tensor, 
             "folded_groups": folded, "skipped_groups": skipped}
 
 
-def _relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
+def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
     w = w.detach().float()
     return float((w - w_hat.to(w.device)).norm() / w.norm().clamp_min(1e-12))
+
+
+def public_row(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k != "module"}

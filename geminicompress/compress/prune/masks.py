@@ -13,7 +13,6 @@ import re
 import torch
 from torch import Tensor
 
-
 Pattern = tuple[int, int]  # (N pruned, per group of M)
 
 

@@ -1,10 +1,10 @@
 """The per-linear sparsity map of a prune stage (`allocation: owl | sensitivity`), before any pruning.
 
-- owl: one observe-only pass layer by layer over the calibration windows through the *dense* model
-  (as the OWL reference does), collecting each group's input norms ‖X_j‖₂; the outlier ratio of every
+- owl: one observe-only walk layer by layer over the calibration windows through the *dense* model
+  (as the OWL reference does; it streams like any walk), collecting each group's input norms ‖X_j‖₂; the outlier ratio of every
   decoder layer from its Wanda scores; layer sparsities by `allocate.owl_layer_sparsity`.
 - sensitivity: a knapsack (compress/allocation.py) over a sensitivity table's `<method>:<sparsity>`
-  options: least total predicted drift with the kept weights ≤ (1 − S) · total.
+  options (measured first when no table file is given: that pass needs the model in memory): least total predicted drift with the kept weights ≤ (1 − S) · total.
 Both end in whole pruned counts per linear summing exactly to round(S · total) (`allocate.exact_counts`).
 """
 
@@ -20,11 +20,13 @@ import torch.nn as nn
 
 from geminicompress.compress.allocation import allocate
 from geminicompress.compress.arch import Arch
-from geminicompress.engine.layers import LayerJob
-from geminicompress.engine.walk import run_layerwise
 from geminicompress.compress.prune.allocate import exact_counts, outlier_ratio, owl_layer_sparsity
 from geminicompress.compress.prune.wanda import InputNorms, wanda_scores
+from geminicompress.compress.sensitivity.measure import measure_sensitivity
+from geminicompress.compress.sensitivity.options import parse_options
 from geminicompress.compress.targets import present_groups
+from geminicompress.engine.layers import LayerJob
+from geminicompress.engine.walk import run_layerwise
 from geminicompress.errors import InputError
 
 
@@ -44,8 +46,10 @@ def owl_ratios(ctx: Any, cfg: Any, arch: Arch, targets: dict[str, nn.Linear]) ->
         scores = [wanda_scores(job.module(n).weight, norms[g[0]].norms()) for g in groups for n in g]
         return {"outlier_ratio": outlier_ratio(scores, cfg.owl_threshold) if scores else 0.0}, {}
 
-    summaries, _ = run_layerwise(ctx.model, ctx.calibration(cfg.data), observe, device=ctx.device,
-                                 progress=ctx.progress, state_dir=None, description="owl outliers")
+    # an observe-only walk over the dense model (in memory, or read from disk layer by layer in float32)
+    summaries = run_layerwise(ctx.layers.reading_in(torch.float32), ctx.calibration(cfg.data), observe,
+                              device=ctx.device, progress=ctx.progress, state_dir=None,
+                              description="owl outliers").summaries
     return [s["outlier_ratio"] for s in summaries]
 
 
@@ -92,14 +96,24 @@ def read_table(path: str) -> dict[str, Any]:
         raise InputError(f"{path} is not a sensitivity.json: {exc}") from exc
 
 
+PRUNE_LEVELS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+
+
+def prune_table(ctx: Any, cfg: Any, targets: dict) -> dict[str, Any]:
+    """A proxy sensitivity table for a prune stage's method at PRUNE_LEVELS (allocation: sensitivity
+    without a table file), on the stage's calibration windows."""
+    options = parse_options(",".join(f"{cfg.method}:{s}" for s in PRUNE_LEVELS))
+    keep = {n.removesuffix(".weight") for n in targets}
+    return measure_sensitivity(ctx.model, ctx.calibration(cfg.data), options, keep=keep, measure="proxy", kl_windows=1,
+                               device=ctx.device, progress=ctx.progress, seed=ctx.recipe.seed)
+
+
 def module_counts(cfg: Any, ctx: Any, arch: Arch, targets: dict[str, nn.Linear]) -> tuple[dict[str, int] | None, dict]:
     """Whole pruned counts per linear for owl/sensitivity allocations (None: the stage's own uniform/global)."""
     if cfg.allocation == "owl":
         sparsity, extra = owl_map(ctx, cfg, arch, targets)
     elif cfg.allocation == "sensitivity":
         if cfg.sensitivity is None:
-            from geminicompress.compress.sensitivity import prune_table
-
             table = prune_table(ctx, cfg, targets)
         else:
             table = read_table(cfg.sensitivity)

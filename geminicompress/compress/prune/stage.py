@@ -4,18 +4,20 @@ Prunable weights: the linears of the decoder blocks (`arch.linears` under `arch.
 modules matching an `ignore` regex. Methods:
 - magnitude, scope global: one |w| threshold over all of them (`threshold.py`, streamed, exact count);
 - magnitude, scope layer: the same sparsity in every linear;
-- wanda / sparsegpt: layer by layer over calibration windows (`layerwise.run_layerwise`), each decoder
-  layer seeing the outputs of the already-pruned layers before it; with `true_sequential` (default)
-  each group of linears inside a layer also sees inputs through the already-pruned groups before it,
-  in one pass over the windows (`onepass.py`).
+- wanda / sparsegpt: layer by layer over calibration windows (the engine's walk), each decoder layer
+  seeing the outputs of the already-pruned layers before it; with `true_sequential` (default) each group
+  of linears inside a layer also sees inputs through the already-pruned groups before it, in one pass
+  over the windows (engine/onepass.py).
 Any method with an N:M pattern prunes N of every M input columns.
 
-Artifacts: `ctx.masks` (param name -> bool keep-mask) for a following distill stage, the same masks in
-OUT/prune_masks.safetensors, OUT/prune_sparsity.png, and the per-layer table in the returned summary.
+Artifacts: `ctx.masks` (param name -> bool keep-mask) for a following distill stage and the same masks in
+OUT/prune_masks.safetensors (a model in memory: a streamed run holds no masks), OUT/prune_sparsity.png,
+and the per-layer table in the returned summary. Written dense, or as compressed-tensors sparse-bitmask.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import Any, Callable, Container, NamedTuple
@@ -25,9 +27,6 @@ import torch.nn as nn
 
 from geminicompress.compress.arch import Arch, arch_for, get_module
 from geminicompress.compress.hessian import HessianAccumulator
-from geminicompress.engine.layers import LayerJob
-from geminicompress.engine.walk import run_layerwise
-from geminicompress.threads import solver_threads
 from geminicompress.compress.prune import report
 from geminicompress.compress.prune.masks import Pattern, parse_pattern, pattern_mask, row_mask_count, tensor_mask
 from geminicompress.compress.prune.plan import module_counts
@@ -35,10 +34,14 @@ from geminicompress.compress.prune.sparsegpt import sparsegpt_prune
 from geminicompress.compress.prune.threshold import global_threshold, prune_mask
 from geminicompress.compress.prune.wanda import InputNorms, wanda_mask, wanda_scores
 from geminicompress.compress.targets import check_patterns_match, compile_patterns, decoder_linears, present_groups
+from geminicompress.engine.compose import OnePassFn
+from geminicompress.engine.contract import Done, StageContext
+from geminicompress.engine.layers import LayerFn, LayerJob
 from geminicompress.errors import InputError
-from geminicompress.formats import sparse_bitmask
 from geminicompress.formats.masks import MASKS_FILE, write_masks
+from geminicompress.formats.sparse_bitmask import SparseWriter
 from geminicompress.recipes.schema import PruneStage
+from geminicompress.threads import solver_threads
 
 HISTOGRAM_FILE = "prune_sparsity.png"
 
@@ -55,7 +58,7 @@ def prunable_weights(model: nn.Module, arch: Arch, ignore: list[str], check_igno
     return out
 
 
-def _check_pattern(targets: dict[str, nn.Linear], pattern: Pattern | None, block_size: int) -> None:
+def check_pattern(targets: dict[str, nn.Linear], pattern: Pattern | None, block_size: int) -> None:
     if pattern is None:
         return
     n, m = pattern
@@ -64,30 +67,6 @@ def _check_pattern(targets: dict[str, nn.Linear], pattern: Pattern | None, block
             raise InputError(f"{name} has {lin.in_features} input columns, not a multiple of M={m} in pattern {n}:{m}")
     if block_size % m:
         raise InputError(f"block_size {block_size} must be a multiple of M={m} so that N:M groups do not straddle blocks")
-
-
-@torch.no_grad()
-def magnitude_global(weights: list[torch.Tensor], sparsity: float) -> tuple[list[torch.Tensor], float]:
-    """Keep-masks from one |w| threshold over all `weights` (exactly round(sparsity · total) pruned)."""
-    k = round(sparsity * sum(w.numel() for w in weights))
-    th = global_threshold(weights, k)
-    return [~prune_mask(w, th.value, n) for w, n in zip(weights, th.ties)], th.value
-
-
-@torch.no_grad()
-def _magnitude(cfg: PruneStage, targets: dict[str, nn.Linear], pattern: Pattern | None,
-               counts: dict[str, int] | None = None) -> tuple[dict, dict]:
-    weights = [lin.weight for lin in targets.values()]
-    if counts is not None:  # a per-linear allocation: exactly counts[name] lowest |w| of each
-        keeps = [tensor_mask(w.detach().abs().float(), counts[n] / w.numel()) for n, w in zip(targets, weights)]
-        extra = {}
-    elif cfg.scope == "global":
-        keeps, value = magnitude_global(weights, cfg.sparsity)
-        extra = {"threshold": value if math.isfinite(value) else None}
-    else:
-        keeps = [pattern_mask(w.detach().abs().float(), cfg.sparsity, pattern, per_row=False) for w in weights]
-        extra = {}
-    return dict(zip(targets, keeps)), extra
 
 
 def _wanda(W: torch.Tensor, norms: InputNorms, sparsity: float, count: int | None, pattern: Pattern | None,
@@ -126,7 +105,7 @@ CALIBRATED: dict[str, Criterion] = {
 }
 
 
-def _layer_fn(cfg: PruneStage, targets: Container[str], pattern: Pattern | None,
+def calibrated_layer_fn(cfg: PruneStage, targets: Container[str], pattern: Pattern | None,
               alloc: dict[str, int] | None = None) -> Callable[[LayerJob], tuple[dict[str, Any], dict[str, torch.Tensor]]]:
     """The per-decoder-layer step of a calibrated criterion for `run_layerwise` (`targets`: the param names
     to prune; `alloc`: pruned weights per linear of an allocation, else cfg.sparsity everywhere)."""
@@ -165,54 +144,137 @@ def _layer_fn(cfg: PruneStage, targets: Container[str], pattern: Pattern | None,
     return process
 
 
-def _calibrated(cfg: PruneStage, ctx: Any, arch: Arch, targets: dict[str, nn.Linear],
-                pattern: Pattern | None, counts: dict[str, int] | None = None) -> tuple[dict, dict]:
-    windows = ctx.calibration(cfg.data)
-    _, kept = run_layerwise(ctx.model, windows, _layer_fn(cfg, targets, pattern, counts), device=ctx.device,
-                            progress=ctx.progress, state_dir=ctx.state_dir, description=f"{cfg.method} layers")
-    masks = {f"{arch.layers}.{k.removesuffix('.keep')}.weight": v.bool() for k, v in kept.items()}
-    return {name: masks[name] for name in targets}, {"calibration_windows": int(windows.shape[0]),
-                                                     "calibration_seq_len": int(windows.shape[1])}
+class Prune:
+    """A prune stage as the engine runs it. Opening (before any work): the prunable weights, the pattern
+    check, and the whole-model decisions as pre-passes that produce per-layer parameters: the exact global
+    magnitude threshold (one streaming pass over the weights: threshold.py; cached in the run's state for a
+    resumed run), or the per-linear counts of an allocation (plan.py: owl, sensitivity)."""
 
+    @staticmethod
+    def cannot_stream(cfg: PruneStage, first: bool) -> str | None:
+        """Why this stage cannot run one layer at a time from disk (None: it can)."""
+        if cfg.allocation == "sensitivity" and cfg.sensitivity is None:
+            return ("prune --allocation sensitivity measures its sensitivity table with the model in memory; give "
+                    "a table (--sensitivity sensitivity.json, from `geminicompress sensitivity`) or run it with --no-stream")
+        if cfg.method == "magnitude" and cfg.scope == "global" and cfg.pattern is None and cfg.allocation is None \
+                and not first:
+            return "global magnitude pruning streams only as the first stage"
+        return None
 
-def run(cfg: PruneStage, ctx: Any) -> dict[str, Any]:
-    """Prune `ctx.model` in place; set `ctx.masks`; write the masks file and the histogram into OUT."""
-    t0 = time.perf_counter()
-    arch = arch_for(ctx.model)
-    targets = prunable_weights(ctx.model, arch, cfg.ignore, check_ignore="ignore" in cfg.model_fields_set)
-    pattern = parse_pattern(cfg.pattern)
-    _check_pattern(targets, pattern, cfg.block_size)
-    counts, planned = module_counts(cfg, ctx, arch, targets)  # owl / sensitivity allocations (plan.py)
-    if cfg.method not in CALIBRATED:  # magnitude
-        keeps, extra = _magnitude(cfg, targets, pattern, counts)
-        with torch.no_grad():
-            for name, lin in targets.items():
-                lin.weight.masked_fill_(~keeps[name].to(lin.weight.device), 0.0)
-    else:
-        keeps, extra = _calibrated(cfg, ctx, arch, targets, pattern, counts)
-    extra.update(planned)
-    seconds = time.perf_counter() - t0
+    def __init__(self, cfg: PruneStage, ctx: StageContext) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        self.squares = 2 if cfg.method == "sparsegpt" else 0  # float32 (in)² buffers at its peak (estimate.py)
+        self.one_pass_memory = cfg.method in CALIBRATED and cfg.true_sequential
+        self.arch = arch_for(ctx.model)
+        linears = prunable_weights(ctx.model, self.arch, cfg.ignore, check_ignore="ignore" in cfg.model_fields_set)
+        self.targets = list(linears)
+        self.pattern = parse_pattern(cfg.pattern)
+        check_pattern(linears, self.pattern, cfg.block_size)
+        t0 = time.perf_counter()
+        self.counts, self.planned = module_counts(cfg, ctx, self.arch, linears)  # owl / sensitivity (plan.py)
+        self.calibrated = cfg.method in CALIBRATED
+        self.threshold: dict[str, Any] | None = None
+        if not self.calibrated and self.counts is None and cfg.scope == "global" and self.pattern is None:
+            self.threshold = self._global_threshold()
+        self.plan_seconds = time.perf_counter() - t0
 
-    ctx.masks = {name: keep.cpu() for name, keep in keeps.items()}
-    write_masks(ctx.masks, ctx.out_dir)
-    rows = report.layer_rows({name: lin.weight.detach() for name, lin in targets.items()}, arch.layers)
-    achieved = report.overall(rows)
-    requested = pattern[0] / pattern[1] if pattern else cfg.sparsity
-    title = f"{cfg.method} {cfg.pattern or cfg.scope}: {achieved:.2%} of {sum(r['params'] for r in rows):,} weights"
-    report.write_histogram(rows, ctx.out_dir / HISTOGRAM_FILE, title)
-    high = [r for r in rows if r["sparsity"] > report.HIGH]
-    if cfg.scope == "global":
-        for r in high:
-            ctx.progress.warn(f"{r['name']} lost {r['sparsity']:.1%} of its weights under the global threshold")
-    ctx.progress.info(f"pruned {achieved:.2%} of {len(rows)} linear layers' weights ({cfg.method}, {cfg.pattern or cfg.scope})")
-    if cfg.format == "compressed-tensors":
-        structure = cfg.pattern or "unstructured"
-        ctx.exporter = sparse_bitmask.exporter(ctx.recipe.output.dtype, ctx.masks, structure, achieved)
-    return {
-        "method": cfg.method, "scope": cfg.scope, "pattern": cfg.pattern,
-        "requested_sparsity": requested, "achieved_sparsity": round(achieved, 6),
-        "prunable_params": sum(r["params"] for r in rows), "pruned_params": sum(r["zeros"] for r in rows),
-        "prune_seconds": round(seconds, 3), **extra,
-        "layers_over_90pct": [r["name"] for r in high],
-        "masks_file": MASKS_FILE, "histogram_file": HISTOGRAM_FILE, "layers": rows,
-    }
+    def _global_threshold(self) -> dict[str, Any]:
+        """The exact global |w| threshold over every prunable weight, read one tensor at a time from the
+        source (cached in the state folder for a resumed run)."""
+        cache = self.ctx.state_dir / "threshold.json"
+        if cache.is_file():
+            return json.loads(cache.read_text())
+        tensors = self.ctx.layers.tensors(self.targets)  # the model's own, or read from disk one at a time
+        total = sum(self.ctx.model.get_parameter(n).numel() for n in self.targets)
+        k = round(self.cfg.sparsity * total)
+        if self.ctx.streamed:
+            self.ctx.progress.info(f"global threshold: the {k:,}-th smallest |w| of {total:,}, streamed from disk")
+        th = global_threshold(tensors, k, total=total)
+        data = {"value": th.value, "ties": dict(zip(self.targets, th.ties)), "k": k}
+        cache.write_text(json.dumps(data))
+        return data
+
+    def _weights(self, job: LayerJob) -> dict[str, torch.Tensor]:
+        """This layer's pruned weights by param name, in the architecture's order."""
+        prefix = f"{job.arch.layers}.{job.index}"
+        names = set(self.targets)
+        return {f"{prefix}.{n}.weight": job.module(n).weight for n in job.arch.linears if f"{prefix}.{n}.weight" in names}
+
+    def layer_fn(self) -> LayerFn:
+        return self._calibrated_fn() if self.calibrated else self._magnitude_fn()
+
+    def _magnitude_fn(self) -> LayerFn:
+        @torch.no_grad()
+        def process(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+            weights = self._weights(job)
+            kept = {}
+            for name, W in weights.items():
+                if self.counts is not None:  # an allocation: exactly counts[name] lowest |w|
+                    pruned = ~tensor_mask(W.detach().abs().float(), self.counts[name] / W.numel())
+                elif self.threshold is not None:
+                    pruned = prune_mask(W, self.threshold["value"], self.threshold["ties"][name])
+                else:
+                    pruned = ~pattern_mask(W.detach().abs().float(), self.cfg.sparsity, self.pattern, per_row=False)
+                W.masked_fill_(pruned, 0.0)
+                kept[f"{name.removeprefix(job.arch.layers + f'.{job.index}.').removesuffix('.weight')}.keep"] = ~pruned
+            rows = report.layer_rows(weights, job.arch.layers)
+            return {"sparsity": report.overall(rows), "rows": rows}, kept
+
+        return process
+
+    def _calibrated_fn(self) -> LayerFn:
+        """Wanda / SparseGPT: `calibrated_layer_fn`; with true_sequential it only uses the layer through one
+        `one_pass`, so it shares that pass with a following one-pass stage in a streamed recipe (compose.py).
+        The rows count the zeros of the layer's weights after the step (or after the shared pass)."""
+        step = calibrated_layer_fn(self.cfg, set(self.targets), self.pattern, self.counts)
+
+        @torch.no_grad()
+        def process(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+            summary, kept = step(job)
+            rows = report.layer_rows(self._weights(job), job.arch.layers)
+            return {**summary, "rows": rows}, kept
+
+        return OnePassFn(process) if self.cfg.true_sequential else process
+
+    def masks(self, i: int, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Layer i's keep-masks by param name."""
+        prefix = self.ctx.layer_prefix(i)
+        return {f"{prefix}.{k.removesuffix('.keep')}.weight": v for k, v in kept.items() if k.endswith(".keep")}
+
+    def writer(self) -> Any:
+        if self.cfg.format != "compressed-tensors":
+            return None
+        return SparseWriter(self.ctx.model, self.ctx.out_dtype, self.cfg.pattern or "unstructured", self.targets,
+                            self.masks)
+
+    def summary(self, layers: list[dict], done: Done) -> dict[str, Any]:
+        cfg = self.cfg
+        rows = [r for s in layers for r in s.get("rows", [])]
+        achieved = report.overall(rows)
+        title = f"{cfg.method} {cfg.pattern or cfg.scope}: {achieved:.2%} of {sum(r['params'] for r in rows):,} weights"
+        report.write_histogram(rows, done.out_dir / HISTOGRAM_FILE, title)
+        high = [r for r in rows if r["sparsity"] > report.HIGH]
+        if cfg.scope == "global":
+            for r in high:
+                done.progress.warn(f"{r['name']} lost {r['sparsity']:.1%} of its weights under the global threshold")
+        done.progress.info(f"pruned {achieved:.2%} of {len(rows)} linear layers' weights "
+                           f"({cfg.method}, {cfg.pattern or cfg.scope})")
+        extra: dict[str, Any] = dict(self.planned)
+        if self.threshold is not None:
+            value = self.threshold["value"]
+            extra["threshold"] = value if math.isfinite(value) else None
+        if self.calibrated:
+            extra.update(calibration_windows=int(done.windows.shape[0]), calibration_seq_len=int(done.windows.shape[1]))
+        masks_file = None
+        keeps = {f"{self.ctx.layer_prefix(int(k.split('.', 1)[0]))}.{k.split('.', 1)[1].removesuffix('.keep')}.weight": v
+                 for k, v in done.kept.items() if k.endswith(".keep")}
+        if keeps:  # held for a following distill stage (a model in memory), and beside the weights
+            self.ctx.masks = {name: keeps[name].bool().cpu() for name in self.targets}
+            write_masks(self.ctx.masks, done.out_dir)
+            masks_file = MASKS_FILE
+        return {"method": cfg.method, "scope": cfg.scope, "pattern": cfg.pattern,
+                "requested_sparsity": self.pattern[0] / self.pattern[1] if self.pattern else cfg.sparsity,
+                "achieved_sparsity": round(achieved, 6), "prunable_params": sum(r["params"] for r in rows),
+                "pruned_params": sum(r["zeros"] for r in rows), "plan_seconds": round(self.plan_seconds, 3),
+                **extra, "layers_over_90pct": [r["name"] for r in high], "masks_file": masks_file,
+                "histogram_file": HISTOGRAM_FILE, "layers": rows}

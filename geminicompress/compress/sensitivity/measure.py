@@ -11,8 +11,10 @@ gate/up) and option o, apply o to u only, all else untouched, and measure
   original layer output. KL is quadratic in a small perturbation of the residual stream, so γ·e is in
   the same units as kl.
 Statistics (GPTQ/SparseGPT Hessians, Wanda input norms) come from all calibration windows through the
-original model, layer by layer. A whole-model pass by design: measuring at the output needs every
-layer after u (STYLE 14's exception); the model sits on the device for it.
+original model, layer by layer: the engine's walk (engine/walk.py), whose per-layer function also measures
+the layer's units. A whole-model pass by design: measuring at the output needs every layer after u (STYLE
+14's exception), so the model must be in memory (a streamed run refuses to measure a table; it can use one),
+and it sits on the device for it.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ import torch.nn.functional as F
 
 from geminicompress.compress.arch import Arch, arch_for, get_module
 from geminicompress.compress.hessian import HessianAccumulator
-from geminicompress.engine.layers import LayerInputs, capture_inputs, forward_layer, layer_output
 from geminicompress.compress.prune.wanda import InputNorms
 from geminicompress.compress.sensitivity.options import Option, apply_option, check_applicable
-from geminicompress.eval.drift import kl_per_token
+from geminicompress.engine.layers import LayerJob, capture_inputs, forward_layer, layer_output
+from geminicompress.engine.walk import run_layerwise
 from geminicompress.errors import InputError
+from geminicompress.eval.drift import kl_per_token
 from geminicompress.progress import NullProgress, Progress
 
 FINAL_NORM = {"llama": "model.norm", "mistral": "model.norm", "qwen2": "model.norm", "qwen3": "model.norm",
@@ -117,21 +120,24 @@ def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[O
     if not (want_h or want_norms):  # no statistics: only the measured windows need to run
         windows = windows[:kw]
     model.to(device)
-    inputs = capture_inputs(model, windows, device)
-    tail = _Tail(model, arch, inputs.kwargs)
-    states = [torch.cat([h.to(device) for h in inputs.hidden[:kw]])]  # (kw, T, d) at each layer's input
+    first = capture_inputs(model, windows[:kw], device)  # the measured windows, as the walk captures them
+    tail = _Tail(model, arch, first.kwargs)
+    states = [torch.cat([h.to(device) for h in first.hidden])]  # (kw, T, d) at each layer's input
     for layer in layers:
-        states.append(layer_output(layer, states[-1], inputs.kwargs))
+        states.append(layer_output(layer, states[-1], first.kwargs))
     base = tail.logprobs(states[-1], len(layers))  # (kw·(T−1), V)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     rows: list[dict[str, Any]] = []
     gains: list[float] = []
     with progress.task(f"sensitivity ({measure})", total=len(units) * len(options)) as bar:
-        for i, layer in enumerate(layers):
+
+        def measure_layer(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+            """Layer i's statistics from every window through the original model (its outputs: the next
+            layer's inputs), then every unit of the layer under every option, from the cached states."""
+            i, layer = job.index, job.layer
             mine = [u for u in units if u.layer == i]
             if want_h or want_norms:
-                stats, outputs = _statistics(layer, inputs, device, arch, mine, want_h, want_norms, ftw)
-                inputs = LayerInputs(outputs, inputs.kwargs)  # the original layer's outputs: the next inputs
+                stats, job.output_batches = _statistics(layer, job.inputs, device, arch, mine, want_h, want_norms, ftw)
             else:
                 stats = {n: (None, None) for u in mine for n in u.linears}
             target = states[i + 1]
@@ -141,6 +147,11 @@ def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[O
             for u in mine:
                 rows.append(_measure_unit(u, layer, options, stats, states, base, tail, gain, measure, arch, bar,
                                           act_order))
+            return {}, {}
+
+        # the engine's walk: statistics need every window layer by layer (none: the layers are only visited)
+        run_layerwise(model, windows if (want_h or want_norms) else None, measure_layer, device=device,
+                      description="sensitivity layers")
     result = {"measure": measure, "options": [o.label for o in options], "fuse": fuse,
               "drift_unit": "KL(original || modified) at the model output, nats per token",
               "kl_windows": kw, "calibration_windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]),

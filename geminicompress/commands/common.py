@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
+import sys
+import typing
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from geminicompress.errors import GeminiError
+from geminicompress.output import check_output_path
+from geminicompress.pipeline import default_device, run_recipe
+from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.threads import apply_threads, choose_threads
 
 console = Console(stderr=True)
 out_console = Console()
@@ -22,7 +29,6 @@ out_console = Console()
 def handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     """Turn project errors into one red line and their exit code; never show a traceback
     unless GEMINICOMPRESS_DEBUG=1."""
-
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -63,7 +69,6 @@ class _RichTask:
 
 class RichProgress:
     """`geminicompress.progress.Progress` drawn with rich bars on stderr."""
-
     def __init__(self, quiet: bool = False) -> None:
         self.quiet = quiet
 
@@ -99,7 +104,6 @@ def parse_device(device: Optional[str]):
     import torch
 
     from geminicompress.errors import InputError
-    from geminicompress.pipeline import default_device
 
     if device in (None, "auto"):
         return default_device()
@@ -142,8 +146,6 @@ THREADS = typer.Option(None, "--threads", min=1, help="torch CPU threads (defaul
 def use_threads(cli: Optional[int], recipe: Optional[int]):
     """Set torch's thread count before any work: --threads, else the recipe's, else the free cores.
     Returns the `ThreadChoice`; its reason goes into the final `wrote` line."""
-    from geminicompress.threads import apply_threads, choose_threads
-
     choice = choose_threads(cli, recipe)
     apply_threads(choice.threads)
     return choice
@@ -164,23 +166,102 @@ def calibration_options(data: Optional[str], text_column: str, samples: Optional
     return cal
 
 
-def run_single_stage(model: str, stage: dict, cal: dict, out: Path, force: bool, device: Optional[str],
-                     trust: bool, allow_pickle: bool, seed: int, quiet: bool, source: str,
-                     threads: Optional[int] = None, stream: Optional[bool] = None,
-                     dtype: Optional[str] = None, verify: bool = True) -> dict:
-    """Build a one-stage recipe from options, run it, print where the output went."""
-    import sys
-
-    from geminicompress.output import check_output_path
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import recipe_from_stage
-
-    top = {"output": {"dtype": dtype}} if dtype is not None else {}
-    recipe = recipe_from_stage(model, stage, cal, source, seed=seed, trust_remote_code=trust, allow_pickle=allow_pickle, **top)
-    check_output_path(out, force)
-    dev = parse_device(device)
-    choice = use_threads(threads, recipe.threads)
-    report = run_recipe(recipe, out, force=force, progress=RichProgress(quiet), device=dev, command=sys.argv, stream=stream,
-                        verify=verify)
+def run_single_stage(model: str, stage: dict, out: Path, run: dict[str, Any], source: str) -> dict:
+    """Build a one-stage recipe from options (`run`: the values of RUN_OPTIONS), run it, print where the
+    output went."""
+    cal = calibration_options(run["data"], run["text_column"], run["samples"], run["calib_seq_len"])
+    top = {"output": {"dtype": run["dtype"]}} if run["dtype"] is not None else {}
+    recipe = recipe_from_stage(model, stage, cal, source, seed=run["seed"], trust_remote_code=run["trust_remote_code"],
+                               allow_pickle=run["allow_pickle"], **top)
+    check_output_path(out, run["force"])
+    dev = parse_device(run["device"])
+    choice = use_threads(run["threads"], recipe.threads)
+    report = run_recipe(recipe, out, force=run["force"], progress=RichProgress(run["quiet"]), device=dev,
+                        command=sys.argv, stream=run["stream"], verify=not run["no_verify"])
     console.print(wrote_line(out, report["total_seconds"], choice), highlight=False, soft_wrap=True)
     return report
+
+
+def stage_options(configs: dict[str, type], skip: set[str]) -> list[inspect.Parameter]:
+    """One Typer option per field of the stage `configs` ({owner names: config class}) not in `skip`: named
+    --field-name (a bool: --field/--no-field, or the `cli` names its Field gives in json_schema_extra), its help
+    the field's description (per owner when they differ), default None (the stage's own default applies).
+    Adding an option to a method is then one field in its config: the commands read them from there."""
+    fields: dict[str, list[tuple[str, Any]]] = {}
+    for owners, cls in configs.items():
+        for name, field in cls.model_fields.items():
+            if name not in skip:
+                fields.setdefault(name, []).append((owners, field))
+    params = []
+    for name, found in fields.items():
+        field = found[0][1]
+        dash = name.replace("_", "-")
+        kind = _option_type(field.annotation)
+        cli = (field.json_schema_extra or {}).get("cli") or (f"--{dash}/--no-{dash}" if kind is bool else f"--{dash}")
+        helps: dict[str, list[str]] = {}
+        for owners, f in found:
+            helps.setdefault(f.description or "", []).append(owners)
+        text = "; ".join(f"{', '.join(o)}: {d}" if len(configs) > 1 else d for d, o in helps.items())
+        text = text if len(configs) > 1 else text[:1].upper() + text[1:]
+        option = typer.Option(None, cli, help=text + ("." if text and text[-1] not in ".)" else ""))
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                        annotation=Optional[List[str]] if kind is list else Optional[kind]))
+    return params
+
+
+def _option_type(annotation: Any) -> type:
+    """The Typer type of a field: bool, int, float, list (of str), else str (Literals, "auto"|int, paths)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    if annotation is bool or args == [bool]:
+        return bool
+    if typing.get_origin(annotation) is list or any(typing.get_origin(a) is list for a in args):
+        return list
+    if typing.get_origin(annotation) is typing.Literal and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in typing.get_args(annotation)):
+        return int
+    for t in (int, float):
+        if args == [t]:
+            return t
+    return str
+
+
+def with_options(func: Callable[..., Any], options: list[inspect.Parameter], before: str | None) -> Callable[..., Any]:
+    """`func` (taking **options) with `options` in its signature, before its parameter `before` (None: last):
+    Typer reads them from there, and `func` receives their values as keyword arguments."""
+    sig = inspect.signature(func)
+    fixed = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    at = next((i for i, p in enumerate(fixed) if p.name == before), len(fixed))
+    fixed = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) if i >= at else p for i, p in enumerate(fixed)]
+    params = [*fixed[:at], *options, *fixed[at:]]
+    hints = typing.get_type_hints(func)
+
+    @functools.wraps(func)
+    def command(*args: Any, **kwargs: Any) -> Any:
+        return func(*args, **kwargs)
+
+    command.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    command.__annotations__ = {**{k: v for k, v in hints.items() if k != "options"},
+                               **{p.name: p.annotation for p in options}}
+    del command.__wrapped__
+    return command
+
+
+def _keyword(name: str, annotation: Any, option: Any) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
+
+
+# the options of a command that runs one stage on a model (quantize, prune, distill), in --help's order
+RUN_OPTIONS = [_keyword("data", Optional[str], DATA), _keyword("text_column", str, TEXT_COLUMN),
+               _keyword("samples", Optional[int], SAMPLES), _keyword("calib_seq_len", Optional[int], CAL_SEQ_LEN),
+               _keyword("seed", int, SEED), _keyword("force", bool, FORCE), _keyword("device", str, DEVICE),
+               _keyword("trust_remote_code", bool, TRUST), _keyword("allow_pickle", bool, PICKLE),
+               _keyword("stream", Optional[bool], STREAM), _keyword("dtype", Optional[str], DTYPE),
+               _keyword("no_verify", bool, NO_VERIFY), _keyword("quiet", bool, QUIET),
+               _keyword("threads", Optional[int], THREADS)]
+
+
+def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the stage's options that were given, every RUN_OPTIONS value) of a command's **options."""
+    names = {p.name for p in RUN_OPTIONS}
+    run = {k: v for k, v in options.items() if k in names}
+    return {k: v for k, v in options.items() if k not in names and v is not None and v != []}, run

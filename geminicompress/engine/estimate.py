@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from geminicompress.compress.arch import get_module
-from geminicompress.models.lazy import LazyCheckpoint
+from geminicompress.engine.contract import walk_dtypes
+from geminicompress.errors import InputError
+from geminicompress.models.lazy import LazyCheckpoint, free_disk
 
 BASE_BYTES = 800 << 20  # the interpreter, torch, transformers, the skeleton and tokenizer (measured: ~0.7 GiB)
 
@@ -60,3 +64,25 @@ def estimate(ckpt: LazyCheckpoint, out_dtype: torch.dtype, quantized: bool, max_
         else:
             disk += info.nbytes
     return {"peak_memory_bytes": peak, "disk_bytes": disk + min(max_shard, disk)}
+
+
+def announce(ctx: Any, stages: list[Any], max_shard: int) -> dict[str, int]:
+    """Before any layer of a streamed run is read: its estimated peak memory and disk, said in one line;
+    an InputError when the disk OUT goes to has less free than that."""
+    ckpt = ctx.layers.ckpt
+    dtypes = walk_dtypes(stages)
+    calib = None
+    if dtypes is not None:
+        cal = ctx.recipe.calibration
+        calib = Calibration((cal.samples, cal.seq_len), dtypes[0], dtypes[1],
+                            any(getattr(s, "one_pass_memory", False) for s in stages),
+                            sum(getattr(s, "squares", 0) for s in stages))
+    quantized = any(s.cfg.type == "quantize" for s in stages)
+    need = estimate(ckpt, ctx.out_dtype, quantized, max_shard, calib)
+    ctx.progress.info(f"streaming {len(ckpt.layers)} layers from {ckpt.path}: estimated peak memory "
+                      f"{need['peak_memory_bytes'] / 2**30:.2f} GiB, disk {need['disk_bytes'] / 2**30:.2f} GiB")
+    parent = Path(ctx.out_dir).resolve().parent
+    if parent.is_dir() and free_disk(parent) < need["disk_bytes"]:
+        raise InputError(f"not enough disk for {ctx.out_dir.name.removeprefix('.').removesuffix('.partial')}: needs "
+                         f"~{need['disk_bytes'] / 2**30:.2f} GiB, {free_disk(parent) / 2**30:.2f} GiB free")
+    return need

@@ -1,0 +1,131 @@
+"""The stage contract: what a stage sees of a run (`StageContext`) and what a layer stage gives the engine
+(`LayerStage`). It lives below the stages and the orchestrator (pipeline.py), so neither imports the other.
+
+A *layer stage* (every quantize method, prune) is made once per run by its registry row's factory
+(methods.py), `factory(cfg, ctx) -> LayerStage`, which opens the stage the same way in memory and streamed:
+which linears, the spec, the format's shape checks, and any whole-model decision taken as a *pre-pass*
+that produces per-layer parameters (global magnitude threshold, allocations). The engine then applies
+its `layer_fn` to every decoder layer (walk.py), hands each finished layer to a sink, and asks for the
+stage's `summary` once every layer is done. A *model stage* (distill) and the eval stage are functions
+`run(cfg, ctx) -> dict` on the model in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.nn as nn
+
+from geminicompress.data.windows import calibration_windows
+from geminicompress.engine.layers import LayerFn
+from geminicompress.progress import Progress
+
+
+@dataclass
+class StageContext:
+    """What a stage can see and change. `model`/`tokenizer` flow from stage to stage.
+
+    model: the model in memory, or for a streamed run the checkpoint's skeleton (parameters on the meta
+    device: `models.lazy.LazyCheckpoint`), whose layers the engine reads one at a time (`layers`)."""
+
+    model: Any
+    tokenizer: Any
+    source: Any  # models.loading.ModelSource
+    recipe: Any  # recipes.schema.Recipe
+    progress: Progress
+    device: torch.device
+    out_dir: Path  # the (partial) output folder; stages may add artifacts next to the weights
+    state_dir: Path  # this stage's private folder for resumable state; removed on success
+    masks: dict[str, torch.Tensor] | None = None  # set by prune, honoured by distill
+    layers: Any = None  # the run's layer source (engine.walk.ModelLayers or models.lazy.LazyLayers)
+    out_dtype: torch.dtype = torch.float32  # the float dtype OUT's tensors are written in
+    source_dtype: torch.dtype = torch.float32  # the float dtype the layers are stored in (a model in memory: float32)
+    streamed: bool = False
+    _calibration: dict[tuple, torch.Tensor] = field(default_factory=dict)
+
+    def calibration(self, data: str | None = None, samples: int | None = None, seq_len: int | None = None) -> torch.Tensor:
+        """Seeded calibration windows (n, seq_len) from the stage's DATA or the recipe's default."""
+        cal = self.recipe.calibration
+        key = (data or cal.data, samples or cal.samples, seq_len or cal.seq_len, self.recipe.seed)
+        if key not in self._calibration:
+            self._calibration[key] = calibration_windows(self.tokenizer, key[0], key[1], key[2], key[3], cal.text_column)
+        return self._calibration[key]
+
+    def layer_prefix(self, i: int) -> str:
+        from geminicompress.compress.arch import arch_for
+
+        return f"{arch_for(self.model).layers}.{i}"
+
+
+@dataclass
+class Done:
+    """What a layer stage's summary may read once every layer is finished."""
+
+    out_dir: Path
+    progress: Progress
+    windows: torch.Tensor | None = None  # the walk's calibration windows (n, T), for calibrated stages
+    calibration_data: str = ""  # the recipe's calibration DATA (a stage's own `data` wins)
+    outside_rows: list[dict] = field(default_factory=list)  # what `outside` did to the modules outside the layers
+    kept: dict[str, torch.Tensor] = field(default_factory=dict)  # the stage's kept tensors the sink retained
+    streamed: bool = False
+    calib_dtype: torch.dtype | None = None  # the dtype the layers computed in while calibrating
+    layer_dtype: torch.dtype | None = None  # the dtype they were held in
+
+
+class LayerWriter(Protocol):
+    """A format, one decoder layer at a time (formats/): the tensors a finished layer writes, how a
+    resumed run reads them back into the layer, and config.json at the end."""
+
+    format: str
+
+    def layer_tensors(self, i: int, layer: nn.Module, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def load_back(self, i: int, layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def exact_weights(self, i: int, kept: dict[str, torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]: ...
+
+    def write_config(self, out: Path, result: dict[str, Any]) -> dict[str, Any]: ...
+
+
+class LayerStage(Protocol):
+    """A method, as the engine runs it. Optional members: `outside(name, module) -> (module, row) | None`
+    (the modules outside the decoder layers: an INT8 head), `retain(kept) -> kept` (which kept tensors a
+    streamed run must hold until the summary: AWQ's search results), `needs_windows_of(windows)` checks."""
+
+    cfg: Any
+    calibrated: bool  # needs the layer's inputs on calibration windows
+
+    def layer_fn(self) -> LayerFn: ...
+
+    def writer(self) -> LayerWriter | None: ...  # the format it writes (None: it leaves the previous one's)
+
+    def summary(self, layers: list[dict], done: Done) -> dict[str, Any]: ...
+
+
+def walk_dtypes(stages: list[LayerStage]) -> tuple[torch.dtype, torch.dtype] | None:
+    """(dtype the layers compute in, dtype they are held in) while a walk calibrates; None: none calibrates.
+    One calibrated stage may choose (GPTQ on a bfloat16 checkpoint: its `dtypes`); with several on one
+    layer it computes in float32, since the stages write the weights it computes with."""
+    mine = [s for s in stages if s.calibrated]
+    if not mine:
+        return None
+    if len(mine) == 1 and getattr(mine[0], "dtypes", None) is not None:
+        return mine[0].dtypes
+    return torch.float32, torch.float32
+
+
+def stage_kept(kept: dict[str, torch.Tensor], k: int, n: int) -> dict[str, torch.Tensor]:
+    """Stage k's own kept tensors (or summary entries) of a composed LayerFn over n stages."""
+    if n == 1:
+        return kept
+    head = f"{k}."
+    return {key[len(head):]: v for key, v in kept.items() if key.startswith(head)}
+
+
+def layer_kept(kept: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    """Layer i's entries of a walk's kept tensors ("<i>.<name>" -> "<name>")."""
+    head = f"{i}."
+    return {key[len(head):]: v for key, v in kept.items() if key.startswith(head)}

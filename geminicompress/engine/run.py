@@ -1,0 +1,187 @@
+"""Running layer stages: a walk of stages over a layer source into a sink, and the walk that writes OUT.
+
+A model in memory and a streamed one differ only in what is plugged in (pipeline.py decides):
+- in memory, each layer stage walks the resident model (`ModelLayers`) into a `ResidentSink` (its layers stay
+  in the model; a calibrated stage's finished layers are its resume state), then one more walk, with no
+  stage, writes OUT through a `ShardSink`;
+- streamed, the stages' per-layer functions are composed (layer i gets every stage before layer i+1 is read)
+  and one walk over the checkpoint read layer by layer (`models.lazy.LazyLayers`) writes OUT as it goes.
+Either way OUT is written by the same `ShardSink` and the same per-layer writer of its format (formats/), a
+probe may run through every layer as it is written (verify.py), and the modules outside the decoder layers
+follow the layers (walk.walk_outside).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from geminicompress.engine.compose import compose
+from geminicompress.engine.contract import Done, LayerStage, StageContext, stage_kept, walk_dtypes
+from geminicompress.engine.walk import nothing, run_layerwise, walk_outside
+from geminicompress.errors import InputError
+from geminicompress.methods import calibrates, runner
+
+# float32 (widest input)² buffers a calibrated stage holds at its peak (Hessians, solver scratch), for the
+# memory estimate of a streamed run: a stage's `squares` attribute, else 0
+
+
+@dataclass
+class Walked:
+    """What a walk of some stages left: per stage, its per-layer summaries and the kept tensors the sink
+    retained ("<layer>.<name>"); the modules outside the layers' rows; the calibration windows and dtypes."""
+
+    summaries: list[list[dict]]
+    kept: list[dict[str, torch.Tensor]]
+    outside_rows: list[dict] = field(default_factory=list)
+    windows: torch.Tensor | None = None
+    dtypes: tuple[torch.dtype, torch.dtype] | None = None
+    seconds: float = 0.0
+
+    def done(self, k: int, ctx: StageContext) -> Done:
+        """What stage k's summary reads."""
+        calib, layer = self.dtypes or (None, None)
+        return Done(ctx.out_dir, ctx.progress, windows=self.windows, calibration_data=ctx.recipe.calibration.data,
+                    outside_rows=self.outside_rows, kept=self.kept[k], streamed=ctx.streamed,
+                    calib_dtype=calib, layer_dtype=layer)
+
+
+def make_stage(cfg: Any, ctx: StageContext) -> LayerStage:
+    """The layer stage of `cfg` (its registry row's class), opened: bad input fails here, before any work."""
+    from geminicompress.recipes.schema import stage_tag
+
+    cls, kind = runner(stage_tag(cfg))
+    assert kind == "layers", f"{stage_tag(cfg)} is not a layer stage"
+    return cls(cfg, ctx)
+
+
+def run_stage(cfg: Any, ctx: StageContext, description: str | None = None
+              ) -> tuple[LayerStage, dict[str, Any], dict[str, torch.Tensor]]:
+    """A layer stage on the model in memory (`ctx.model`): one walk whose finished layers stay in the model, a
+    calibrated stage's also saved in `ctx.state_dir` to resume from. Returns (the stage, its summary, the kept
+    tensors of every layer, "<layer>.<name>")."""
+    from geminicompress.engine.sinks import ResidentSink
+    from geminicompress.engine.walk import ModelLayers
+    from geminicompress.formats.shards import ShardWriter
+
+    if ctx.layers is None:
+        ctx.layers = ModelLayers(ctx.model)
+    stage = make_stage(cfg, ctx)
+    resume = ShardWriter(ctx.state_dir / "layers") if stage.calibrated else None
+    walked = walk(ctx, [stage], ResidentSink(ctx.model, resume), description or _describe(cfg))
+    return stage, stage.summary(walked.summaries[0], walked.done(0, ctx)), walked.kept[0]
+
+
+def _describe(stage: Any) -> str:
+    if stage.type == "quantize":
+        bits = getattr(stage, "bits", None)
+        return f"{stage.method} {bits}-bit" if bits and stage.method not in ("int8", "w8a8") else stage.method
+    return f"{stage.method} layers" if stage.type == "prune" else stage.type
+
+
+def walk(ctx: StageContext, stages: list[LayerStage], sink: Any, description: str) -> Walked:
+    """Every decoder layer of the run's source through `stages` (composed) into `sink`, then the modules
+    outside the layers through the stages' `outside` hooks into the sink."""
+    t0 = time.perf_counter()
+    n = len(stages)
+    dtypes = walk_dtypes(stages)
+    windows = None
+    if dtypes is not None:
+        data = next(s.cfg.data for s in stages if s.calibrated and s.cfg.data) if any(
+            s.calibrated and s.cfg.data for s in stages) else None
+        windows = ctx.calibration(data)
+    source = ctx.layers.reading_in(dtypes[1] if dtypes is not None else None)
+    fn = compose(*[s.layer_fn() for s in stages]) if stages else nothing
+    done = run_layerwise(source, windows, fn, device=ctx.device, progress=ctx.progress, description=description,
+                         calib_dtype=dtypes[0] if dtypes is not None else None, sink=sink)
+    summaries, kept = done.summaries, done.kept
+    hooks = [s.outside for s in stages if hasattr(s, "outside")]
+    rows = walk_outside(source, hooks, sink)
+    per_stage_summaries = [[{"layer": x["layer"], **stage_kept(x, k, n)} for x in summaries] for k in range(n)]
+    per_stage_kept = [_stage_kept_all(kept, k, n) for k in range(n)]
+    return Walked(per_stage_summaries, per_stage_kept, rows, windows, dtypes, time.perf_counter() - t0)
+
+
+def _stage_kept_all(kept: dict[str, torch.Tensor], k: int, n: int) -> dict[str, torch.Tensor]:
+    """Stage k's entries of a walk's kept tensors ("<layer>.<stage>.<name>" -> "<layer>.<name>")."""
+    if n == 1:
+        return kept
+    out = {}
+    for key, value in kept.items():
+        layer, _, rest = key.partition(".")
+        stage, _, name = rest.partition(".")
+        if stage == str(k):
+            out[f"{layer}.{name}"] = value
+    return out
+
+
+def retain_of(stages: list[LayerStage]) -> Callable[[dict], dict] | None:
+    """What a streamed walk must hold of each finished layer's kept tensors until the summaries."""
+    if not any(hasattr(s, "retain") for s in stages):
+        return None
+    n = len(stages)
+
+    def retain(kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for k, s in enumerate(stages):
+            if hasattr(s, "retain"):
+                mine = s.retain(stage_kept(kept, k, n))
+                out.update({(f"{k}.{name}" if n > 1 else name): v for name, v in mine.items()})
+        return out
+
+    return retain
+
+
+def load_back_of(stages: list[LayerStage], layer_writer: Any) -> Callable | None:
+    """How a resumed streamed walk puts a finished layer back to compute the next layer's inputs: the written
+    tensors (dequantized, decompressed), except for a stage whose next inputs are the layer *as read* (int8
+    with SmoothQuant feeds the next layer the float layer's outputs): nothing to put back when it is alone,
+    not resumable through a finished layer when other stages changed the layer too."""
+    if any(getattr(s, "resume_from_input", False) for s in stages):
+        return (lambda i, layer, tensors: None) if len(stages) == 1 else None
+    return layer_writer.load_back
+
+
+def not_streamable(recipe: Any, source_dir: Path | None) -> str | None:
+    """Why the recipe cannot run one decoder layer at a time from disk, or None when it can."""
+    if source_dir is None:
+        return f"MODEL {recipe.model} is not a local dense safetensors directory"
+    layers = [s for s in recipe.stages if s.type != "eval"]
+    for k, stage in enumerate(layers):
+        why = _stage_not_streamable(stage, first=k == 0)
+        if why:
+            return f"stage {k}: {why}"
+    if sum(s.type == "quantize" for s in layers) > 1:
+        return "more than one quantize stage"
+    if len({s.data or recipe.calibration.data for s in layers if calibrates(s)}) > 1:
+        return "the calibrated stages name different DATA; a streamed run calibrates them all in one pass per layer"
+    return None
+
+
+def _stage_not_streamable(stage: Any, first: bool) -> str | None:
+    from geminicompress.recipes.schema import stage_tag
+
+    if stage.type == "distill":
+        return "distill trains the whole model and is not streamed; run it with --no-stream"
+    cls, _ = runner(stage_tag(stage))
+    return cls.cannot_stream(stage, first) if hasattr(cls, "cannot_stream") else None
+
+
+def should_stream(recipe: Any, stream: bool | None, source_dir: Path | None) -> bool:
+    """--stream: yes (or a one-line error saying why it cannot); --no-stream: no; neither: when the recipe
+    can stream and the model's float32 weights do not fit (memory.too_big: the one rule)."""
+    from geminicompress.memory import too_big
+    from geminicompress.models.lazy import weights_bytes
+
+    if stream is False:
+        return False
+    reason = not_streamable(recipe, source_dir)
+    if stream and reason:
+        raise InputError(f"--stream: {reason}")
+    if reason:
+        return False
+    return bool(stream) or too_big(weights_bytes(source_dir))

@@ -1,0 +1,115 @@
+"""Where finished layers go (the walk's *sinks*), and the run's one resume mechanism: a `ShardWriter`
+(formats/shards.py) whose finished units are the resume state.
+
+- `ResidentSink`: the layer stays in the model in memory. With a writer, each finished layer's exact
+  state (its state dict and the tensors the method kept) is also a unit of a `ShardWriter` in the stage's
+  state folder, so a killed run restores it and continues after it.
+- `ShardSink`: the layer is written into OUT's shards in the run's format (a `LayerWriter`, formats/) and
+  dropped; the written shards are the resume state. A probe (verify.py) may run through each finished
+  layer first; what the stages must hold until their summaries (`retain`: AWQ's search results) goes into
+  a second writer so that a resumed run has it too.
+Both also take the modules outside the decoder layers (`outside`): the resident sink puts a module a stage
+replaced (an INT8 head) into the model, the shard sink writes each one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from geminicompress.compress.arch import set_module
+from geminicompress.errors import GeminiError
+from geminicompress.formats.checkpoint import module_tensors
+from geminicompress.formats.shards import ShardWriter
+
+KeptOf = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]  # (layer, walk's kept) -> the writer's
+
+
+class ResidentSink:
+    """Finished layers stay in the model; with `writer`, each is also saved there for resuming."""
+
+    restores_weights = True
+
+    def __init__(self, model: nn.Module, writer: ShardWriter | None = None) -> None:
+        self.model, self.writer = model, writer
+
+    def finished(self, i: int) -> bool:
+        return self.writer is not None and self.writer.finished(f"layer.{i}")
+
+    @torch.no_grad()
+    def restore(self, i: int, layer: nn.Module | None) -> tuple[dict, dict[str, torch.Tensor]]:
+        unit = f"layer.{i}"
+        saved = self.writer.read(unit)  # "<i>.state.<name>", "<i>.kept.<name>": names unique in the writer
+        state, kept = f"{i}.state.", f"{i}.kept."
+        if layer is not None:
+            device = next(layer.parameters()).device
+            layer.load_state_dict({k[len(state):]: v for k, v in saved.items() if k.startswith(state)})
+            layer.to(device)
+        return self.writer.summary(unit), {k[len(kept):]: v for k, v in saved.items() if k.startswith(kept)}
+
+    def finish(self, i: int, layer: nn.Module, summary: dict, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.writer is not None:
+            flat = {f"{i}.state.{k}": v.detach().cpu().contiguous() for k, v in layer.state_dict().items()}
+            flat.update({f"{i}.kept.{k}": v.detach().cpu().contiguous() for k, v in kept.items()})
+            self.writer.write(f"layer.{i}", flat, summary)
+        return kept
+
+    def outside_done(self, name: str) -> list[dict] | None:
+        return None
+
+    def outside(self, name: str, module: nn.Module, rows: list[dict]) -> None:
+        """A module outside the layers after the stages: a replaced one goes into the model."""
+        if module is not self.model.get_submodule(name):
+            set_module(self.model, name, module)
+
+
+class ShardSink:
+    """Finished layers go into OUT's shards as `layer_writer.layer_tensors(i, layer, kept_of(i, kept))` and
+    leave memory. `load_back(i, layer, tensors)` puts what was written back into a layer, for a resumed
+    calibrated run that computes the next layer's inputs through it (None: such a run cannot resume).
+    `probe`: run through each finished layer, as it is stored, before it is written (verify.Probe).
+    `retain(kept)`: the kept tensors to hold until the summaries, saved in `kept_writer` for a resumed run."""
+
+    restores_weights = False
+
+    def __init__(self, writer: ShardWriter, layer_writer: Any, kept_of: KeptOf,
+                 load_back: Callable[[int, nn.Module, dict[str, torch.Tensor]], None] | None = None,
+                 probe: Any = None, retain: Callable[[dict], dict] | None = None,
+                 kept_writer: ShardWriter | None = None) -> None:
+        self.writer, self.layer_writer, self.kept_of, self.load_back = writer, layer_writer, kept_of, load_back
+        self.probe, self.retain, self.kept_writer = probe, retain, kept_writer
+
+    def finished(self, i: int) -> bool:
+        return self.writer.finished(f"layer.{i}")
+
+    def restore(self, i: int, layer: nn.Module | None) -> tuple[dict, dict[str, torch.Tensor]]:
+        unit = f"layer.{i}"
+        if self.probe is not None:
+            self.probe.resumed.append(i)
+        if layer is not None:
+            if self.load_back is None:
+                raise GeminiError("this streamed run cannot resume through a finished layer; rerun with --force")
+            self.load_back(i, layer, self.writer.read(unit))
+        kept = self.kept_writer.read(unit) if self.kept_writer is not None and self.kept_writer.finished(unit) else {}
+        return self.writer.summary(unit), {k.partition(".")[2]: v for k, v in kept.items()}
+
+    def finish(self, i: int, layer: nn.Module, summary: dict, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        mine = self.kept_of(i, kept)
+        if self.probe is not None:
+            # the probe first: rounding a float32 layer to the output dtype in place changes nothing it writes
+            # (the writer casts to that dtype; packed linears are written from the kept codes)
+            self.probe.advance(layer, self.layer_writer.exact_weights(i, mine))
+        retained = self.retain(kept) if self.retain is not None else {}
+        if self.kept_writer is not None and retained:  # before the layer: a layer written is a layer finished
+            self.kept_writer.write(f"layer.{i}", {f"{i}.{k}": v.contiguous() for k, v in retained.items()})
+        self.writer.write(f"layer.{i}", self.layer_writer.layer_tensors(i, layer, mine), summary)
+        return retained
+
+    def outside_done(self, name: str) -> list[dict] | None:
+        unit = f"outside.{name}"
+        return self.writer.summary(unit).get("rows", []) if self.writer.finished(unit) else None
+
+    def outside(self, name: str, module: nn.Module, rows: list[dict]) -> None:
+        self.writer.write(f"outside.{name}", module_tensors(name, module, self.layer_writer.dtype), {"rows": rows})

@@ -1,0 +1,137 @@
+"""A format, one decoder layer at a time: the one writer of every format (each format module's `writer(...)`
+builds one of these). A checkpoint is written by the engine's sink as a loop over the layers (then the
+modules outside them and config.json), whether the model is in memory or read from disk layer by layer.
+
+- `LayerWriter`: every tensor of the layer in the output dtype (the dense checkpoint; also the fake-quantized
+  weights of a b-bit method with `--format dense`); config.json with `qconfig` (None: dense);
+- `PackedWriter`: a b-bit format (gptq, awq, compressed-tensors pack-quantized): each quantized linear's
+  weight replaced by the format's `pack(qw)` of the codes the stage kept for the layer.
+Each writer also says how a resumed run puts a finished layer's written tensors back into the layer
+(`load_back`), and which of the layer's weights the format stores as exact integer codes (`exact_weights`,
+for the check of OUT: verify.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn as nn
+
+from geminicompress.compress.arch import arch_for
+from geminicompress.compress.grid import QuantizedWeight, QuantSpec
+from geminicompress.formats.checkpoint import float_linears, module_tensors, write_config
+
+QWeights = Callable[[int, dict[str, torch.Tensor]], Mapping[str, QuantizedWeight]]  # (layer, kept) -> {module: qw}
+
+
+class LayerWriter:
+    """Every tensor of the layer in the output dtype; config.json with `qconfig` (None: a dense checkpoint)."""
+
+    format = "dense"
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self.model, self.dtype = model, dtype
+        self.layers_path = arch_for(model).layers
+
+    def prefix(self, i: int) -> str:
+        return f"{self.layers_path}.{i}"
+
+    def layer_tensors(self, i: int, layer: nn.Module, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return module_tensors(self.prefix(i), layer, self.dtype)
+
+    def dense(self, i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A finished layer's written tensors as the dense state dict of the layer (names relative to it)."""
+        head = self.prefix(i) + "."
+        return {k[len(head):]: v for k, v in tensors.items()}
+
+    @torch.no_grad()
+    def load_back(self, i: int, layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        """Put a finished layer's written tensors back into it (to compute the next layer's inputs on resume)."""
+        state = layer.state_dict(keep_vars=True)
+        for name, value in self.dense(i, tensors).items():
+            state[name].data.copy_(value.to(state[name].dtype))
+
+    def exact_weights(self, i: int, kept: dict[str, torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]:
+        """{linear relative to layer i: a function making its weight} for the weights stored as exact codes."""
+        return {}
+
+    def qconfig(self, result: dict[str, Any]) -> dict[str, Any] | None:
+        return None
+
+    def write_config(self, out: Path, result: dict[str, Any]) -> dict[str, Any]:
+        """config.json (+ the format's files beside it); `result`: the writing stage's result for report.json.
+        Returns what report.json's `export` says of the format."""
+        write_config(self.model, out, self.qconfig(result), self.dtype)
+        return {"format": self.format}
+
+
+class PackedWriter(LayerWriter):
+    """A b-bit format: each quantized linear's weight replaced by `pack(qw)` of the codes the stage kept
+    (`qweights(i, kept)`: {full module name: QuantizedWeight} of layer i), read back by `unpack(name, parts)`.
+    `specs`: every quantized module's spec (mixed precision: several); `qconfig(base, specs, not_quantized)`
+    makes the format's quantization_config; `extra(out, config)` writes its side files."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, key: str, specs: dict[str, QuantSpec],
+                 qweights: QWeights, pack: Callable[[QuantizedWeight], dict[str, torch.Tensor]],
+                 unpack: Callable[[str, dict[str, torch.Tensor]], QuantizedWeight], suffixes: tuple[str, ...],
+                 qconfig: Callable[[QuantSpec, dict[str, QuantSpec], list[str]], dict[str, Any]],
+                 extra: Callable[[Path, dict[str, Any]], None] | None = None) -> None:
+        super().__init__(model, dtype)
+        self.format, self.specs, self.qweights = key, specs, qweights
+        self.pack, self.unpack, self.suffixes, self._qconfig, self.extra = pack, unpack, suffixes, qconfig, extra
+
+    def layer_tensors(self, i: int, layer: nn.Module, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        qweights = self.qweights(i, kept)
+        prefix = self.prefix(i)
+        # the packed linears' float weights are not cast only to be dropped (0.41 GB for an 8B layer in bf16)
+        tensors = module_tensors(prefix, layer, self.dtype,
+                                 frozenset(f"{n.removeprefix(prefix + '.')}.weight" for n in qweights))
+        for name in qweights:  # one module's unpacked codes alive at a time
+            tensors.update({f"{name}.{k}": v.cpu() for k, v in self.pack(qweights[name]).items()})
+        return tensors
+
+    def dense(self, i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Quantized linears dequantized: the same float32 weights the run computed with, since the scales
+        were rounded to the stored dtype before the weights were."""
+        tensors = dict(tensors)
+        prefix = self.prefix(i) + "."
+        for name in [n for n in self.specs if n.startswith(prefix)]:
+            parts = {k: tensors.pop(f"{name}.{k}") for k in self.suffixes if f"{name}.{k}" in tensors}
+            tensors[f"{name}.weight"] = self.unpack(name, parts).dequantize()
+        return super().dense(i, tensors)
+
+    def exact_weights(self, i: int, kept: dict[str, torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]:
+        qweights = self.qweights(i, kept)  # a lazy mapping: unpacked when read
+        head = self.prefix(i) + "."
+        return {name.removeprefix(head): (lambda name=name: qweights[name].dequantize()) for name in qweights}
+
+    def base_spec(self) -> QuantSpec:
+        """The spec holding the most weights, in layer order (ties: the first met): the format's top level."""
+        weights: Counter = Counter()
+        for name in sorted(self.specs, key=_layer_order(self.layers_path)):
+            module = self.model.get_submodule(name)
+            weights[self.specs[name]] += module.in_features * module.out_features
+        return weights.most_common(1)[0][0]
+
+    def qconfig(self, result: dict[str, Any]) -> dict[str, Any]:
+        return self._qconfig(self.base_spec(), self.specs, float_linears(self.model, set(self.specs)))
+
+    def write_config(self, out: Path, result: dict[str, Any]) -> dict[str, Any]:
+        config = self.qconfig(result)
+        write_config(self.model, out, config, self.dtype)
+        if self.extra is not None:
+            self.extra(out, config)
+        base = self.base_spec()
+        return {"format": self.format, "bits": base.bits, "group_size": base.group_size, "sym": base.sym,
+                "quantized_modules": len(self.specs), "float_modules": float_linears(self.model, set(self.specs))}
+
+
+def _layer_order(layers_path: str) -> Callable[[str], tuple[int, str]]:
+    """Sort key of a module name under the decoder layers: (layer index, the rest)."""
+    def key(name: str) -> tuple[int, str]:
+        index, _, rest = name.removeprefix(layers_path + ".").partition(".")
+        return int(index), rest
+    return key

@@ -1,0 +1,177 @@
+"""The package's import graph, files as nodes (issue #27's bars): no import circle; at most 2 imports that
+run from a lower level up to a higher one; no module imports a name starting with `_` from another module.
+
+Levels come from the imports at module level (what runs when a module is imported): a module importing no
+other module of the package is level 0, any other one level above the highest it imports. An import inside
+a function (run when called) is "upward" when its target sits on a higher level than the importer: such an
+import hides a dependency the layering does not show. Circles are looked for over every import, module level
+and inside functions alike (an import under `if TYPE_CHECKING:` only names types and is left out).
+
+  python tests/test_architecture.py      # prints the levels, the upward imports and any circle
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import lru_cache
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "geminicompress"
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+@lru_cache(maxsize=1)
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _target(name: str) -> str | None:
+    """The package module a dotted name resolves to (the longest prefix that is a module)."""
+    mods = modules()
+    while name:
+        if name in mods:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _type_checking(node: ast.If) -> bool:
+    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING" or (
+        isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING")
+
+
+@lru_cache(maxsize=1)
+def edges() -> list[tuple[str, str, bool, list[str]]]:
+    """(importer, imported module, at module level?, names imported) for every import of the package."""
+    out = []
+    for name, path in modules().items():
+        tree = ast.parse(path.read_text())
+        is_pkg = path.name == "__init__.py"
+
+        def visit(node: ast.AST, top: bool) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.If) and _type_checking(child):
+                    continue
+                inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                if isinstance(child, ast.Import):
+                    for alias in child.names:
+                        t = _target(alias.name)
+                        if t and t != name:
+                            out.append((name, t, top, []))
+                elif isinstance(child, ast.ImportFrom):
+                    base = child.module or ""
+                    if child.level:
+                        pkg = name if is_pkg else name.rpartition(".")[0]
+                        for _ in range(child.level - 1):
+                            pkg = pkg.rpartition(".")[0]
+                        base = f"{pkg}.{base}" if base else pkg
+                    if not base.startswith("geminicompress"):
+                        continue
+                    for alias in child.names:
+                        sub = _target(f"{base}.{alias.name}")
+                        t = sub if sub == f"{base}.{alias.name}" else _target(base)
+                        if t and t != name:
+                            out.append((name, t, top, [] if sub == f"{base}.{alias.name}" else [alias.name]))
+                visit(child, inner)
+
+        visit(tree, True)
+    return out
+
+
+def levels() -> dict[str, int]:
+    graph: dict[str, set[str]] = {m: set() for m in modules()}
+    for a, b, top, _ in edges():
+        if top:
+            graph[a].add(b)
+    level: dict[str, int] = {}
+
+    def lv(m: str, stack: tuple[str, ...] = ()) -> int:
+        if m in level:
+            return level[m]
+        if m in stack:
+            raise AssertionError(f"module-level import circle: {' -> '.join(stack[stack.index(m):] + (m,))}")
+        level[m] = 1 + max((lv(d, stack + (m,)) for d in graph[m]), default=-1)
+        return level[m]
+
+    for m in graph:
+        lv(m)
+    return level
+
+
+def circles() -> list[list[str]]:
+    """Strongly connected components of more than one module, over every import (Tarjan)."""
+    graph: dict[str, set[str]] = {m: set() for m in modules()}
+    for a, b, _, _ in edges():
+        graph[a].add(b)
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    import sys
+
+    sys.setrecursionlimit(10_000)
+    for v in graph:
+        if v not in index:
+            strong(v)
+    return out
+
+
+def upward() -> list[tuple[str, str]]:
+    level = levels()
+    return sorted({(a, b) for a, b, top, _ in edges() if not top and level[b] > level[a]})
+
+
+def private_imports() -> list[tuple[str, str, str]]:
+    """Names starting with `_` imported from another module (dunders such as `__version__` are public)."""
+    return [(a, b, n) for a, b, _, names in edges() for n in names if n.startswith("_") and not n.endswith("__")]
+
+
+def test_no_import_circle():
+    assert circles() == []
+
+
+def test_at_most_two_upward_imports():
+    up = upward()
+    assert len(up) <= 2, up
+
+
+def test_no_private_name_is_imported_from_another_module():
+    assert private_imports() == []
+    assert not [m for m in modules() if m.rpartition(".")[2].startswith("_") and m.rpartition(".")[2] != "__main__"]
+
+
+if __name__ == "__main__":
+    level = levels()
+    for m in sorted(level, key=lambda m: (level[m], m)):
+        print(f"{level[m]:3d}  {m}")
+    print(f"\n{max(level.values()) + 1} levels, {len(level)} modules")
+    print("upward imports:", upward() or "none")
+    print("circles:", circles() or "none")
+    print("private names imported:", private_imports() or "none")

@@ -68,8 +68,8 @@ class OutputDir:
                 shutil.rmtree(self.out)
             self.tmp.rename(self.out)
             return False
-        if not self._has_resume_state():
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        if not self._has_resume_state() or issubclass(exc_type, InputError):
+            shutil.rmtree(self.tmp, ignore_errors=True)  # bad input: the same command would stop there again
         # else: keep the hidden partial folder so that the same command resumes from its state/
         return False
 

@@ -94,8 +94,9 @@ def run_recipe(recipe: Recipe, out: Path, *, force: bool = False, progress: Prog
         for i, stage in enumerate(recipe.stages):
             if stage.type == "eval":
                 results.append(_run_model_stage(ctx, i, stage, tmp))
+        found = ctx.layers.ckpt.nonfinite if streamed else (ctx.input_nonfinite or [])
         report = {"geminicompress": __version__, "command": command or sys.argv, "model": recipe.model,
-                  "output": str(out), "load_seconds": round(load_s, 3),
+                  "output": str(out), "load_seconds": round(load_s, 3), **({"input_nonfinite": found} if found else {}),
                   "total_seconds": round(time.perf_counter() - started, 3), "export": export, "stages": results,
                   "versions": versions(), "machine": machine()}
         write_json(tmp / "report.json", report)
@@ -129,10 +130,12 @@ def _open_in_memory(recipe: Recipe, loaded: LoadedModel | None, tmp: Path, progr
         loaded = streamed_input(recipe, progress)
     if loaded is None:
         progress.info(f"loading {recipe.model}")
-        loaded = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code, allow_pickle=recipe.allow_pickle)
+        loaded = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code, allow_pickle=recipe.allow_pickle,
+                            allow_nonfinite=recipe.allow_nonfinite)
     torch.manual_seed(recipe.seed)
     ctx = StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, progress, device, tmp, tmp,
                        out_dtype=getattr(torch, recipe.output.dtype))
+    ctx.input_nonfinite = loaded.nonfinite
     ctx.layers = ModelLayers(loaded.model) if loaded.model is not None else None
     return ctx
 
@@ -141,7 +144,7 @@ def _open_streamed(recipe: Recipe, path: Path, tmp: Path, progress: Progress, de
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    ckpt = LazyCheckpoint(path, trust_remote_code=recipe.trust_remote_code)
+    ckpt = LazyCheckpoint(path, trust_remote_code=recipe.trust_remote_code, allow_nonfinite=recipe.allow_nonfinite)
     ctx = StageContext(ckpt.model, load_tokenizer(str(path), recipe.trust_remote_code), resolve_model(recipe.model),
                        recipe, progress, device, tmp, tmp / "state" / "stream", out_dtype=_out_dtype(recipe, ckpt.dtype),
                        source_dtype=ckpt.dtype, streamed=True)
@@ -224,7 +227,8 @@ def _finish(ctx: StageContext, tmp: Path, shards: ShardWriter, writer: Any, resu
               "device": str(ctx.device)}
     if probe is not None:
         export["verified"] = probe.check(tmp, head, ctx.state_dir, trust_remote_code=ctx.recipe.trust_remote_code,
-                                         progress=ctx.progress, streamed=True if ctx.streamed else None)
+                                         progress=ctx.progress, streamed=True if ctx.streamed else None,
+                                         input_model=ctx.recipe.model, allow_nonfinite=ctx.recipe.allow_nonfinite)
     return export
 
 

@@ -47,7 +47,8 @@ from geminicompress.errors import GeminiError
 from geminicompress.memory import too_big as over
 from geminicompress.models.forward import embed, final_hidden, head_logits, through_layer
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers, is_readable_dir, loaded_bytes
-from geminicompress.models.loading import load_model
+from geminicompress.models.finite import NonFiniteError
+from geminicompress.models.loading import load_model, local_dir
 from geminicompress.progress import NullProgress, Progress
 
 WINDOWS, TOKENS, SEED = 2, 64, 0
@@ -96,13 +97,20 @@ def compare(reference: torch.Tensor, got: torch.Tensor, stored: torch.dtype, loa
     if got.shape != reference.shape:
         raise GeminiError(f"verification failed: the written checkpoint gives logits of shape {list(got.shape)}, "
                           f"the in-process model {list(reference.shape)}; the output was not kept")
-    diff = float((got - reference).abs().max())
-    scale = float(reference.abs().max())
+    finite = torch.isfinite(reference)  # all of them, unless a broken input was let through (allow_nonfinite)
+    if bool(torch.isfinite(got[~finite]).any()):
+        raise GeminiError("verification failed: the written checkpoint gives finite logits where the in-process "
+                          "model's are not; the output was not kept. This is a bug: please report it")
+    windows = list(reference.shape[:2])
+    rounding = _g(float((unrounded - reference)[finite].abs().max())) if unrounded is not None else None
+    reference, got = reference[finite], got[finite]
+    diff = float((got - reference).abs().max()) if reference.numel() else 0.0
+    scale = float(reference.abs().max()) if reference.numel() else 0.0
     bound = TOLERANCE * scale
-    rounding = _g(float((unrounded - reference).abs().max())) if unrounded is not None else None
-    record = {"windows": list(reference.shape[:2]), "max_abs_logit_diff": _g(diff), "max_abs_logit": _g(scale),
+    record = {"windows": windows, "max_abs_logit_diff": _g(diff), "max_abs_logit": _g(scale),
               "tolerance": _g(bound), "dtype": str(stored).removeprefix("torch."),
-              "storage_rounding_diff": rounding, "loaded": loaded, "seconds": round(seconds, 3)}
+              "storage_rounding_diff": rounding, "loaded": loaded, "seconds": round(seconds, 3),
+              **({"nonfinite_logits": int((~finite).sum())} if not bool(finite.all()) else {})}
     if not diff <= bound:  # also catches NaN
         raise GeminiError(f"verification failed: the written checkpoint's logits differ from the in-process "
                           f"model's by up to {diff:.4g} (allowed {bound:.3g}: {TOLERANCE:g} of the largest logit, "
@@ -154,12 +162,19 @@ class Probe:
 
     def check(self, out: Path, head: HeadModule | None = None, state: Path | None = None, *,
               trust_remote_code: bool = False, progress: Progress | None = None,
-              streamed: bool | None = None) -> dict[str, Any]:
+              streamed: bool | None = None, input_model: str | None = None,
+              allow_nonfinite: bool = False) -> dict[str, Any]:
         """The head over the carried activations (`head(name, module)`: what the run writes for a module
         outside the layers, e.g. an INT8 head made at write time), then OUT loaded back (in memory when it
         fits, else one layer at a time; `streamed` forces either) and compared. On a failure the run's resume
         state (`state`) goes too: its finished layers are what was written wrong, and a rerun resuming from
-        them would skip the check."""
+        them would skip the check.
+
+        Blame where it belongs: when the in-process logits are not finite, the input model (`input_model`,
+        the recipe's MODEL) is run on the probe too: if it is not finite either, the input is broken (an
+        InputError, exit 2); else the compression broke it (exit 1). With `allow_nonfinite` (the user let a
+        broken input through) the logits are compared where they are finite, and must be non-finite in OUT
+        where they are not."""
 
         progress = progress or NullProgress()
         try:
@@ -176,6 +191,10 @@ class Probe:
             parts = dict(head_logits(self.source, self.hidden, device=self.device, transform=as_written))
             reference = torch.cat([parts[k] for k in sorted(parts)])
             streamed = too_big(out) if streamed is None else streamed
+            if not allow_nonfinite and not bool(torch.isfinite(reference).all()):
+                if state is not None:
+                    shutil.rmtree(state, ignore_errors=True)
+                raise self.blame(reference, input_model, trust_remote_code, bool(streamed))
             progress.info(f"verifying {final_name(out)}: loading it back "
                           f"{'one layer at a time' if streamed else 'in memory'}")
             got = loaded_logits(out, self.windows, trust_remote_code, streamed, self.device)
@@ -188,6 +207,23 @@ class Probe:
                 raise
         finally:
             self.hidden.close()
+
+
+    def blame(self, reference: torch.Tensor, input_model: str | None, trust_remote_code: bool,
+              streamed: bool) -> GeminiError:
+        """The error for in-process logits that are not finite: the input's fault or the run's."""
+        bad = int((~torch.isfinite(reference)).sum())
+        got = None
+        if input_model is not None:
+            path = local_dir(input_model)
+            got = loaded_logits(Path(path) if streamed and path is not None else Path(input_model), self.windows,
+                                trust_remote_code, streamed and path is not None, self.device)
+        if got is not None and not bool(torch.isfinite(got).all()):
+            return NonFiniteError(f"the input model {input_model} itself gives non-finite logits on the check's probe "
+                                  f"tokens ({int((~torch.isfinite(got)).sum()):,} values): it is broken before any "
+                                  "compression (weights, or activations that overflow); nothing was written")
+        return GeminiError(f"the compressed model gives {bad:,} non-finite logits on the check's probe tokens while the "
+                           f"input model does not: the compression broke it; nothing was written (please report it)")
 
 
 def final_name(out: Path) -> str:
@@ -207,14 +243,15 @@ def loaded_logits(out: Path, windows: torch.Tensor, trust_remote_code: bool, str
     last-bit difference (a batched matmul) can flip an activation code, which is not what is checked here."""
     if streamed:
 
-        source = LazyLayers(LazyCheckpoint(out, trust_remote_code=trust_remote_code), torch.float32)
+        source = LazyLayers(LazyCheckpoint(out, trust_remote_code=trust_remote_code, allow_nonfinite=True), torch.float32)
         hidden = final_hidden(source, windows, device=device, batch=1)
         try:
             return torch.cat([logits for _, logits in head_logits(source, hidden, device=device)])
         finally:
             hidden.close()
 
-    model = load_model(str(out), dtype=torch.float32, trust_remote_code=trust_remote_code).model.to(device)
+    model = load_model(str(out), dtype=torch.float32, trust_remote_code=trust_remote_code,
+                       allow_nonfinite=True).model.to(device)  # the comparison judges its values
     try:
         return model_logits(model, windows)
     finally:

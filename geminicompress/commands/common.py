@@ -122,6 +122,8 @@ FORCE = typer.Option(False, "--force", help="Replace OUT if it already exists.")
 DEVICE = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda, cuda:N.")
 TRUST = typer.Option(False, "--trust-remote-code", help="Allow the model repository's own Python code to run.")
 PICKLE = typer.Option(False, "--allow-pickle", help="Allow pickled *.bin/*.pt weights (they can run code).")
+NONFINITE = typer.Option(False, "--allow-nonfinite", help="Go on when the input's weights hold NaN/Inf (by default "
+                         "the command stops before any work, naming the tensor); report.json records what was found.")
 DATA = typer.Option(None, "--data", help="Calibration text: a .txt/.jsonl/.json/.csv/.parquet file, "
                     "a hub dataset name:config:split, or builtin:pydoc (offline, the default).")
 TEXT_COLUMN = typer.Option("text", "--text-column", help="Column holding the text in structured DATA files.")
@@ -172,7 +174,8 @@ def run_single_stage(model: str, stage: dict, out: Path, run: dict[str, Any], so
     cal = calibration_options(run["data"], run["text_column"], run["samples"], run["calib_seq_len"])
     top = {"output": {"dtype": run["dtype"]}} if run["dtype"] is not None else {}
     recipe = recipe_from_stage(model, stage, cal, source, seed=run["seed"], trust_remote_code=run["trust_remote_code"],
-                               allow_pickle=run["allow_pickle"], **top)
+                               allow_pickle=run["allow_pickle"], allow_nonfinite=run.get("allow_nonfinite", False),
+                               **top)
     check_output_path(out, run["force"])
     dev = parse_device(run["device"])
     choice = use_threads(run["threads"], recipe.threads)
@@ -255,6 +258,7 @@ RUN_OPTIONS = [_keyword("data", Optional[str], DATA), _keyword("text_column", st
                _keyword("samples", Optional[int], SAMPLES), _keyword("calib_seq_len", Optional[int], CAL_SEQ_LEN),
                _keyword("seed", int, SEED), _keyword("force", bool, FORCE), _keyword("device", str, DEVICE),
                _keyword("trust_remote_code", bool, TRUST), _keyword("allow_pickle", bool, PICKLE),
+               _keyword("allow_nonfinite", bool, NONFINITE),
                _keyword("stream", Optional[bool], STREAM), _keyword("dtype", Optional[str], DTYPE),
                _keyword("no_verify", bool, NO_VERIFY), _keyword("quiet", bool, QUIET),
                _keyword("threads", Optional[int], THREADS)]

@@ -116,7 +116,7 @@ def choose_models(cfg: DistillStage, ctx) -> Pair:
     if cfg.teacher:
         teacher, tokenizer, lazy = _teacher(cfg.teacher, cfg, ctx)
     elif ctx.model is None:  # the pipeline left the recipe's model on disk: it streams (ST.streamed_input)
-        lazy = ST.open_teacher(ctx.recipe.model, ctx.recipe.trust_remote_code)
+        lazy = ST.open_teacher(ctx.recipe.model, ctx.recipe.trust_remote_code, ctx.recipe.allow_nonfinite)
         teacher, tokenizer = lazy.model, ctx.tokenizer
     else:
         teacher, tokenizer, lazy = ctx.model, ctx.tokenizer, None
@@ -145,7 +145,7 @@ def _teacher(spec: str, cfg: DistillStage, ctx) -> tuple[Any, Any, LazyCheckpoin
     if ST.streams(cfg, spec, ctx.progress):
         from geminicompress.models.loading import load_tokenizer
 
-        lazy = ST.open_teacher(spec, ctx.recipe.trust_remote_code)
+        lazy = ST.open_teacher(spec, ctx.recipe.trust_remote_code, ctx.recipe.allow_nonfinite)
         return lazy.model, load_tokenizer(str(lazy.path), ctx.recipe.trust_remote_code), lazy
     loaded = _load(spec, ctx)
     return loaded.model, loaded.tokenizer, None
@@ -193,7 +193,8 @@ def _stage_index(cfg: DistillStage, ctx) -> int:
 
 
 def _load(spec: str, ctx):
-    return load_model(spec, trust_remote_code=ctx.recipe.trust_remote_code, allow_pickle=ctx.recipe.allow_pickle)
+    return load_model(spec, trust_remote_code=ctx.recipe.trust_remote_code, allow_pickle=ctx.recipe.allow_pickle,
+                      allow_nonfinite=ctx.recipe.allow_nonfinite)
 
 
 def _masks(model, masks):

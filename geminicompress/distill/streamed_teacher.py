@@ -106,9 +106,9 @@ def streamed_input(recipe: Recipe, progress: Progress) -> LoadedModel | None:
     return LoadedModel(None, load_tokenizer(str(path), recipe.trust_remote_code), resolve_model(recipe.model))
 
 
-def open_teacher(spec: str, trust_remote_code: bool = False) -> LazyCheckpoint:
-    """The teacher's checkpoint, read lazily (headers checked against config.json now)."""
-    return LazyCheckpoint(teacher_dir(spec), trust_remote_code=trust_remote_code)
+def open_teacher(spec: str, trust_remote_code: bool = False, allow_nonfinite: bool = False) -> LazyCheckpoint:
+    """The teacher's checkpoint, read lazily (headers checked against config.json now; NaN/Inf as read)."""
+    return LazyCheckpoint(teacher_dir(spec), trust_remote_code=trust_remote_code, allow_nonfinite=allow_nonfinite)
 
 
 def spill_needed(windows: torch.Tensor, hidden_size: int, dtype: torch.dtype = torch.float32) -> bool:

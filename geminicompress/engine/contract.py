@@ -44,6 +44,7 @@ class StageContext:
     out_dtype: torch.dtype = torch.float32  # the float dtype OUT's tensors are written in
     source_dtype: torch.dtype = torch.float32  # the float dtype the layers are stored in (a model in memory: float32)
     streamed: bool = False
+    input_nonfinite: list[dict] | None = None  # NaN/Inf tensors of the input that allow_nonfinite let through
     _calibration: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def calibration(self, data: str | None = None, samples: int | None = None, seq_len: int | None = None) -> torch.Tensor:

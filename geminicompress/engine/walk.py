@@ -36,6 +36,7 @@ from geminicompress.engine.layers import (
 from geminicompress.engine.sinks import ResidentSink
 from geminicompress.formats.shards import ShardWriter
 from geminicompress.memory import heap_reuse, release_free_heap
+from geminicompress.models.finite import NonFiniteError, nonfinite
 from geminicompress.progress import NullProgress, Progress
 
 
@@ -134,7 +135,7 @@ def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, 
                   device: torch.device, progress: Progress | None = None, state_dir: Path | None = None,
                   description: str = "layers", calib_dtype: torch.dtype | None = None,
                   sink: LayerSink | None = None, batch: int = 1,
-                  stores: tuple[torch.Tensor, torch.Tensor] | None = None) -> Walk:
+                  stores: tuple[torch.Tensor, torch.Tensor] | None = None, check_activations: bool = True) -> Walk:
     """Apply `process` to every decoder layer in order, feeding each layer the modified previous one.
 
     model: a model in memory, or a `LayerSource` (e.g. layers read from disk one at a time).
@@ -148,6 +149,8 @@ def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, 
     what every calibrated method sees; a method's own passes choose their own).
     stores: two (n, T, hidden) tensors (possibly memory-mapped files) that hold the activations between the
     layers, used in turn: the walk's memory is then theirs, whatever n is (a forward of many windows).
+    check_activations: stop in one line naming the layer and the window when a layer's outputs on a
+    calibration window hold NaN/Inf (statistics of them would be NaN; a forward that only measures, off).
     """
     progress = progress or NullProgress()
     source = model if not isinstance(model, nn.Module) else ModelLayers(model)
@@ -158,6 +161,8 @@ def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, 
     if windows is not None:
         inputs = _capture(source, windows, device, calib_dtype) if stores is None else \
             capture_into(source, windows, stores[0], device, calib_dtype or torch.float32)
+        if check_activations:
+            check_activations_of(inputs, "the embeddings")
     summaries: list[dict[str, Any]] = []
     kept: dict[str, torch.Tensor] = {}
     with progress.task(description, total=len(source)) as bar, heap_reuse():
@@ -172,7 +177,7 @@ def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, 
                 done = sink.restore(i, layer) if finished else None
                 into = None if stores is None else stores[(i + 1) % 2]
                 summary, tensors, inputs = _one_layer(i, layer, inputs, process, device, arch, calib_dtype, done, sink,
-                                                      batch, into)
+                                                      batch, into, check_activations)
                 layer.to("cpu" if device.type != "cpu" else device)
                 source.release(i)
                 if done is None:
@@ -217,7 +222,8 @@ def activation_storage(windows: torch.Tensor, hidden: int, dtype: torch.dtype, d
 
 def _one_layer(i: int, layer: nn.Module, inputs: LayerInputs | None, process: LayerFn, device: torch.device,
                arch: Arch, calib_dtype: torch.dtype | None, done: tuple | None, sink: LayerSink, batch: int = 1,
-               into: torch.Tensor | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor], LayerInputs | None]:
+               into: torch.Tensor | None = None, check: bool = True
+               ) -> tuple[dict[str, Any], dict[str, torch.Tensor], LayerInputs | None]:
     """Process (or restore) one layer; return its summary, kept tensors and the next layer's inputs."""
     with computing_in(layer, calib_dtype or next(layer.parameters()).dtype) as master:
         job = None
@@ -235,9 +241,21 @@ def _one_layer(i: int, layer: nn.Module, inputs: LayerInputs | None, process: La
             next_inputs = LayerInputs.of_batches(batches if batches is not None else
                                                  forward_layer(layer, inputs, device, batch=batch, into=into),
                                                  inputs.kwargs)
+            if check:
+                check_activations_of(next_inputs, f"decoder layer {i}")
     if job is not None:
         tensors = sink.finish(i, layer, summary, tensors)  # the master weights, after computing_in
     return summary, tensors, next_inputs
+
+
+def check_activations_of(inputs: LayerInputs, after: str) -> None:
+    """One line naming the window and where, when a calibration window's activations hold NaN/Inf."""
+    for w, h in enumerate(inputs.hidden):
+        hit = nonfinite(h)
+        if hit is not None:
+            raise NonFiniteError(f"calibration window {w}: the activations after {after} hold {hit[0]:,} non-finite "
+                                 f"values (the first at {hit[1][1:]}): they overflow in the dtype the layers compute "
+                                 "in; calibrate in float32 (--calib-dtype float32), on other text, or check the model")
 
 
 def _starts(batches: list[torch.Tensor]) -> list[int]:

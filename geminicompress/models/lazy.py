@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from geminicompress.compress.arch import Arch, arch_for, get_module, outside_modules, set_module
 from geminicompress.errors import InputError
+from geminicompress.models.finite import check
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -164,10 +165,13 @@ def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
 class LazyCheckpoint:
     """A safetensors checkpoint (dense or quantized) whose weights stay on disk until a module asks for them."""
 
-    def __init__(self, path: Path | str, trust_remote_code: bool = False) -> None:
+    def __init__(self, path: Path | str, trust_remote_code: bool = False, allow_nonfinite: bool = False) -> None:
         from geminicompress import formats
 
         self.path = Path(path)
+        self.allow_nonfinite = allow_nonfinite
+        self.nonfinite: list[dict] = []  # what allow_nonfinite let through (models/finite.py)
+        self._checked: set[str] = set()
         self.tensors = read_headers(self.path)
         config = _safetensors_config(self.path) or {}
         self.format: str | None = formats.detect(config)
@@ -227,6 +231,9 @@ class LazyCheckpoint:
                         t = f.get_tensor(self.stored_name(n))
                     except Exception as exc:
                         raise InputError(f"{file}: tensor {n} cannot be read ({str(exc).splitlines()[0]})") from exc
+                    if self.stored_name(n) not in self._checked:  # NaN/Inf, the first time it is read
+                        check(self.stored_name(n), t, self.allow_nonfinite, self.nonfinite)
+                        self._checked.add(self.stored_name(n))
                     out[n] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         return {n: out[n] for n in names}
 

@@ -26,6 +26,7 @@ import torch
 from geminicompress import formats
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.models import demo
+from geminicompress.models.finite import check_named
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class LoadedModel:
     tokenizer: Any  # transformers PreTrainedTokenizerBase
     source: ModelSource
     format: str | None = None  # None for dense checkpoints
+    nonfinite: list[dict] | None = None  # NaN/Inf tensors `allow_nonfinite` let through (models/finite.py)
 
 
 def resolve_model(spec: str) -> ModelSource:
@@ -79,8 +81,17 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
+    allow_nonfinite: bool = False,
 ) -> LoadedModel:
-    """Load model and tokenizer from MODEL; raise a `GeminiError` with one clear line on failure."""
+    """Load model and tokenizer from MODEL; raise a `GeminiError` with one clear line on failure, a
+    `NonFiniteError` (an input error) when a float tensor holds NaN/Inf unless `allow_nonfinite`."""
+    loaded = _load(spec, dtype, trust_remote_code, allow_pickle)
+    if loaded.model is not None:
+        loaded.nonfinite = check_named(loaded.model.state_dict().items(), allow_nonfinite)
+    return loaded
+
+
+def _load(spec: str, dtype: torch.dtype, trust_remote_code: bool, allow_pickle: bool) -> LoadedModel:
     source = resolve_model(spec)
     if source.kind == "demo":
         path = demo_dir()

@@ -239,6 +239,8 @@ class Recipe(Strict):
     seed: int = 0
     trust_remote_code: bool = False
     allow_pickle: bool = False
+    allow_nonfinite: bool = Field(False, description="compress a model whose weights hold NaN/Inf anyway (by "
+                                  "default that stops the run before any work; report.json records what was found)")
     threads: int | None = Field(None, ge=1, le=4096, description="torch CPU threads (default: the cores not busy "
                                 "with other processes when the run starts); --threads overrides it")
     calibration: Calibration = Field(default_factory=Calibration)

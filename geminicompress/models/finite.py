@@ -1,0 +1,74 @@
+"""Inputs that lie: weights holding NaN or Inf (a bad fine-tune, an fp16 overflow) found as they are read.
+
+A checkpoint with a handful of non-finite weights looks healthy until something uses them: INT8 turns a NaN
+into an ordinary-looking code, a global magnitude threshold sorts NaN anywhere, a Hessian fills with NaN.
+So every float tensor a command reads (a model loaded in memory: all of it, once; a checkpoint read one
+layer at a time: each tensor as it is read, which the run does anyway) is checked, and the first bad one
+stops the command before anything is written, in one line naming the tensor, how many values and the first
+index. `--allow-nonfinite` (recipe: `allow_nonfinite: true`) lets it through; report.json then records what
+was found.
+
+Cost: one reduction per tensor (the sum, in float32: finite exactly when every value is, barring an
+overflow of the sum itself, which then takes the exact pass), no tensor-sized temporary; the exact pass
+(`isfinite` a block of rows at a time) runs only for a tensor whose sum is not finite.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from geminicompress.errors import InputError
+
+ROWS = 1024  # rows per block of the exact pass
+
+
+class NonFiniteError(InputError):
+    """The input model holds NaN/Inf values (exit 2: an input error, not a failure of the run)."""
+
+
+def nonfinite(t: torch.Tensor, rows: int = ROWS) -> tuple[int, list[int]] | None:
+    """(how many values of `t` are NaN or ±Inf, the index of the first) or None when all are finite."""
+    if not t.is_floating_point() or t.numel() == 0 or bool(torch.isfinite(t.sum(dtype=torch.float32))):
+        return None
+    flat = t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(1, -1)
+    count, first = 0, None
+    for r in range(0, flat.shape[0], rows):
+        bad = ~torch.isfinite(flat[r:r + rows])  # (≤ rows, cols)
+        n = int(bad.sum())
+        if n and first is None:
+            row, col = (int(v) for v in bad.nonzero()[0])
+            first = [int(v) for v in np.unravel_index((r + row) * flat.shape[1] + col, t.shape)] if t.dim() else []
+        count += n
+    return (count, first) if count else None
+
+
+def describe(name: str, count: int, first: list[int], t: torch.Tensor) -> str:
+    value = t[tuple(first)] if first else t
+    kind = "NaN" if bool(torch.isnan(value)) else ("+Inf" if float(value) > 0 else "-Inf")
+    return f"{name} holds {count:,} non-finite value{'s' if count != 1 else ''} (the first, {kind}, at {first})"
+
+
+def check(name: str, t: torch.Tensor, allow: bool, found: list[dict[str, Any]] | None = None) -> None:
+    """Raise NonFiniteError naming tensor `name` when it holds NaN/Inf; with `allow`, record it in `found`."""
+    hit = nonfinite(t)
+    if hit is None:
+        return
+    count, first = hit
+    what = describe(name, count, first, t)
+    if not allow:
+        raise NonFiniteError(f"the input model is broken: {what}; fix or re-export it (nothing was written), or "
+                             "pass --allow-nonfinite to compress it anyway")
+    if found is not None:
+        found.append({"tensor": name, "count": count, "first_index": first, "what": what})
+
+
+def check_named(tensors: Iterable[tuple[str, torch.Tensor]], allow: bool) -> list[dict[str, Any]]:
+    """Check every float tensor of (name, tensor) pairs (a model in memory: its state dict); return what
+    `allow` let through."""
+    found: list[dict[str, Any]] = []
+    for name, t in tensors:
+        check(name, t, allow, found)
+    return found

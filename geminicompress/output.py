@@ -76,7 +76,7 @@ class OutputDir:
     def _has_resume_state(self) -> bool:
         if not self.fingerprint or not self.state_dir.is_dir():
             return False
-        return any(p.is_file() and p.name != _FINGERPRINT for p in self.state_dir.rglob("*"))
+        return any(p.is_file() and p.name not in (_FINGERPRINT, THREADS_FILE) for p in self.state_dir.rglob("*"))
 
 
 def current_umask() -> int:
@@ -102,3 +102,18 @@ def apply_umask(root: Path) -> None:
 
 def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+THREADS_FILE = "threads.json"
+
+
+def resume_threads(out: Path, fingerprint: str) -> int | None:
+    """The torch thread count of the interrupted run that a run on `out` with this fingerprint resumes, or None
+    (no such run). A resumed run uses it unless told otherwise: results can depend on the thread count."""
+    state = Path(out).with_name(f".{Path(out).name}.partial") / STATE_DIR
+    try:
+        if (state / _FINGERPRINT).read_text() == fingerprint and fingerprint:
+            return int(json.loads((state / THREADS_FILE).read_text())["threads"])
+    except (OSError, ValueError, KeyError):
+        pass
+    return None

@@ -29,10 +29,10 @@ import torch
 
 from geminicompress import __version__
 from geminicompress.distill.streamed_teacher import streamed_input
-from geminicompress.engine.contract import StageContext, layer_kept, stage_kept
+from geminicompress.engine.contract import StageContext, layer_kept, stage_kept, walk_dtypes
 from geminicompress.engine.estimate import announce
 from geminicompress.engine.run import Walked, load_back_of, make_stage, retain_of, run_stage, should_stream, walk
-from geminicompress.engine.sinks import ShardSink
+from geminicompress.engine.sinks import InputsKeeper, ShardSink
 from geminicompress.engine.walk import ModelLayers
 from geminicompress.errors import InputError
 from geminicompress.formats.shards import DEFAULT_MAX_BYTES, ShardWriter
@@ -41,7 +41,7 @@ from geminicompress.machine import machine, versions
 from geminicompress.methods import STAGES, runner
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers, is_streamable_dir
 from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer, local_dir, resolve_model
-from geminicompress.output import OutputDir, write_json
+from geminicompress.output import STATE_DIR, THREADS_FILE, OutputDir, write_json
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.loader import recipe_yaml
 from geminicompress.recipes.schema import Recipe, stage_tag
@@ -82,6 +82,7 @@ def run_recipe(recipe: Recipe, out: Path, *, force: bool = False, progress: Prog
     if helper:  # another process of `accelerate launch`/torchrun: it trains along, rank 0 writes OUT
         out, force = out.with_name(f".{out.name}.rank{helper}"), True
     with OutputDir(out, force, fingerprint(recipe)) as tmp:
+        threads = _record_threads(tmp, progress)
         t0 = time.perf_counter()
         ctx = _open_streamed(recipe, source_dir, tmp, progress, device) if streamed else \
             _open_in_memory(recipe, loaded, tmp, progress, device)
@@ -96,7 +97,8 @@ def run_recipe(recipe: Recipe, out: Path, *, force: bool = False, progress: Prog
                 results.append(_run_model_stage(ctx, i, stage, tmp))
         found = ctx.layers.ckpt.nonfinite if streamed else (ctx.input_nonfinite or [])
         report = {"geminicompress": __version__, "command": command or sys.argv, "model": recipe.model,
-                  "output": str(out), "load_seconds": round(load_s, 3), **({"input_nonfinite": found} if found else {}),
+                  "output": str(out), "load_seconds": round(load_s, 3), "threads": threads,
+                  **({"input_nonfinite": found} if found else {}),
                   "total_seconds": round(time.perf_counter() - started, 3), "export": export, "stages": results,
                   "versions": versions(), "machine": machine()}
         write_json(tmp / "report.json", report)
@@ -104,6 +106,19 @@ def run_recipe(recipe: Recipe, out: Path, *, force: bool = False, progress: Prog
     if helper:
         shutil.rmtree(out, ignore_errors=True)
     return report
+
+
+def _record_threads(tmp: Path, progress: Progress) -> int:
+    """The torch thread count, kept with the resume state (a resumed run takes it: commands/common.py)."""
+    path = tmp / STATE_DIR / THREADS_FILE
+    threads = torch.get_num_threads()
+    if path.is_file():
+        was = json.loads(path.read_text())["threads"]
+        if was != threads:
+            progress.warn(f"resuming with {threads} torch threads where the interrupted run had {was}: the resumed "
+                          "layers may differ from an uninterrupted run's in the last bits")
+    write_json(path, {"threads": threads})
+    return threads
 
 
 def _helper_rank() -> int:
@@ -202,9 +217,15 @@ def _streamed(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, max
     probe = _probe(ctx, verify)  # before any layer is read
     shards = ShardWriter(ctx.state_dir / "shards", max_shard)
     retain = retain_of(layer_stages)
+    dtypes = walk_dtypes(layer_stages)
+    # the written layers give the next inputs back exactly unless a stage changed float weights that are written
+    # in a lower dtype than they were computed in: then the exact inputs are kept with the resume state
+    inexact = dtypes is not None and dtypes[1] != ctx.out_dtype and any(getattr(s, "rounds_floats", False)
+                                                                         for s in layer_stages)
     sink = ShardSink(shards, writer, (lambda i, kept: stage_kept(kept, owner, n)) if owner is not None else
                      (lambda i, kept: {}), load_back=load_back_of(layer_stages, writer), probe=probe, retain=retain,
-                     kept_writer=ShardWriter(ctx.state_dir / "kept") if retain is not None else None)
+                     kept_writer=ShardWriter(ctx.state_dir / "kept") if retain is not None else None,
+                     inputs=InputsKeeper(ctx.state_dir / "inputs") if inexact else None)
     walked = walk(ctx, layer_stages, sink, "streamed layers")
     results = [_result(k, stage, walked.seconds, s.summary(walked.summaries[k], walked.done(k, ctx)))
                for k, (stage, s) in enumerate(zip(stages, layer_stages))]

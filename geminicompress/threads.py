@@ -103,12 +103,16 @@ def torch_default_threads() -> int:
     return max(1, min(psutil.cpu_count(logical=False) or os.cpu_count() or 1, usable_cores()))
 
 
-def choose_threads(cli: int | None = None, recipe: int | None = None) -> ThreadChoice:
-    """`--threads` first, then the recipe's `threads:`, else `auto_threads` from a short sample."""
+def choose_threads(cli: int | None = None, recipe: int | None = None, resumed: int | None = None) -> ThreadChoice:
+    """`--threads` first, then the recipe's `threads:`, then the thread count of the interrupted run this one
+    resumes (`resumed`: the same bytes need the same count, docs/streaming.md), else `auto_threads` from a
+    short sample."""
     if cli is not None:
         return ThreadChoice(cli, "--threads", f"{_n(cli)} (--threads)")
     if recipe is not None:
         return ThreadChoice(recipe, "recipe", f"{_n(recipe)} (recipe key threads)")
+    if resumed is not None:
+        return ThreadChoice(resumed, "resume", f"{_n(resumed)} (as the interrupted run it resumes)")
     try:
         load = os.getloadavg()[0]
     except OSError:

@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from geminicompress.errors import GeminiError
-from geminicompress.output import check_output_path
-from geminicompress.pipeline import default_device, run_recipe
+from geminicompress.output import check_output_path, resume_threads
+from geminicompress.pipeline import default_device, fingerprint, run_recipe
 from geminicompress.recipes.loader import recipe_from_stage
 from geminicompress.threads import apply_threads, choose_threads
 
@@ -145,10 +145,12 @@ THREADS = typer.Option(None, "--threads", min=1, help="torch CPU threads (defaul
                        "processes when the command starts; see docs/eval.md).")
 
 
-def use_threads(cli: Optional[int], recipe: Optional[int]):
-    """Set torch's thread count before any work: --threads, else the recipe's, else the free cores.
-    Returns the `ThreadChoice`; its reason goes into the final `wrote` line."""
-    choice = choose_threads(cli, recipe)
+def use_threads(cli: Optional[int], recipe: Optional[int], out: Optional[Path] = None, parsed: Any = None):
+    """Set torch's thread count before any work: --threads, else the recipe's, else the interrupted run's that
+    the run on `out` with recipe `parsed` resumes, else the free cores. Returns the `ThreadChoice`; its reason
+    goes into the final `wrote` line."""
+    resumed = resume_threads(out, fingerprint(parsed)) if out is not None and parsed is not None else None
+    choice = choose_threads(cli, recipe, resumed)
     apply_threads(choice.threads)
     return choice
 
@@ -178,7 +180,7 @@ def run_single_stage(model: str, stage: dict, out: Path, run: dict[str, Any], so
                                **top)
     check_output_path(out, run["force"])
     dev = parse_device(run["device"])
-    choice = use_threads(run["threads"], recipe.threads)
+    choice = use_threads(run["threads"], recipe.threads, out, recipe)
     report = run_recipe(recipe, out, force=run["force"], progress=RichProgress(run["quiet"]), device=dev,
                         command=sys.argv, stream=run["stream"], verify=not run["no_verify"])
     console.print(wrote_line(out, report["total_seconds"], choice), highlight=False, soft_wrap=True)

@@ -37,7 +37,7 @@ def run(
     parsed, path = load_recipe(recipe, set_ or [])
     check_output_path(output, force)
     dev = c.parse_device(device)
-    choice = c.use_threads(threads, parsed.threads)
+    choice = c.use_threads(threads, parsed.threads, output, parsed)
     report = run_recipe(parsed, output, force=force, progress=c.RichProgress(quiet), device=dev, command=sys.argv,
                         stream=stream, verify=not no_verify)
     c.console.print(c.wrote_line(output, report["total_seconds"], choice), highlight=False, soft_wrap=True)

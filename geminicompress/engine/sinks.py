@@ -14,10 +14,14 @@ replaced (an INT8 head) into the model, the shard sink writes each one.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from geminicompress.compress.arch import set_module
 from geminicompress.errors import GeminiError
@@ -77,9 +81,9 @@ class ShardSink:
     def __init__(self, writer: ShardWriter, layer_writer: Any, kept_of: KeptOf,
                  load_back: Callable[[int, nn.Module, dict[str, torch.Tensor]], None] | None = None,
                  probe: Any = None, retain: Callable[[dict], dict] | None = None,
-                 kept_writer: ShardWriter | None = None) -> None:
+                 kept_writer: ShardWriter | None = None, inputs: InputsKeeper | None = None) -> None:
         self.writer, self.layer_writer, self.kept_of, self.load_back = writer, layer_writer, kept_of, load_back
-        self.probe, self.retain, self.kept_writer = probe, retain, kept_writer
+        self.probe, self.retain, self.kept_writer, self.inputs = probe, retain, kept_writer, inputs
 
     def finished(self, i: int) -> bool:
         return self.writer.finished(f"layer.{i}")
@@ -107,9 +111,49 @@ class ShardSink:
         self.writer.write(f"layer.{i}", self.layer_writer.layer_tensors(i, layer, mine), summary)
         return retained
 
+    def keep_inputs(self, k: int, inputs: Any) -> None:
+        if self.inputs is not None:
+            self.inputs.keep(k, inputs.batches or [h for h in inputs.hidden])
+
+    def kept_inputs(self, k: int) -> list[torch.Tensor] | None:
+        return self.inputs.get(k) if self.inputs is not None else None
+
     def outside_done(self, name: str) -> list[dict] | None:
         unit = f"outside.{name}"
         return self.writer.summary(unit).get("rows", []) if self.writer.finished(unit) else None
 
     def outside(self, name: str, module: nn.Module, rows: list[dict]) -> None:
         self.writer.write(f"outside.{name}", module_tensors(name, module, self.layer_writer.dtype), {"rows": rows})
+
+
+class InputsKeeper:
+    """The exact inputs of the layer a streamed run works on, kept with the resume state: for a run whose
+    written layers do not give them back exactly (a float weight the stage changed, written in a lower dtype
+    than it was computed in: SparseGPT's updates, AWQ's folded scales), so that a killed run resumes with the
+    inputs the uninterrupted run used and writes the same bytes. Two slots, by the layer's parity: the inputs
+    of layer k+1 are written (atomically) before layer k is recorded as finished, so the first unfinished
+    layer's inputs are always on disk. Size: two layers' activations, (n, T, hidden) each."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, k: int) -> Path:
+        return self.folder / f"inputs-{k % 2}.safetensors"
+
+    def keep(self, k: int, batches: list[torch.Tensor]) -> None:
+        path = self._path(k)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({f"b{j}": b.detach().cpu().contiguous() for j, b in enumerate(batches)}, str(tmp),
+                  metadata={"layer": str(k), "batches": str(len(batches))})
+        os.replace(tmp, path)
+
+    def get(self, k: int) -> list[torch.Tensor] | None:
+        path = self._path(k)
+        if not path.is_file():
+            return None
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("layer") != str(k):
+                return None
+            return [f.get_tensor(f"b{j}") for j in range(int(meta["batches"]))]

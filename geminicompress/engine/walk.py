@@ -163,14 +163,21 @@ def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, 
             capture_into(source, windows, stores[0], device, calib_dtype or torch.float32)
         if check_activations:
             check_activations_of(inputs, "the embeddings")
+    # a resumed run whose sink kept the exact inputs of its first unfinished layer starts from them
+    skip, kept_inputs = _kept_inputs(sink, len(source), inputs)
+    if inputs is not None and skip == 0 and hasattr(sink, "keep_inputs") and not sink.finished(0):
+        sink.keep_inputs(0, inputs)
     summaries: list[dict[str, Any]] = []
     kept: dict[str, torch.Tensor] = {}
     with progress.task(description, total=len(source)) as bar, heap_reuse():
         for i in range(len(source)):
             finished = sink.finished(i)
-            if finished and inputs is None and not sink.restores_weights:  # nothing to run through it
+            if finished and ((inputs is None and not sink.restores_weights) or i < skip):  # nothing to run it for
                 summary, tensors = sink.restore(i, None)
                 summary = {**summary, "resumed": True}
+                summary.pop("forward_batch", None)
+                if i == skip - 1:
+                    inputs = kept_inputs
             else:
                 t0 = time.perf_counter()
                 layer = source.load(i).to(device)
@@ -230,22 +237,41 @@ def _one_layer(i: int, layer: nn.Module, inputs: LayerInputs | None, process: La
         if done is not None:
             summary, tensors = done
             summary = {**summary, "resumed": True}
+            batch = summary.pop("forward_batch", batch)  # recomputed as the finished run computed them: bitwise
         else:
             job = LayerJob(i, layer, inputs, device, arch, master=master)
             summary, tensors = process(job)
         next_inputs = None
         if inputs is not None:
             batches = job.output_batches if job is not None else None  # a one-pass method already ran the layer
-            if batches is not None and into is not None:  # into the walk's activation store
-                batches = [into[s:s + b.shape[0]].copy_(b) for s, b in zip(_starts(batches), batches)]
+            if batches is not None:
+                batch = batches[0].shape[0]
+                if into is not None:  # into the walk's activation store
+                    batches = [into[s:s + b.shape[0]].copy_(b) for s, b in zip(_starts(batches), batches)]
             next_inputs = LayerInputs.of_batches(batches if batches is not None else
                                                  forward_layer(layer, inputs, device, batch=batch, into=into),
                                                  inputs.kwargs)
             if check:
                 check_activations_of(next_inputs, f"decoder layer {i}")
     if job is not None:
-        tensors = sink.finish(i, layer, summary, tensors)  # the master weights, after computing_in
+        if next_inputs is not None and hasattr(sink, "keep_inputs"):
+            sink.keep_inputs(i + 1, next_inputs)  # before the layer is finished: a finished layer's successor has them
+        # the sink records how the next layer's inputs were computed (a resumed run recomputes them the same way)
+        tensors = sink.finish(i, layer, {**summary, **({"forward_batch": batch} if inputs is not None else {})},
+                              tensors)  # the master weights, after computing_in
     return summary, tensors, next_inputs
+
+
+def _kept_inputs(sink: Any, n: int, inputs: LayerInputs | None) -> tuple[int, LayerInputs | None]:
+    """(k, the exact inputs of layer k) when layers 0..k-1 are finished and the sink kept layer k's inputs
+    (a streamed run whose written layers do not give them back exactly: sinks.InputsKeeper), else (0, None)."""
+    if inputs is None or not hasattr(sink, "kept_inputs"):
+        return 0, None
+    k = 0
+    while k < n and sink.finished(k):
+        k += 1
+    batches = sink.kept_inputs(k) if k else None
+    return (k, LayerInputs.of_batches(batches, inputs.kwargs)) if batches is not None else (0, None)
 
 
 def check_activations_of(inputs: LayerInputs, after: str) -> None:

@@ -50,6 +50,7 @@ class AWQ:
 
     calibrated = True
     squares = 2  # float32 (in)² buffers at its peak (estimate.py)
+    rounds_floats = True  # folds its scales into float norms: written in a lower dtype, they round (resume: run.py)
 
     def __init__(self, cfg: AWQStage, ctx: StageContext) -> None:
         found = weight_quant_targets(ctx.model, cfg, ctx.progress, sym=not cfg.zero_point, fmt=cfg.format)

@@ -165,6 +165,7 @@ class Prune:
         self.cfg, self.ctx = cfg, ctx
         self.squares = 2 if cfg.method == "sparsegpt" else 0  # float32 (in)² buffers at its peak (estimate.py)
         self.one_pass_memory = cfg.method in CALIBRATED and cfg.true_sequential
+        self.rounds_floats = cfg.method == "sparsegpt"  # updates the weights it keeps (written rounded, if lower)
         self.arch = arch_for(ctx.model)
         linears = prunable_weights(ctx.model, self.arch, cfg.ignore, check_ignore="ignore" in cfg.model_fields_set)
         self.targets = list(linears)

@@ -70,9 +70,8 @@ CASES: dict[str, tuple[str, list[str]]] = {
 }
 # on the demo model (minutes a case on 2 cores) a case of each method and format family, the chain and two
 # recipes run by default; --all-demo runs every case there too
-DEMO_CASES = ("rtn-gptq", "rtn-awq", "int8", "w8a8", "gptq", "gptq-ct", "gptq-dense", "awq", "awq+gptq", "prune-global",
-              "prune-global-ct", "prune-24-ct", "wanda", "sparsegpt", "chain-sparsegpt-gptq", "recipe-quickstart",
-              "recipe-prune-2of4-wanda")
+DEMO_CASES = ("rtn-gptq", "rtn-awq", "int8", "w8a8", "gptq", "gptq-ct", "gptq-dense", "awq", "prune-global",
+              "prune-global-ct", "prune-24-ct", "wanda", "sparsegpt", "chain-sparsegpt-gptq", "recipe-quickstart")
 # recipes run on both models (model overridden), cut down with --set
 RECIPE_SETS = {
     "calibration.samples": "8",

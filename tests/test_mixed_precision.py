@@ -104,6 +104,53 @@ def test_tune_allocates_quantizes_and_measures(tiny_dir, text_file, tmp_path):
     a = json.loads((out / "allocation.json").read_text())
     assert a["predicted_drift_pct"] <= 50
     assert a["measured_drift_pct"] is not None and a["measured_on"] == str(text_file)
+    assert a["rounds"][-1]["measured_pct"] == a["measured_drift_pct"] <= 50 and (out / "sensitivity.json").is_file()
     assert [p["bits"] for p in a["frontier"]] == sorted(p["bits"] for p in a["frontier"])
     assert (out / "allocation_frontier.png").stat().st_size > 1000
     assert (out / "eval" / "report.json").is_file()
+
+
+def _fake_round(measure):
+    """A round that writes a checkpoint folder with allocation.json: predicted = what was asked (the knapsack
+    spends the budget), measured = measure(predicted), bits falling with the budget."""
+    def run_round(asked, table, folder):
+        folder.mkdir(parents=True)
+        chosen = {"average_bits": round(8 - asked / 2, 3), "predicted_drift_pct": asked, "modules": {},
+                  "frontier": [{"bits": 4, "predicted_drift_pct": 1.0}]}
+        (folder / "allocation.json").write_text(json.dumps(chosen))
+        report = {"stages": [{}, {"result": {"quality": {"ppl_ratio": 1 + measure(asked) / 100}}}]}
+        return report, chosen
+    return run_round
+
+
+def test_tune_rounds_correct_the_undercount_they_measure(tmp_path):
+    """A proxy that undercounts 2x in KL units: round 1 (asked 5%) measures 10.25%, round 2 asks
+    expm1(log1p(5%)/2) = 2.47% and measures 5.0%: under the budget, its checkpoint becomes OUT."""
+    import math
+
+    from geminicompress.tune import run_tune
+
+    twice = lambda p: 100 * math.expm1(2 * math.log1p(p / 100))  # noqa: E731
+    lines = []
+    chosen = run_tune(_fake_round(twice), tmp_path / "out", 5.0, ["gptq:b4g64"], None, lines.append)
+    rounds = chosen["rounds"]
+    assert [r["index"] for r in rounds] == [1, 2] and chosen["round"] == 2
+    assert rounds[0]["measured_pct"] == pytest.approx(10.25, abs=1e-2)
+    assert rounds[1]["asked_pct"] == pytest.approx(100 * math.expm1(math.log1p(0.05) / 2), abs=1e-3)
+    assert rounds[1]["measured_pct"] <= 5.0 + 1e-9
+    assert json.loads((tmp_path / "out" / "allocation.json").read_text())["measured_drift_pct"] <= 5.0 + 1e-9
+    assert len(lines) == 2 and "over the +5% budget" in lines[0] and "under the +5% budget" in lines[1]
+    assert not list(tmp_path.glob(".out.tune"))
+
+
+def test_tune_that_cannot_reach_its_budget_says_so_and_keeps_the_best_beside_out(tmp_path):
+    from geminicompress.errors import GeminiError
+    from geminicompress.tune import run_tune
+
+    with pytest.raises(GeminiError) as info:
+        run_tune(_fake_round(lambda p: 30 + p), tmp_path / "out", 5.0, ["gptq:b8g64"], None, lambda line: None)
+    assert info.value.exit_code == 1 and len(str(info.value).splitlines()) == 1
+    assert "no allocation of gptq:b8g64 measured under +5%" in str(info.value)
+    assert not (tmp_path / "out").exists()
+    best = json.loads((tmp_path / "out-best" / "allocation.json").read_text())
+    assert best["measured_drift_pct"] == min(r["measured_pct"] for r in best["rounds"])

@@ -1,9 +1,7 @@
-"""`geminicompress tune`: allocate mixed precision under a drift budget, quantize, then evaluate the result.
-
-tune = sensitivity (or a given table) -> knapsack for the smallest allocation whose predicted drift is under
---max-drift -> GPTQ with those per-module bits -> eval on --eval-data. OUT/allocation.json and
-OUT/allocation_frontier.png hold the predicted drift-vs-bits curve of every budget, the chosen point,
-and the measured drift next to it.
+"""`geminicompress tune`: mixed-precision GPTQ whose measured drift stays under --max-drift (tune.py: rounds of
+allocate -> quantize -> eval, each re-allocating with the undercount the last one measured). OUT/allocation.json
+and OUT/allocation_frontier.png hold the predicted drift-vs-bits curve, the chosen point, the measured drift
+and every round.
 """
 
 from __future__ import annotations
@@ -18,18 +16,18 @@ import typer
 
 from geminicompress.commands import common as c
 from geminicompress.commands.quantize import parse_percent
-from geminicompress.compress.gptq.allocate import ALLOCATION_FILE, FRONTIER_FILE
-from geminicompress.compress.sensitivity.plot import write_frontier
+from geminicompress.compress.gptq.allocate import ALLOCATION_FILE
 from geminicompress.output import check_output_path
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import check_paths, validate
+from geminicompress.tune import run_tune
 
 
 @c.handle_errors
 def tune(
     model: str = typer.Argument(..., help="MODEL: hub id, local directory, .gguf file, or smollm2-demo."),
     output: Path = c.OUT,
-    max_drift: str = typer.Option(..., "--max-drift", help="Largest predicted perplexity drift, e.g. 2%."),
+    max_drift: str = typer.Option(..., "--max-drift", help="Largest perplexity drift measured on --eval-data, e.g. 5%."),
     options: str = typer.Option("gptq:b4g64,gptq:b3g64", "--options", help="Settings a module may get (gptq:b<bits>g<group>)."),
     sensitivity: Optional[str] = typer.Option(None, "--sensitivity", help="A sensitivity.json (default: measure a proxy table on --data)."),
     eval_data: str = typer.Option("builtin:pydoc", "--eval-data", help="Text the result is evaluated on (measured drift)."),
@@ -47,45 +45,41 @@ def tune(
     allow_pickle: bool = c.PICKLE,
     quiet: bool = c.QUIET,
 ) -> None:
-    """Mixed-precision GPTQ at the smallest size whose predicted drift stays under --max-drift, then eval.
+    """Mixed-precision GPTQ whose measured drift on --eval-data stays under --max-drift, in as few bits as found.
+
+    Each round allocates under a predicted budget, quantizes and measures; while the measured drift is over
+    --max-drift, the next round divides the budget by the undercount the last one measured (at most 4 rounds).
 
     Example:
 
-      geminicompress tune smollm2-demo -o out-tuned --max-drift 5% --data wiki.txt --eval-data builtin:pydoc
+      geminicompress tune smollm2-demo -o out-tuned --max-drift 5% --data wiki.txt --eval-data builtin:pydoc \\
+          --options gptq:b8g64,gptq:b4g64,gptq:b3g64
     """
-    allocation = {"max_drift": parse_percent(max_drift, "--max-drift"),
-                  "options": [o.strip() for o in options.split(",") if o.strip()]}
-    if sensitivity is not None:
-        allocation["sensitivity"] = sensitivity
-    quant = {"type": "quantize", "method": "gptq", "format": format, "allocation": allocation}
-    first = re.fullmatch(r"gptq:b(\d+)g(-?\d+)", allocation["options"][0] if allocation["options"] else "")
-    if first:  # the stage's own spec: the first option (every module gets one from the allocation)
-        quant.update(bits=int(first.group(1)), group_size=int(first.group(2)))
+    budget = parse_percent(max_drift, "--max-drift")
+    opts = [o.strip() for o in options.split(",") if o.strip()]
+    first = re.fullmatch(r"gptq:b(\d+)g(-?\d+)", opts[0] if opts else "")
     cal = c.calibration_options(data, text_column, samples, calib_seq_len)
     evaluation = {"type": "eval", "data": eval_data, "latency": False, "text_column": text_column,
                   **({"max_tokens": eval_tokens} if eval_tokens else {}), **({"seq_len": eval_seq_len} if eval_seq_len else {})}
-    report = run_stages(model, [quant, evaluation], cal, output, force, device, trust_remote_code, allow_pickle,
-                        seed, quiet)
-    quality = report["stages"][1]["result"]["quality"]
-    path = output / ALLOCATION_FILE
-    chosen = json.loads(path.read_text())
-    chosen.update(measured_drift_pct=round(100 * (quality["ppl_ratio"] - 1), 4), measured_on=eval_data,
-                  measured_kl=quality.get("kl_to_baseline"))
-    path.write_text(json.dumps(chosen, indent=2) + "\n")
-    write_frontier(chosen, output / FRONTIER_FILE)
-    c.out_console.print(f"average {chosen['average_bits']:.3f} bits per weight; drift predicted "
-                        f"{chosen['predicted_drift_pct']:.2f}%, measured {chosen['measured_drift_pct']:.2f}% on {eval_data}")
+    base = {"model": model, "seed": seed, "trust_remote_code": trust_remote_code, "allow_pickle": allow_pickle,
+            "calibration": cal}
+    check_output_path(output, force)
+    progress = c.RichProgress(quiet)
+    dev = c.parse_device(device)
 
+    def run_round(asked: float, table: Optional[str], folder: Path) -> tuple[dict, dict]:
+        allocation = {"max_drift": asked, "options": opts, **({"sensitivity": table} if table else {})}
+        quant = {"type": "quantize", "method": "gptq", "format": format, "allocation": allocation}
+        if first:  # the stage's own spec: the first option (every module gets one from the allocation)
+            quant.update(bits=int(first.group(1)), group_size=int(first.group(2)))
+        recipe = validate({**base, "stages": [quant, evaluation]}, "tune options")
+        check_paths(recipe, "tune options")
+        report = run_recipe(recipe, folder, force=True, progress=progress, device=dev, command=sys.argv)
+        return report, json.loads((folder / ALLOCATION_FILE).read_text())
 
-def run_stages(model: str, stages: list[dict], cal: dict, out: Path, force: bool, device: Optional[str], trust: bool,
-               allow_pickle: bool, seed: int, quiet: bool) -> dict:
-
-
-    recipe = validate({"model": model, "seed": seed, "trust_remote_code": trust, "allow_pickle": allow_pickle,
-                       "calibration": cal, "stages": stages}, "tune options")
-    check_paths(recipe, "tune options")
-    check_output_path(out, force)
-    report = run_recipe(recipe, out, force=force, progress=c.RichProgress(quiet), device=c.parse_device(device),
-                        command=sys.argv)
-    c.console.print(f"[green]wrote[/] {out}  ({report['total_seconds']:.1f} s; details in {out / 'report.json'})")
-    return report
+    chosen = run_tune(run_round, output, budget, opts, sensitivity, lambda line: c.console.print(line, highlight=False),
+                      measured_on=eval_data)
+    c.out_console.print(f"wrote {output}: round {chosen['round']} of {len(chosen['rounds'])}, "
+                        f"{chosen['average_bits']:.3f} bits per weight; drift predicted "
+                        f"{chosen['predicted_drift_pct']:.2f}%, measured {chosen['measured_drift_pct']:.2f}% on "
+                        f"{eval_data} (budget {budget:g}%)")

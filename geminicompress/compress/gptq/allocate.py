@@ -24,6 +24,7 @@ from geminicompress.errors import InputError
 
 ALLOCATION_FILE = "allocation.json"
 FRONTIER_FILE = "allocation_frontier.png"
+TABLE_FILE = "sensitivity.json"  # the table an allocation measured for itself
 
 
 def spec_of_label(label: str, sym: bool) -> QuantSpec:
@@ -112,9 +113,12 @@ def module_specs(cfg: Any, ctx: Any, targets: list[str], spec: QuantSpec) -> tup
     summary: dict[str, Any] = {}
     if cfg.allocation is not None:
         table = _table(cfg, ctx, targets)
+        measured = cfg.allocation.sensitivity is None
         chosen, summary = allocate_specs(table, cfg.allocation, targets, cfg.sym,
                                          fixed_bytes(ctx.model, targets, ctx.out_dtype.itemsize, ctx.layers.tied_output))
         specs.update(chosen)
+        if measured:  # kept beside the allocation (OUT/sensitivity.json): reusable with --sensitivity
+            summary["table"] = table
     for name, label in cfg.overrides.items():
         if name not in specs:
             raise InputError(f"override '{name}' is not a quantized module (names look like '{targets[0]}')")
@@ -140,6 +144,10 @@ def write_allocation(summary: dict[str, Any], specs: dict[str, QuantSpec], out: 
     """OUT/allocation.json (the choice per module, the prediction, the frontier) and the frontier plot."""
     from geminicompress.compress.sensitivity.plot import write_frontier
 
-    data = {**summary, "modules": {n: f"b{s.bits}g{s.group_size}" for n, s in specs.items()}}
+    data = {**{k: v for k, v in summary.items() if k != "table"},
+            "modules": {n: f"b{s.bits}g{s.group_size}" for n, s in specs.items()}}
+    if "table" in summary:
+        (out / TABLE_FILE).write_text(json.dumps(summary["table"]) + "\n")
+        data["sensitivity_file"] = TABLE_FILE
     (out / ALLOCATION_FILE).write_text(json.dumps(data, indent=2) + "\n")
     write_frontier(data, out / FRONTIER_FILE)

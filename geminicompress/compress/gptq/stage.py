@@ -105,7 +105,8 @@ class GPTQ:
             "total_error": sum(s.get("err", 0.0) for s in layers), "layers": layers,
             **({"mixed": {f"b{s.bits}g{s.group_size}": sum(1 for v in specs.values() if v == s) for s in set(specs.values())}}
                if self.relative else {}),
-            **({"allocation": {k: v for k, v in self.allocation.items() if k != "frontier"}} if self.allocation else {}),
+            **({"allocation": {k: v for k, v in self.allocation.items() if k not in ("frontier", "table")}}
+               if self.allocation else {}),
         }
 
 

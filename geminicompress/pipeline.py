@@ -128,7 +128,6 @@ def _helper_rank() -> int:
 
 def _source_dir(recipe: Recipe) -> Path | None:
     """The local dense safetensors directory MODEL names (what a streamed run reads), else None."""
-
     path = local_dir(recipe.model)
     return path if path is not None and is_streamable_dir(path) else None
 
@@ -156,7 +155,6 @@ def _open_in_memory(recipe: Recipe, loaded: LoadedModel | None, tmp: Path, progr
 
 
 def _open_streamed(recipe: Recipe, path: Path, tmp: Path, progress: Progress, device: torch.device) -> StageContext:
-
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     ckpt = LazyCheckpoint(path, trust_remote_code=recipe.trust_remote_code, allow_nonfinite=recipe.allow_nonfinite)
@@ -207,7 +205,6 @@ def _in_memory(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, ma
 
 def _streamed(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, max_shard: int) -> tuple[list, dict]:
     """Every stage applied to layer i, and layer i written, before layer i+1 is read."""
-
     layer_stages = [make_stage(s, ctx) for s in stages]
     need = announce(ctx, layer_stages, max_shard)  # estimated memory and disk; refuses when the disk is short
     n = len(layer_stages)
@@ -272,7 +269,6 @@ def _head(hooks: list) -> Any:
 
 
 def _dense(ctx: StageContext) -> Any:
-
     return LayerWriter(ctx.model, ctx.out_dtype)
 
 

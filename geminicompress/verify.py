@@ -152,7 +152,6 @@ class Probe:
         linears `exact` names ({name relative to the layer: a function making its weight}) with those weights,
         made one at a time (each replaces the module's own weight, so one extra weight is alive at most: all
         of an 8B layer's at once were +0.87 GB, the streamed GPTQ run's peak)."""
-
         with computing_in(layer, torch.float32):  # float32 copies of a lower-precision layer, put back after
             as_stored(layer, self.out_dtype, [f"{n}.weight" for n in exact])
             for name, make in exact.items():
@@ -175,7 +174,6 @@ class Probe:
         InputError, exit 2); else the compression broke it (exit 1). With `allow_nonfinite` (the user let a
         broken input through) the logits are compared where they are finite, and must be non-finite in OUT
         where they are not."""
-
         progress = progress or NullProgress()
         try:
             if self.resumed:
@@ -232,7 +230,6 @@ def final_name(out: Path) -> str:
 
 def too_big(out: Path) -> bool:
     """Whether OUT, loaded in float32, would not fit in memory (memory.too_big: the one rule)."""
-
     return is_readable_dir(out) and over(loaded_bytes(out, torch.float32))
 
 
@@ -242,7 +239,6 @@ def loaded_logits(out: Path, windows: torch.Tensor, trust_remote_code: bool, str
     computed on `device` one window at a time like the in-process side: with per-token INT8 activations a
     last-bit difference (a batched matmul) can flip an activation code, which is not what is checked here."""
     if streamed:
-
         source = LazyLayers(LazyCheckpoint(out, trust_remote_code=trust_remote_code, allow_nonfinite=True), torch.float32)
         hidden = final_hidden(source, windows, device=device, batch=1)
         try:

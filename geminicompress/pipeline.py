@@ -39,7 +39,8 @@ from geminicompress.formats.shards import DEFAULT_MAX_BYTES, ShardWriter
 from geminicompress.formats.writer import LayerWriter
 from geminicompress.machine import machine, versions
 from geminicompress.methods import STAGES, runner
-from geminicompress.models.lazy import LazyCheckpoint, LazyLayers, is_streamable_dir
+from geminicompress.models.headers import is_streamable_dir
+from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer, local_dir, resolve_model
 from geminicompress.output import STATE_DIR, THREADS_FILE, OutputDir, write_json
 from geminicompress.progress import NullProgress, Progress

@@ -10,15 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny import save_tiny
 
 from geminicompress.errors import InputError
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.models.forward import streamed_logits
-from geminicompress.models.lazy import LazyCheckpoint, LazyLayers, is_readable_dir
+from geminicompress.models.headers import is_readable_dir
+from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import load_model
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage
-from tiny import save_tiny
 
 CPU = torch.device("cpu")
 V = "model.layers.0.self_attn.v_proj"

@@ -34,7 +34,8 @@ from geminicompress.distill.topk_cache import TopKCache, cache_folder, read_cach
 from geminicompress.errors import InputError
 from geminicompress.memory import available_memory, too_big
 from geminicompress.models.forward import activations_bytes, final_hidden, head_logits
-from geminicompress.models.lazy import LazyCheckpoint, LazyLayers, is_streamable_dir, weights_bytes
+from geminicompress.models.headers import is_streamable_dir, weights_bytes
+from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import LoadedModel, local_dir, resolve_model
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.schema import DistillStage, Recipe

@@ -11,7 +11,8 @@ import torch
 from geminicompress.compress.arch import get_module
 from geminicompress.engine.contract import walk_dtypes
 from geminicompress.errors import InputError
-from geminicompress.models.lazy import LazyCheckpoint, free_disk
+from geminicompress.models.headers import free_disk
+from geminicompress.models.lazy import LazyCheckpoint
 
 BASE_BYTES = 800 << 20  # the interpreter, torch, transformers, the skeleton and tokenizer (measured: ~0.7 GiB)
 

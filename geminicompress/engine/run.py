@@ -175,7 +175,7 @@ def should_stream(recipe: Any, stream: bool | None, source_dir: Path | None) -> 
     """--stream: yes (or a one-line error saying why it cannot); --no-stream: no; neither: when the recipe
     can stream and the model's float32 weights do not fit (memory.too_big: the one rule)."""
     from geminicompress.memory import too_big
-    from geminicompress.models.lazy import weights_bytes
+    from geminicompress.models.headers import weights_bytes
 
     if stream is False:
         return False

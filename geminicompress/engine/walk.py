@@ -157,12 +157,7 @@ def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, 
     sink = sink or ResidentSink(source.model, ShardWriter(state_dir) if state_dir is not None else None)
     arch = arch_for(source.model)
     layers = get_module(source.model, arch.layers)
-    inputs = None
-    if windows is not None:
-        inputs = _capture(source, windows, device, calib_dtype) if stores is None else \
-            capture_into(source, windows, stores[0], device, calib_dtype or torch.float32)
-        if check_activations:
-            check_activations_of(inputs, "the embeddings")
+    inputs = _first_inputs(source, windows, device, calib_dtype, stores, check_activations)
     # a resumed run whose sink kept the exact inputs of its first unfinished layer starts from them
     skip, kept_inputs = _kept_inputs(sink, len(source), inputs)
     if inputs is not None and skip == 0 and hasattr(sink, "keep_inputs") and not sink.finished(0):
@@ -196,6 +191,19 @@ def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, 
                               if isinstance(v, (int, float)) and k not in ("layer", "layer_seconds")})
     move_outside_layers(source.model, layers, torch.device("cpu"))
     return Walk(summaries, kept, inputs)
+
+
+def _first_inputs(source: LayerSource, windows: torch.Tensor | None, device: torch.device,
+                  calib_dtype: torch.dtype | None, stores: tuple[torch.Tensor, torch.Tensor] | None,
+                  check: bool) -> LayerInputs | None:
+    """Layer 0's inputs on the windows (None without windows), in the walk's stores when it has them."""
+    if windows is None:
+        return None
+    inputs = _capture(source, windows, device, calib_dtype) if stores is None else \
+        capture_into(source, windows, stores[0], device, calib_dtype or torch.float32)
+    if check:
+        check_activations_of(inputs, "the embeddings")
+    return inputs
 
 
 def _capture(source: LayerSource, windows: torch.Tensor, device: torch.device,

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.memory import available_memory, too_big
 from geminicompress.models.forward import activations_bytes, streamed_logits
-from geminicompress.models.lazy import LazyCheckpoint, LazyLayers, is_readable_dir, loaded_bytes
+from geminicompress.models.headers import is_readable_dir, loaded_bytes
+from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import local_dir
 from geminicompress.progress import Progress
 

@@ -119,13 +119,7 @@ def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[O
     ftw = first_token_weight if any(o.method == "gptq" for o in options) else 1.0
     if not (want_h or want_norms):  # no statistics: only the measured windows need to run
         windows = windows[:kw]
-    model.to(device)
-    first = capture_inputs(model, windows[:kw], device)  # the measured windows, as the walk captures them
-    tail = _Tail(model, arch, first.kwargs)
-    states = [torch.cat([h.to(device) for h in first.hidden])]  # (kw, T, d) at each layer's input
-    for layer in layers:
-        states.append(layer_output(layer, states[-1], first.kwargs))
-    base = tail.logprobs(states[-1], len(layers))  # (kw·(T−1), V)
+    tail, states, base = _reference(model, windows[:kw], device, arch)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     rows: list[dict[str, Any]] = []
     gains: list[float] = []
@@ -160,6 +154,19 @@ def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[O
     if measure == "both":
         result["rank_correlation"] = _correlations(rows, options)
     return result
+
+
+def _reference(model: nn.Module, windows: torch.Tensor, device: torch.device, arch: Arch
+               ) -> tuple[_Tail, list[torch.Tensor], torch.Tensor]:
+    """The original model on the measured windows: each layer's input states (kw, T, d) and the output
+    log-probs (kw·(T−1), V) every unit's KL is taken against, and the tail that runs layers l.. and the head."""
+    model.to(device)
+    first = capture_inputs(model, windows, device)  # the measured windows, as the walk captures them
+    tail = _Tail(model, arch, first.kwargs)
+    states = [torch.cat([h.to(device) for h in first.hidden])]
+    for layer in get_module(model, arch.layers):
+        states.append(layer_output(layer, states[-1], first.kwargs))
+    return tail, states, tail.logprobs(states[-1], len(states) - 1)
 
 
 def _statistics(layer: nn.Module, inputs: Any, device: torch.device, arch: Arch, units: list[Unit],

@@ -23,13 +23,14 @@ from tiny import tiny_model, tiny_tokenizer
 
 runner = CliRunner()
 CAL = ["--samples", "8", "--calib-seq-len", "64"]
+GPTQ_CAL = ["--samples", "12", "--calib-seq-len", "64"]  # GPTQ wants a token per column of its widest layer (768)
 METHODS = {
     "rtn": ["quantize", "--method", "rtn"],
     "int8": ["quantize", "--method", "int8"],
     "w8a8": ["quantize", "--method", "w8a8", *CAL],
-    "gptq": ["quantize", "--method", "gptq", *CAL],
+    "gptq": ["quantize", "--method", "gptq", *GPTQ_CAL],
     "awq": ["quantize", "--method", "awq", "--n-grid", "3", *CAL],
-    "awq+gptq": ["quantize", "--method", "awq+gptq", "--n-grid", "3", *CAL],
+    "awq+gptq": ["quantize", "--method", "awq+gptq", "--n-grid", "3", *GPTQ_CAL],
     "magnitude": ["prune"],
     "magnitude-2:4": ["prune", "--pattern", "2:4"],
     "wanda": ["prune", "--method", "wanda", *CAL],

@@ -182,6 +182,15 @@ class EvalStage(_StageBase):
     quality: bool = Field(True, description="false = latency only (no perplexity, KL, agreement)")
     tasks: list[str] = Field(default_factory=list, description="lm-eval-harness tasks (optional extra)")
     draft: str | None = Field(None, description="draft MODEL: also time speculative decoding of the baseline")
+    kernels: Literal["fast", "reference"] = Field(
+        "fast", description="fast: each format's kernel on this device (torch's int4 kernel for GPTQ/AWQ/"
+        "pack-quantized, bf16 activations); reference: our dequantizing loader, latency not measured for packed formats")
+    dtype_baseline: bool = Field(True, description="when a model runs in another activation dtype than the baseline "
+                                 "(int4 kernels: bf16), also time the baseline in that dtype")
+    engine: Literal["transformers", "vllm"] = Field("transformers", description="vllm: load and measure every model in "
+                                                    "vLLM (a separate install, docs/serving.md)")
+    vllm_python: str | None = Field(None, description="python of the venv that has vLLM (default: this one if it "
+                                    "imports vllm, else $GEMINICOMPRESS_VLLM_PYTHON)")
 
     @field_validator("batch_sizes")
     @classmethod

@@ -132,6 +132,14 @@ def evaluate(
     stream: evaluate one decoder layer at a time from disk: True, False, or None for the models whose
     weights exceed half of the available memory (streamed.py)."""
     progress = progress or NullProgress()
+    if options.engine == "vllm":  # every model measured by vLLM, in its own process (vllm_eval.py)
+        from geminicompress.eval.vllm_eval import evaluate_vllm
+
+        report = evaluate_vllm(models, baseline, data, options, progress, names=names,
+                               trust_remote_code=trust_remote_code)
+        if out_dir is not None:
+            write_report(report, out_dir)
+        return report
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     options = plan.with_device_defaults(options, device)
     text = read_text(data, options.text_column)

@@ -148,3 +148,27 @@ def test_serve_bench_vllm_rows_on_the_stand_in(tiny_dir, text_file, monkeypatch,
     assert rows["INT8 (W8A8)"]["reason"].startswith("vLLM refused it: AssertionError")
     with pytest.raises(InputError, match="does not exist"):
         serve_bench(str(tiny_dir), str(tmp_path / "nothing"), str(text_file), spec)
+
+
+def test_recipe_eval_stage_builds_the_serving_table_with_the_w8a8_output(tiny_dir, text_file, tmp_path):
+    from geminicompress.models.loading import load_model
+    from geminicompress.pipeline import run_recipe
+    from geminicompress.recipes.loader import validate
+
+    recipe = validate({"model": str(tiny_dir), "calibration": {"data": str(text_file), "samples": 2, "seq_len": 64},
+                       "stages": [{"type": "quantize", "method": "w8a8"},
+                                  {"type": "eval", "latency": False, "seq_len": 64, "max_tokens": 256,
+                                   "serving": {"requests": 3, "prefix_len": 32, "question_len": 16, "answer_len": 3,
+                                               "rate": 0, "max_batch": 2, "ppl_tokens": 512}}]}, "test")
+    report = run_recipe(recipe, tmp_path / "out", device=torch.device("cpu"), loaded=load_model(str(tiny_dir)),
+                        stream=False)
+    serving = report["stages"][1]["result"]["serving"]
+    assert serving["report"] == "eval/serving/serving.json"
+    saved = json.loads((tmp_path / "out" / "eval" / "serving" / "serving.json").read_text())
+    assert saved["int8"] == str(tmp_path / "out")
+    int8 = saved["rows"][-1]
+    assert int8["row"] == "INT8 (W8A8)" and int8["metrics"] is not None and int8["ppl_drift"] is not None
+    with pytest.raises(Exception, match="serving.rate|rate"):
+        validate({"model": str(tiny_dir), "stages": [{"type": "eval", "serving": {"rate": -1}}]}, "test")
+    with pytest.raises(Exception, match="requets|extra"):
+        validate({"model": str(tiny_dir), "stages": [{"type": "eval", "serving": {"requets": 3}}]}, "test")

@@ -29,13 +29,32 @@ import traceback
 
 
 def one_line(exc: BaseException) -> str:
-    """vLLM's reason in one line: the message's first line, or for a bare assertion the failing line."""
-    text = str(exc).strip().splitlines()
-    if text and text[0]:
-        return f"{type(exc).__name__}: {text[0][:400]}"
+    """vLLM's reason in one line: the message's first lines, for a bare assertion the failing line (also
+    when a pydantic ValidationError wraps it: vLLM validates its config in pydantic)."""
+    inner = _wrapped(exc)
+    if inner is not None:
+        return f"{type(exc).__name__} of {_config_name(exc)}: {one_line(inner)}"
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and "further information" not in ln]
+    if lines:  # a multi-line message (a pydantic ValidationError, a list of reasons) joined
+        return f"{type(exc).__name__}: {'; '.join(lines[:4])}"[:500]
     frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
     where = f" at {os.path.basename(frame.filename)}:{frame.lineno}: {frame.line}" if frame else ""
     return f"{type(exc).__name__}{where}"
+
+
+def _wrapped(exc: BaseException) -> BaseException | None:
+    """The exception a pydantic ValidationError reports (its first error's ctx), if any."""
+    try:
+        errors = exc.errors() if hasattr(exc, "errors") and callable(exc.errors) else []
+    except Exception:
+        return None
+    inner = ((errors[0] if errors else {}).get("ctx") or {}).get("error")
+    return inner if isinstance(inner, BaseException) else None
+
+
+def _config_name(exc: BaseException) -> str:
+    title = getattr(exc, "title", None)
+    return str(title) if title else "a config"
 
 
 def _engine(model: str, engine_args: dict):
@@ -131,7 +150,8 @@ def run(job: dict) -> dict:
     t0 = time.perf_counter()
     try:
         engine = _engine(job["model"], job.get("engine", {}))
-    except Exception as exc:  # vLLM refused the checkpoint: its reason, in one line
+    except Exception as exc:  # vLLM refused the checkpoint: its reason, in one line (the traceback to the log)
+        traceback.print_exc()
         result["error"] = one_line(exc)
         return result
     result["load_s"] = round(time.perf_counter() - t0, 2)
@@ -139,6 +159,7 @@ def run(job: dict) -> dict:
         try:
             result["tasks"].append(TASKS[task["kind"]](engine, task))
         except Exception as exc:
+            traceback.print_exc()
             result["error"] = f"{task['kind']}: {one_line(exc)}"
             break
     return result

@@ -119,6 +119,9 @@ def evaluate_vllm(models: list[str], baseline: str, data: str, options: EvalStag
     options = plan.with_device_defaults(options, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     python = find_python(options.vllm_python)
     version = check_vllm(python)  # absent / too old: one line, exit 2, before any model loads
+    skipped = [flag for flag, given in (("--tasks", options.tasks), ("--draft", options.draft)) if given]
+    if skipped:
+        progress.warn(f"{' and '.join(skipped)}: not run with --engine vllm (they need the model in this process)")
     specs = list(dict.fromkeys([baseline, *models]))
     shown = [(names or {}).get(s, n) for s, n in zip(specs, display_names(specs))]
     paths = {s: model_path(s) for s in specs}

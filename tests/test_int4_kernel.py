@@ -197,3 +197,26 @@ def test_dense_and_int8_models_keep_their_kernels(tiny_dir):
                 w = m.weight.view(-1, 4)
                 w.scatter_(1, w.abs().argsort(1)[:, :2], 0.0)
     assert "2:4 sparsity runs dense here" in use_fast_kernels(loaded.model, CPU, sparsity=0.5).note
+
+
+def test_8bit_symmetric_per_channel_runs_fbgemm_exactly(tmp_path, text_file):
+    """8-bit symmetric per-channel packed codes (what a pack-quantized W8A16 file holds) are int8 W8A16
+    weights: fbgemm's module, the same logits as the reference path."""
+    from geminicompress.models.loading import load_model
+    from geminicompress.pipeline import run_recipe
+    from geminicompress.recipes.loader import recipe_from_stage
+    from tiny import save_tiny
+
+    base = save_tiny(tmp_path / "base")
+    stage = {"type": "quantize", "method": "rtn", "bits": 8, "group_size": -1, "format": "compressed-tensors"}
+    recipe = recipe_from_stage(str(base), stage, {"data": str(text_file), "samples": 2, "seq_len": 64}, "test")
+    run_recipe(recipe, tmp_path / "w8", device=CPU, loaded=load_model(str(base)), stream=False)
+    loaded = load_model(str(tmp_path / "w8"))
+    x = torch.randint(0, 300, (1, 32))
+    with torch.no_grad():
+        ref = loaded.model(x).logits
+        choice = use_fast_kernels(loaded.model, CPU)
+        fast = loaded.model(x).logits
+    assert choice.kernel == "fbgemm-fp16-codes" and choice.activation_dtype == "float32" and choice.timed
+    assert choice.modules == {"fbgemm-fp16-codes": 14}
+    assert torch.allclose(fast, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))

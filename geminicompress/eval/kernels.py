@@ -7,7 +7,8 @@ every call, which is exact but says nothing about speed (issue #25: 13x "slower"
 | what was loaded | kernel on a CPU | kernel on CUDA (not run here: no GPU) |
 |---|---|---|
 | GPTQ / AWQ / pack-quantized, 2-4 bit | torch's int4 kernel, bf16 activations (int4.py) | torch's int4 kernel (tinygemm), bf16 |
-| the same, 8-bit, or a shape the kernel cannot hold | none: latency not measured, the reason shown | same |
+| the same, 8-bit symmetric per channel | fbgemm's W8A16 kernel (the int8 module) | none: not timed |
+| the same, other 8-bit, or a shape the kernel cannot hold | none: latency not measured, the reason shown | same |
 | int8 / w8a8 (compressed-tensors int-quantized) | fbgemm (compress/int8/modules.py, as loaded) | reference matmuls |
 | dense | torch's matmul in the stored dtype | same |
 | dense with pruned zeros | dense matmul, noted: unstructured sparsity / 2:4 has no kernel here | 2:4: sparse tensor cores, not used |
@@ -25,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from geminicompress.compress.int8.modules import Int8WeightOnlyLinear
 from geminicompress.eval.int4 import Int4Linear, int4_layout
 from geminicompress.formats.dequant import DequantLinear
 
@@ -97,24 +99,50 @@ def use_fast_kernels(model: nn.Module, device: torch.device, sparsity: float | N
     packed = [(n, m) for n, m in model.named_modules() if isinstance(m, DequantLinear)]
     if not packed:
         return _unpacked(model, device, sparsity)
-    dtype, act = next(model.parameters()).dtype, int4_activation_dtype(device)
-    layouts = {}
+    dtype = next(model.parameters()).dtype
+    plans: dict[str, object] = {}  # name -> INT8 (fbgemm W8A16) or the int4 kernel's layout
     for name, m in packed:
-        layout = int4_layout(m.q, m.scales, m.zeros, m.g_idx, m.bits, 16 if device.type == "cpu" else 8)
-        if isinstance(layout, str):
+        plan = INT8 if _is_int8_channel(m, device) else int4_layout(m.q, m.scales, m.zeros, m.g_idx, m.bits,
+                                                                   16 if device.type == "cpu" else 8)
+        if isinstance(plan, str) and plan != INT8:
             return KernelChoice("reference", _dtype_name(dtype), {"reference": len(packed)}, False,
-                                f"no fast kernel on {device.type}: {name}: {layout}")
-        layouts[name] = layout
+                                f"no fast kernel on {device.type}: {name}: {plan}")
+        plans[name] = plan
+    int4 = [n for n, p in plans.items() if p != INT8]
+    act = int4_activation_dtype(device) if int4 else dtype
     model.to(act)  # norms, embeddings, head: the kernel's activation dtype
+    counts: dict[str, int] = {}
     for name, m in packed:
+        plan = plans[name]
+        module = _int8_module(m, act) if plan == INT8 else Int4Linear(plan, m.bits, m.bias, act, device)
+        counts[module.kernel] = counts.get(module.kernel, 0) + 1
         parent, child = _parent_and_name(model, name)
-        setattr(parent, child, Int4Linear(layouts[name], m.bits, m.bias, act, device))
-    kernel = f"torch-int4-{device.type}"
+        setattr(parent, child, module)
     note = None
-    bits = sorted({m.bits for _, m in packed})
-    if bits != [4]:
+    bits = sorted({m.bits for n, m in packed if n in int4})
+    if bits and bits != [4]:
         note = f"{'/'.join(map(str, bits))}-bit codes run in the int4 kernel (4 bits per weight in memory)"
-    return KernelChoice(kernel, _dtype_name(act), {kernel: len(packed)}, True, note)
+    kernel = max(counts, key=counts.get)
+    return KernelChoice(kernel, _dtype_name(act), counts, True, note)
+
+
+INT8 = "int8"
+
+
+def _is_int8_channel(m: DequantLinear, device: torch.device) -> bool:
+    """8-bit symmetric per-channel codes (zero point 128, one group): int8 W8A16 weights for fbgemm."""
+    return (m.bits == 8 and device.type == "cpu" and m.scales.shape[1] == 1 and bool((m.zeros == 128).all())
+            and bool(torch.equal(m.g_idx, torch.zeros_like(m.g_idx))))
+
+
+def _int8_module(m: DequantLinear, dtype: torch.dtype) -> Int8WeightOnlyLinear:
+    """The same weights as fbgemm's W8A16 module: codes q − 128 in [-128, 127], the same scales (exact)."""
+    module = Int8WeightOnlyLinear(m.in_features, m.out_features, m.bias is not None, dtype)
+    module.weight.copy_((m.q.to(torch.int16) - 128).to(torch.int8))
+    module.weight_scale.copy_(m.scales.float())
+    if m.bias is not None:
+        module.bias.copy_(m.bias.detach())
+    return module
 
 
 def describe_reference(model: nn.Module, device: torch.device, sparsity: float | None = None) -> KernelChoice:

@@ -71,6 +71,6 @@ def serve_bench(
                  trust_remote_code=trust)
     with OutputDir(output, force) as tmp:
         serve_table.write(report, tmp)
-    c.out_console.print(serve_table.rich_table(report))
+    c.out_console.print(serve_table.rich_table(report, c.out_console.width))
     c.console.print(f"[green]wrote[/] {output}  (serving.json, serving.md, serving.png; {choice.reason})",
                     highlight=False, soft_wrap=True)

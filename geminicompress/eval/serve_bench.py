@@ -13,7 +13,8 @@ serving optimization to the row before, every row measured in the same run:
 
 A row whose mechanism cannot be switched on with this engine and device is kept, with the reason, and not
 measured. Rows that change the model (INT8) also get perplexity drift; every row gets the agreement of
-its greedy answers with the first row's (prompt truncation changes the answers: that shows there).
+its greedy answers with the row above's, so that what each row changed shows where it changed it
+(prompt truncation changes the answers; attention kernels and batching only by float rounding).
 """
 
 from __future__ import annotations
@@ -115,11 +116,12 @@ def serve_bench(model: str, int8: str | None, data: str, spec: WorkloadSpec, *, 
     else:
         rows = hf_rows(max_batch, int8)
         measured = run_hf_rows(rows, model, int8, requests, spec, windows, dtype, progress, trust_remote_code)
-    ref = next((m["outputs"] for m in measured if m.get("outputs") is not None), None)
+    above = None  # each row's greedy answers against the last measured row above it: what this row changed
     for m in measured:
         outputs = m.pop("outputs", None)
         if outputs is not None:
-            m["answer_agreement"] = token_agreement(outputs, ref)
+            m["answer_agreement"] = 1.0 if above is None else token_agreement(outputs, above)
+            above = outputs
     notes = [f"the text held {spec.requests - repeated} distinct questions; {repeated} repeat earlier text"] if repeated else []
     return {"geminicompress": __version__, "command": "serve-bench", "engine": engine, "model": model, "int8": int8,
             "data": data, "workload": {**asdict(spec), "truncated_len": spec.truncated_len}, "max_batch": max_batch,

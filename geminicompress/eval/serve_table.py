@@ -1,8 +1,9 @@
 """The serving table and its chart, built from a serve-bench report alone (serving.json), like eval's table.
 
-Columns: TTFT median / p90, TPOT median, throughput in requests/s (and its ratio to the last measured
-row above it), KV-cache hit rate, agreement of the greedy answers with the first row's, and for rows
-that change the model its perplexity drift. A row that was not measured shows its reason instead.
+Columns: TTFT median and p90, TPOT median, throughput in requests/s (and its ratio to the last measured
+row above it), KV-cache hit rate, agreement of the greedy answers with the row above's, and perplexity
+(of the first row, and with its drift for rows that change the model). A row that was not measured
+shows its reason instead.
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ from rich.table import Table
 
 from geminicompress.output import write_json
 
-COLUMNS = ("row", "TTFT ms p50 / p90", "TPOT ms", "req/s", "KV hit", "answers = row 1", "ppl drift")
-_HEADERS = ("row", "TTFT ms\np50 / p90", "TPOT\nms", "req/s\n(x above)", "KV\nhit", "answers\n= row 1", "ppl\ndrift")
-
-
-def _ms(d: dict | None, key: str) -> float | None:
-    return None if not d else d.get(key)
+COLUMNS = ("row", "TTFT p50 ms", "TTFT p90 ms", "TPOT ms", "req/s (x above)", "KV hit", "answers = above",
+           "ppl (drift)")
+_HEADERS = ("row", "TTFT\np50 ms", "TTFT\np90 ms", "TPOT\nms", "req/s\n(x above)", "KV\nhit", "answers\n= above",
+            "ppl\n(drift)")
 
 
 def cells(report: dict) -> list[list[str]]:
@@ -28,20 +27,21 @@ def cells(report: dict) -> list[list[str]]:
     for r in report["rows"]:
         m = r.get("metrics")
         if m is None:
-            out.append([r["row"], f"not measured: {r['reason']}", "", "", "", "", ""])
+            out.append([r["row"], f"not measured: {r['reason']}"] + [""] * (len(COLUMNS) - 2))
             continue
-        ttft = m["ttft_ms"]
-        tput = m["throughput_req_s"]
-        ratio = f" ({tput / before:.2f}x)" if before and tput else ""
-        drift = r.get("ppl_drift")
+        ttft, tput = m["ttft_ms"], m["throughput_req_s"]
+        ratio = f"\n({tput / before:.2f}x)" if before and tput else ""
+        ppl, drift = r.get("perplexity"), r.get("ppl_drift")
         out.append([
             r["row"],
-            f"{ttft['median']:,.0f} / {ttft['p90']:,.0f}",
+            f"{ttft['median']:,.0f}",
+            f"{ttft['p90']:,.0f}",
             "n/a" if not m.get("tpot_ms") else f"{m['tpot_ms']['median']:.1f}",
             f"{tput:.3g}{ratio}" if tput else "n/a",
             "n/a" if m.get("kv_hit_rate") is None else f"{m['kv_hit_rate'] * 100:.1f}%",
             "n/a" if r.get("answer_agreement") is None else f"{r['answer_agreement'] * 100:.1f}%",
-            "" if drift is None else f"{drift * 100:+.2f}%",
+            "" if ppl is None else f"{ppl:.4g}" + ("" if drift is None or r is report["rows"][0] else
+                                                   f"\n({drift * 100:+.2f}%)"),
         ])
         before = tput or before
     return out
@@ -55,21 +55,44 @@ def caption(report: dict) -> str:
             f"tokens, arrivals {rate}, batch up to {report['max_batch']}; {report['data']}")
 
 
-def rich_table(report: dict) -> Table:
-    table = Table(title="geminicompress serve-bench", caption=caption(report), box=box.SIMPLE_HEAD,
-                  title_justify="left", caption_justify="left")
+def _table(report: dict, names: list[str], with_caption: bool) -> Table:
+    table = Table(title="geminicompress serve-bench", caption=caption(report) if with_caption else None,
+                  box=box.SIMPLE_HEAD, title_justify="left", caption_justify="left")
     for i, c in enumerate(_HEADERS):
-        table.add_column(c, justify="left" if i == 0 else "right", no_wrap=i == 0, overflow="fold")
-    for row in cells(report):
-        table.add_row(*row)
+        table.add_column(c, justify="left" if i == 0 else "right", no_wrap=True)
+    for name, row in zip(names, cells(report)):
+        table.add_row(name, *row[1:])
     return table
+
+
+def _width(renderable) -> int:
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    console = Console(width=100_000)
+    return Measurement.get(console, console.options, renderable).maximum
+
+
+def rich_table(report: dict, width: int | None = None):
+    """The terminal table; when it does not fit in `width`, the rows are numbered and their names listed
+    above it (nothing is ever cut)."""
+    from rich.console import Group
+    from rich.text import Text
+
+    names = [r["row"] for r in report["rows"]]
+    wide = _table(report, names, True)
+    if width is None or _width(wide) <= width:
+        return wide
+    keys = [f"[{i + 1}]" for i in range(len(names))]
+    legend = Text("\n".join(f"{k} {n}: {r['change']}" for k, n, r in zip(keys, names, report["rows"])))
+    return Group(legend, _table(report, keys, False), Text(caption(report), style="dim"))
 
 
 def markdown(report: dict) -> str:
     lines = ["# geminicompress serve-bench", "", caption(report), "",
              "| " + " | ".join(COLUMNS) + " | what the row adds |", "|" + "---|" * (len(COLUMNS) + 1)]
     for row, r in zip(cells(report), report["rows"]):
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + f" | {r['change']} |")
+        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in row) + f" | {r['change']} |")
     lines += [""] + [f"- {n}" for n in report.get("notes", [])] + ["", "![the serving rows](serving.png)", ""]
     return "\n".join(lines)
 

@@ -27,6 +27,7 @@ MODELS = ("gptq-g64", "awq-g64")
 
 
 def run_eval(models: list[str], out: Path, *extra: str) -> dict:
+    out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "geminicompress", "eval", "smollm2-demo", *models, "--data",
            str(DATA / "wikitext2-test.txt"), "--max-tokens", "16384", "--seq-len", "512", "-o", str(out), "--force",
            *extra]

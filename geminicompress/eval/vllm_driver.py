@@ -14,7 +14,9 @@ Job: {"model": DIR, "engine": {EngineArgs keyword arguments}, "tasks": [TASK, ..
   exactly `max_tokens` tokens each (EOS ignored) -> per request vLLM's RequestStateStats
   (`RequestOutput.metrics`: arrival, first-token latency, engine timestamps of the first and last token,
   generated tokens), `num_cached_tokens` (prefix-cache hits), prompt tokens, the generated ids and
-  when it finished.
+  when it finished;
+- {"kind": "hidden_states", "window": [ids], "path": FILE}: the residual stream after every decoder layer
+  for one prompt, saved to FILE (torch.save), for a layer-by-layer comparison.
 Result: {"vllm": version, "error": one line or null, "load_s": s, "tasks": [...]}. A model vLLM
 refuses gives "error" with vLLM's reason and exit code 0: the caller reports it and goes on.
 """
@@ -138,7 +140,39 @@ def _request_record(out, finished_s: float) -> dict:
     }
 
 
-TASKS = {"logprobs": logprobs_task, "serve": serve_task}
+def hidden_states_task(engine, task: dict) -> dict:
+    """The residual stream after every decoder layer for one prompt, saved with torch.save to task["path"]
+    as a list of (tokens, hidden) float32 tensors: for a layer-by-layer comparison with our model.
+    vLLM's decoder layers return (hidden, residual) with the residual add fused into the next norm:
+    the stream is their sum."""
+    import torch
+    from vllm import SamplingParams
+
+    window, captured = task["window"], {}
+
+    def install(model):
+        layers = model.model.layers
+
+        def hook_for(i):
+            def hook(module, args, out):
+                h = out[0] + out[1] if isinstance(out, tuple) and out[1] is not None else (
+                    out[0] if isinstance(out, tuple) else out)
+                if h.shape[0] == len(window):  # the prompt's forward, not a decode step
+                    captured[i] = h.detach().float().cpu()
+            return hook
+
+        model._gc_hooks = [layer.register_forward_hook(hook_for(i)) for i, layer in enumerate(layers)]
+
+    engine.apply_model(install)
+    engine.add_request("h", {"prompt_token_ids": window},
+                       SamplingParams(max_tokens=1, temperature=0.0, detokenize=False))
+    _drain(engine)
+    engine.apply_model(lambda model: [h.remove() for h in model._gc_hooks])
+    torch.save([captured[i] for i in sorted(captured)], task["path"])
+    return {"layers": len(captured), "path": task["path"]}
+
+
+TASKS = {"logprobs": logprobs_task, "serve": serve_task, "hidden_states": hidden_states_task}
 
 
 def run(job: dict) -> dict:

@@ -88,12 +88,13 @@ def dequantize_layout(layout: Int4Layout, dtype: torch.dtype = torch.float32) ->
 
 def pack_for(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The kernel's packed weight on `device`. CPU: `_convert_weight_to_int4pack_for_cpu` of the int32
-    codes -> uint8 (out, in/2). CUDA (not run here: no GPU): two codes per byte, then torch's tiled
-    layout with 8 inner k-tiles, as torchao does."""
+    codes -> uint8 (out, in/2). CUDA (written, never run here: no GPU): two codes per byte, then torch's
+    tiled layout with the most inner k-tiles (8, 4 or 2) whose 16-column tiles divide `in`, as torchao does."""
     if device.type == "cpu":
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+    tiles = next((t for t in (8, 4, 2) if codes.shape[1] % (t * 16) == 0), 2)
     pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)  # (out, in/2)
-    return torch.ops.aten._convert_weight_to_int4pack(pairs, 8)
+    return torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor) -> torch.Tensor:

@@ -15,13 +15,15 @@ models are still measured (a refused baseline stops the run: nothing to compare 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 
-from geminicompress import __version__
+from geminicompress import __version__, formats
 from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.eval import contention, kernels, plan
+from geminicompress.eval.footprint import weights_size_mb
 from geminicompress.eval.latency import prompt_batch
 from geminicompress.eval.serving_metrics import from_vllm, summarize
 from geminicompress.eval.vllm_engine import check_vllm, find_python, run_driver
@@ -160,16 +162,15 @@ def evaluate_vllm(models: list[str], baseline: str, data: str, options: EvalStag
 
 
 def _run_one(spec, name, dtype, path, python, ids, windows, options, base, progress, *, is_base) -> dict:
+    """One model's run in vLLM: its report entry (with `_top1`, the baseline's top-1 ids, for the caller)."""
     entry = {"name": name, "path": spec, "baseline": is_base, "format": None, "dtype": dtype, "quality": None,
              "latency": None, "peak_memory_mb": None, "tensors_mb": None, "size_mb": None, "masks_mb": None,
              "params": None, "sparsity": None, "quant_zeros": None, "kernel": None,
              "dtype_baseline": (not is_base and spec == base_spec(base)), "tasks": None, "streamed": None,
              "notes": [], "_top1": None}
-    from geminicompress.eval.footprint import weights_size_mb
-    from pathlib import Path
-
     entry["size_mb"] = weights_size_mb(Path(path)) if Path(path).exists() else None
-    entry["format"] = str(((plan.peek_config(spec) or {}).get("quantization_config") or {}).get("quant_method", "dense"))
+    qc = (plan.peek_config(spec) or {}).get("quantization_config") or {}
+    entry["format"] = formats.detect({"quantization_config": qc}) or "dense"
     tasks = ([{"kind": "logprobs", "windows": windows.tolist()}] if windows is not None else [])
     lat = latency_tasks(ids, options) if options.latency else []
     job = {"model": path, "engine": {"dtype": dtype, "enforce_eager": True, "enable_prefix_caching": False,

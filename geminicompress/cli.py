@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from geminicompress import __version__
-from geminicompress.commands import distill, prune, quantize, recipes, run, sensitivity, tune, validate
+from geminicompress.commands import distill, prune, quantize, recipes, run, sensitivity, serve_bench, tune, validate
 from geminicompress.commands import eval as eval_cmd
 from geminicompress.commands.common import setup_logging
 from geminicompress.memory import return_freed_memory
@@ -47,6 +47,7 @@ app.command("validate", short_help="Check a recipe without loading a model.")(va
 app.command("recipes", short_help="List the bundled recipes, or print one.")(recipes.recipes)
 app.command("sensitivity", short_help="Measure each module's drift under each setting.")(sensitivity.sensitivity)
 app.command("tune", short_help="Allocate settings under a drift budget, compress, eval.")(tune.tune)
+app.command("serve-bench", short_help="The serving table: one optimization per row.")(serve_bench.serve_bench)
 
 
 def main() -> None:

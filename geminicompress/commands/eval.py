@@ -42,6 +42,16 @@ def eval_(
                                           "time read from disk, for models bigger than memory (default: for each "
                                           "model whose weights exceed half the available memory). Latency is not "
                                           "measured for a streamed model."),
+    kernels: str = typer.Option("fast", "--kernels", help="fast: each format's own kernel on this device (torch's "
+                                "int4 kernel, bf16 activations, for GPTQ/AWQ/pack-quantized; fbgemm for int8); "
+                                "reference: our dequantizing loader (exact; packed formats are then not timed)."),
+    dtype_baseline: bool = typer.Option(True, "--dtype-baseline/--no-dtype-baseline", help="When a model runs in "
+                                        "another activation dtype than the baseline (int4 kernels: bf16), also time "
+                                        "the baseline in that dtype (default on)."),
+    engine: str = typer.Option("transformers", "--engine", help="transformers (in this process) or vllm: load and "
+                               "measure every model in vLLM, installed in its own venv (docs/serving.md)."),
+    vllm_python: Optional[str] = typer.Option(None, "--vllm-python", help="Python of the venv that has vLLM (default: "
+                                              "this one if it imports vllm, else $GEMINICOMPRESS_VLLM_PYTHON)."),
     text_column: str = c.TEXT_COLUMN,
     device: str = c.DEVICE,
     force: bool = c.FORCE,
@@ -61,7 +71,7 @@ def eval_(
 
     from geminicompress.data import check_data_spec
     from geminicompress.eval.api import evaluate
-    from geminicompress.eval.table import rich_table
+    from geminicompress.eval.table import rich_table, same_dtype_lines
     from geminicompress.output import OutputDir, check_output_path
     from geminicompress.recipes.schema import EvalStage
 
@@ -71,7 +81,8 @@ def eval_(
              "tasks": [t.strip() for t in tasks.split(",") if t.strip()] if tasks is not None else None}
     try:
         options = EvalStage(type="eval", data=data, text_column=text_column, latency=not no_latency,
-                            quality=not no_quality,
+                            quality=not no_quality, kernels=kernels, dtype_baseline=dtype_baseline, engine=engine,
+                            vllm_python=vllm_python,
                             **{k: v for k, v in given.items() if v is not None})
     except ValidationError as exc:
         err = exc.errors()[0]
@@ -87,5 +98,7 @@ def eval_(
     with OutputDir(output, force) as tmp:
         write_report(report, tmp)
     c.out_console.print(rich_table(report, c.out_console.width))
+    for line in same_dtype_lines(report):
+        c.out_console.print(line, highlight=False, soft_wrap=True)
     c.console.print(f"[green]wrote[/] {output}  (report.json, report.md, tradeoff.png; {choice.reason})",
                     highlight=False, soft_wrap=True)

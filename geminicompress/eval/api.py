@@ -24,7 +24,7 @@ import torch
 from geminicompress import __version__
 from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.errors import GeminiError
-from geminicompress.eval import plan
+from geminicompress.eval import kernels, plan
 from geminicompress.eval.baseline_cache import BaselineCache
 from geminicompress.eval.extras import run_speculative, run_tasks, tasks_available
 from geminicompress.eval.footprint import (
@@ -140,6 +140,14 @@ def evaluate(
     stream: evaluate one decoder layer at a time from disk: True, False, or None for the models whose
     weights exceed half of the available memory (streamed.py)."""
     progress = progress or NullProgress()
+    if options.engine == "vllm":  # every model measured by vLLM, in its own process (vllm_eval.py)
+        from geminicompress.eval.vllm_eval import evaluate_vllm
+
+        report = evaluate_vllm(models, baseline, data, options, progress, names=names,
+                               trust_remote_code=trust_remote_code)
+        if out_dir is not None:
+            write_report(report, out_dir)
+        return report
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     options = plan.with_device_defaults(options, device)
     text = read_text(data, options.text_column)
@@ -153,13 +161,17 @@ def evaluate(
         options = options.model_copy(update={"tasks": []})
     entries: list[dict] = []
     base_model, base = None, None
+    jobs: list[tuple[str, str, torch.dtype | None]] = [(spec, name, None) for spec, name in zip(specs, shown)]
+    same_dtype = _dtype_baseline(specs, options, device) if streamed[baseline] is None else None
+    if same_dtype is not None:  # the baseline again, in the dtype the int4 kernels compute in (right after it)
+        jobs.insert(1, (baseline, f"{shown[0]} @{_dtype_name(same_dtype)}", same_dtype))
     try:
-        for spec, name in zip(specs, shown):
+        for spec, name, dtype in jobs:
             if streamed[spec] is not None:
                 entry, kept, state = _evaluate_streamed(spec, name, text, options, base, device, progress, load,
                                                         streamed[spec])
             else:
-                entry, kept, state = _evaluate_one(spec, name, text, options, base, device, progress, load)
+                entry, kept, state = _evaluate_one(spec, name, text, options, base, device, progress, load, dtype)
             if base is None:
                 base, base_model = state, kept
             entries.append(entry)
@@ -220,6 +232,21 @@ def _plan_line(baseline: str, n_models: int, text: str, data: str, options: Eval
     return f"plan: {'; '.join(parts)}; expected {plan.describe_duration(seconds)} on {where} (rough)"
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_baseline(specs: list[str], options: EvalStage, device: torch.device) -> torch.dtype | None:
+    """The activation dtype of the int4 kernels when a model will run on them and the baseline is stored
+    in another dtype (so that its speed is also measured at that dtype), else None."""
+    if options.kernels != "fast" or not options.dtype_baseline or not options.latency:
+        return None
+    wanted = kernels.int4_activation_dtype(device)
+    if stored_dtype(specs[0]) == wanted or not any(kernels.expects_int4(plan.peek_config(s)) for s in specs[1:]):
+        return None
+    return wanted
+
+
 def _timing_warning(entries: list[dict]) -> str | None:
     """One line naming the models whose timings are suspect, why, and what to do."""
     bad = [(e["name"], e["latency"]["load"]) for e in entries
@@ -230,13 +257,16 @@ def _timing_warning(entries: list[dict]) -> str | None:
 def _new_entry(spec: str, name: str, is_base: bool) -> dict:
     return {"name": name, "path": spec, "baseline": is_base, "format": None, "dtype": None, "quality": None,
             "latency": None, "peak_memory_mb": None, "tensors_mb": None, "size_mb": None, "masks_mb": None,
-            "params": None, "sparsity": None, "quant_zeros": None, "tasks": None, "streamed": None, "notes": []}
+            "params": None, "sparsity": None, "quant_zeros": None, "kernel": None, "dtype_baseline": False, "tasks": None,
+            "streamed": None, "notes": []}
 
 
-def _evaluate_one(spec, name, text, options, base, device, progress, load):
-    """Measure one model; returns (entry, model kept for recomputing or None, Baseline if this is it)."""
+def _evaluate_one(spec, name, text, options, base, device, progress, load, dtype=None):
+    """Measure one model (in `dtype` instead of its stored dtype when given); returns (entry, model kept for
+    recomputing or None, Baseline if this is it)."""
     is_base = base is None
     entry = _new_entry(spec, name, is_base)
+    entry["dtype_baseline"] = dtype is not None
 
     def note(message: str) -> None:
         entry["notes"].append(message)
@@ -245,7 +275,7 @@ def _evaluate_one(spec, name, text, options, base, device, progress, load):
     progress.info(f"evaluating {name}" + (" (baseline)" if is_base else ""))
     with PeakMemory(device) as peak:
         try:
-            loaded = load_model(spec, dtype=stored_dtype(spec), **load)
+            loaded = load_model(spec, dtype=dtype or stored_dtype(spec), **load)
         except GeminiError as exc:
             if is_base:
                 raise type(exc)(f"baseline: {exc}") from exc  # nothing to compare with
@@ -258,9 +288,16 @@ def _evaluate_one(spec, name, text, options, base, device, progress, load):
                      tensors_mb=tensor_mb(model), params=count_params(model),
                      sparsity=weight_sparsity(model, prune_masks_path(weights_path(loaded))),
                      quant_zeros=quantization_zeros(model))
+        choice = _kernels(model, options, device, entry["sparsity"])
+        entry.update(kernel=choice.as_dict(), dtype=choice.activation_dtype)
+        if choice.note and options.latency and choice.timed:
+            note(choice.note)  # e.g. sparsity that runs dense here: the speed column is a dense model's
         state, ids = _quality(model, lambda w: (window_logprobs(model, x, device) for x in w), loaded.tokenizer,
                               name, text, options, base, progress, entry, note)
-        if options.latency:
+        if options.latency and not choice.timed:
+            note(f"latency not measured: {choice.note}; our dequantizing loader's timings would say nothing "
+                 "about the format's own kernels")
+        elif options.latency:
             entry["latency"] = _latency(model, ids, options, device, progress, note)
         if options.tasks:
             entry["tasks"] = run_tasks(model, loaded.tokenizer, options.tasks, device, note)
@@ -271,6 +308,13 @@ def _evaluate_one(spec, name, text, options, base, device, progress, load):
     else:
         free(model)
     return entry, (model if keep else None), state
+
+
+def _kernels(model, options: EvalStage, device: torch.device, sparsity: float | None) -> kernels.KernelChoice:
+    """The fast kernels swapped in (options.kernels == "fast"), or what the reference path is."""
+    if options.kernels == "fast":
+        return kernels.use_fast_kernels(model, device, sparsity)
+    return kernels.describe_reference(model, device, sparsity)
 
 
 def _quality(model, logprobs_of, tok, name, text, options, base, progress, entry, note):

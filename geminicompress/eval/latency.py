@@ -43,7 +43,7 @@ def summarize_ms(seconds: list[float]) -> dict[str, float]:
     return {"median": round(percentile(ms, 50), 4), "p90": round(percentile(ms, 90), 4)}
 
 
-def _forward_args(model) -> tuple[str, dict]:
+def forward_args(model) -> tuple[str, dict]:
     """(name of the KV-cache argument, extra prefill kwargs) that this model's forward accepts:
     transformers >= 5 calls the cache `cache`, earlier versions `past_key_values`; `logits_to_keep=1`
     (only the last position's logits at prefill, as `generate` does) where supported."""
@@ -52,7 +52,8 @@ def _forward_args(model) -> tuple[str, dict]:
     return cache_arg, ({"logits_to_keep": 1} if "logits_to_keep" in params else {})
 
 
-def _cache_of(out):
+def cache_of(out):
+    """The KV cache a forward returned (`cache` in transformers >= 5, else `past_key_values`)."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
 
@@ -68,7 +69,7 @@ class RunTiming:
 def greedy_run(model, prompt: torch.Tensor, gen_len: int, device: torch.device) -> RunTiming:
     """One greedy generation of exactly `gen_len` tokens after `prompt` (B, P), with the KV cache."""
     ids = prompt.to(device)
-    cache_arg, prefill_kwargs = _forward_args(model)
+    cache_arg, prefill_kwargs = forward_args(model)
     sync(device)
     t0 = time.perf_counter()
     out = model(input_ids=ids, use_cache=True, **prefill_kwargs)
@@ -77,7 +78,7 @@ def greedy_run(model, prompt: torch.Tensor, gen_len: int, device: torch.device) 
     t1 = time.perf_counter()
     tokens = [token]
     for _ in range(gen_len - 1):
-        out = model(input_ids=token, use_cache=True, **{cache_arg: _cache_of(out)})
+        out = model(input_ids=token, use_cache=True, **{cache_arg: cache_of(out)})
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(token)
     sync(device)

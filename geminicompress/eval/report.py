@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from geminicompress.eval.table import caption, markdown_table, pct_change, summary_line
+from geminicompress.eval.table import caption, markdown_table, pct_change, same_dtype_lines, summary_line
 from geminicompress.output import write_json
 
 
@@ -85,6 +85,9 @@ def markdown_report(report: dict) -> str:
             lines.append(f"- **{m['name']}**: {summary_line(report, m)}")
         for note in m.get("notes", []):
             lines.append(f"- {m['name']}: {note}")
+    same = same_dtype_lines(report)
+    if same:
+        lines += ["", "Against the baseline in the same activation dtype:", ""] + [f"- {line}" for line in same]
     tasks = [(m["name"], m["tasks"]) for m in report["models"] if m.get("tasks")]
     if tasks:
         lines += ["", "## Downstream tasks (lm-eval-harness)", ""]

@@ -37,7 +37,9 @@ def run(cfg: EvalStage, ctx) -> dict:
     model = report["models"][-1]
     model["path"] = str(ctx.out_dir.with_name(out_name))  # where it will be once the run completes
     write_report(report, ctx.out_dir / REPORT_FOLDER)
+    serving = _serving(cfg, ctx) if cfg.serving is not None else None
     return {
+        "serving": serving,
         "report": f"{REPORT_FOLDER}/report.json",
         "summary": summary_line(report, model),
         "quality": model["quality"],
@@ -45,3 +47,34 @@ def run(cfg: EvalStage, ctx) -> dict:
         "size_mb": model["size_mb"],
         "notes": [n for m in report["models"] for n in m["notes"]],
     }
+
+
+def is_w8a8(folder) -> bool:
+    """The folder holds a compressed-tensors int-quantized checkpoint with quantized input activations."""
+    import json
+
+    try:
+        qc = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return False
+    groups = (qc.get("config_groups") or {}).values()
+    return qc.get("format") == "int-quantized" and any(g.get("input_activations") for g in groups)
+
+
+def _serving(cfg: EvalStage, ctx) -> dict:
+    """The serving table of the recipe's model into OUT/eval/serving/; its INT8 row serves OUT when W8A8."""
+    from geminicompress.eval import serve_table
+    from geminicompress.eval.serve_bench import serve_bench
+    from geminicompress.eval.workload import WorkloadSpec
+
+    s, recipe = cfg.serving, ctx.recipe
+    spec = WorkloadSpec(s.requests, s.prefix_len, s.question_len, s.answer_len, s.rate, s.max_prompt_len, s.seed)
+    report = serve_bench(recipe.model, str(ctx.out_dir) if is_w8a8(ctx.out_dir) else None,
+                         cfg.data or recipe.calibration.data, spec, engine=cfg.engine, max_batch=s.max_batch,
+                         ppl_tokens=s.ppl_tokens, text_column=cfg.text_column, vllm_python=cfg.vllm_python,
+                         dtype=s.dtype, progress=ctx.progress, trust_remote_code=recipe.trust_remote_code)
+    if report["int8"] is not None:
+        report["int8"] = str(ctx.out_dir.with_name(final_name(ctx.out_dir.name)))
+    serve_table.write(report, ctx.out_dir / REPORT_FOLDER / "serving")
+    return {"report": f"{REPORT_FOLDER}/serving/serving.json",
+            "rows": {r["row"]: (r["metrics"] or {}).get("throughput_req_s") for r in report["rows"]}}

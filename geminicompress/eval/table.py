@@ -90,7 +90,7 @@ def rows(report: dict) -> list[list[Cell]]:
         sp = m.get("sparsity")
         mark = UNRELIABLE if _get(lat, "load", "unreliable") else ""
         out.append([
-            (m["name"], "(baseline)" if is_base else "(failed)" if m.get("error") else ""),
+            (m["name"], "(baseline)" if is_base else "(failed)" if m.get("error") else kernel_label(m)),
             _with_delta(q.get("perplexity"), _get(base, "quality", "perplexity"), is_base),
             ("n/a" if kl is None else f"{kl:.3g}", ""),
             ("n/a" if agree is None else f"{agree * 100:.1f}%", ""),
@@ -103,6 +103,36 @@ def rows(report: dict) -> list[list[Cell]]:
             ("n/a" if sp is None else f"{sp * 100:.1f}%", ""),
         ])
     return out
+
+
+_KERNELS = {"torch-int4-cpu": "int4", "torch-int4-cuda": "int4", "fbgemm-dynamic": "w8a8 fbgemm",
+            "fbgemm-fp16-codes": "int8 fbgemm", "reference": "no fast kernel", "dense": "dense", "vllm": "vLLM"}
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def kernel_label(model: dict) -> str:
+    """`int4, bf16`: the kernel that ran the model's linears and the activation dtype (eval/kernels.py)."""
+    k = model.get("kernel") or {}
+    if not k:
+        return ""
+    return f"{_KERNELS.get(k['kernel'], k['kernel'])}, {_DTYPES.get(k['activation_dtype'], k['activation_dtype'])}"
+
+
+def same_dtype_lines(report: dict) -> list[str]:
+    """`gptq: TPOT 0.55x, TTFT 1.21x smollm2-demo @bfloat16's`: speed against the baseline timed in the
+    same activation dtype (the int4 kernels compute in bf16; api.py adds that row)."""
+    refs = {m["dtype"]: m for m in report["models"] if m.get("dtype_baseline") and m.get("latency")}
+    lines = []
+    for m in report["models"]:
+        ref = refs.get(m.get("dtype"))
+        if ref is None or m is ref or m.get("baseline") or not m.get("latency"):
+            continue
+        ratios = [f"{what} {_get(m, 'latency', key, 'median') / _get(ref, 'latency', key, 'median'):.2f}x"
+                  for what, key in (("TPOT", "tpot_ms"), ("TTFT", "ttft_ms"))
+                  if _get(m, "latency", key, "median") and _get(ref, "latency", key, "median")]
+        if ratios:
+            lines.append(f"{m['name']}: {', '.join(ratios)} {ref['name']}'s (same activation dtype)")
+    return lines
 
 
 def summary_line(report: dict, model: dict) -> str:

@@ -171,6 +171,24 @@ class DistillStage(_StageBase):
 # --------------------------------------------------------------------------- eval
 
 
+class ServingOptions(Strict):
+    """The serving table (`serve-bench`) of the recipe's model, inside an eval stage: one workload, one row
+    per serving optimization; the INT8 row serves the recipe's output when it is W8A8 (docs/serving.md)."""
+
+    requests: int = Field(32, ge=1, description="requests in the workload")
+    prefix_len: int = Field(256, ge=0, description="tokens of the system prefix every request shares")
+    question_len: int = Field(128, ge=1, description="tokens of each request's own question")
+    answer_len: int = Field(32, ge=2, description="tokens generated per request (greedy, EOS ignored)")
+    rate: float = Field(4.0, ge=0, description="arrivals per second (Poisson); 0 = all at once")
+    max_prompt_len: int | None = Field(None, ge=1, description="the truncation row's prompt length "
+                                       "(default: prefix + half the question)")
+    max_batch: int = Field(8, ge=2, description="largest batch of the batching rows (vLLM: max_num_seqs)")
+    ppl_tokens: int = Field(4096, ge=0, description="tokens of the eval text for the perplexity of rows that "
+                            "change the model")
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    seed: int = 0
+
+
 class EvalStage(_StageBase):
     """Quality drift vs latency gain of the pipeline's output against the recipe's input model.
     `data` is the evaluation text (default: the recipe's calibration data)."""
@@ -188,6 +206,17 @@ class EvalStage(_StageBase):
     quality: bool = Field(True, description="false = latency only (no perplexity, KL, agreement)")
     tasks: list[str] = Field(default_factory=list, description="lm-eval-harness tasks (optional extra)")
     draft: str | None = Field(None, description="draft MODEL: also time speculative decoding of the baseline")
+    kernels: Literal["fast", "reference"] = Field(
+        "fast", description="fast: each format's kernel on this device (torch's int4 kernel for GPTQ/AWQ/"
+        "pack-quantized, bf16 activations); reference: our dequantizing loader, latency not measured for packed formats")
+    dtype_baseline: bool = Field(True, description="when a model runs in another activation dtype than the baseline "
+                                 "(int4 kernels: bf16), also time the baseline in that dtype")
+    engine: Literal["transformers", "vllm"] = Field("transformers", description="vllm: load and measure every model in "
+                                                    "vLLM (a separate install, docs/serving.md)")
+    vllm_python: str | None = Field(None, description="python of the venv that has vLLM (default: this one if it "
+                                    "imports vllm, else $GEMINICOMPRESS_VLLM_PYTHON)")
+    serving: ServingOptions | None = Field(None, description="also build the serving table (serve-bench) with "
+                                           "`engine`; its INT8 row serves the output when it is W8A8")
 
     @field_validator("batch_sizes")
     @classmethod

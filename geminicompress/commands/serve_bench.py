@@ -1,0 +1,76 @@
+"""`geminicompress serve-bench`: the serving table: one workload, one row per serving optimization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from geminicompress.commands import common as c
+
+
+@c.handle_errors
+def serve_bench(
+    model: str = typer.Argument(..., help="MODEL to serve: a local directory or smollm2-demo."),
+    output: Path = typer.Option(..., "--output", "-o", help="Report directory (serving.json, serving.md, serving.png)."),
+    int8: Optional[str] = typer.Option(None, "--int8", help="The W8A8 output of MODEL, for the INT8 row (from "
+                                       "`quantize MODEL -o OUT --method w8a8`); without it the row says so."),
+    engine: str = typer.Option("transformers", "--engine", help="transformers (this process) or vllm (its own venv, "
+                               "docs/serving.md)."),
+    data: str = typer.Option("builtin:pydoc", "--data", help="Text the prefix, the questions and the perplexity "
+                             "windows are cut from."),
+    requests: int = typer.Option(32, "--requests", help="Requests in the workload."),
+    prefix_len: int = typer.Option(256, "--prefix-len", help="Tokens of the system prefix every request shares."),
+    question_len: int = typer.Option(128, "--question-len", help="Tokens of each request's own question."),
+    answer_len: int = typer.Option(32, "--answer-len", help="Tokens generated per request (greedy, EOS ignored)."),
+    rate: float = typer.Option(4.0, "--rate", help="Arrival rate, requests per second (Poisson); 0 = all at once."),
+    max_prompt_len: Optional[int] = typer.Option(None, "--max-prompt-len", help="Prompt length of the truncation "
+                                                 "row (default: prefix + half the question)."),
+    max_batch: int = typer.Option(8, "--max-batch", help="Largest batch of the batching rows (vLLM: max_num_seqs)."),
+    ppl_tokens: int = typer.Option(4096, "--ppl-tokens", help="Tokens of DATA for the perplexity of rows that "
+                                   "change the model (512-token windows; 0 = none)."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (as stored), float32 or bfloat16."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the arrival times."),
+    vllm_python: Optional[str] = typer.Option(None, "--vllm-python", help="Python of the venv that has vLLM."),
+    text_column: str = c.TEXT_COLUMN,
+    force: bool = c.FORCE,
+    trust: bool = c.TRUST,
+    quiet: bool = c.QUIET,
+    threads: Optional[int] = c.THREADS,
+) -> None:
+    """Serve one workload row after row, each row adding one optimization to the row before:
+    original configuration, prompt truncation, FlashAttention, KV-cache reuse, dynamic batching,
+    PagedAttention, INT8. Columns: TTFT median/p90, TPOT, requests/s, KV-cache hit rate, answer
+    agreement with the first row, perplexity drift of rows that change the model.
+
+    \b
+    Examples:
+      geminicompress quantize smollm2-demo -o out-w8a8 --method w8a8
+      geminicompress serve-bench smollm2-demo --int8 out-w8a8 -o serving
+      geminicompress serve-bench smollm2-demo --int8 out-w8a8 -o serving-vllm \\
+          --engine vllm --vllm-python ~/venv-vllm/bin/python
+    """
+    from geminicompress.data import check_data_spec
+    from geminicompress.errors import InputError
+    from geminicompress.eval import serve_table
+    from geminicompress.eval.serve_bench import serve_bench as run
+    from geminicompress.eval.workload import WorkloadSpec
+    from geminicompress.output import OutputDir, check_output_path
+
+    if engine not in ("transformers", "vllm"):
+        raise InputError(f"--engine must be transformers or vllm, got '{engine}'")
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise InputError(f"--dtype must be auto, float32 or bfloat16, got '{dtype}'")
+    check_data_spec(data)
+    check_output_path(output, force)
+    spec = WorkloadSpec(requests, prefix_len, question_len, answer_len, rate, max_prompt_len, seed)
+    choice = c.use_threads(threads, None)
+    report = run(model, int8, data, spec, engine=engine, max_batch=max_batch, ppl_tokens=ppl_tokens,
+                 text_column=text_column, vllm_python=vllm_python, dtype=dtype, progress=c.RichProgress(quiet),
+                 trust_remote_code=trust)
+    with OutputDir(output, force) as tmp:
+        serve_table.write(report, tmp)
+    c.out_console.print(serve_table.rich_table(report, c.out_console.width))
+    c.console.print(f"[green]wrote[/] {output}  (serving.json, serving.md, serving.png; {choice.reason})",
+                    highlight=False, soft_wrap=True)

@@ -1,0 +1,177 @@
+"""Which kernel runs a loaded model's linears on this device, and swapping the fast ones in (STYLE rule 16:
+time what users run, never our reference loader).
+
+After loading, a packed model's quantized linears are `DequantLinear`s: they rebuild the float weight on
+every call, which is exact but says nothing about speed (issue #25: 13x "slower" 4-bit GPTQ). Here:
+
+| what was loaded | kernel on a CPU | kernel on CUDA (not run here: no GPU) |
+|---|---|---|
+| GPTQ / AWQ / pack-quantized, 2-4 bit | torch's int4 kernel, bf16 activations (int4.py) | torch's int4 kernel (tinygemm), bf16 |
+| the same, 8-bit symmetric per channel | fbgemm's W8A16 kernel (the int8 module) | none: not timed |
+| the same, other 8-bit, or a shape the kernel cannot hold | none: latency not measured, the reason shown | same |
+| int8 / w8a8 (compressed-tensors int-quantized) | fbgemm (compress/int8/modules.py, as loaded) | reference matmuls |
+| dense | torch's matmul in the stored dtype | same |
+| dense with pruned zeros | dense matmul, noted: unstructured sparsity / 2:4 has no kernel here | 2:4: sparse tensor cores, not used |
+
+The int4 kernel is vectorized on x86 only for bf16 activations, so a model that uses it runs in bf16
+(its norms, embeddings and head too); `eval` then also times the baseline in bf16 (api.py), so the two
+are compared at the same activation dtype. On CUDA the formats' own serving kernels (Marlin, ExLlama) are
+what `eval --engine vllm` measures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from geminicompress.compress.int8.modules import Int8WeightOnlyLinear
+from geminicompress.eval.int4 import Int4Linear, int4_layout
+from geminicompress.formats.dequant import DequantLinear
+
+INT4_FORMATS = ("gptq", "awq", "compressed-tensors:pack-quantized")
+SPARSE_NOTE = "unstructured sparsity runs dense here: no sparse kernel on this device"
+SPARSE_24_NOTE = "2:4 sparsity runs dense here: it needs sparse tensor cores (a GPU)"
+SPARSE_MIN = 0.1
+SLOW_FALLBACKS = ("reference", "dequant-matmul")  # the int8 modules' names for their float imitation  # a dense model with at least this fraction of zero weights counts as pruned
+
+
+@dataclass
+class KernelChoice:
+    """What runs the model's linears: recorded in report.json (`kernel`) and shown in the table."""
+
+    kernel: str  # "torch-int4-cpu", "fbgemm-int8", "dense", "reference" ...
+    activation_dtype: str  # what the activations are computed in
+    modules: dict[str, int] = field(default_factory=dict)  # kernel -> number of linears
+    timed: bool = True  # False: only the reference path exists here; latency is not measured
+    note: str | None = None  # why (no fast kernel, sparsity that runs dense)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def int4_activation_dtype(device: torch.device) -> torch.dtype:
+    """bf16 where torch's int4 kernel is fast (x86 CPUs: vectorized for bf16 only; CUDA: bf16 only)."""
+    return torch.bfloat16
+
+
+def expects_int4(config: dict | None) -> bool:
+    """From a config.json alone: would this checkpoint run on the int4 kernel (so in bf16)?"""
+    qc = (config or {}).get("quantization_config") or {}
+    method = str(qc.get("quant_method", "")).lower()
+    if method in ("gptq", "awq"):
+        return int(qc.get("bits", 4)) <= 4
+    if method == "compressed-tensors" and qc.get("format") == "pack-quantized":
+        groups = (qc.get("config_groups") or {}).values()
+        return all(int((g.get("weights") or {}).get("num_bits", 8)) <= 4 for g in groups)
+    return False
+
+
+def _parent_and_name(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent, _, child = name.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), child
+
+
+def _sparsity_note(model: nn.Module, sparsity: float | None) -> str | None:
+    if sparsity is None or sparsity < SPARSE_MIN:
+        return None
+    return SPARSE_24_NOTE if _is_24(model) else SPARSE_NOTE
+
+
+def _is_24(model: nn.Module) -> bool:
+    """Every decoder linear has at least 2 zeros in each group of 4 consecutive inputs."""
+    found = False
+    for name, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if not isinstance(m, nn.Linear) or name.endswith("lm_head") or w.shape[1] % 4:
+            continue
+        found = True
+        if bool(((w.view(-1, 4) == 0).sum(-1) < 2).any()):
+            return False
+    return found
+
+
+@torch.no_grad()
+def use_fast_kernels(model: nn.Module, device: torch.device, sparsity: float | None = None) -> KernelChoice:
+    """Swap every `DequantLinear` for the device's fast kernel when all of them can take it (then the
+    whole model computes in the kernel's activation dtype); say what runs. The model is changed in place."""
+    packed = [(n, m) for n, m in model.named_modules() if isinstance(m, DequantLinear)]
+    if not packed:
+        return _unpacked(model, device, sparsity)
+    dtype = next(model.parameters()).dtype
+    plans: dict[str, object] = {}  # name -> INT8 (fbgemm W8A16) or the int4 kernel's layout
+    for name, m in packed:
+        plan = INT8 if _is_int8_channel(m, device) else int4_layout(m.q, m.scales, m.zeros, m.g_idx, m.bits,
+                                                                   16 if device.type == "cpu" else 8)
+        if isinstance(plan, str) and plan != INT8:
+            return KernelChoice("reference", _dtype_name(dtype), {"reference": len(packed)}, False,
+                                f"no fast kernel on {device.type}: {name}: {plan}")
+        plans[name] = plan
+    int4 = [n for n, p in plans.items() if p != INT8]
+    act = int4_activation_dtype(device) if int4 else dtype
+    model.to(act)  # norms, embeddings, head: the kernel's activation dtype
+    counts: dict[str, int] = {}
+    for name, m in packed:
+        plan = plans[name]
+        module = _int8_module(m, act) if plan == INT8 else Int4Linear(plan, m.bits, m.bias, act, device)
+        counts[module.kernel] = counts.get(module.kernel, 0) + 1
+        parent, child = _parent_and_name(model, name)
+        setattr(parent, child, module)
+    note = None
+    bits = sorted({m.bits for n, m in packed if n in int4})
+    if bits and bits != [4]:
+        note = f"{'/'.join(map(str, bits))}-bit codes run in the int4 kernel (4 bits per weight in memory)"
+    kernel = max(counts, key=counts.get)
+    return KernelChoice(kernel, _dtype_name(act), counts, True, note)
+
+
+INT8 = "int8"
+
+
+def _is_int8_channel(m: DequantLinear, device: torch.device) -> bool:
+    """8-bit symmetric per-channel codes (zero point 128, one group): int8 W8A16 weights for fbgemm."""
+    return (m.bits == 8 and device.type == "cpu" and m.scales.shape[1] == 1 and bool((m.zeros == 128).all())
+            and bool(torch.equal(m.g_idx, torch.zeros_like(m.g_idx))))
+
+
+def _int8_module(m: DequantLinear, dtype: torch.dtype) -> Int8WeightOnlyLinear:
+    """The same weights as fbgemm's W8A16 module: codes q − 128 in [-128, 127], the same scales (exact)."""
+    module = Int8WeightOnlyLinear(m.in_features, m.out_features, m.bias is not None, dtype)
+    module.weight.copy_((m.q.to(torch.int16) - 128).to(torch.int8))
+    module.weight_scale.copy_(m.scales.float())
+    if m.bias is not None:
+        module.bias.copy_(m.bias.detach())
+    return module
+
+
+def describe_reference(model: nn.Module, device: torch.device, sparsity: float | None = None) -> KernelChoice:
+    """What runs when the fast kernels are not swapped in (`eval --kernels reference`): packed formats
+    through our dequantizing loader (exact, not timed), the rest as loaded."""
+    packed = sum(isinstance(m, DequantLinear) for m in model.modules())
+    if not packed:
+        return _unpacked(model, device, sparsity)
+    return KernelChoice("reference", _dtype_name(next(model.parameters()).dtype), {"reference": packed}, False,
+                        "reference path (--kernels reference): packed weights are dequantized on every call")
+
+
+def _unpacked(model: nn.Module, device: torch.device, sparsity: float | None) -> KernelChoice:
+    """A model without packed linears: dense matmuls and/or the int8 modules' own kernels."""
+    dtype = next(model.parameters()).dtype
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        kernel = getattr(m, "kernel", None)
+        if isinstance(kernel, str):
+            counts[kernel] = counts.get(kernel, 0) + 1
+    dense = sum(isinstance(m, nn.Linear) for m in model.modules())
+    if dense:
+        counts["dense"] = dense
+    name = next((k for k in counts if k != "dense"), "dense")
+    if name in SLOW_FALLBACKS:  # int8 modules off the CPU: float matmuls that imitate the kernel
+        return KernelChoice(name, _dtype_name(dtype), counts, False,
+                            f"no int8 kernel on {device.type} here (vLLM's: --engine vllm)")
+    return KernelChoice(name, _dtype_name(dtype), counts, True, _sparsity_note(model, sparsity))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

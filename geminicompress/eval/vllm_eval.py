@@ -1,0 +1,211 @@
+"""`eval --engine vllm`: every model loaded and measured by vLLM, as the people who serve it would run it.
+
+The same protocol as the in-process eval, on the same token ids: perplexity over the same windows through
+vLLM's `prompt_logprobs` (and top-1 agreement with the baseline's vLLM run: vLLM returns the rank-1 token
+at each position, not whole distributions, so there is no KL), and latency from vLLM's own request
+metrics: TTFT and TPOT at batch 1, throughput for each batch size (`--prompt-len` prompts, exactly
+`--gen-len` greedy tokens, EOS ignored; `--warmup` + `--repeats` runs; prefix caching off so that repeats
+are not cache hits). Each model runs in the activation dtype our fast path uses for it (bf16 for the
+int4 formats, else its stored dtype), so the two engines are compared at the same dtype.
+
+A checkpoint vLLM refuses gives one warning line with vLLM's reason and a `[failed]` row; the other
+models are still measured (a refused baseline stops the run: nothing to compare with).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from geminicompress import __version__, formats
+from geminicompress.data import pack_windows, read_text, tokenize
+from geminicompress.errors import GeminiError, InputError
+from geminicompress.eval import contention, kernels, plan
+from geminicompress.eval.footprint import weights_size_mb
+from geminicompress.eval.latency import prompt_batch
+from geminicompress.eval.serving_metrics import from_vllm, summarize
+from geminicompress.eval.vllm_engine import check_vllm, find_python, run_driver
+from geminicompress.machine import machine, versions
+from geminicompress.progress import NullProgress, Progress
+from geminicompress.recipes.schema import EvalStage
+from geminicompress.threads import usable_cores
+
+DEFAULT_SEQ_LEN = 2048
+
+
+def model_path(spec: str) -> str:
+    """What vLLM loads for MODEL: the converted demo's folder, a local directory, or a hub id as typed."""
+    from geminicompress.models import demo
+    from geminicompress.models.loading import resolve_model
+
+    source = resolve_model(spec)
+    if source.kind == "demo":
+        return str(demo.demo_cache_dir())
+    if source.kind == "gguf":
+        raise InputError(f"{spec}: --engine vllm loads model directories (or hub ids), not .gguf files")
+    return str(source.path) if source.kind == "dir" else spec
+
+
+def engine_dtype(spec: str) -> str:
+    """The activation dtype for vLLM: our fast path's for this checkpoint (bf16 for int4 formats)."""
+    from geminicompress.eval.api import stored_dtype
+
+    if kernels.expects_int4(plan.peek_config(spec)):
+        return "bfloat16"
+    return str(stored_dtype(spec)).removeprefix("torch.")
+
+
+def quality_from_logprobs(logprobs: list[list[float]], top1: list[list[int]], windows: torch.Tensor,
+                          base: dict | None) -> dict:
+    """Perplexity from vLLM's prompt log-probs of each window's tokens 1..T-1, and top-1 agreement with the
+    baseline's vLLM run (`base`: its `top1` lists and perplexity)."""
+    nll = -sum(sum(w) for w in logprobs)
+    count = sum(len(w) for w in logprobs)
+    ppl = math.exp(nll / count)
+    out = {"perplexity": round(ppl, 6), "mean_nll": round(nll / count, 8), "tokens": count,
+           "windows": len(logprobs), "seq_len": int(windows.shape[1]), "kl_to_baseline": None,
+           "top1_agreement": None, "ppl_ratio": None}
+    if base is None:
+        out.update(top1_agreement=1.0, ppl_ratio=1.0, kl_to_baseline=None)
+    else:
+        same = sum(a == b for x, y in zip(top1, base["top1"]) for a, b in zip(x, y))
+        out.update(top1_agreement=round(same / count, 6), ppl_ratio=round(ppl / base["perplexity"], 6))
+    return out
+
+
+def latency_tasks(ids: torch.Tensor, options: EvalStage) -> list[tuple[int, dict]]:
+    """(batch size, serve task) for every warm-up and timed run, batch 1 first."""
+    tasks = []
+    for b in sorted(set(options.batch_sizes) | {1}):
+        prompts = prompt_batch(ids, b, options.prompt_len).tolist()
+        for run in range(options.warmup + options.repeats):
+            task = {"kind": "serve", "requests": [{"prompt": p, "arrival_s": 0.0, "max_tokens": options.gen_len}
+                                                  for p in prompts]}
+            if not tasks:
+                task["warmup"] = prompts[:1]
+            tasks.append((b, task))
+    return tasks
+
+
+def latency_from_runs(runs: list[tuple[int, dict]], options: EvalStage) -> dict:
+    """TTFT/TPOT (batch 1) and throughput per batch size from the serve results (warm-up runs dropped)."""
+    from geminicompress.eval.latency import percentile
+
+    by_batch: dict[int, list[dict]] = {}
+    for b, result in runs:
+        by_batch.setdefault(b, []).append(result)
+    timed = {b: rs[options.warmup:] for b, rs in by_batch.items()}
+    one = [from_vllm(r["requests"][0], r["start_wall"]) for r in timed[1]]
+    ttft = [t.ttft * 1000 for t in one]
+    tpot = [t.tpot * 1000 for t in one if t.tpot is not None]
+    throughput = {str(b): round(percentile([summarize([from_vllm(q, r["start_wall"]) for q in r["requests"]])
+                                            ["throughput_tok_s"] for r in timed[b]], 50), 3)
+                  for b in sorted(set(options.batch_sizes))}
+
+    def ms(v: list[float]) -> dict | None:
+        return {"median": round(percentile(v, 50), 4), "p90": round(percentile(v, 90), 4)} if v else None
+
+    return {"ttft_ms": ms(ttft), "tpot_ms": ms(tpot), "throughput_tok_s": throughput,
+            "prompt_len": options.prompt_len, "gen_len": options.gen_len, "repeats": options.repeats,
+            "warmup": options.warmup, "source": "vLLM RequestOutput.metrics"}
+
+
+def evaluate_vllm(models: list[str], baseline: str, data: str, options: EvalStage, progress: Progress | None = None,
+                  *, names: dict[str, str] | None = None, trust_remote_code: bool = False) -> dict:
+    """Evaluate `baseline` and `models` in vLLM; the report has the shape of api.evaluate's."""
+    from geminicompress.eval.api import display_names
+
+    progress = progress or NullProgress()
+    options = plan.with_device_defaults(options, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    python = find_python(options.vllm_python)
+    version = check_vllm(python)  # absent / too old: one line, exit 2, before any model loads
+    skipped = [flag for flag, given in (("--tasks", options.tasks), ("--draft", options.draft)) if given]
+    if skipped:
+        progress.warn(f"{' and '.join(skipped)}: not run with --engine vllm (they need the model in this process)")
+    specs = list(dict.fromkeys([baseline, *models]))
+    shown = [(names or {}).get(s, n) for s, n in zip(specs, display_names(specs))]
+    paths = {s: model_path(s) for s in specs}
+    dtypes = {s: engine_dtype(s) for s in specs}
+    jobs = [(s, n, dtypes[s]) for s, n in zip(specs, shown)]
+    if options.dtype_baseline and dtypes[baseline] != "bfloat16" and "bfloat16" in dtypes.values():
+        jobs.insert(1, (baseline, f"{shown[0]} @bfloat16", "bfloat16"))
+    tok = plan.peek_tokenizer(baseline, trust_remote_code)
+    if tok is None:
+        raise InputError(f"{baseline}: --engine vllm needs the baseline's tokenizer at hand (a local model)")
+    text = read_text(data, options.text_column)
+    ids = tokenize(tok, text, options.max_tokens)
+    windows = None
+    if options.quality:
+        context = plan.config_context(plan.peek_config(baseline) or {})
+        seq_len = options.seq_len or min(DEFAULT_SEQ_LEN, context or DEFAULT_SEQ_LEN)
+        plan.check_windows(ids.numel(), seq_len, data)
+        windows = pack_windows(ids, seq_len)
+    progress.info(f"plan: {len(jobs)} runs in vLLM {version} ({python})"
+                  + (f"; perplexity on {windows.numel():,} tokens" if windows is not None else ""))
+    entries, base = [], None
+    for spec, name, dtype in jobs:
+        entry = _run_one(spec, name, dtype, paths[spec], python, ids, windows, options, base, progress,
+                         is_base=not entries)
+        if not entries and entry.get("error"):
+            raise GeminiError(f"baseline: vLLM refused {baseline}: {entry['error']}")
+        if not entries:
+            base = entry.pop("_top1")
+        entry.pop("_top1", None)
+        entries.append(entry)
+    return {"geminicompress": __version__, "engine": "vllm", "vllm": version, "vllm_python": python,
+            "baseline": shown[0], "timing_warning": None, "data": data,
+            "options": options.model_dump(mode="json", exclude={"type", "data"}),
+            "machine": {**machine(), "device": "vllm", "torch_threads": usable_cores()}, "versions": versions(),
+            "models": entries, "speculative": None}
+
+
+def _run_one(spec, name, dtype, path, python, ids, windows, options, base, progress, *, is_base) -> dict:
+    """One model's run in vLLM: its report entry (with `_top1`, the baseline's top-1 ids, for the caller)."""
+    entry = {"name": name, "path": spec, "baseline": is_base, "format": None, "dtype": dtype, "quality": None,
+             "latency": None, "peak_memory_mb": None, "tensors_mb": None, "size_mb": None, "masks_mb": None,
+             "params": None, "sparsity": None, "quant_zeros": None, "kernel": None,
+             "dtype_baseline": (not is_base and spec == base_spec(base)), "tasks": None, "streamed": None,
+             "notes": [], "_top1": None}
+    entry["size_mb"] = weights_size_mb(Path(path)) if Path(path).exists() else None
+    qc = (plan.peek_config(spec) or {}).get("quantization_config") or {}
+    entry["format"] = formats.detect({"quantization_config": qc}) or "dense"
+    tasks = ([{"kind": "logprobs", "windows": windows.tolist()}] if windows is not None else [])
+    lat = latency_tasks(ids, options) if options.latency else []
+    job = {"model": path, "engine": {"dtype": dtype, "enforce_eager": True, "enable_prefix_caching": False,
+                                     "max_model_len": _max_len(windows, options), "seed": 0},
+           "tasks": tasks + [t for _, t in lat]}
+    progress.info(f"evaluating {name} in vLLM ({dtype})" + (" (baseline)" if is_base else ""))
+    before = contention.read()
+    with progress.task(f"vllm {name}", 1) as bar:
+        result = run_driver(python, job)
+        bar.advance(1)
+    section = contention.between(before, contention.read())
+    entry["kernel"] = {"kernel": "vllm", "activation_dtype": dtype, "modules": {}, "timed": True,
+                       "note": "; ".join(result.get("kernels", [])) or None}
+    if result.get("error"):
+        entry["error"], entry["vllm_log"] = result["error"], result.get("log")
+        entry["notes"].append(f"vLLM refused it: {result['error']}")
+        progress.warn(f"{name}: vLLM refused it: {result['error']}")
+        return entry
+    out = result["tasks"]
+    if windows is not None:
+        q = out.pop(0)
+        entry["quality"] = quality_from_logprobs(q["logprobs"], q["top1"], windows, base)
+        entry["_top1"] = {"top1": q["top1"], "perplexity": entry["quality"]["perplexity"], "spec": spec}
+    if lat:
+        entry["latency"] = latency_from_runs([(b, r) for (b, _), r in zip(lat, out)], options)
+        entry["latency"]["load"] = {**contention.assess({"vllm run": section}, {}, usable_cores(), usable_cores()),
+                                    "sections": {"vllm run": section}}
+    entry["load_s"] = result.get("load_s")
+    return entry
+
+
+def base_spec(base: dict | None) -> str | None:
+    return None if base is None else base.get("spec")
+
+
+def _max_len(windows: torch.Tensor | None, options: EvalStage) -> int:
+    need = options.prompt_len + options.gen_len
+    return max(need, int(windows.shape[1]) if windows is not None else 0) + 16

@@ -1,0 +1,174 @@
+"""`serve-bench`: the workload (shared prefix, distinct questions, Poisson arrivals, truncation), the
+transformers serving loop's bookkeeping (hits, agreement), the rows with their reasons, a workload longer
+than the context refused before any model loads, and the vLLM rows' jobs on the stand-in vllm package."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from geminicompress.cli import app
+from geminicompress.errors import InputError
+from geminicompress.eval import serve_table
+from geminicompress.eval.serve_bench import ROWS, hf_rows, serve_bench, vllm_job, vllm_rows
+from geminicompress.eval.serve_hf import HFFlags, serve
+from geminicompress.eval.workload import WorkloadSpec, arrivals, build_workload, check_spec
+
+runner = CliRunner()
+FAKE = Path(__file__).parent / "fake_vllm"
+SMALL = WorkloadSpec(requests=6, prefix_len=32, question_len=16, answer_len=4, rate=0.0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_workload_shares_the_prefix_and_cuts_distinct_questions():
+    ids = torch.arange(1000)
+    reqs, repeated = build_workload(ids, WorkloadSpec(requests=4, prefix_len=10, question_len=5, answer_len=3, rate=2))
+    assert repeated == 0 and all(r.prefix == list(range(10)) for r in reqs)
+    assert [r.question for r in reqs] == [list(range(10 + 5 * i, 15 + 5 * i)) for i in range(4)]
+    assert reqs[0].arrival_s == 0.0 and all(a.arrival_s < b.arrival_s for a, b in zip(reqs, reqs[1:]))
+    assert reqs[1].prompt(12) == list(range(10)) + [18, 19]  # prefix kept, the question's end kept
+    _, repeated = build_workload(torch.arange(20), WorkloadSpec(requests=4, prefix_len=10, question_len=5))
+    assert repeated == 2
+
+
+def test_arrivals_are_poisson_and_seeded():
+    a = arrivals(2000, 4.0, seed=3)
+    assert a == arrivals(2000, 4.0, seed=3) and a != arrivals(2000, 4.0, seed=4)
+    gaps = [y - x for x, y in zip(a, a[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(0.25, rel=0.1)  # mean gap 1 / rate
+    assert arrivals(3, 0.0, 0) == [0.0, 0.0, 0.0]
+
+
+def test_workload_checks_before_any_model_loads():
+    with pytest.raises(InputError, match=r"needs 448 tokens per request .* more than the model's context of 256"):
+        check_spec(WorkloadSpec(prefix_len=256, question_len=128, answer_len=64), 256)
+    with pytest.raises(InputError, match="--max-prompt-len 300 must keep the 256-token prefix"):
+        check_spec(WorkloadSpec(prefix_len=256, question_len=32, max_prompt_len=300), None)
+    with pytest.raises(InputError, match="--rate"):
+        check_spec(WorkloadSpec(rate=-1), None)
+
+
+def test_cli_workload_longer_than_context_is_one_line_exit_2(tiny_dir, tmp_path, monkeypatch):
+    import geminicompress.models.loading as loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    r = runner.invoke(app, ["serve-bench", str(tiny_dir), "-o", str(tmp_path / "out"), "--prefix-len", "400",
+                            "--question-len", "100", "--answer-len", "32"])
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and "more than the model's context of 512" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_serving_loop_hits_and_same_answers_across_rows(model):
+    reqs, _ = build_workload(torch.arange(1, 400), SMALL)
+    results = {}
+    for name, flags in {"plain": HFFlags(), "sdpa": HFFlags("sdpa"), "reuse": HFFlags("sdpa", prefix_cache=True),
+                        "batch": HFFlags("sdpa", prefix_cache=True, max_batch=4),
+                        "paged": HFFlags("sdpa", prefix_cache=True, max_batch=4, paged=True)}.items():
+        results[name] = serve(model, reqs, flags, SMALL.truncated_len, SMALL.prefix_len, warmup=False)
+    plain = [t.tokens for t in results["plain"]]
+    for name, timings in results.items():
+        assert [len(t.tokens) for t in timings] == [4] * 6 and all(t.generated == 4 for t in timings)
+        assert all(t.ttft >= 0 and t.finished >= t.arrival for t in timings)
+        same = sum(a == b for t, p in zip(timings, plain) for a, b in zip(t.tokens, p))
+        assert same >= 0.9 * 24, name  # the same greedy answers, up to float rounding of near ties
+    assert [t.cached_tokens for t in results["plain"]] == [0] * 6
+    assert [t.cached_tokens for t in results["reuse"]] == [0] + [32] * 5  # the first request computes the prefix
+    assert [t.cached_tokens for t in results["batch"]] == [0] + [32] * 5  # one batch of 4, then 2 reusing it
+    # paged: the burst's first 4 are prefilled together (no block complete yet), the last 2 share their blocks
+    assert [t.cached_tokens for t in results["paged"]][4:] == [32, 32]
+    trunc = serve(model, reqs, HFFlags(truncate=True), SMALL.truncated_len, SMALL.prefix_len, warmup=False)
+    assert all(t.prompt_tokens == SMALL.truncated_len == 40 for t in trunc)
+
+
+def test_rows_keep_their_reasons():
+    hf = hf_rows(8, None)
+    assert [r.name for r in hf] == list(ROWS)
+    assert hf[4].flags == {"truncate": True, "attn": "sdpa", "prefix_cache": True, "max_batch": 8}
+    assert hf[6].model == "int8" and "--int8" in hf[6].reason and all(r.reason is None for r in hf[:6])
+    cpu = vllm_rows(8, "x", on_cuda=False)
+    assert "one attention backend" in cpu[2].reason and "paged in every row" in cpu[5].reason
+    assert cpu[4].flags == {"enable_prefix_caching": True, "max_num_seqs": 8, "truncate": True}
+    gpu = vllm_rows(8, "x", on_cuda=True)
+    assert gpu[2].reason is None and gpu[2].flags["attention_backend"] == "FLASH_ATTN"
+    assert gpu[0].flags["attention_backend"] == "TRITON_ATTN"
+
+
+def test_vllm_job_of_a_row():
+    reqs, _ = build_workload(torch.arange(1, 400), SMALL)
+    row = vllm_rows(4, None, on_cuda=False)[3]
+    job = vllm_job(row, "/m", reqs, SMALL, torch.zeros(2, 64, dtype=torch.long), "auto", with_ppl=True)
+    assert job["engine"]["enable_prefix_caching"] is True and job["engine"]["max_num_seqs"] == 1
+    assert "truncate" not in job["engine"] and job["engine"]["max_model_len"] == 32 + 16 + 4 + 16 + 12
+    serve_task, lp = job["tasks"]
+    assert [len(r["prompt"]) for r in serve_task["requests"]] == [40] * 6 and lp["kind"] == "logprobs"
+
+
+def test_serve_bench_end_to_end_in_process(tiny_dir, text_file, tmp_path):
+    spec = WorkloadSpec(requests=4, prefix_len=32, question_len=16, answer_len=3, rate=0.0)
+    report = serve_bench(str(tiny_dir), None, str(text_file), spec, max_batch=2, ppl_tokens=1024)
+    assert [r["row"] for r in report["rows"]] == list(ROWS)
+    measured = [r for r in report["rows"] if r["metrics"]]
+    assert len(measured) == 6 and report["rows"][-1]["metrics"] is None
+    assert measured[0]["answer_agreement"] == 1.0 and measured[0]["perplexity"] > 1
+    assert measured[3]["metrics"]["kv_hit_rate"] == pytest.approx(3 * 32 / (4 * 40))
+    serve_table.write(report, tmp_path / "rep")
+    md = (tmp_path / "rep" / "serving.md").read_text()
+    assert "not measured: no W8A8 model given" in md and (tmp_path / "rep" / "serving.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "rep" / "serving.json").read_text())["rows"][0]["row"] == "original configuration"
+
+
+def test_serve_bench_vllm_rows_on_the_stand_in(tiny_dir, text_file, monkeypatch, tmp_path):
+    import shutil
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE), os.environ.get("PYTHONPATH", "")]))
+    spec = WorkloadSpec(requests=3, prefix_len=32, question_len=16, answer_len=3, rate=0.0)
+    refused = shutil.copytree(tiny_dir, tmp_path / "refuse-int8")
+    report = serve_bench(str(tiny_dir), str(refused), str(text_file), spec, engine="vllm",
+                         max_batch=2, ppl_tokens=512, vllm_python=sys.executable)
+    rows = {r["row"]: r for r in report["rows"]}
+    assert rows["original configuration"]["metrics"]["ttft_ms"]["median"] == 250.0
+    assert rows["original configuration"]["perplexity"] > 1
+    assert "one attention backend" in rows["FlashAttention"]["reason"] and rows["FlashAttention"]["metrics"] is None
+    assert rows["KV-cache reuse"]["metrics"]["kv_hit_rate"] > 0
+    assert rows["INT8 (W8A8)"]["reason"].startswith("vLLM refused it: AssertionError")
+    with pytest.raises(InputError, match="does not exist"):
+        serve_bench(str(tiny_dir), str(tmp_path / "nothing"), str(text_file), spec)
+
+
+def test_recipe_eval_stage_builds_the_serving_table_with_the_w8a8_output(tiny_dir, text_file, tmp_path):
+    from geminicompress.models.loading import load_model
+    from geminicompress.pipeline import run_recipe
+    from geminicompress.recipes.loader import validate
+
+    recipe = validate({"model": str(tiny_dir), "calibration": {"data": str(text_file), "samples": 2, "seq_len": 64},
+                       "stages": [{"type": "quantize", "method": "w8a8"},
+                                  {"type": "eval", "latency": False, "seq_len": 64, "max_tokens": 256,
+                                   "serving": {"requests": 3, "prefix_len": 32, "question_len": 16, "answer_len": 3,
+                                               "rate": 0, "max_batch": 2, "ppl_tokens": 512}}]}, "test")
+    report = run_recipe(recipe, tmp_path / "out", device=torch.device("cpu"), loaded=load_model(str(tiny_dir)),
+                        stream=False)
+    serving = report["stages"][1]["result"]["serving"]
+    assert serving["report"] == "eval/serving/serving.json"
+    saved = json.loads((tmp_path / "out" / "eval" / "serving" / "serving.json").read_text())
+    assert saved["int8"] == str(tmp_path / "out")
+    int8 = saved["rows"][-1]
+    assert int8["row"] == "INT8 (W8A8)" and int8["metrics"] is not None and int8["ppl_drift"] is not None
+    with pytest.raises(Exception, match="serving.rate|rate"):
+        validate({"model": str(tiny_dir), "stages": [{"type": "eval", "serving": {"rate": -1}}]}, "test")
+    with pytest.raises(Exception, match="requets|extra"):
+        validate({"model": str(tiny_dir), "stages": [{"type": "eval", "serving": {"requets": 3}}]}, "test")

@@ -23,8 +23,8 @@ def quantize(
     group_size: Optional[int] = typer.Option(None, "--group-size", help="gptq/awq/rtn: input columns sharing a scale; -1 or 0 = per output channel. Default auto: the largest of 128, 64, 32 dividing every quantized layer's input features (printed, and recorded in report.json)."),
     sym: Optional[bool] = typer.Option(None, "--sym/--asym", help="gptq, rtn: symmetric (default) or asymmetric with zero points."),
     zero_point: Optional[bool] = typer.Option(None, "--zero-point/--no-zero-point", help="awq: asymmetric with zero points (default) or symmetric."),
-    act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order", help="gptq: quantize columns by decreasing Hessian diagonal (default on)."),
-    static_groups: Optional[bool] = typer.Option(None, "--static-groups/--no-static-groups", help="gptq with --act-order: fix groups before reordering so g_idx stays monotone (default off: lower quality on the demo model, see docs/gptq.md)."),
+    act_order: Optional[str] = typer.Option(None, "--act-order", help="gptq: none | static | group. static (default): columns by decreasing Hessian diagonal, groups fixed as j // group-size (every loader, vLLM included); group: groups formed in that order, g_idx stored (vLLM refuses it); none: stored order."),
+    no_act_order: bool = typer.Option(False, "--no-act-order", hidden=True, help="= --act-order none"),
     true_sequential: Optional[bool] = typer.Option(None, "--true-sequential/--no-true-sequential", help="gptq: quantize attention before MLP inside each layer (default on)."),
     one_pass: Optional[bool] = typer.Option(None, "--one-pass/--multi-pass", help="gptq true-sequential: one pass over the windows per layer (default; holds a layer's activations for every window) or one pass per group of linears (less memory, slower)."),
     damp: Optional[float] = typer.Option(None, "--damp", help="gptq: dampening as a fraction of the mean Hessian diagonal (default 0.01)."),
@@ -70,8 +70,8 @@ def quantize(
     if method not in METHODS:
         raise InputError(f"--method '{method}' is not one of {', '.join(METHODS)}")
     given = {
-        "bits": bits, "group_size": group_size, "sym": sym, "zero_point": zero_point, "act_order": act_order,
-        "static_groups": static_groups, "true_sequential": true_sequential, "one_pass": one_pass, "damp": damp, "first_token_weight": first_token_weight, "block_size": block_size,
+        "bits": bits, "group_size": group_size, "sym": sym, "zero_point": zero_point, "act_order": "none" if no_act_order else act_order,
+        "true_sequential": true_sequential, "one_pass": one_pass, "damp": damp, "first_token_weight": first_token_weight, "block_size": block_size,
         "calib_dtype": calib_dtype, "keep_zeros": keep_zeros,
         "smoothquant_alpha": smoothquant_alpha, "clip": clip, "n_grid": n_grid, "search_results": search_results,
         "ignore": ignore or None, "format": format,

@@ -4,7 +4,7 @@ maps each method name to its config class, runner, default format and whether it
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -66,10 +66,11 @@ class GPTQStage(WeightQuantStage):
 
     method: Literal["gptq"]
     sym: bool = True
-    # defaults measured on the demo model (docs/gptq.md, "Defaults, and why"): act-order with groups in quantization order
-    # and the first token weighted 16x gave the lowest perplexity of the settings tried at 4-bit g64
-    act_order: bool = True
-    static_groups: bool = False
+    # defaults measured on the demo model (docs/gptq.md, "Defaults, and why")
+    act_order: Literal["none", "static", "group"] = Field(
+        "static", description="column order: none (as stored); static (by decreasing Hessian diagonal, groups stay "
+        "columns j // group_size, each group's scale decided from its updated weights when the solver reaches it; "
+        "g_idx is trivial, every loader reads it); group (groups formed in that order, g_idx stored: vLLM refuses it)")
     true_sequential: bool = True
     one_pass: bool = Field(True, description="true-sequential in one pass over the windows per layer (holds every "
                            "window's activations of one layer); false re-runs the layer per group (less memory)")
@@ -87,6 +88,19 @@ class GPTQStage(WeightQuantStage):
     allocation: QuantAllocation | None = Field(None, description="mixed precision: bits per module under a budget")
     overrides: dict[str, str] = Field(default_factory=dict, description="module name -> b<bits>g<group> "
                                       "(e.g. model.layers.0.self_attn.v_proj: b8g64); wins over the allocation")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_act_order(cls, data: Any) -> Any:
+        """Recipes before act_order was a choice: true = group, false = none; static_groups: true = static."""
+        if isinstance(data, dict) and (isinstance(data.get("act_order"), bool) or "static_groups" in data):
+            data = dict(data)
+            act, static = data.get("act_order"), data.pop("static_groups", False)
+            if isinstance(act, bool):
+                data["act_order"] = ("static" if static else "group") if act else "none"
+            elif act is None and static:
+                data["act_order"] = "static"
+        return data
 
     @field_validator("overrides")
     @classmethod

@@ -91,8 +91,7 @@ def main() -> None:
         W = torch.cat([get_module(layers[i], n).weight.detach().float() for n in group])  # (Σ out, in)
         # the solver gets the Hessian the stage builds: first tokens counted first_token_weight times
         Hw = H + (cfg.first_token_weight - 1.0) * 2.0 / s["tokens"] * x0.T @ x0
-        qw, _ = gptq_quantize(W, Hw, spec, damp=cfg.damp, block_size=cfg.block_size, act_order=cfg.act_order,
-                              static_groups=cfg.static_groups)
+        qw, _ = gptq_quantize(W, Hw, spec, damp=cfg.damp, block_size=cfg.block_size, act_order=cfg.act_order)
         dg, dr = qw.dequantize() - W, rtn_quantize(W, spec).dequantize() - W
         start = 0
         for name in group:
@@ -113,7 +112,7 @@ def main() -> None:
         "check": "gptq vs rtn output error, every decoder linear, unquantized-model inputs",
         "calibration": f"{args.samples} x 512 tokens, enwiki-sample.txt, seed 0",
         "spec": {"bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym},
-        "gptq_flags": {k: getattr(cfg, k) for k in ("act_order", "static_groups", "damp", "first_token_weight", "block_size")},
+        "gptq_flags": {k: getattr(cfg, k) for k in ("act_order", "damp", "first_token_weight", "block_size")},
         "bar_gptq_le_rtn_every_linear": not worse, "linears": len(rows), "gptq_worse": worse,
         "mean_ratio_gptq_over_rtn": sum(r["gptq_rel_output_error"] / r["rtn_rel_output_error"] for r in rows) / len(rows),
         "v_proj_pos0_mean_ratio_gptq_over_rtn": sum(r["gptq_rel_error_pos0"] / r["rtn_rel_error_pos0"] for r in v) / len(v),

@@ -102,7 +102,7 @@ def repack_int8(src: Path, dst: Path) -> None:
 
 def ours(spec: str, windows: torch.Tensor) -> dict:
     """Perplexity through our reference loader (stored dtype) and through the fast path `eval` uses."""
-    from geminicompress.eval.api import stored_dtype
+    from geminicompress.eval.specs import stored_dtype
 
     loaded = load_model(spec, dtype=stored_dtype(spec))
     out = {"dtype_reference": str(stored_dtype(spec)).removeprefix("torch.")}

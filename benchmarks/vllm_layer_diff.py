@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from common import RESULTS, eval_windows
-from geminicompress.eval.api import stored_dtype
+from geminicompress.eval.specs import stored_dtype
 from geminicompress.eval.kernels import use_fast_kernels
 from geminicompress.eval.vllm_engine import run_driver
 from geminicompress.eval.vllm_eval import engine_dtype, model_path

@@ -110,25 +110,29 @@ def test_block_size_does_not_change_the_result():
         assert abs(loss - loss_ref) < 1e-3 * loss_ref
 
 
-def _textbook_gptq(W, H, spec, damp=0.01, act_order=False, static_groups=False, keep_zero=None):
-    """Algorithm 1 of the paper without any batching: quantize column j, update every later column at once."""
+def _textbook_gptq(W, H, spec, damp=0.01, act_order=False, static_groups=False, keep_zero=None, upfront=False):
+    """Algorithm 1 of the paper without any batching: quantize column j, update every later column at once.
+    Static groups (g_idx = j // group): a group's scale is decided from the group's current (updated) columns
+    when its first column is reached, or from the unquantized weights with `upfront`."""
     from geminicompress.compress.grid import qparams, quantize
 
     W, H = W.clone().double(), H.clone().double()
     in_f = W.shape[1]
     gs = in_f if spec.group_size == -1 else spec.group_size
-    static = [qparams(W[:, g:g + gs].float(), spec) for g in range(0, in_f, gs)] if (static_groups or spec.group_size == -1) else None
+    fixed = static_groups or spec.group_size == -1
+    params = {g // gs: qparams(W[:, g:g + gs].float(), spec) for g in range(0, in_f, gs)} if upfront else {}
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(in_f)
     W, H = W[:, perm], H[perm][:, perm]
     mask = None if keep_zero is None else keep_zero[:, perm]
     H += damp * torch.diag(H).mean() * torch.eye(in_f, dtype=H.dtype)
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     Q = torch.zeros_like(W)
+    group = perm // gs if fixed else torch.arange(in_f) // gs
     for j in range(in_f):
-        if static is not None:
-            scale, zero = static[int(perm[j]) // gs]
-        elif j % gs == 0:
-            scale, zero = qparams(W[:, j:j + gs].float(), spec)
+        g = int(group[j])
+        if g not in params:  # the group's first column in quantization order
+            params[g] = qparams(W[:, group == g].float(), spec)
+        scale, zero = params[g]
         s, z = scale[:, 0].double(), zero[:, 0].double()
         Q[:, j] = quantize(W[:, j], s, z, spec.maxq)
         if mask is not None:

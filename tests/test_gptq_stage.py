@@ -43,10 +43,12 @@ def _logits(model, ids):
 
 @pytest.mark.parametrize("fmt,stage", [
     ("gptq", {"bits": 4, "group_size": 32}),
-    ("gptq", {"bits": 3, "group_size": -1, "sym": False, "act_order": True}),
-    ("gptq", {"bits": 2, "group_size": 32, "act_order": True, "static_groups": True, "true_sequential": False}),
+    ("gptq", {"bits": 3, "group_size": -1, "sym": False, "act_order": "group"}),
+    ("gptq", {"bits": 2, "group_size": 32, "act_order": "group", "true_sequential": False}),
+    ("gptq", {"bits": 4, "group_size": 32, "act_order": "none"}),
     ("compressed-tensors", {"bits": 4, "group_size": 32, "sym": False}),
-    ("compressed-tensors", {"bits": 8, "group_size": -1, "act_order": True}),
+    ("compressed-tensors", {"bits": 4, "group_size": 32, "act_order": "group"}),
+    ("compressed-tensors", {"bits": 8, "group_size": -1, "act_order": "group"}),
     ("dense", {"bits": 4, "group_size": 16}),
 ])
 def test_saved_checkpoint_loads_back_to_the_quantized_model(tiny_dir, text_file, tmp_path, fmt, stage):
@@ -64,8 +66,7 @@ def test_saved_checkpoint_loads_back_to_the_quantized_model(tiny_dir, text_file,
     # every quantized weight lies on its grid: at most 2^bits distinct values per row and group
     w = q_proj.weight if fmt != "dense" else q_proj.weight.data
     group = stage["group_size"] if stage["group_size"] > 0 else 64
-    act_order = stage.get("act_order", GPTQStage.model_fields["act_order"].default)
-    if not act_order or stage.get("static_groups", GPTQStage.model_fields["static_groups"].default):
+    if stage.get("act_order", GPTQStage.model_fields["act_order"].default) != "group":
         assert len(torch.unique(w[0, :group])) <= 2 ** stage["bits"]
 
 
@@ -94,13 +95,15 @@ def test_gptq_config_and_tensors_follow_the_v1_layout(tiny_dir, text_file, tmp_p
     _quantize(tiny_dir, out, text_file, bits=4, group_size=32)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert {k: qc[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format")} == {
-        "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": True, "checkpoint_format": "gptq"}
+        "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
     assert json.loads((out / "quantize_config.json").read_text())["bits"] == 4
     t = load_file(str(out / "model.safetensors"))
     prefix = "model.layers.0.mlp.down_proj"  # (out 64, in 128)
     assert t[f"{prefix}.qweight"].shape == (128 * 4 // 32, 64) and t[f"{prefix}.qweight"].dtype == torch.int32
     assert t[f"{prefix}.qzeros"].shape == (4, 64 * 4 // 32) and t[f"{prefix}.scales"].shape == (4, 64)
     assert t[f"{prefix}.scales"].dtype == torch.float16 and t[f"{prefix}.g_idx"].shape == (128,)
+    # the default (act-order static): no permutation for a loader to apply, as vLLM requires with desc_act false
+    assert torch.equal(t[f"{prefix}.g_idx"], torch.arange(128, dtype=torch.int32) // 32)
     assert f"{prefix}.weight" not in t and "lm_head.weight" in t
 
 
@@ -173,6 +176,42 @@ def test_cli_writes_gptq_with_a_report(tiny_dir, text_file, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["export"]["format"] == "gptq" and report["export"]["quantized_modules"] == 14
     assert load_model(str(out)).format == "gptq"
+
+
+def test_act_order_group_still_writes_compressed_tensors_and_warns_in_one_line(tiny_dir, text_file, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    res = _cli("quantize", tiny_dir, "-o", out, "--method", "gptq", "--group-size", "32", "--act-order", "group",
+               "--format", "compressed-tensors", "--data", text_file, "--samples", "4", "--calib-seq-len", "64", "--quiet")
+    assert res.exit_code == 0, res.output
+    warnings = [line for line in res.output.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "vLLM refuses" in warnings[0]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["weights"]["actorder"] == "group"
+    assert "model.layers.0.mlp.down_proj.weight_g_idx" in load_file(str(out / "model.safetensors"))
+
+
+@pytest.mark.parametrize("act_order,actorder", [("static", "weight"), ("none", None)])
+def test_servable_act_orders_write_no_g_idx_in_compressed_tensors(tiny_dir, text_file, tmp_path, act_order, actorder):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    _quantize(tiny_dir, out, text_file, bits=4, group_size=32, act_order=act_order, format="compressed-tensors")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["weights"]["actorder"] == actorder  # vLLM refuses only "group"
+    assert not [k for k in load_file(str(out / "model.safetensors")) if k.endswith("g_idx")]
+
+
+def test_recipes_from_before_the_choice_keep_their_meaning():
+    def cfg(**kw):
+        return GPTQStage(method="gptq", **kw).act_order
+
+    assert cfg() == "static"
+    assert cfg(act_order=True) == "group" and cfg(act_order=False) == "none"
+    assert cfg(act_order=True, static_groups=True) == "static" and cfg(static_groups=False) == "static"
+    with pytest.raises(ValueError, match="act_order"):
+        GPTQStage(method="gptq", act_order="weight")
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt_neox"])

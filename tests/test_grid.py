@@ -19,9 +19,31 @@ def test_asym_known_answer():
 def test_sym_known_answer():
     w = torch.tensor([[-4.0, 2.0, 0.0, 4.0]])
     scale, zero = qparams(w, QuantSpec(bits=4, sym=True))
-    assert scale.item() == pytest.approx(8.0 / 15) and zero.item() == 8
+    assert scale.item() == pytest.approx(4.0 / 7) and zero.item() == 8  # +4 needs 7 steps above zero
     qw = rtn_quantize(w, QuantSpec(bits=4, sym=True))
     assert qw.q[0, 2] == 8  # zero maps to the zero point exactly
+    assert qw.q.tolist() == [[1, 11, 8, 15]]
+    # GPTQ's / compressed-tensors' absmax grid: step 8/15, so +4 is clipped to 7 steps = 3.73
+    scale, _ = qparams(w, QuantSpec(bits=4, sym=True), sym_range="absmax")
+    assert scale.item() == pytest.approx(8.0 / 15)
+
+
+def test_sym_grid_uses_the_extra_negative_step_and_never_clips():
+    """Codes − zero run from −8 to 7 at 4 bits: a row whose largest magnitude is negative gets step max/8
+    (finer than 2·max/15), one whose largest is positive step max/7; both ends are on the grid."""
+    neg = torch.tensor([[-8.0, 1.0, 3.0, 7.0]])
+    scale, zero = qparams(neg, QuantSpec(bits=4, sym=True))
+    assert scale.item() == pytest.approx(1.0)
+    qw = rtn_quantize(neg, QuantSpec(bits=4, sym=True))
+    assert qw.q.tolist() == [[0, 9, 11, 15]] and torch.equal(qw.dequantize(), neg)
+    for bits in (2, 3, 4, 8):
+        w = torch.randn(64, 32, generator=torch.Generator().manual_seed(bits))
+        qw = rtn_quantize(w, QuantSpec(bits, 8, sym=True))
+        step = qw.scales[:, qw.g_idx.long()]
+        assert torch.all((qw.dequantize() - w).abs() <= step / 2 + 1e-6)  # nothing clipped
+        # the most negative weight of every group lands on code 0 or the largest on code 2^b − 1
+        lo = (qw.q.view(64, -1, 8).amin(-1) == 0) | (qw.q.view(64, -1, 8).amax(-1) == 2**bits - 1)
+        assert bool(lo.all())
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

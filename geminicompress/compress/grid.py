@@ -56,22 +56,31 @@ def auto_group_size(in_features: list[int]) -> int:
                      f"them, or -1 for one scale per output channel")
 
 
-def qparams(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row scale and zero for the columns of `w`.  w: (out, k) -> scale (out, 1), zero (out, 1)."""
+def qparams(w: torch.Tensor, spec: QuantSpec, *, sym_range: str = "full") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row scale and zero for the columns of `w`.  w: (out, k) -> scale (out, 1), zero (out, 1).
+
+    Symmetric grids have the zero point fixed at 2^(b−1), so codes − zero run from −2^(b−1) to 2^(b−1) − 1:
+    one more step below zero than above. `sym_range="full"`: the smallest scale that reaches both the
+    row's largest weight (with 2^(b−1) − 1 steps) and its most negative one (with 2^(b−1) steps), so no weight
+    is clipped; "absmax": GPTQ's and compressed-tensors' scale 2·max|w| / (2^b − 1), which clips the
+    largest positive weight whenever it is the row's largest magnitude.
+    """
     w = w.float()
     zeros_ = torch.zeros(w.shape[0], device=w.device)
     xmin = torch.minimum(w.min(dim=1).values, zeros_)
     xmax = torch.maximum(w.max(dim=1).values, zeros_)
-    if spec.sym:
-        xmax = torch.maximum(xmin.abs(), xmax)
-        xmin = -xmax
     empty = (xmin == 0) & (xmax == 0)
     xmin = torch.where(empty, -torch.ones_like(xmin), xmin)
     xmax = torch.where(empty, torch.ones_like(xmax), xmax)
-    scale = (xmax - xmin) / spec.maxq
     if spec.sym:
-        zero = torch.full_like(scale, (spec.maxq + 1) // 2)
+        half = (spec.maxq + 1) // 2
+        if sym_range == "full":
+            scale = torch.maximum(xmax / (half - 1), -xmin / half)
+        else:
+            scale = 2 * torch.maximum(-xmin, xmax) / spec.maxq
+        zero = torch.full_like(scale, half)
     else:
+        scale = (xmax - xmin) / spec.maxq
         zero = torch.round(-xmin / scale)
     return scale.unsqueeze(1), zero.unsqueeze(1)
 

@@ -14,7 +14,6 @@ decoder layer at a time read from disk (streamed.py), scored by the same meters;
 from __future__ import annotations
 
 import gc
-import json
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,16 +40,16 @@ from geminicompress.eval.latency import measure_latency
 from geminicompress.eval.perplexity import window_logprobs
 from geminicompress.eval.quality import score_windows
 from geminicompress.eval.report import write_report
+from geminicompress.eval.specs import display_names, stored_dtype
 from geminicompress.eval.streamed import open_streamed, params_of, stream_reason, streamed_logprobs
 from geminicompress.eval.table import describe_timing
 from geminicompress.machine import machine, versions
 from geminicompress.models import demo
-from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer, resolve_model
+from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.schema import EvalStage
 
 DEFAULT_SEQ_LEN = 2048
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -62,21 +61,6 @@ class Baseline:
     windows: torch.Tensor | None  # (n, T) or None when the text is too short
     cache: BaselineCache | None
     perplexity: float | None
-
-
-def stored_dtype(spec: str) -> torch.dtype:
-    """Load a checkpoint in the float dtype it was saved in (so a bf16 model is timed as bf16)."""
-    try:
-        source = resolve_model(spec)
-    except GeminiError:
-        return torch.float32
-    if source.kind != "dir":
-        return torch.float32
-    try:
-        config = json.loads((source.path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return torch.float32
-    return _DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")), torch.float32)
 
 
 def model_context(model) -> int | None:
@@ -95,17 +79,6 @@ def weights_path(loaded: LoadedModel) -> Path | None:
     if src.kind == "gguf":
         return src.path / src.gguf_file
     return src.path
-
-
-def display_names(specs: list[str]) -> list[str]:
-    """Short unique names: the folder or file name, else the spec as typed."""
-    names: list[str] = []
-    for spec in specs:
-        name = Path(spec.rstrip("/")).name or spec
-        if name in names:
-            name = spec
-        names.append(name)
-    return names
 
 
 def same_tokenizer(a, b, text: str) -> bool:

@@ -153,7 +153,8 @@ def ppl_fields(entry: dict, ppl: float | None, base_ppl: float | None) -> None:
 def run_hf_rows(rows: list[Row], model: str, int8: str | None, requests, spec: WorkloadSpec,
                 windows: torch.Tensor | None, dtype: str, progress: Progress, trust_remote_code: bool) -> list[dict]:
     """Every row in this process: the base model loaded once (and the INT8 model for its row)."""
-    from geminicompress.eval.api import free, stored_dtype
+    from geminicompress.eval.api import free
+    from geminicompress.eval.specs import stored_dtype
     from geminicompress.eval.perplexity import perplexity
     from geminicompress.eval.serve_hf import serve
     from geminicompress.models.loading import load_model

@@ -50,7 +50,7 @@ def model_path(spec: str) -> str:
 
 def engine_dtype(spec: str) -> str:
     """The activation dtype for vLLM: our fast path's for this checkpoint (bf16 for int4 formats)."""
-    from geminicompress.eval.api import stored_dtype
+    from geminicompress.eval.specs import stored_dtype
 
     if kernels.expects_int4(plan.peek_config(spec)):
         return "bfloat16"
@@ -115,7 +115,7 @@ def latency_from_runs(runs: list[tuple[int, dict]], options: EvalStage) -> dict:
 def evaluate_vllm(models: list[str], baseline: str, data: str, options: EvalStage, progress: Progress | None = None,
                   *, names: dict[str, str] | None = None, trust_remote_code: bool = False) -> dict:
     """Evaluate `baseline` and `models` in vLLM; the report has the shape of api.evaluate's."""
-    from geminicompress.eval.api import display_names
+    from geminicompress.eval.specs import display_names
 
     progress = progress or NullProgress()
     options = plan.with_device_defaults(options, torch.device("cuda" if torch.cuda.is_available() else "cpu"))

@@ -84,8 +84,8 @@ def gptq_config(spec: QuantSpec, meta: dict[str, Any], skipped: list[str]) -> di
         "checkpoint_format": "gptq",
         "bits": spec.bits,
         "group_size": spec.group_size,
-        "desc_act": bool(meta.get("act_order", False)),
-        "static_groups": bool(meta.get("static_groups", False)),
+        "desc_act": meta.get("act_order") == "group",  # static: g_idx = j // group_size, nothing to permute
+        "static_groups": meta.get("act_order") == "static",
         "sym": spec.sym,
         "true_sequential": bool(meta.get("true_sequential", True)),
         "damp_percent": float(meta.get("damp", 0.01)),

@@ -83,8 +83,7 @@ def ct_config(spec: QuantSpec, meta: dict[str, Any], ignore: list[str],
 
 
 def _ct_config(spec: QuantSpec, meta: dict[str, Any], ignore: list[str]) -> dict[str, Any]:
-    act_order = bool(meta.get("act_order", False))
-    actorder = None if not act_order else ("weight" if meta.get("static_groups") else "group")
+    actorder = {"static": "weight", "group": "group"}.get(meta.get("act_order"))  # "weight": no g_idx in the file
     weights = {
         "num_bits": spec.bits,
         "type": "int",
@@ -112,7 +111,7 @@ def _ct_config(spec: QuantSpec, meta: dict[str, Any], ignore: list[str]) -> dict
 
 def packer(meta: dict[str, Any]) -> Callable[[QuantizedWeight], dict[str, torch.Tensor]]:
     """`pack_ct` for an export with `meta`: scales in meta["dtype"], g_idx only with act-order groups."""
-    with_g_idx = bool(meta.get("act_order")) and not meta.get("static_groups")
+    with_g_idx = meta.get("act_order") == "group"
     scales_as = scale_dtype("compressed-tensors", meta.get("dtype", "float32"))
     return lambda qw: pack_ct(qw, scales_as, with_g_idx)
 

@@ -4,7 +4,7 @@ maps each method name to its config class, runner, default format and whether it
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -68,11 +68,12 @@ class GPTQStage(WeightQuantStage):
     method: Literal["gptq"]
     sym: bool = Field(True, description="symmetric (default) or asymmetric with zero points",
                       json_schema_extra={"cli": "--sym/--asym"})
-    # defaults measured on the demo model (docs/gptq.md, "Defaults, and why"): act-order with groups in quantization order
-    # and the first token weighted 16x gave the lowest perplexity of the settings tried at 4-bit g64
-    act_order: bool = Field(True, description="quantize columns by decreasing Hessian diagonal (default on)")
-    static_groups: bool = Field(False, description="with act-order: fix groups before reordering so g_idx stays "
-                                "monotone (default off: lower quality on the demo model, see docs/gptq.md)")
+    # defaults measured on the demo model (docs/gptq.md, "Defaults, and why")
+    act_order: Literal["none", "static", "group"] = Field(
+        "static", description="column order: static (default): by decreasing Hessian diagonal, groups stay columns "
+        "j // group-size, each group's scale decided from its updated weights when the solver reaches it; nothing "
+        "permuted in the file, every loader reads it (vLLM included). group: groups formed in that order, g_idx "
+        "stored (vLLM refuses it). none: stored order")
     true_sequential: bool = Field(True, description="quantize attention before MLP inside each layer (default on)")
     one_pass: bool = Field(True, description="true-sequential: one pass over the windows per layer (default; holds a "
                            "layer's activations for every window) or one pass per group of linears (less memory, "
@@ -93,6 +94,19 @@ class GPTQStage(WeightQuantStage):
     allocation: QuantAllocation | None = Field(None, description="mixed precision: bits per module under a budget")
     overrides: dict[str, str] = Field(default_factory=dict, description="module name -> b<bits>g<group> "
                                       "(e.g. model.layers.0.self_attn.v_proj: b8g64); wins over the allocation")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_act_order(cls, data: Any) -> Any:
+        """Recipes before act_order was a choice: true = group, false = none; static_groups: true = static."""
+        if isinstance(data, dict) and (isinstance(data.get("act_order"), bool) or "static_groups" in data):
+            data = dict(data)
+            act, static = data.get("act_order"), data.pop("static_groups", False)
+            if isinstance(act, bool):
+                data["act_order"] = ("static" if static else "group") if act else "none"
+            elif act is None and static:
+                data["act_order"] = "static"
+        return data
 
     @field_validator("overrides")
     @classmethod

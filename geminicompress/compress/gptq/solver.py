@@ -21,13 +21,12 @@ Options as in the reference implementation and AutoGPTQ:
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, qparams, quantize
 from geminicompress.compress.hessian import inverse_hessian_factor
+from geminicompress.compress.scale_search import clip_qparams
 from geminicompress.errors import GeminiError
 
 _SUB_BLOCK = 32  # columns per rank-1 sub-block (the rest of the work goes through matmuls)
@@ -49,8 +48,9 @@ def zeros_to_keep(W: torch.Tensor, keep: bool, rows: int = 1024) -> torch.Tensor
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: float = 0.01, block_size: int = 128,
-                  act_order: bool = False, static_groups: bool = False, keep_zero: torch.Tensor | None = None,
-                  overwrite: bool = False) -> tuple[QuantizedWeight, float]:
+                  act_order: bool | str = False, static_groups: bool = False, order: str = "global",
+                  group_params: str = "lazy", clip: dict | None = None, sym_range: str = "full",
+                  keep_zero: torch.Tensor | None = None, overwrite: bool = False) -> tuple[QuantizedWeight, float]:
     """Quantize W (out, in) given the layer Hessian H (in, in) = 2/N · Σ xᵀx.
 
     Returns the codes/scales/zeros/g_idx (g_idx in the original column order) and the summed
@@ -71,43 +71,57 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
     if not _all_finite(H):
         raise GeminiError("the Hessian holds NaN/Inf values (calibration activations overflowed); "
                           "quantize in float32 or use other calibration data")
+    if isinstance(act_order, bool):
+        act_order = ("static" if static_groups else "group") if act_order else "none"
     scratch = [W, H] if overwrite else []  # the caller's tensors, released below
     W = W.detach().to(torch.float32, copy=not overwrite)
     H = H.detach().to(torch.float32, copy=not overwrite)
     gs = in_f if spec.group_size == -1 else spec.group_size
+    n_groups = spec.groups(in_f)
 
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
+    hdiag = torch.diag(H).clone()  # (in,)
 
-    static: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if act_order == "none":
+        perm = torch.arange(in_f, device=W.device)
+    elif act_order == "static" and order != "global":
+        perm = group_aware_order(hdiag, gs, order)
+    else:
+        perm = torch.argsort(hdiag, descending=True)
+    # group of each column in quantization order: with "group" groups are formed in that order
+    pos_group = (torch.arange(in_f, device=W.device) if act_order == "group" else perm) // gs  # (in,)
     if spec.group_size == -1:
-        static = [qparams(W, spec)]  # per channel: one range over the whole row, fixed up front
-    elif static_groups:
-        static = [qparams(W[:, g:g + gs], spec) for g in range(0, in_f, gs)]
+        pos_group = torch.zeros_like(pos_group)
+    group_list = pos_group.tolist()
+    first_pos: dict[int, int] = {}
+    for p, g in enumerate(group_list):
+        first_pos.setdefault(g, p)
+    starts = {p: g for g, p in first_pos.items()}  # quantization position -> the group that starts there
 
-    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(in_f, device=W.device)
-    Hinv = inverse_hessian_factor(H, damp, perm if act_order else None, overwrite=True)  # upper factor of H⁻¹
+    params: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_groups
+    imp_hdiag = hdiag
+    if group_params == "upfront":
+        for g in range(n_groups):
+            cols = torch.nonzero(pos_group == g).flatten() if act_order == "group" else None
+            orig = perm[cols] if cols is not None else torch.arange(g * gs, min((g + 1) * gs, in_f), device=W.device)
+            if spec.group_size == -1:
+                orig = torch.arange(in_f, device=W.device)
+            params[g] = _group_qparams(W[:, orig], spec, clip, imp_hdiag[orig], sym_range)
+
+    use_perm = act_order != "none"
+    Hinv = inverse_hessian_factor(H, damp, perm if use_perm else None, overwrite=True)  # upper factor of H⁻¹
     del H  # its memory holds Hinv or was freed (H is this function's own copy unless overwrite)
     Wt = torch.index_select(W.t(), 0, perm)  # (in, out): column j of W is the contiguous row j here
     if overwrite:
         _release(scratch[0])
     del W
     Mt = None if keep_zero is None else torch.index_select(keep_zero.to(Wt.device).t(), 0, perm)  # as Wt
+    hinv_imp = 1.0 / torch.diag(Hinv).square()  # GPTQ's weight of column p's error, quantization order
 
     Q = torch.zeros_like(Wt)  # codes, quantization order: (in, out)
-    # group of each column in quantization order: fixed groups follow the original columns
-    cols = perm if static else torch.arange(in_f, device=Wt.device)
-    group_of = torch.zeros(in_f, dtype=torch.long, device=Wt.device) if spec.group_size == -1 else cols // gs
-    group_list = group_of.tolist()
-    # error updates: rank-1 inside sub-blocks of `sub` columns, one matmul per sub-block to the rest of
-    # the block, one per block to the remaining columns (the same sums, mostly as matmuls). A new dynamic
-    # group starts on a sub-block boundary (sub divides gs), where every update so far has been applied.
-    sub = math.gcd(_SUB_BLOCK, gs) if not static else _SUB_BLOCK
-    scales: list[torch.Tensor] = []
-    zeros: list[torch.Tensor] = []
     loss = torch.zeros((), device=Wt.device)
-    scale = zero = None
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
         b = i2 - i1
@@ -115,19 +129,21 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
         Err1 = torch.empty_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
         inv_d = (1.0 / torch.diag(Hinv1)).tolist()
-        # sub-blocks end at absolute multiples of `sub` (and at the block's end), so group starts align
-        for j1, j2 in _spans(i1, i2, sub):
-            params = []  # (scale, zero) of each column of the sub-block, as (out,) vectors
-            for i in range(j1, j2):
-                col = i1 + i
-                if static:
-                    scale, zero = static[group_list[col]]
-                elif col % gs == 0:  # a new group starts here (always a sub-block start), in quantization order
-                    scale, zero = qparams(_upcoming(Wt, W1, Err1, Hinv, i1, i, gs), spec)
-                    scales.append(scale)
-                    zeros.append(zero)
-                params.append((scale[:, 0], zero[:, 0]))
-            _quantize_columns(W1[j1:j2], Err1[j1:j2], Q[i1 + j1:i1 + j2], Hinv1[j1:j2, j1:j2], params,
+        # sub-blocks end at absolute multiples of _SUB_BLOCK, at the block's end and where a group starts
+        for j1, j2 in _spans(i1, i2, _SUB_BLOCK, starts):
+            if group_params != "upfront" and (i1 + j1) in starts:
+                g = starts[i1 + j1]
+                positions = torch.nonzero(pos_group == g).flatten()
+                cur = _current(Wt, W1, Err1, Hinv, i1, j1, positions)  # (out, k)
+                imp = None
+                if clip is not None and clip.get("importance") == "hdiag":
+                    imp = imp_hdiag[perm[positions]]
+                elif clip is not None and clip.get("importance") == "hinv":
+                    imp = hinv_imp[positions]
+                params[g] = _group_qparams(cur, spec, clip, imp, sym_range, given_imp=True)
+            cols = [params[group_list[i1 + i]] for i in range(j1, j2)]
+            _quantize_columns(W1[j1:j2], Err1[j1:j2], Q[i1 + j1:i1 + j2], Hinv1[j1:j2, j1:j2],
+                              [(s[:, 0], z[:, 0]) for s, z in cols],
                               inv_d[j1:j2], spec.maxq, None if Mt is None else Mt[i1 + j1:i1 + j2])
             if j2 < b:
                 W1[j2:].addmm_(Hinv1[j1:j2, j2:].t(), Err1[j1:j2], alpha=-1.0)  # to the rest of the block
@@ -135,23 +151,66 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
         if i2 < in_f:
             Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1.0)  # the block's lazy update to the rest
 
-    if static:
-        scales = [sc for sc, _ in static]
-        zeros = [zr for _, zr in static]
     if overwrite:
         _release(scratch[1])  # H's memory (the factor was made in it) goes with Hinv
     del Wt, Hinv, scratch
     inv = torch.argsort(perm)
-    g_idx = group_of[inv].to(torch.int32)
+    g_idx = pos_group[inv].to(torch.int32)
     Q = Q[inv]
     qw = QuantizedWeight(
         q=Q.t().to(torch.int32),
-        scales=torch.cat(scales, dim=1),  # (out, groups)
-        zeros=torch.cat(zeros, dim=1).to(torch.int32),
+        scales=torch.cat([s for s, _ in params], dim=1),  # (out, groups)
+        zeros=torch.cat([z for _, z in params], dim=1).to(torch.int32),
         g_idx=g_idx,
         spec=spec,
     )
     return qw, float(loss)
+
+
+def group_aware_order(hdiag: torch.Tensor, gs: int, order: str = "gar") -> torch.Tensor:
+    """A quantization order that keeps each group of `gs` consecutive columns together: inside a group,
+    columns by decreasing H_jj; groups by decreasing largest H_jj ("gar", GPTQModel's group-aware
+    reordering) or in their original order ("local"). hdiag: (in,) -> perm (in,)."""
+    in_f = hdiag.numel()
+    groups = [torch.arange(g, min(g + gs, in_f), device=hdiag.device) for g in range(0, in_f, gs)]
+    inside = [cols[torch.argsort(hdiag[cols], descending=True)] for cols in groups]
+    if order == "gar":
+        key = torch.stack([hdiag[cols].max() for cols in groups])
+    elif order == "garsum":
+        key = torch.stack([hdiag[cols].sum() for cols in groups])
+    elif order == "local":
+        key = -torch.arange(len(groups), dtype=hdiag.dtype, device=hdiag.device)
+    else:
+        raise ValueError(order)
+    return torch.cat([inside[int(g)] for g in torch.argsort(key, descending=True)])
+
+
+def _group_qparams(w: torch.Tensor, spec: QuantSpec, clip: dict | None, imp: torch.Tensor | None,
+                   sym_range: str, given_imp: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    if clip is None:
+        return qparams(w, spec, sym_range=sym_range)
+    if not given_imp and clip.get("importance") != "hdiag":
+        imp = None
+    return clip_qparams(w, spec, imp, grid=clip.get("grid", 20), maxshrink=clip.get("maxshrink", 0.2),
+                        norm=clip.get("norm", 2.0), sym_range=sym_range)
+
+
+def _current(Wt: torch.Tensor, W1: torch.Tensor, Err1: torch.Tensor, Hinv: torch.Tensor, i1: int, j: int,
+             positions: torch.Tensor) -> torch.Tensor:
+    """The columns at quantization `positions` (all ≥ i1 + j, the start of a sub-block), with every update
+    made so far applied, as (out, k). Rows inside the block are current in W1; rows past it still lack the
+    lazy update from this block's first j rows."""
+    i2 = i1 + W1.shape[0]
+    inside = positions[positions < i2]
+    beyond = positions[positions >= i2]
+    parts = []
+    if inside.numel():
+        parts.append(W1[inside - i1])
+    if beyond.numel():
+        parts.append(Wt[beyond] - Hinv[i1:i1 + j, beyond].t() @ Err1[:j])
+    cur = torch.cat(parts) if len(parts) > 1 else parts[0]
+    order = torch.argsort(torch.cat([inside, beyond]))
+    return cur[order].t()
 
 
 def _release(*tensors: torch.Tensor) -> None:
@@ -210,24 +269,8 @@ def _columns_numpy(W: np.ndarray, Err: np.ndarray, Q: np.ndarray, Hinv: np.ndarr
         e *= inv_d[i]  # (w − q) / [H⁻¹]_jj
 
 
-def _spans(i1: int, i2: int, sub: int) -> list[tuple[int, int]]:
-    """Block-local (start, stop) of the sub-blocks of columns [i1, i2), cut at absolute multiples of sub."""
-    cuts = [i1] + list(range((i1 // sub + 1) * sub, i2, sub)) + [i2]
+def _spans(i1: int, i2: int, sub: int, starts: dict[int, int] | None = None) -> list[tuple[int, int]]:
+    """Block-local (start, stop) of the sub-blocks of columns [i1, i2), cut at absolute multiples of sub and
+    at every position in `starts` (where a group's parameters are decided)."""
+    cuts = sorted({i1, i2, *range((i1 // sub + 1) * sub, i2, sub), *(p for p in (starts or {}) if i1 < p < i2)})
     return [(a - i1, b - i1) for a, b in zip(cuts, cuts[1:])]
-
-
-def _upcoming(Wt: torch.Tensor, W1: torch.Tensor, Err1: torch.Tensor, Hinv: torch.Tensor,
-              i1: int, i: int, gs: int) -> torch.Tensor:
-    """The next `gs` columns from block-local position i, with every update made so far applied, as
-    (out, gs). Layouts are transposed: Wt (in, out), W1 and Err1 (block, out).
-
-    Rows inside the block are current in W1 (i starts a sub-block); rows past the block (a group wider
-    than the rest of the block) still lack the lazy update from this block's first i rows, applied here.
-    """
-    i2 = i1 + W1.shape[0]
-    inside = W1[i:i + gs]
-    missing = gs - inside.shape[0]
-    if missing > 0:
-        beyond = Wt[i2:i2 + missing] - Hinv[i1:i1 + i, i2:i2 + missing].t() @ Err1[:i]
-        inside = torch.cat([inside, beyond], dim=0)
-    return inside.t()

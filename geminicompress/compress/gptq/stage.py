@@ -68,6 +68,9 @@ class GPTQ:
         for name, s in self.specs.items():
             if s != self.spec or cfg.allocation is not None:
                 check_shapes(cfg.format, {name: found.shapes[name]}, s)
+        if cfg.act_order == "group":
+            ctx.progress.warn("act-order group stores a permuted g_idx, which vLLM refuses (desc_act / actorder group); "
+                              "--act-order static (the default) loads everywhere")
         windows = ctx.calibration(cfg.data)  # (n, T)
         widest = max(in_f for _, in_f in found.shapes.values())
         if windows.numel() < widest:
@@ -129,7 +132,7 @@ def gptq_dtypes(cfg: GPTQStage, source: torch.dtype, out_dtype: torch.dtype) -> 
 
 def export_meta(cfg: GPTQStage, dtype: str) -> dict[str, Any]:
     """What the format writers read of the stage's options (float dtype, act-order, ...)."""
-    return {"dtype": dtype, "act_order": cfg.act_order, "static_groups": cfg.static_groups,
+    return {"dtype": dtype, "act_order": cfg.act_order,
             "true_sequential": cfg.true_sequential, "damp": cfg.damp, "first_token_weight": cfg.first_token_weight}
 
 
@@ -178,7 +181,7 @@ def _solve_group(job: LayerJob, group: list[str], H: torch.Tensor, *, cfg: GPTQS
     W = torch.cat([job.weight(n) for n in group])  # rows stacked: (Σ out, in), a new tensor of the master weights
     try:
         qw, loss = gptq_quantize(W, H, spec, damp=cfg.damp, block_size=cfg.block_size, act_order=cfg.act_order,
-                                 static_groups=cfg.static_groups, keep_zero=zeros_to_keep(W, cfg.keep_zeros),
+                                 keep_zero=zeros_to_keep(W, cfg.keep_zeros),
                                  overwrite=overwrite)
     except GeminiError as exc:
         raise GeminiError(f"layer {job.index} {'/'.join(group)}: {exc}") from exc

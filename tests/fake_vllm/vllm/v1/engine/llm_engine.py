@@ -1,6 +1,6 @@
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass

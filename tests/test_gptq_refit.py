@@ -1,0 +1,43 @@
+"""Least-squares refit of group scales with the codes fixed (compress/gptq/refit.py)."""
+
+import torch
+
+from geminicompress.compress.gptq.refit import refit_scales
+from geminicompress.compress.gptq.solver import gptq_quantize
+from geminicompress.compress.grid import QuantizedWeight, QuantSpec, group_index
+
+
+def _hessian(d: int = 32, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    X = torch.randn(512, d, generator=gen) @ torch.randn(d, d, generator=gen) / d**0.5
+    return 2 * X.T @ X / 512
+
+
+def _error(W, Wq, H) -> torch.Tensor:
+    d = Wq - W
+    return ((d @ H) * d).sum(dim=1)
+
+
+def test_refit_recovers_the_scales_a_weight_was_made_with():
+    gen = torch.Generator().manual_seed(1)
+    spec = QuantSpec(4, 8, sym=True)
+    q = torch.randint(0, 16, (6, 32), generator=gen, dtype=torch.int32)
+    scales = torch.rand(6, 4, generator=gen) + 0.5
+    zeros = torch.full((6, 4), 8, dtype=torch.int32)
+    exact = QuantizedWeight(q, scales, zeros, group_index(32, spec), spec)
+    W = exact.dequantize()
+    off = QuantizedWeight(q, scales * 1.3, zeros, exact.g_idx, spec)
+    torch.testing.assert_close(refit_scales(off, W, _hessian()).scales, scales, rtol=1e-4, atol=1e-5)
+
+
+def test_refit_lowers_every_rows_output_error_after_gptq_and_keeps_the_codes():
+    H = _hessian(seed=2)
+    W = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
+    for spec, act_order in ((QuantSpec(3, 8, sym=True), "static"), (QuantSpec(4, 8, sym=False), "group"),
+                            (QuantSpec(4, -1, sym=True), "none")):
+        qw, _ = gptq_quantize(W, H, spec, act_order=act_order)
+        fit = refit_scales(qw, W, H)
+        assert torch.equal(fit.q, qw.q) and torch.equal(fit.zeros, qw.zeros) and torch.equal(fit.g_idx, qw.g_idx)
+        before, after = _error(W, qw.dequantize(), H), _error(W, fit.dequantize(), H)
+        assert torch.all(after <= before + 1e-6) and float(after.sum()) < float(before.sum())
+        assert torch.all(fit.scales > 0)

@@ -23,7 +23,7 @@ from pathlib import Path
 from common import DATA, RESULTS, ROOT
 
 OUT = RESULTS / "int4_eval_bar"
-MODELS = ("gptq-g64", "awq-g64")
+MODELS = ("gptq-g64-static", "awq-g64")  # the default GPTQ (act-order static) and AWQ outputs
 
 
 def run_eval(models: list[str], out: Path, *extra: str) -> dict:
@@ -39,8 +39,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models-dir", default="/work/serve-models")
     ap.add_argument("--part", choices=("timed", "reference", "both"), default="both")
+    ap.add_argument("--models", default=",".join(MODELS), help="folders under --models-dir")
     args = ap.parse_args()
-    models = [str(Path(args.models_dir) / m) for m in MODELS]
+    names = args.models.split(",")
+    models = [str(Path(args.models_dir) / m) for m in names]
     path = RESULTS / "int4_eval_bar.json"
     result = json.loads(path.read_text()) if path.exists() else {"benchmark": "int4_eval_bar"}
     if args.part in ("timed", "both"):
@@ -48,20 +50,20 @@ def main() -> None:
     if args.part in ("reference", "both"):
         result["reference"] = run_eval(models, OUT / "reference", "--kernels", "reference", "--no-latency")
     if "timed" in result and "reference" in result:
-        result["bars"] = bars(result["timed"]["report"], result["reference"]["report"])
+        result["bars"] = bars(result["timed"]["report"], result["reference"]["report"], names)
         for line in result["bars"]["lines"]:
             print(line)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
 
 
-def bars(timed: dict, reference: dict) -> dict:
+def bars(timed: dict, reference: dict, names: list[str]) -> dict:
     by = {m["name"]: m for m in timed["models"]}
     ref = {m["name"]: m for m in reference["models"]}
     bf16 = next(m for m in timed["models"] if m.get("dtype_baseline"))
     base_tpot = bf16["latency"]["tpot_ms"]["median"]
     out, lines = {}, []
-    for name in MODELS:
+    for name in names:
         m = by[name]
         tpot = m["latency"]["tpot_ms"]["median"]
         fast, slow = m["quality"]["perplexity"], ref[name]["quality"]["perplexity"]

@@ -62,7 +62,7 @@ def test_rtn_cli_writes_the_gptq_format_by_default(tiny_dir, tmp_path):
 
 
 def test_rtn_refuses_options_of_other_methods_and_impossible_groups(tiny_dir, tmp_path):
-    res = CliRunner().invoke(app, ["quantize", str(tiny_dir), "-o", str(tmp_path / "a"), "--method", "rtn", "--act-order"])
+    res = CliRunner().invoke(app, ["quantize", str(tiny_dir), "-o", str(tmp_path / "a"), "--method", "rtn", "--act-order", "static"])
     assert res.exit_code == 2 and "does not apply to --method rtn" in res.output
     res = CliRunner().invoke(app, ["quantize", str(tiny_dir), "-o", str(tmp_path / "b"), "--method", "rtn",
                                    "--group-size", "48"])

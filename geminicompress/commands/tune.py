@@ -50,8 +50,8 @@ def tune(
     Each round allocates under a predicted budget, quantizes and measures; while the measured drift is over
     --max-drift, the next round divides the budget by the undercount the last one measured (at most 4 rounds).
 
+    \b
     Example:
-
       geminicompress tune smollm2-demo -o out-tuned --max-drift 5% --data wiki.txt --eval-data builtin:pydoc \\
           --options gptq:b8g64,gptq:b4g64,gptq:b3g64
     """

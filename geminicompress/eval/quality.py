@@ -7,7 +7,7 @@ Only one window's logits live at a time: (T-1, V) for the model and, for drift, 
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -17,22 +17,12 @@ from geminicompress.eval.perplexity import PerplexityMeter, token_nll, window_lo
 from geminicompress.progress import NullProgress, Progress
 
 
-def measure_quality(
-    model,
-    windows: torch.Tensor,
-    device: torch.device,
-    *,
-    label: str,
-    store: BaselineCache | None = None,
-    against: BaselineCache | None = None,
-    base_ppl: float | None = None,
-    progress: Progress | None = None,
-) -> dict:
-    """Perplexity over `windows` (n, T); with `store` (the baseline) each window's log-probs are
+def measure_quality(model, windows: torch.Tensor, device: torch.device, **scoring: Any) -> dict:
+    """Perplexity over `windows` (n, T) through `model`, scored by `score_windows` with its keywords
+    (label, store, against, base_ppl, progress): with `store` (the baseline) each window's log-probs are
     cached; with `against` KL/agreement to the cached baseline are measured too."""
     logprobs = (window_logprobs(model, window, device) for window in windows)  # (T-1, V) each
-    return score_windows(logprobs, windows, label=label, store=store, against=against, base_ppl=base_ppl,
-                         progress=progress)
+    return score_windows(logprobs, windows, **scoring)
 
 
 def score_windows(

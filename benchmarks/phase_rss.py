@@ -68,25 +68,27 @@ def wrap(owner: object, name: str, label: str) -> None:
 def main() -> None:
     import geminicompress.compress.gptq.solver as solver
     import geminicompress.compress.gptq.stage as gstage
-    import geminicompress.engine.walk as lw
+    import geminicompress.engine.walk as walk
     import geminicompress.formats.shards as shards
-    import geminicompress.streaming.output as sout
-    import geminicompress.streaming.run as srun
-    import geminicompress.streaming.sink as ssink
-    import geminicompress.streaming.verify as sverify
+    import geminicompress.formats.writer as writer
+    import geminicompress.pipeline as pipeline
+    import geminicompress.verify as verify
     from geminicompress.cli import main as cli
+    from geminicompress.engine.sinks import ResidentSink, ShardSink
 
-    wrap(lw, "_capture", "capture")
-    wrap(lw, "one_pass", "one_pass")
+    wrap(walk, "_capture", "capture")
+    wrap(walk, "_one_layer", "one_layer")
     wrap(gstage, "gptq_quantize", "gptq_quantize")
     wrap(solver, "inverse_hessian_factor", "inverse_factor")
-    wrap(srun, "_write_outside", "write_outside")
-    wrap(sverify.StreamedProbe, "check", "verify_check")
-    wrap(sverify, "loaded_logits", "verify_load_back")
-    wrap(sverify.VerifyingSink, "finish", "verifying_finish")
-    wrap(ssink.ShardSink, "finish", "shard_finish")
-    wrap(sverify.StreamedProbe, "advance", "probe_advance")
-    wrap(sout.PackedOutput, "layer_tensors", "layer_tensors")
+    wrap(walk, "walk_outside", "walk_outside")
+    wrap(pipeline, "_in_memory", "in_memory_stages")
+    wrap(pipeline, "_finish", "finish_out")
+    wrap(verify.Probe, "check", "verify_check")
+    wrap(verify, "loaded_logits", "verify_load_back")
+    wrap(verify.Probe, "advance", "probe_advance")
+    wrap(ResidentSink, "finish", "resident_finish")
+    wrap(ShardSink, "finish", "shard_finish")
+    wrap(writer.PackedWriter, "layer_tensors", "layer_tensors")
     wrap(shards.ShardWriter, "write", "writer_write")
     threading.Thread(target=sampler, daemon=True).start()
     sys.argv = ["geminicompress", *sys.argv[1:]]

@@ -92,7 +92,7 @@ def run_recipe(recipe: Recipe, out: Path, *, force: bool = False, progress: Prog
         if streamed:
             results, export = _streamed(ctx, layers, tmp, verify, max_shard_bytes)
         else:
-            results, export = _in_memory(ctx, layers, tmp, verify, max_shard_bytes)
+            results, export = _in_memory(ctx, layers, tmp, verify, max_shard_bytes, owned=loaded is None)
         for i, stage in enumerate(recipe.stages):
             if stage.type == "eval":
                 results.append(_run_model_stage(ctx, i, stage, tmp))
@@ -172,8 +172,13 @@ def _result(i: int, stage: Any, seconds: float, summary: dict) -> dict:
             "seconds": round(seconds, 3), "result": summary}
 
 
-def _in_memory(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, max_shard: int) -> tuple[list, dict]:
-    """Each stage on the model in memory (a layer stage walks it), then the walk that writes OUT."""
+def _in_memory(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, max_shard: int,
+               owned: bool = True) -> tuple[list, dict]:
+    """Each stage on the model in memory (a layer stage walks it), then the walk that writes OUT. `owned`: the
+    run loaded the model itself, so once OUT holds its layers (and the probe has been through them) their
+    weights and the stage's kept codes are freed before OUT is loaded back for the check: on the demo's 4-bit
+    GPTQ that check was the peak, with the model and OUT both in float32 (1.88 GiB). A caller's model is left
+    as the stages made it."""
     results: list[dict] = []
     owner: tuple[Any, dict, dict] | None = None  # (the stage whose format OUT takes, its result, its kept tensors)
     for i, stage in enumerate(stages):
@@ -200,6 +205,11 @@ def _in_memory(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, ma
     sink = ShardSink(shards, writer, lambda i, _: layer_kept(kept, i), probe=probe)
     ctx.progress.info(f"writing {tmp.name.removeprefix('.').removesuffix('.partial')}")
     walked = walk(ctx, [], sink, "writing")
+    if owned:
+        kept.clear()
+        for layer in ctx.layers.layers:
+            for param in layer.parameters():
+                param.data = torch.empty(0, dtype=param.dtype)
     export = _finish(ctx, tmp, shards, writer, owner[1] if owner is not None else {}, walked, probe, head=None)
     return results, export
 

@@ -107,7 +107,7 @@ def plot(report: dict, path: Path) -> None:
     rows = report["rows"]
     names = [r["row"] for r in rows][::-1]  # first row on top
     fig, axes = plt.subplots(1, 3, figsize=(12, 0.55 * len(rows) + 1.8), dpi=120, sharey=True)
-    panels = [("TTFT ms (median, p90)", lambda m: m["ttft_ms"]["median"], lambda m: m["ttft_ms"]["p90"]),
+    panels = [("TTFT s (median, p90)", lambda m: m["ttft_ms"]["median"] / 1000, lambda m: m["ttft_ms"]["p90"] / 1000),
               ("TPOT ms (median)", lambda m: (m.get("tpot_ms") or {}).get("median"), None),
               ("throughput, requests/s", lambda m: m.get("throughput_req_s"), None)]
     for ax, (title, value, high) in zip(axes, panels):
@@ -128,6 +128,7 @@ def plot(report: dict, path: Path) -> None:
             ax.annotate(label, (v, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7.5)
         ax.set_title(title, fontsize=9.5)
         ax.margins(x=0.35)
+        ax.xaxis.set_major_locator(plt.MaxNLocator(4))
     axes[0].set_yticks(range(len(names)), names, fontsize=8.5)
     fig.suptitle("Serving optimizations, each row adding one to the row before (top to bottom)", fontsize=10.5)
     fig.text(0.01, 0.01, caption(report), fontsize=6.5, color="0.4")

@@ -88,7 +88,7 @@ def tpot_ms(model, ids: torch.Tensor, runs: int = 5) -> dict:
 
 MODELS = {"bf16": ("smollm2-demo", torch.bfloat16), "fp32": ("smollm2-demo", torch.float32),
           "int8 (W8A16, fbgemm fp16-codes GEMM)": ("int8", None), "w8a8 (fbgemm INT8 GEMM)": ("w8a8", None),
-          "int4 (gptq g64, torch int4 kernel, bf16)": ("gptq-g64-noact", None)}
+          "int4 (gptq g64 default flags, torch int4 kernel, bf16)": ("gptq-g64-static", None)}
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, calibration_ids  # noqa: E402
+from common import calibration_ids  # noqa: E402
 from gptq_layer_check import collect  # noqa: E402
 
 
@@ -50,7 +50,7 @@ def load_stats(cache: Path, samples: int):
 
 def solve(variant: dict, W: torch.Tensor, Hw: torch.Tensor, spec) -> torch.Tensor:
     from geminicompress.compress.gptq.solver import gptq_quantize
-    from geminicompress.compress.grid import QuantizedWeight, group_index, qparams, quantize
+    from geminicompress.compress.grid import qparams, quantize
     from geminicompress.compress.scale_search import clip_qparams
 
     v = dict(variant)

@@ -18,7 +18,7 @@ from geminicompress.engine.sinks import ShardSink
 from geminicompress.formats.checkpoint import read_tensors
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage
-from tiny import tiny_model, tiny_tokenizer
+from tiny import save_sharded_bf16
 
 CPU = torch.device("cpu")
 runner = CliRunner()
@@ -26,10 +26,7 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("resume") / "tiny-bf16"
-    tiny_model(num_hidden_layers=4).to(torch.bfloat16).save_pretrained(path, max_shard_size="60KB")
-    tiny_tokenizer().save_pretrained(path)
-    return path
+    return save_sharded_bf16(tmp_path_factory.mktemp("resume") / "tiny-bf16", num_hidden_layers=4)
 
 
 def _same(a: Path, b: Path) -> None:

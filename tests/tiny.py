@@ -79,6 +79,14 @@ def save_tiny(path: Path, kind: str = "llama", seed: int = 0, **overrides) -> Pa
     return path
 
 
+def save_sharded_bf16(path: Path, num_hidden_layers: int) -> Path:
+    """A tiny Llama saved in bf16 in ~60 KB shards (a checkpoint that streams shard by shard)."""
+    path = Path(path)
+    tiny_model(num_hidden_layers=num_hidden_layers).to(torch.bfloat16).save_pretrained(path, max_shard_size="60KB")
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
 def prune_in_place(model, fraction: float = 0.5) -> dict:
     """Zero the `fraction` smallest |w| of every 2-D decoder-layer weight; return the keep-masks by name."""
     masks = {}

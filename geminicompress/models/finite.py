@@ -8,9 +8,11 @@ stops the command before anything is written, in one line naming the tensor, how
 index. `--allow-nonfinite` (recipe: `allow_nonfinite: true`) lets it through; report.json then records what
 was found.
 
-Cost: one reduction per tensor (the sum, in float32: finite exactly when every value is, barring an
-overflow of the sum itself, which then takes the exact pass), no tensor-sized temporary; the exact pass
-(`isfinite` a block of rows at a time) runs only for a tensor whose sum is not finite.
+Cost: one reduction per tensor, no tensor-sized temporary: the minimum and maximum together
+(`torch.aminmax`: a NaN anywhere makes both NaN, a +Inf is the maximum, a -Inf the minimum, so both are
+finite exactly when every value is), ~27 GB/s on bfloat16 here (a float32 sum of a bfloat16 tensor ran at
+1.2 GB/s: 5.5% of an 8B-shaped streamed prune); the exact pass (`isfinite` a block of rows at a time, for
+the count and the first index) runs only for a tensor that holds a non-finite value.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ class NonFiniteError(InputError):
 
 def nonfinite(t: torch.Tensor, rows: int = ROWS) -> tuple[int, list[int]] | None:
     """(how many values of `t` are NaN or ±Inf, the index of the first) or None when all are finite."""
-    if not t.is_floating_point() or t.numel() == 0 or bool(torch.isfinite(t.sum(dtype=torch.float32))):
+    if not t.is_floating_point() or t.numel() == 0:
+        return None
+    low, high = torch.aminmax(t)
+    if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
         return None
     flat = t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(1, -1)
     count, first = 0, None

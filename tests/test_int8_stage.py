@@ -11,6 +11,9 @@ from geminicompress.cli import app
 from geminicompress.compress.int8.modules import Int8WeightOnlyLinear, W8A8Linear
 from geminicompress.engine.contract import StageContext
 from geminicompress.engine.run import run_stage
+from geminicompress.eval.kernels import use_fast_kernels
+from geminicompress.formats.bits import unpack_bits
+from geminicompress.formats.dequant import DequantLinear
 from geminicompress.models.loading import load_model
 from geminicompress.progress import NullProgress
 from geminicompress.recipes.quantize import Int8Stage
@@ -67,10 +70,17 @@ def test_save_load_round_trip_is_identical(method, tok, tmp_path):
     model = loaded_src.model  # the model in memory after the stage
     assert report["export"]["quantized_linears"] == 14
     loaded = load_model(str(tmp_path / "out"))
-    assert loaded.format == "compressed-tensors:int-quantized"
+    ids = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(2))
+    if method == "int8":  # pack-quantized 8-bit: read back as codes (the reference path), run by eval on fbgemm
+        assert loaded.format == "compressed-tensors:pack-quantized"
+        assert isinstance(loaded.model.model.layers[1].mlp.down_proj, DequantLinear)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded.model(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
+        assert use_fast_kernels(loaded.model, torch.device("cpu")).kernel == "fbgemm-fp16-codes"
+    else:
+        assert loaded.format == "compressed-tensors:int-quantized"
     cls = W8A8Linear if method == "w8a8" else Int8WeightOnlyLinear
     assert isinstance(loaded.model.model.layers[1].mlp.down_proj, cls)
-    ids = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(loaded.model(ids).logits, model(ids).logits)
 
@@ -99,6 +109,33 @@ def test_checkpoint_layout_is_compressed_tensors_int_quantized(tiny_dir, tmp_pat
     smoothing = report["stages"][0]["result"]["smoothquant"]
     assert (smoothing["alpha"], smoothing["data"], smoothing["folded_groups"]) == (0.5, "builtin:pydoc", 6)
     assert smoothing["calibration_windows"] == 128 and smoothing["seq_len"] == 512
+
+
+def test_weight_only_int8_is_pack_quantized_8bit_as_vllm_reads_it(tiny_dir, tmp_path):
+    """W8A16 as compressed-tensors writes weight-only integers (vLLM's config asserts on int-quantized
+    without input activations): pack-quantized 8-bit per channel, the same codes plus 128."""
+    out = tmp_path / "int8"
+    res = runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), "--method", "int8", "--quiet"])
+    assert res.exit_code == 0, res.output
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_method"], qc["format"], qc["ignore"]) == ("compressed-tensors", "pack-quantized", ["lm_head"])
+    group = qc["config_groups"]["group_0"]
+    assert (group["format"], group["input_activations"], group["targets"]) == ("pack-quantized", None, ["Linear"])
+    w = group["weights"]
+    assert (w["num_bits"], w["type"], w["symmetric"], w["strategy"], w["group_size"], w["actorder"]) == \
+        (8, "int", True, "channel", None, None)
+    model = load_model(str(tiny_dir)).model
+    with safe_open(out / "model.safetensors", "pt") as f:
+        name = "model.layers.0.self_attn.q_proj"
+        packed, scale = f.get_tensor(f"{name}.weight_packed"), f.get_tensor(f"{name}.weight_scale")
+        assert packed.dtype == torch.int32 and packed.shape == (64, 16) and scale.shape == (64, 1)
+        assert f.get_tensor(f"{name}.weight_shape").tolist() == [64, 64]
+        assert not any(k.endswith(("zero_point", "g_idx")) or k == f"{name}.weight" for k in f.keys())
+        codes = unpack_bits(packed, 8, 64) - 128  # the int8 module's codes, symmetric in [-127, 127]
+    assert int(codes.abs().max()) == 127 and int(codes.min()) >= -127
+    expected = Int8WeightOnlyLinear.from_linear(model.model.layers[0].self_attn.q_proj)
+    assert torch.equal(codes.to(torch.int8), expected.weight)
+    torch.testing.assert_close(scale, expected.weight_scale)
 
 
 def test_smoothquant_defaults_and_how_to_turn_it_off():

@@ -41,6 +41,18 @@ def test_bit_stream_known_words():
     codes = torch.zeros(1, 32, dtype=torch.int64)
     codes[0, 21] = 0b110  # straddles words 1/2 at bit 63: low bit 0 in word 1, high bits 1..2 in word 2
     assert pack_bits(codes, 3)[0].tolist() == [0, 0, 0b11]
+    # 8-bit: four codes per word, the first in the lowest byte (the byte view and the bit arithmetic agree)
+    assert pack_bits(torch.tensor([[0x01, 0x02, 0x03, 0xF4]]), 8).item() == 0xF4030201 - 2**32
+    assert pack_bits(torch.tensor([[0x01, 0x02, 0x03, 0xF4, 0x05]]), 8).tolist() == [[0xF4030201 - 2**32, 0x05]]
+
+
+def test_8bit_byte_view_equals_the_bit_stream():
+    codes = torch.randint(0, 256, (7, 64), generator=torch.Generator().manual_seed(8))
+    packed = pack_bits(codes, 8)  # n % 4 == 0: the byte view
+    words = codes[:, 0::4] | codes[:, 1::4] << 8 | codes[:, 2::4] << 16 | codes[:, 3::4] << 24
+    assert torch.equal(packed.to(torch.int64) & 0xFFFFFFFF, words)
+    assert torch.equal(unpack_bits(packed, 8, 64), codes.to(torch.int32))
+    assert torch.equal(unpack_bits(packed, 8, 61), codes[:, :61].to(torch.int32))  # the general path's n
 
 
 def _quantized(bits: int, group: int, act_order: bool, sym: bool, static: bool = False):

@@ -25,7 +25,6 @@ from safetensors.torch import save_file
 
 from geminicompress.compress.arch import set_module
 from geminicompress.errors import GeminiError
-from geminicompress.formats.checkpoint import module_tensors
 from geminicompress.formats.shards import ShardWriter
 
 KeptOf = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]  # (layer, walk's kept) -> the writer's
@@ -123,7 +122,7 @@ class ShardSink:
         return self.writer.summary(unit).get("rows", []) if self.writer.finished(unit) else None
 
     def outside(self, name: str, module: nn.Module, rows: list[dict]) -> None:
-        self.writer.write(f"outside.{name}", module_tensors(name, module, self.layer_writer.dtype), {"rows": rows})
+        self.writer.write(f"outside.{name}", self.layer_writer.outside_tensors(name, module), {"rows": rows})
 
 
 class InputsKeeper:

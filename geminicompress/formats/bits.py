@@ -8,9 +8,13 @@ GPTQ (AutoGPTQ/GPTQModel) and compressed-tensors (>= 0.10) both use this stream 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 _WORD = 32
+# 8-bit codes in little-endian words are the bytes themselves: a view, no bit arithmetic
+_BYTES = sys.byteorder == "little"
 
 
 def packed_width(n: int, bits: int) -> int:
@@ -41,11 +45,18 @@ def _by_rows(fn, t: torch.Tensor, *args: int) -> torch.Tensor:
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes (..., n) integers in [0, 2^bits) -> int32 (..., packed_width(n, bits)), a block of rows at a time."""
+    if bits == 8 and _BYTES and codes.shape[-1] % 4 == 0:
+        *lead, n = codes.shape
+        flat = torch.empty(codes.shape, dtype=torch.uint8, device=codes.device).copy_(codes).reshape(-1)
+        return flat.view(torch.int32).reshape(*lead, n // 4)
     return _by_rows(_pack_rows, codes, bits)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """int32 (..., words) -> codes (..., n) as int32 in [0, 2^bits), a block of rows at a time."""
+    if bits == 8 and _BYTES and packed.dtype == torch.int32 and packed.shape[-1] * 4 >= n:
+        *lead, words = packed.shape
+        return packed.contiguous().reshape(-1).view(torch.uint8).reshape(*lead, 4 * words)[..., :n].to(torch.int32)
     return _by_rows(_unpack_rows, packed, bits, n)
 
 

@@ -33,8 +33,11 @@ class DequantLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized (out, in) weight, in the dtype of the scales."""
+        dtype = self.scales.dtype
+        if self.scales.shape[1] == 1:  # per channel: broadcast, no gather
+            return self.scales * (self.q.to(dtype) - self.zeros.to(dtype))
         g = self.g_idx
-        return self.scales[:, g] * (self.q.to(self.scales.dtype) - self.zeros[:, g].to(self.scales.dtype))
+        return self.scales[:, g] * (self.q.to(dtype) - self.zeros[:, g].to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))

@@ -1,6 +1,6 @@
-"""Write an INT8 model in compressed-tensors' `int-quantized` layout (what vLLM and llm-compressor read).
+"""Write an INT8 model in compressed-tensors layouts (what vLLM and llm-compressor read).
 
-On disk, for every quantized linear `<name>`:
+W8A8 (`--method w8a8`) is `int-quantized`; for every quantized linear `<name>`:
     <name>.weight        int8  (out, in)   codes in [-127, 127]
     <name>.weight_scale  float (out, 1)    one symmetric scale per output channel
 (no zero points: symmetric). Everything else is stored as in a dense checkpoint. `config.json` gains
@@ -8,13 +8,19 @@ On disk, for every quantized linear `<name>`:
     "quantization_config": {"quant_method": "compressed-tensors", "format": "int-quantized",
         "quantization_status": "compressed", "ignore": [...float linears...],
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {8-bit int, symmetric, channel},
-                          "input_activations": {8-bit int, symmetric, token, dynamic} | null}}}
+                          "input_activations": {8-bit int, symmetric, token, dynamic}}}}
 
-`input_activations` is null for weight-only `int8` (W8A16) and dynamic per-token for `w8a8`.
+Weight-only `int8` (W8A16) is `pack-quantized` 8-bit, as compressed-tensors and llm-compressor write
+weight-only integers and as vLLM reads them (its config refuses `int-quantized` without input
+activations unless the weights are floats): the same codes plus 128, four per int32 word
+(`<name>.weight_packed`, formats/pack_quantized.py's layout), `<name>.weight_scale` and
+`<name>.weight_shape`. Our loader reads it back as any pack-quantized file; `eval` runs it on the same
+fbgemm W8A16 kernel as the int8 module (eval/kernels.py: 8-bit symmetric per-channel codes).
 
-Loading (ours, or llm-compressor's W8A8/W8A16 int8): build the architecture without initialising
-weights, replace every linear whose stored `weight` is int8 (with a `weight_scale`) by `W8A8Linear`
-(when the checkpoint declares input activations) or `Int8WeightOnlyLinear`, then load the state dict.
+Loading int-quantized (ours, or llm-compressor's W8A8, or an older W8A16 of ours or theirs): build the
+architecture without initialising weights, replace every linear whose stored `weight` is int8 (with a
+`weight_scale`) by `W8A8Linear` (when the checkpoint declares input activations) or `Int8WeightOnlyLinear`,
+then load the state dict.
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ import torch.nn as nn
 
 from geminicompress.compress.int8.modules import Int8WeightOnlyLinear, W8A8Linear
 from geminicompress.compress.int8.shared_input import share_inputs
+from geminicompress.compress.grid import QuantSpec
 from geminicompress.errors import GeminiError
+from geminicompress.formats import pack_quantized
+from geminicompress.formats.bits import pack_bits
 from geminicompress.formats.checkpoint import compressed_tensors_format, float_linears
 from geminicompress.formats.reader import ModuleReader, load_with_reader
 from geminicompress.formats.writer import LayerWriter
@@ -69,20 +78,47 @@ def quantization_config(method: str, ignore: list[str]) -> dict[str, Any]:
 
 
 class Int8Writer(LayerWriter):
-    """compressed-tensors int-quantized, one layer at a time: the layer's INT8 modules write their codes and
-    scales themselves (their state dicts); `targets`: the linears made INT8 (the others are `ignore`)."""
-
-    format = KEY
+    """INT8, one layer at a time: the layer's INT8 modules give their codes and scales (their state dicts),
+    written as they are (w8a8: int-quantized) or packed (int8: pack-quantized 8-bit, `w8a16_packed`);
+    `targets`: the linears made INT8 (the others are `ignore`)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, method: str, targets: list[str]) -> None:
         super().__init__(model, dtype)
         self.method, self.targets = method, set(targets)
+        self.format = KEY if method == "w8a8" else pack_quantized.KEY
+
+    def layer_tensors(self, i: int, layer: nn.Module, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.stored(super().layer_tensors(i, layer, kept))
+
+    def outside_tensors(self, name: str, module: nn.Module) -> dict[str, torch.Tensor]:
+        return self.stored(super().outside_tensors(name, module))
+
+    def stored(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return tensors if self.method == "w8a8" else w8a16_packed(tensors)
 
     def qconfig(self, result: dict[str, Any]) -> dict[str, Any]:
-        return quantization_config(self.method, float_linears(self.model, self.targets))
+        ignore = float_linears(self.model, self.targets)
+        if self.method == "w8a8":
+            return quantization_config(self.method, ignore)
+        return pack_quantized.ct_config(QuantSpec(8), {}, sorted(ignore))
 
     def write_config(self, out: Path, result: dict[str, Any]) -> dict[str, Any]:
         return {**super().write_config(out, result), "method": self.method, "quantized_linears": len(self.targets)}
+
+
+def w8a16_packed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Weight-only INT8 tensors as compressed-tensors pack-quantized 8-bit: each `<m>.weight` of int8 codes
+    c (with a `<m>.weight_scale`) becomes `<m>.weight_packed` (c + 128, four per int32 word, the first in
+    the lowest bits) and `<m>.weight_shape`; the scales and every other tensor stay as they are."""
+    stored: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        name = key.removesuffix(".weight")
+        if key.endswith(".weight") and value.dtype == torch.int8 and f"{name}.weight_scale" in tensors:
+            stored[f"{name}.weight_packed"] = pack_bits(value.to(torch.int32) + 128, 8).contiguous()
+            stored[f"{name}.weight_shape"] = torch.tensor(list(value.shape), dtype=torch.int64)
+        else:
+            stored[key] = value
+    return stored
 
 
 def reader(path: Path, config: dict[str, Any]) -> ModuleReader:

@@ -42,6 +42,10 @@ class LayerWriter:
     def layer_tensors(self, i: int, layer: nn.Module, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return module_tensors(self.prefix(i), layer, self.dtype)
 
+    def outside_tensors(self, name: str, module: nn.Module) -> dict[str, torch.Tensor]:
+        """What OUT stores of module `name` outside the decoder layers (an output head)."""
+        return module_tensors(name, module, self.dtype)
+
     def dense(self, i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A finished layer's written tensors as the dense state dict of the layer (names relative to it)."""
         head = self.prefix(i) + "."

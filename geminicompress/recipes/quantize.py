@@ -22,7 +22,8 @@ class Int8Stage(StageBase):
         "DATA; 0 or null = no SmoothQuant")
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="module name pattern (regex) to keep "
                               "in float; repeatable (default lm_head)")
-    format: Literal["compressed-tensors"] = Field("compressed-tensors", description="compressed-tensors int-quantized")
+    format: Literal["compressed-tensors"] = Field("compressed-tensors", description="compressed-tensors: "
+                                                  "int-quantized (w8a8), pack-quantized 8-bit (int8)")
 
     @model_validator(mode="after")
     def _smoothquant_needs_w8a8(self) -> "Int8Stage":

@@ -8,7 +8,8 @@ otherwise), one window at a time, averaged over the windows (smoothquant.py says
 outputs from that same pass are the next layer's inputs, so every statistic is the float model's, as
 SmoothQuant takes it; the scales are folded into the producing norm/linear -> every targeted linear made
 INT8. Per-token INT8 activations without SmoothQuant drift ~2x more on the demo model (docs/int8.md).
-Written as compressed-tensors `int-quantized`; the summary lists what was done to every linear.
+Written as compressed-tensors `int-quantized` (w8a8) or `pack-quantized` 8-bit (int8: what vLLM reads as
+W8A16); the summary lists what was done to every linear.
 """
 
 from __future__ import annotations

@@ -40,8 +40,7 @@ from geminicompress.models.loading import load_model
 MODELS = {
     "smollm2-demo": "fp32 dense (the demo)",
     "bf16": "bf16 dense copy",
-    "int8": "int8 W8A16, compressed-tensors int-quantized",
-    "int8-packed": "int8 W8A16 rewritten as compressed-tensors pack-quantized 8-bit (the proposed writer fix)",
+    "int8": "int8 W8A16, compressed-tensors pack-quantized 8-bit (int-quantized before issue #25's writer fix)",
     "w8a8": "w8a8, compressed-tensors int-quantized",
     "gptq-g64-static": "gptq 4-bit g64 v1, default flags (act-order static: desc_act false)",
     "gptq-g64-static-ct": "gptq 4-bit g64 compressed-tensors, default flags (actorder weight)",
@@ -63,45 +62,11 @@ def spec_of(name: str, root: Path) -> str:
 
 
 def ensure_derived(root: Path) -> None:
-    """bf16: the demo saved in bf16; int8-packed: our int8 output rewritten in the pack-quantized layout."""
+    """bf16: the demo saved in bf16."""
     if not (root / "bf16").exists():
         demo = load_model("smollm2-demo")
         demo.model.to(torch.bfloat16).save_pretrained(root / "bf16")
         demo.tokenizer.save_pretrained(root / "bf16")
-    if (root / "int8").exists() and not (root / "int8-packed").exists():
-        repack_int8(root / "int8", root / "int8-packed")
-
-
-def repack_int8(src: Path, dst: Path) -> None:
-    """int-quantized W8A16 (int8 codes q in [-127, 127], scale (out, 1)) -> pack-quantized 8-bit symmetric
-    channel (unsigned codes q + 128 packed 4 per int32 along the input, weight_scale, weight_shape): the
-    layout compressed-tensors/llm-compressor use for weight-only int8 and vLLM's CompressedTensorsWNA16 reads."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from geminicompress.compress.grid import QuantizedWeight, QuantSpec, group_index
-    from geminicompress.formats.pack_quantized import ct_config, pack_ct
-
-    shutil.copytree(src, dst)
-    tensors = load_file(str(src / "model.safetensors"))
-    out, spec = {}, QuantSpec(8, -1, True)
-    for key, t in tensors.items():
-        if key.endswith(".weight_scale"):
-            continue
-        name = key.removesuffix(".weight")
-        if key.endswith(".weight") and t.dtype == torch.int8:
-            scale = tensors[f"{name}.weight_scale"].float()  # (out, 1)
-            q = t.to(torch.int32) + 128
-            qw = QuantizedWeight(q, scale, torch.full_like(scale, 128, dtype=torch.int32), group_index(t.shape[1], spec),
-                                 spec)
-            out.update({f"{name}.{k}": v for k, v in pack_ct(qw, torch.float32, False).items()})
-        else:
-            out[key] = t
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = ct_config(spec, {}, config["quantization_config"]["ignore"])
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def ours(spec: str, windows: torch.Tensor) -> dict:

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from geminicompress.compress.grid import QuantSpec
 from geminicompress.compress.int8.modules import Int8WeightOnlyLinear, W8A8Linear
 from geminicompress.compress.int8.shared_input import share_inputs
-from geminicompress.compress.grid import QuantSpec
 from geminicompress.errors import GeminiError
 from geminicompress.formats import pack_quantized
 from geminicompress.formats.bits import pack_bits

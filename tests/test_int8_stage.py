@@ -85,11 +85,16 @@ def test_save_load_round_trip_is_identical(method, tok, tmp_path):
         assert torch.equal(loaded.model(ids).logits, model(ids).logits)
 
 
+def _quantized(model_dir, out, method: str) -> dict:
+    """`quantize MODEL -o OUT --method METHOD` through the CLI; OUT's quantization_config."""
+    res = runner.invoke(app, ["quantize", str(model_dir), "-o", str(out), "--method", method, "--quiet"])
+    assert res.exit_code == 0, res.output
+    return json.loads((out / "config.json").read_text())["quantization_config"]
+
+
 def test_checkpoint_layout_is_compressed_tensors_int_quantized(tiny_dir, tmp_path):
     out = tmp_path / "w8a8"
-    res = runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), "--method", "w8a8", "--quiet"])
-    assert res.exit_code == 0, res.output
-    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    qc = _quantized(tiny_dir, out, "w8a8")
     assert (qc["quant_method"], qc["format"], qc["ignore"]) == ("compressed-tensors", "int-quantized", ["lm_head"])
     group = qc["config_groups"]["group_0"]
     assert group["targets"] == ["Linear"]
@@ -115,9 +120,7 @@ def test_weight_only_int8_is_pack_quantized_8bit_as_vllm_reads_it(tiny_dir, tmp_
     """W8A16 as compressed-tensors writes weight-only integers (vLLM's config asserts on int-quantized
     without input activations): pack-quantized 8-bit per channel, the same codes plus 128."""
     out = tmp_path / "int8"
-    res = runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), "--method", "int8", "--quiet"])
-    assert res.exit_code == 0, res.output
-    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    qc = _quantized(tiny_dir, out, "int8")
     assert (qc["quant_method"], qc["format"], qc["ignore"]) == ("compressed-tensors", "pack-quantized", ["lm_head"])
     group = qc["config_groups"]["group_0"]
     assert (group["format"], group["input_activations"], group["targets"]) == ("pack-quantized", None, ["Linear"])
@@ -158,9 +161,7 @@ def test_cli_smoothquant_alpha_0_turns_it_off(tiny_dir, tmp_path):
 
 def test_weight_only_declares_no_activation_quantization(tiny_dir, tmp_path):
     out = tmp_path / "int8"
-    res = runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), "--method", "int8", "--quiet"])
-    assert res.exit_code == 0, res.output
-    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    qc = _quantized(tiny_dir, out, "int8")
     assert qc["config_groups"]["group_0"]["input_activations"] is None
 
 

@@ -18,7 +18,7 @@ from geminicompress.engine.sinks import ShardSink
 from geminicompress.formats.checkpoint import read_tensors
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage
-from tiny import save_sharded_bf16
+from tiny import save_sharded
 
 CPU = torch.device("cpu")
 runner = CliRunner()
@@ -26,7 +26,7 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> Path:
-    return save_sharded_bf16(tmp_path_factory.mktemp("resume") / "tiny-bf16", num_hidden_layers=4)
+    return save_sharded(tmp_path_factory.mktemp("resume") / "tiny-bf16", num_hidden_layers=4)
 
 
 def _same(a: Path, b: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import tiny_model, tiny_tokenizer
+from tiny import save_sharded
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -36,16 +36,10 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def _save(path: Path, **overrides) -> Path:
-    """A bf16 teacher in several shards (as big checkpoints come), with its tokenizer."""
-    tiny_model(num_hidden_layers=4, **overrides).to(torch.bfloat16).save_pretrained(path, max_shard_size="60KB")
-    tiny_tokenizer().save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
 def teacher_dir(request, tmp_path_factory) -> Path:
-    return _save(tmp_path_factory.mktemp("teacher") / "t", tie_word_embeddings=request.param)
+    return save_sharded(tmp_path_factory.mktemp("teacher") / "t", num_hidden_layers=4,  # a bf16 teacher in shards
+                        tie_word_embeddings=request.param)
 
 
 @pytest.fixture(scope="module")

@@ -24,22 +24,14 @@ from geminicompress.models.lazy import LazyCheckpoint, LazyTensors
 from geminicompress.recipes.loader import recipe_from_stage
 from geminicompress.engine.sinks import ShardSink
 from geminicompress.pipeline import run_recipe
-from tiny import tiny_model, tiny_tokenizer
+from tiny import save_sharded, tiny_model
 
 runner = CliRunner()
 
 
-def _sharded(path: Path, dtype: torch.dtype = torch.bfloat16, layers: int = 3) -> Path:
-    """A tiny Llama saved in `dtype` in ~60 KB shards (each layer is ~150 KB in float32: split)."""
-    model = tiny_model(num_hidden_layers=layers).to(dtype)
-    model.save_pretrained(path, max_shard_size="60KB")
-    tiny_tokenizer().save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> Path:
-    return _sharded(tmp_path_factory.mktemp("sharded") / "tiny-bf16")
+    return save_sharded(tmp_path_factory.mktemp("sharded") / "tiny-bf16")
 
 
 def _layer_files(path: Path) -> dict[str, set[str]]:
@@ -68,7 +60,7 @@ def run_streamed(recipe, out: Path, **kwargs) -> dict:
 
 # ---- the lazy checkpoint ----
 def test_lazy_layers_equal_the_model_and_are_freed(tmp_path):
-    path = _sharded(tmp_path / "m", torch.float32)
+    path = save_sharded(tmp_path / "m", dtype=torch.float32)
     assert any(len(f) > 1 for f in _layer_files(path).values()), "a layer must straddle two shards"
     model = tiny_model(num_hidden_layers=3)
     ckpt = LazyCheckpoint(path)
@@ -298,7 +290,7 @@ def test_streamed_gptq_equals_in_memory_bitwise(sharded, tmp_path, calib):
 def test_streamed_output_loads_in_transformers_and_keeps_float32(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    path = _sharded(tmp_path / "f32", torch.float32)
+    path = save_sharded(tmp_path / "f32", dtype=torch.float32)
     res = invoke("prune", path, "-o", tmp_path / "out", "-q", "--stream", "--sparsity", "0.5")
     assert res.exit_code == 0, res.output
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")

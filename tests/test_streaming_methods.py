@@ -19,7 +19,7 @@ from geminicompress.formats.checkpoint import read_tensors
 from geminicompress.recipes.loader import recipe_from_stage
 from geminicompress.engine.sinks import ShardSink
 from geminicompress.pipeline import run_recipe
-from tiny import save_sharded_bf16, tiny_model
+from tiny import save_sharded, tiny_model
 
 runner = CliRunner()
 CALIB = ["--samples", "4", "--calib-seq-len", "48"]
@@ -41,7 +41,7 @@ def invoke(*args):
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> Path:
     """A tiny Llama saved in bf16 in ~60 KB shards, 3 layers."""
-    return save_sharded_bf16(tmp_path_factory.mktemp("sharded") / "tiny-bf16", num_hidden_layers=3)
+    return save_sharded(tmp_path_factory.mktemp("sharded") / "tiny-bf16", num_hidden_layers=3)
 
 
 def _same_tensors(a: Path, b: Path, files: tuple[str, ...] = ()) -> None:

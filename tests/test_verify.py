@@ -18,27 +18,21 @@ from geminicompress.formats import gptq as gptq_format
 from geminicompress.models.loading import load_model
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage
-from tiny import tiny_model, tiny_tokenizer
+from tiny import save_sharded
 
 runner = CliRunner()
 CPU = torch.device("cpu")
 
 
-def _saved(path: Path, dtype: torch.dtype, **kw) -> Path:
-    """A tiny Llama in `dtype` in ~60 KB shards (a decoder layer straddles two files)."""
-    tiny_model(num_hidden_layers=3, **kw).to(dtype).save_pretrained(path, max_shard_size="60KB")
-    tiny_tokenizer().save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def bf16(tmp_path_factory) -> Path:
-    return _saved(tmp_path_factory.mktemp("verify") / "bf16", torch.bfloat16)
+    return save_sharded(tmp_path_factory.mktemp("verify") / "bf16", dtype=torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
 def fp32(tmp_path_factory) -> Path:
-    return _saved(tmp_path_factory.mktemp("verify") / "fp32", torch.float32, tie_word_embeddings=True)
+    return save_sharded(tmp_path_factory.mktemp("verify") / "fp32", dtype=torch.float32,
+                        tie_word_embeddings=True)
 
 
 def _run(model_dir: Path, stage: dict, out: Path, *, stream: bool, data: Path, **top) -> dict:

@@ -79,10 +79,11 @@ def save_tiny(path: Path, kind: str = "llama", seed: int = 0, **overrides) -> Pa
     return path
 
 
-def save_sharded_bf16(path: Path, num_hidden_layers: int) -> Path:
-    """A tiny Llama saved in bf16 in ~60 KB shards (a checkpoint that streams shard by shard)."""
+def save_sharded(path: Path, num_hidden_layers: int = 3, dtype: torch.dtype = torch.bfloat16, **overrides) -> Path:
+    """A tiny Llama (config `overrides`) saved in `dtype` in ~60 KB shards with its tokenizer: a checkpoint that
+    streams shard by shard (a decoder layer, ~150 KB in float32, straddles files)."""
     path = Path(path)
-    tiny_model(num_hidden_layers=num_hidden_layers).to(torch.bfloat16).save_pretrained(path, max_shard_size="60KB")
+    tiny_model(num_hidden_layers=num_hidden_layers, **overrides).to(dtype).save_pretrained(path, max_shard_size="60KB")
     tiny_tokenizer().save_pretrained(path)
     return path
 

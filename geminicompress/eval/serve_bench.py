@@ -30,6 +30,7 @@ from geminicompress.errors import InputError
 from geminicompress.eval import plan
 from geminicompress.eval.serve_hf import HFFlags
 from geminicompress.eval.serving_metrics import from_vllm, summarize, token_agreement
+from geminicompress.eval.vllm_engine import check_vllm, find_python, run_driver
 from geminicompress.eval.workload import WorkloadSpec, build_workload, check_spec
 from geminicompress.machine import machine, versions
 from geminicompress.progress import NullProgress, Progress
@@ -48,6 +49,18 @@ class Row:
     reason: str | None = None  # why it is not measured (cannot be switched here)
 
 
+def _cumulative(steps: list[tuple[dict, str]], int8: str | None) -> list[Row]:
+    """One row per ROWS name from its (flag change, description) step, each row's flags adding its change to
+    the row before's; the INT8 row is not measured without --int8."""
+    rows, flags = [], {}
+    for name, (change, text) in zip(ROWS, steps):
+        flags = {**flags, **change}
+        rows.append(Row(name, text, dict(flags), "int8" if name.startswith("INT8") else "base"))
+    if int8 is None:
+        rows[-1].reason = "no W8A8 model given (--int8 OUT, from `quantize MODEL -o OUT --method w8a8`)"
+    return rows
+
+
 def hf_rows(max_batch: int, int8: str | None) -> list[Row]:
     """The transformers engine's rows (all switchable on a CPU; INT8 needs --int8)."""
     steps = [({}, "attn_implementation=eager, whole prompts, one request at a time, DynamicCache"),
@@ -58,13 +71,7 @@ def hf_rows(max_batch: int, int8: str | None) -> list[Row]:
              ({"paged": True}, "transformers continuous batching (init_continuous_batching) on its paged cache, "
                                "prefix blocks shared"),
              ({}, "the W8A8 checkpoint (fbgemm INT8 GEMMs)")]
-    rows, flags = [], {}
-    for name, (change, text) in zip(ROWS, steps):
-        flags = {**flags, **change}
-        rows.append(Row(name, text, dict(flags), "int8" if name.startswith("INT8") else "base"))
-    if int8 is None:
-        rows[-1].reason = "no W8A8 model given (--int8 OUT, from `quantize MODEL -o OUT --method w8a8`)"
-    return rows
+    return _cumulative(steps, int8)
 
 
 def vllm_rows(max_batch: int, int8: str | None, on_cuda: bool) -> list[Row]:
@@ -77,15 +84,10 @@ def vllm_rows(max_batch: int, int8: str | None, on_cuda: bool) -> list[Row]:
              ({"max_num_seqs": max_batch}, f"max_num_seqs={max_batch}"),
              ({}, "PagedAttention"),
              ({}, "the W8A8 checkpoint")]
-    rows, flags = [], {}
-    for name, (change, text) in zip(ROWS, steps):
-        flags = {**flags, **change}
-        rows.append(Row(name, text, dict(flags), "int8" if name.startswith("INT8") else "base"))
+    rows = _cumulative(steps, int8)
     if not on_cuda:
         rows[2].reason = "vLLM's CPU build has one attention backend (CPU_ATTN), used in every row"
     rows[5].reason = "vLLM's KV cache is paged in every row: there is no switch to turn it off"
-    if int8 is None:
-        rows[-1].reason = "no W8A8 model given (--int8 OUT, from `quantize MODEL -o OUT --method w8a8`)"
     return rows
 
 
@@ -110,7 +112,8 @@ def serve_bench(model: str, int8: str | None, data: str, spec: WorkloadSpec, *, 
     requests, repeated = build_workload(ids, spec)
     windows = pack_windows(ids[:ppl_tokens], PPL_SEQ_LEN) if ppl_tokens >= PPL_SEQ_LEN and ids.numel() >= PPL_SEQ_LEN else None
     if engine == "vllm":
-        python, version = _vllm(vllm_python)  # absent / too old: one line, exit 2, before any model loads
+        python = find_python(vllm_python)
+        check_vllm(python)  # absent / too old: one line, exit 2, before any model loads
         rows = vllm_rows(max_batch, int8, torch.cuda.is_available())
         measured = run_vllm_rows(rows, model, int8, requests, spec, windows, python, dtype, progress)
     else:
@@ -189,13 +192,6 @@ def run_hf_rows(rows: list[Row], model: str, int8: str | None, requests, spec: W
 # --------------------------------------------------------------------------- vLLM engine
 
 
-def _vllm(given: str | None) -> tuple[str, str]:
-    from geminicompress.eval.vllm_engine import check_vllm, find_python
-
-    python = find_python(given)
-    return python, check_vllm(python)
-
-
 def vllm_job(row: Row, path: str, requests, spec: WorkloadSpec, windows: torch.Tensor | None, dtype: str,
              with_ppl: bool) -> dict:
     """One row as a driver job: an engine with the row's arguments serving the workload."""
@@ -216,7 +212,6 @@ def run_vllm_rows(rows: list[Row], model: str, int8: str | None, requests, spec:
                   windows: torch.Tensor | None, python: str, dtype: str, progress: Progress) -> list[dict]:
     """Every row as its own vLLM engine (flags are engine arguments); the first and the INT8 row also
     score the perplexity windows through prompt_logprobs."""
-    from geminicompress.eval.vllm_engine import run_driver
     from geminicompress.eval.vllm_eval import model_path
 
     out, base_ppl = [], None

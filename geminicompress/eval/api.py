@@ -49,8 +49,6 @@ from geminicompress.models.loading import LoadedModel, load_model, load_tokenize
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.schema import EvalStage
 
-DEFAULT_SEQ_LEN = 2048
-
 
 @dataclass
 class Baseline:
@@ -64,12 +62,7 @@ class Baseline:
 
 
 def model_context(model) -> int | None:
-    config = model.config
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    return plan.config_context({key: getattr(model.config, key, None) for key in plan.CONTEXT_KEYS})
 
 
 def weights_path(loaded: LoadedModel) -> Path | None:
@@ -137,7 +130,7 @@ def evaluate(
     jobs: list[tuple[str, str, torch.dtype | None]] = [(spec, name, None) for spec, name in zip(specs, shown)]
     same_dtype = _dtype_baseline(specs, options, device) if streamed[baseline] is None else None
     if same_dtype is not None:  # the baseline again, in the dtype the int4 kernels compute in (right after it)
-        jobs.insert(1, (baseline, f"{shown[0]} @{_dtype_name(same_dtype)}", same_dtype))
+        jobs.insert(1, (baseline, f"{shown[0]} @{kernels.dtype_name(same_dtype)}", same_dtype))
     try:
         for spec, name, dtype in jobs:
             if streamed[spec] is not None:
@@ -188,7 +181,7 @@ def _plan_line(baseline: str, n_models: int, text: str, data: str, options: Eval
     if tok is not None:
         n_tokens = tokenize(tok, text, options.max_tokens).numel()
         context = plan.config_context(config)
-        seq_len = options.seq_len or min(DEFAULT_SEQ_LEN, context or DEFAULT_SEQ_LEN)
+        seq_len = options.seq_len or min(plan.DEFAULT_SEQ_LEN, context or plan.DEFAULT_SEQ_LEN)
         if context is None or seq_len <= context:  # else each model says its context is too short
             plan.check_windows(n_tokens, seq_len, data)
             parts.append(f"perplexity on {n_tokens // seq_len * seq_len:,} tokens")
@@ -203,10 +196,6 @@ def _plan_line(baseline: str, n_models: int, text: str, data: str, options: Eval
                                     layers=int(config.get("num_hidden_layers", 30)))
     where = f"{device.type} x{torch.get_num_threads()} threads" if device.type == "cpu" else str(device)
     return f"plan: {'; '.join(parts)}; expected {plan.describe_duration(seconds)} on {where} (rough)"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _dtype_baseline(specs: list[str], options: EvalStage, device: torch.device) -> torch.dtype | None:
@@ -227,7 +216,8 @@ def _timing_warning(entries: list[dict]) -> str | None:
     return describe_timing(bad) if bad else None
 
 
-def _new_entry(spec: str, name: str, is_base: bool) -> dict:
+def new_entry(spec: str, name: str, is_base: bool) -> dict:
+    """A model's report entry before it is measured (its keys in report.json order; vllm_eval.py fills one too)."""
     return {"name": name, "path": spec, "baseline": is_base, "format": None, "dtype": None, "quality": None,
             "latency": None, "peak_memory_mb": None, "tensors_mb": None, "size_mb": None, "masks_mb": None,
             "params": None, "sparsity": None, "quant_zeros": None, "kernel": None, "dtype_baseline": False, "tasks": None,
@@ -238,7 +228,7 @@ def _evaluate_one(spec, name, text, options, base, device, progress, load, dtype
     """Measure one model (in `dtype` instead of its stored dtype when given); returns (entry, model kept for
     recomputing or None, Baseline if this is it)."""
     is_base = base is None
-    entry = _new_entry(spec, name, is_base)
+    entry = new_entry(spec, name, is_base)
     entry["dtype_baseline"] = dtype is not None
 
     def note(message: str) -> None:
@@ -256,12 +246,13 @@ def _evaluate_one(spec, name, text, options, base, device, progress, load, dtype
             note(f"skipped: {exc}")
             return entry, None, None
         model = loaded.model.to(device)
-        entry.update(format=loaded.format or "dense", dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        entry.update(format=loaded.format or "dense", dtype=kernels.dtype_name(next(model.parameters()).dtype),
                      size_mb=weights_size_mb(weights_path(loaded)), masks_mb=masks_size_mb(weights_path(loaded)),
                      tensors_mb=tensor_mb(model), params=count_params(model),
                      sparsity=weight_sparsity(model, prune_masks_path(weights_path(loaded))),
                      quant_zeros=quantization_zeros(model))
-        choice = _kernels(model, options, device, entry["sparsity"])
+        swap = kernels.use_fast_kernels if options.kernels == "fast" else kernels.describe_reference
+        choice = swap(model, device, entry["sparsity"])
         entry.update(kernel=choice.as_dict(), dtype=choice.activation_dtype)
         if choice.note and options.latency and choice.timed:
             note(choice.note)  # e.g. sparsity that runs dense here: the speed column is a dense model's
@@ -283,13 +274,6 @@ def _evaluate_one(spec, name, text, options, base, device, progress, load, dtype
     return entry, (model if keep else None), state
 
 
-def _kernels(model, options: EvalStage, device: torch.device, sparsity: float | None) -> kernels.KernelChoice:
-    """The fast kernels swapped in (options.kernels == "fast"), or what the reference path is."""
-    if options.kernels == "fast":
-        return kernels.use_fast_kernels(model, device, sparsity)
-    return kernels.describe_reference(model, device, sparsity)
-
-
 def _quality(model, logprobs_of, tok, name, text, options, base, progress, entry, note):
     """Perplexity (+ drift when comparable) from `logprobs_of(windows)` (each window's (T-1, V) log-probs,
     in order); `model` gives the config (a skeleton will do). Returns (Baseline state if this is the
@@ -301,9 +285,9 @@ def _quality(model, logprobs_of, tok, name, text, options, base, progress, entry
     ids = base.ids if comparable else tokenize(tok, text, options.max_tokens)
     if base is not None and not comparable and base.windows is not None:
         note("its tokenizer differs from the baseline's: KL and top-1 agreement skipped (perplexity still measured)")
-    seq_len = options.seq_len or (base.windows.shape[1] if base is not None and base.windows is not None
-                                  else min(DEFAULT_SEQ_LEN, model_context(model) or DEFAULT_SEQ_LEN))
     context = model_context(model)
+    seq_len = options.seq_len or (base.windows.shape[1] if base is not None and base.windows is not None
+                                  else min(plan.DEFAULT_SEQ_LEN, context or plan.DEFAULT_SEQ_LEN))
     windows = None
     if context is not None and seq_len > context:
         note(f"--seq-len {seq_len} is above its context of {context} tokens: perplexity skipped")
@@ -335,7 +319,7 @@ def _quality(model, logprobs_of, tok, name, text, options, base, progress, entry
 def _evaluate_streamed(spec, name, text, options, base, device, progress, load, reason):
     """Measure one model one decoder layer at a time from disk (no latency); as `_evaluate_one` returns."""
     is_base = base is None
-    entry = _new_entry(spec, name, is_base)
+    entry = new_entry(spec, name, is_base)
 
     def note(message: str) -> None:
         entry["notes"].append(message)
@@ -353,7 +337,7 @@ def _evaluate_streamed(spec, name, text, options, base, device, progress, load, 
             entry["error"] = str(exc)
             note(f"skipped: {exc}")
             return entry, None, None
-        entry.update(format=ckpt.format or "dense", dtype=str(dtype).removeprefix("torch."), streamed=reason,
+        entry.update(format=ckpt.format or "dense", dtype=kernels.dtype_name(dtype), streamed=reason,
                      size_mb=weights_size_mb(path), masks_mb=masks_size_mb(path), params=params_of(ckpt))
         state, _ = _quality(ckpt.model, lambda w: streamed_logprobs(ckpt, w, device, dtype, progress), tok, name, text,
                             options, base, progress, entry, note)

@@ -30,11 +30,10 @@ from geminicompress.compress.int8.modules import Int8WeightOnlyLinear
 from geminicompress.eval.int4 import Int4Linear, int4_layout
 from geminicompress.formats.dequant import DequantLinear
 
-INT4_FORMATS = ("gptq", "awq", "compressed-tensors:pack-quantized")
 SPARSE_NOTE = "unstructured sparsity runs dense here: no sparse kernel on this device"
 SPARSE_24_NOTE = "2:4 sparsity runs dense here: it needs sparse tensor cores (a GPU)"
-SPARSE_MIN = 0.1
-SLOW_FALLBACKS = ("reference", "dequant-matmul")  # the int8 modules' names for their float imitation  # a dense model with at least this fraction of zero weights counts as pruned
+SPARSE_MIN = 0.1  # a dense model with at least this fraction of zero weights counts as pruned
+SLOW_FALLBACKS = ("reference", "dequant-matmul")  # the int8 modules' names for their float imitation
 
 
 @dataclass
@@ -66,11 +65,6 @@ def expects_int4(config: dict | None) -> bool:
         groups = (qc.get("config_groups") or {}).values()
         return all(int((g.get("weights") or {}).get("num_bits", 8)) <= 4 for g in groups)
     return False
-
-
-def _parent_and_name(model: nn.Module, name: str) -> tuple[nn.Module, str]:
-    parent, _, child = name.rpartition(".")
-    return (model.get_submodule(parent) if parent else model), child
 
 
 def _sparsity_note(model: nn.Module, sparsity: float | None) -> str | None:
@@ -105,7 +99,7 @@ def use_fast_kernels(model: nn.Module, device: torch.device, sparsity: float | N
         plan = INT8 if _is_int8_channel(m, device) else int4_layout(m.q, m.scales, m.zeros, m.g_idx, m.bits,
                                                                    16 if device.type == "cpu" else 8)
         if isinstance(plan, str) and plan != INT8:
-            return KernelChoice("reference", _dtype_name(dtype), {"reference": len(packed)}, False,
+            return KernelChoice("reference", dtype_name(dtype), {"reference": len(packed)}, False,
                                 f"no fast kernel on {device.type}: {name}: {plan}")
         plans[name] = plan
     int4 = [n for n, p in plans.items() if p != INT8]
@@ -116,14 +110,13 @@ def use_fast_kernels(model: nn.Module, device: torch.device, sparsity: float | N
         plan = plans[name]
         module = _int8_module(m, act) if plan == INT8 else Int4Linear(plan, m.bits, m.bias, act, device)
         counts[module.kernel] = counts.get(module.kernel, 0) + 1
-        parent, child = _parent_and_name(model, name)
-        setattr(parent, child, module)
+        model.set_submodule(name, module)
     note = None
     bits = sorted({m.bits for n, m in packed if n in int4})
     if bits and bits != [4]:
         note = f"{'/'.join(map(str, bits))}-bit codes run in the int4 kernel (4 bits per weight in memory)"
     kernel = max(counts, key=counts.get)
-    return KernelChoice(kernel, _dtype_name(act), counts, True, note)
+    return KernelChoice(kernel, dtype_name(act), counts, True, note)
 
 
 INT8 = "int8"
@@ -151,7 +144,7 @@ def describe_reference(model: nn.Module, device: torch.device, sparsity: float |
     packed = sum(isinstance(m, DequantLinear) for m in model.modules())
     if not packed:
         return _unpacked(model, device, sparsity)
-    return KernelChoice("reference", _dtype_name(next(model.parameters()).dtype), {"reference": packed}, False,
+    return KernelChoice("reference", dtype_name(next(model.parameters()).dtype), {"reference": packed}, False,
                         "reference path (--kernels reference): packed weights are dequantized on every call")
 
 
@@ -168,10 +161,11 @@ def _unpacked(model: nn.Module, device: torch.device, sparsity: float | None) ->
         counts["dense"] = dense
     name = next((k for k in counts if k != "dense"), "dense")
     if name in SLOW_FALLBACKS:  # int8 modules off the CPU: float matmuls that imitate the kernel
-        return KernelChoice(name, _dtype_name(dtype), counts, False,
+        return KernelChoice(name, dtype_name(dtype), counts, False,
                             f"no int8 kernel on {device.type} here (vLLM's: --engine vllm)")
-    return KernelChoice(name, _dtype_name(dtype), counts, True, _sparsity_note(model, sparsity))
+    return KernelChoice(name, dtype_name(dtype), counts, True, _sparsity_note(model, sparsity))
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """`bfloat16` for torch.bfloat16: the name report.json and the table use."""
     return str(dtype).removeprefix("torch.")

@@ -38,9 +38,12 @@ def percentile(samples: list[float], q: float) -> float:
     return float(torch.quantile(torch.tensor(samples, dtype=torch.float64), q / 100.0))
 
 
-def summarize_ms(seconds: list[float]) -> dict[str, float]:
+def summarize_ms(seconds: list[float], digits: int = 4) -> dict[str, float] | None:
+    """Median and p90 in ms, rounded to `digits` decimals; None when there are no samples."""
+    if not seconds:
+        return None
     ms = [s * 1000.0 for s in seconds]
-    return {"median": round(percentile(ms, 50), 4), "p90": round(percentile(ms, 90), 4)}
+    return {"median": round(percentile(ms, 50), digits), "p90": round(percentile(ms, 90), digits)}
 
 
 def forward_args(model) -> tuple[str, dict]:

@@ -27,6 +27,8 @@ DEVICE_DEFAULTS = {
 }
 # (FLOP/s for prefill, bytes/s for decode): per CPU thread, or per GPU
 _RATES = {"cpu": (45e9, 4e9), "cuda": (50e12, 1.5e12)}
+DEFAULT_SEQ_LEN = 2048  # the perplexity window without --seq-len (or the model's context, when shorter)
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 _GPU_STEP_FLOOR_S = 4e-4  # per decoder layer: kernel launches bound small models' decode steps on a GPU
 
 
@@ -36,8 +38,8 @@ def with_device_defaults(options: EvalStage, device: torch.device) -> EvalStage:
     return options.model_copy(update={k: v for k, v in defaults.items() if getattr(options, k) is None})
 
 
-def peek_config(spec: str) -> dict | None:
-    """config.json of a local model (directory, or the converted demo) without loading weights."""
+def _local_folder(spec: str) -> Path | None:
+    """The folder of a local model (directory, or the converted demo); None for anything else."""
     from geminicompress.models import demo
     from geminicompress.models.loading import resolve_model
 
@@ -46,8 +48,14 @@ def peek_config(spec: str) -> dict | None:
     except GeminiError:
         return None
     folder = demo.demo_cache_dir() if source.kind == "demo" else source.path if source.kind == "dir" else None
+    return None if folder is None else Path(folder)
+
+
+def peek_config(spec: str) -> dict | None:
+    """config.json of a local model (directory, or the converted demo) without loading weights."""
+    folder = _local_folder(spec)
     try:
-        return json.loads((Path(folder) / "config.json").read_text()) if folder else None
+        return json.loads((folder / "config.json").read_text()) if folder else None
     except (OSError, json.JSONDecodeError):
         return None
 
@@ -56,15 +64,8 @@ def peek_tokenizer(spec: str, trust_remote_code: bool):
     """The tokenizer of a local model (directory or converted demo), or None when it is not at hand."""
     from transformers import AutoTokenizer
 
-    from geminicompress.models import demo
-    from geminicompress.models.loading import resolve_model
-
-    try:
-        source = resolve_model(spec)
-    except GeminiError:
-        return None
-    folder = demo.demo_cache_dir() if source.kind == "demo" else source.path if source.kind == "dir" else None
-    if folder is None or not (Path(folder) / "config.json").is_file():
+    folder = _local_folder(spec)
+    if folder is None or not (folder / "config.json").is_file():
         return None
     try:
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
@@ -73,7 +74,8 @@ def peek_tokenizer(spec: str, trust_remote_code: bool):
 
 
 def config_context(config: dict) -> int | None:
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+    """The model's context length: the first of CONTEXT_KEYS its config sets to a positive int, else None."""
+    for key in CONTEXT_KEYS:
         value = config.get(key)
         if isinstance(value, int) and value > 0:
             return value

@@ -13,6 +13,7 @@ from pathlib import Path
 from rich import box
 from rich.table import Table
 
+from geminicompress.eval.table import rendered_width
 from geminicompress.output import write_json
 
 COLUMNS = ("row", "TTFT p50 ms", "TTFT p90 ms", "TPOT ms", "req/s (x above)", "KV hit", "answers = above",
@@ -65,14 +66,6 @@ def _table(report: dict, names: list[str], with_caption: bool) -> Table:
     return table
 
 
-def _width(renderable) -> int:
-    from rich.console import Console
-    from rich.measure import Measurement
-
-    console = Console(width=100_000)
-    return Measurement.get(console, console.options, renderable).maximum
-
-
 def rich_table(report: dict, width: int | None = None):
     """The terminal table; when it does not fit in `width`, the rows are numbered and their names listed
     above it (nothing is ever cut)."""
@@ -81,7 +74,7 @@ def rich_table(report: dict, width: int | None = None):
 
     names = [r["row"] for r in report["rows"]]
     wide = _table(report, names, True)
-    if width is None or _width(wide) <= width:
+    if width is None or rendered_width(wide) <= width:
         return wide
     keys = [f"[{i + 1}]" for i in range(len(names))]
     legend = Text("\n".join(f"{k} {n}: {r['change']}" for k, n, r in zip(keys, names, report["rows"])))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from geminicompress.eval.latency import percentile
+from geminicompress.eval.latency import summarize_ms
 
 
 @dataclass
@@ -43,13 +43,6 @@ def from_vllm(record: dict, start_wall: float) -> RequestTiming:
                          tokens=list(record["output"]))
 
 
-def _ms(values: list[float]) -> dict[str, float] | None:
-    if not values:
-        return None
-    ms = [v * 1000.0 for v in values]
-    return {"median": round(percentile(ms, 50), 3), "p90": round(percentile(ms, 90), 3)}
-
-
 def summarize(requests: list[RequestTiming]) -> dict:
     """The serving figures of one run (see the module docstring)."""
     if not requests:
@@ -58,8 +51,8 @@ def summarize(requests: list[RequestTiming]) -> dict:
     prompt = sum(r.prompt_tokens for r in requests)
     return {
         "requests": len(requests),
-        "ttft_ms": _ms([r.ttft for r in requests]),
-        "tpot_ms": _ms([r.tpot for r in requests if r.tpot is not None]),
+        "ttft_ms": summarize_ms([r.ttft for r in requests], 3),
+        "tpot_ms": summarize_ms([r.tpot for r in requests if r.tpot is not None], 3),
         "throughput_req_s": round(len(requests) / span, 4) if span > 0 else None,
         "throughput_tok_s": round(sum(r.generated for r in requests) / span, 3) if span > 0 else None,
         "duration_s": round(span, 3),

@@ -182,7 +182,8 @@ def _table(report: dict, columns: tuple[str, ...], names: list[str], title: str 
     return table
 
 
-def _width(renderable) -> int:
+def rendered_width(renderable) -> int:
+    """Columns `renderable` takes when nothing constrains it (serve_table.py measures its table with it too)."""
     from rich.console import Console
     from rich.measure import Measurement
 
@@ -200,7 +201,7 @@ def rich_table(report: dict, width: int | None = None):
 
     names = [m["name"] for m in report["models"]]
     wide = _table(report, COLUMNS, names, "geminicompress eval", True)
-    if width is None or _width(wide) <= width:
+    if width is None or rendered_width(wide) <= width:
         return wide
     parts = [("quality and size", QUALITY_COLUMNS), ("speed and memory", SPEED_COLUMNS)]
 
@@ -209,7 +210,7 @@ def rich_table(report: dict, width: int | None = None):
 
     tables = split(names)
     under = Text(caption(report), style="dim")  # wraps at the console's width, not the narrower table's
-    if max(_width(t) for t in tables) <= width:
+    if max(rendered_width(t) for t in tables) <= width:
         return Group(*tables, under)
     keys = [f"[{i + 1}]" for i in range(len(names))]
     legend = Text("\n".join(f"{k} {n}" for k, n in zip(keys, names)))

@@ -32,8 +32,6 @@ from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.schema import EvalStage
 from geminicompress.threads import usable_cores
 
-DEFAULT_SEQ_LEN = 2048
-
 
 def model_path(spec: str) -> str:
     """What vLLM loads for MODEL: the converted demo's folder, a local directory, or a hub id as typed."""
@@ -54,7 +52,7 @@ def engine_dtype(spec: str) -> str:
 
     if kernels.expects_int4(plan.peek_config(spec)):
         return "bfloat16"
-    return str(stored_dtype(spec)).removeprefix("torch.")
+    return kernels.dtype_name(stored_dtype(spec))
 
 
 def quality_from_logprobs(logprobs: list[list[float]], top1: list[list[int]], windows: torch.Tensor,
@@ -91,23 +89,18 @@ def latency_tasks(ids: torch.Tensor, options: EvalStage) -> list[tuple[int, dict
 
 def latency_from_runs(runs: list[tuple[int, dict]], options: EvalStage) -> dict:
     """TTFT/TPOT (batch 1) and throughput per batch size from the serve results (warm-up runs dropped)."""
-    from geminicompress.eval.latency import percentile
+    from geminicompress.eval.latency import percentile, summarize_ms
 
     by_batch: dict[int, list[dict]] = {}
     for b, result in runs:
         by_batch.setdefault(b, []).append(result)
     timed = {b: rs[options.warmup:] for b, rs in by_batch.items()}
     one = [from_vllm(r["requests"][0], r["start_wall"]) for r in timed[1]]
-    ttft = [t.ttft * 1000 for t in one]
-    tpot = [t.tpot * 1000 for t in one if t.tpot is not None]
     throughput = {str(b): round(percentile([summarize([from_vllm(q, r["start_wall"]) for q in r["requests"]])
                                             ["throughput_tok_s"] for r in timed[b]], 50), 3)
                   for b in sorted(set(options.batch_sizes))}
-
-    def ms(v: list[float]) -> dict | None:
-        return {"median": round(percentile(v, 50), 4), "p90": round(percentile(v, 90), 4)} if v else None
-
-    return {"ttft_ms": ms(ttft), "tpot_ms": ms(tpot), "throughput_tok_s": throughput,
+    return {"ttft_ms": summarize_ms([t.ttft for t in one]),
+            "tpot_ms": summarize_ms([t.tpot for t in one if t.tpot is not None]), "throughput_tok_s": throughput,
             "prompt_len": options.prompt_len, "gen_len": options.gen_len, "repeats": options.repeats,
             "warmup": options.warmup, "source": "vLLM RequestOutput.metrics"}
 
@@ -139,7 +132,7 @@ def evaluate_vllm(models: list[str], baseline: str, data: str, options: EvalStag
     windows = None
     if options.quality:
         context = plan.config_context(plan.peek_config(baseline) or {})
-        seq_len = options.seq_len or min(DEFAULT_SEQ_LEN, context or DEFAULT_SEQ_LEN)
+        seq_len = options.seq_len or min(plan.DEFAULT_SEQ_LEN, context or plan.DEFAULT_SEQ_LEN)
         plan.check_windows(ids.numel(), seq_len, data)
         windows = pack_windows(ids, seq_len)
     progress.info(f"plan: {len(jobs)} runs in vLLM {version} ({python})"
@@ -163,11 +156,10 @@ def evaluate_vllm(models: list[str], baseline: str, data: str, options: EvalStag
 
 def _run_one(spec, name, dtype, path, python, ids, windows, options, base, progress, *, is_base) -> dict:
     """One model's run in vLLM: its report entry (with `_top1`, the baseline's top-1 ids, for the caller)."""
-    entry = {"name": name, "path": spec, "baseline": is_base, "format": None, "dtype": dtype, "quality": None,
-             "latency": None, "peak_memory_mb": None, "tensors_mb": None, "size_mb": None, "masks_mb": None,
-             "params": None, "sparsity": None, "quant_zeros": None, "kernel": None,
-             "dtype_baseline": (not is_base and spec == base_spec(base)), "tasks": None, "streamed": None,
-             "notes": [], "_top1": None}
+    from geminicompress.eval.api import new_entry
+
+    entry = {**new_entry(spec, name, is_base), "_top1": None}
+    entry.update(dtype=dtype, dtype_baseline=not is_base and spec == (base or {}).get("spec"))
     entry["size_mb"] = weights_size_mb(Path(path)) if Path(path).exists() else None
     qc = (plan.peek_config(spec) or {}).get("quantization_config") or {}
     entry["format"] = formats.detect({"quantization_config": qc}) or "dense"
@@ -200,10 +192,6 @@ def _run_one(spec, name, dtype, path, python, ids, windows, options, base, progr
                                     "sections": {"vllm run": section}}
     entry["load_s"] = result.get("load_s")
     return entry
-
-
-def base_spec(base: dict | None) -> str | None:
-    return None if base is None else base.get("spec")
 
 
 def _max_len(windows: torch.Tensor | None, options: EvalStage) -> int:

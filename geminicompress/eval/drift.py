@@ -48,7 +48,3 @@ class DriftMeter:
     @property
     def agreement(self) -> float:
         return self.agree / self.tokens if self.tokens else float("nan")
-
-
-def ppl_ratio(ppl: float, base_ppl: float) -> float:
-    return ppl / base_ppl

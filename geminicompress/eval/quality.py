@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import torch
 
 from geminicompress.eval.baseline_cache import BaselineCache
-from geminicompress.eval.drift import DriftMeter, ppl_ratio
+from geminicompress.eval.drift import DriftMeter
 from geminicompress.eval.perplexity import PerplexityMeter, token_nll, window_logprobs
 from geminicompress.progress import NullProgress, Progress
 
@@ -62,5 +62,5 @@ def score_windows(
     if against is not None:
         out.update(kl_to_baseline=round(drift.kl, 8), top1_agreement=round(drift.agreement, 6))
     if base_ppl:
-        out["ppl_ratio"] = round(ppl_ratio(ppl.perplexity, base_ppl), 6)
+        out["ppl_ratio"] = round(ppl.perplexity / base_ppl, 6)
     return out

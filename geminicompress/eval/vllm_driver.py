@@ -35,7 +35,7 @@ def one_line(exc: BaseException) -> str:
     when a pydantic ValidationError wraps it: vLLM validates its config in pydantic)."""
     inner = _wrapped(exc)
     if inner is not None:
-        return f"{type(exc).__name__} of {_config_name(exc)}: {one_line(inner)}"
+        return f"{type(exc).__name__} of {getattr(exc, 'title', None) or 'a config'}: {one_line(inner)}"
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and "further information" not in ln]
     if lines:  # a multi-line message (a pydantic ValidationError, a list of reasons) joined
         return f"{type(exc).__name__}: {'; '.join(lines[:4])}"[:500]
@@ -52,11 +52,6 @@ def _wrapped(exc: BaseException) -> BaseException | None:
         return None
     inner = ((errors[0] if errors else {}).get("ctx") or {}).get("error")
     return inner if isinstance(inner, BaseException) else None
-
-
-def _config_name(exc: BaseException) -> str:
-    title = getattr(exc, "title", None)
-    return str(title) if title else "a config"
 
 
 def _engine(model: str, engine_args: dict):

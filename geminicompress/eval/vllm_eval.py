@@ -64,10 +64,8 @@ def quality_from_logprobs(logprobs: list[list[float]], top1: list[list[int]], wi
     ppl = math.exp(nll / count)
     out = {"perplexity": round(ppl, 6), "mean_nll": round(nll / count, 8), "tokens": count,
            "windows": len(logprobs), "seq_len": int(windows.shape[1]), "kl_to_baseline": None,
-           "top1_agreement": None, "ppl_ratio": None}
-    if base is None:
-        out.update(top1_agreement=1.0, ppl_ratio=1.0, kl_to_baseline=None)
-    else:
+           "top1_agreement": 1.0, "ppl_ratio": 1.0}  # the baseline's figures against itself
+    if base is not None:
         same = sum(a == b for x, y in zip(top1, base["top1"]) for a, b in zip(x, y))
         out.update(top1_agreement=round(same / count, 6), ppl_ratio=round(ppl / base["perplexity"], 6))
     return out

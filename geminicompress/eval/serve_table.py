@@ -16,10 +16,9 @@ from rich.table import Table
 from geminicompress.eval.table import rendered_width
 from geminicompress.output import write_json
 
-COLUMNS = ("row", "TTFT p50 ms", "TTFT p90 ms", "TPOT ms", "req/s (x above)", "KV hit", "answers = above",
-           "ppl (drift)")
 _HEADERS = ("row", "TTFT\np50 ms", "TTFT\np90 ms", "TPOT\nms", "req/s\n(x above)", "KV\nhit", "answers\n= above",
             "ppl\n(drift)")
+COLUMNS = tuple(h.replace("\n", " ") for h in _HEADERS)  # the same names on one line (markdown)
 
 
 def cells(report: dict) -> list[list[str]]:

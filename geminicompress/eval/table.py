@@ -138,20 +138,13 @@ def same_dtype_lines(report: dict) -> list[str]:
 def summary_line(report: dict, model: dict) -> str:
     """`ppl +1.8%  KL 0.012  TPOT −34%  size −71%` for one model against the baseline."""
     base = next((m for m in report["models"] if m.get("baseline")), report["models"][0])
-    parts = []
-    d = fmt_delta(_get(model, "quality", "perplexity"), _get(base, "quality", "perplexity"))
-    if d:
-        parts.append(f"ppl {d}")
     kl = _get(model, "quality", "kl_to_baseline")
-    if kl is not None:
-        parts.append(f"KL {kl:.3g}")
-    d = fmt_delta(_get(model, "latency", "tpot_ms", "median"), _get(base, "latency", "tpot_ms", "median"))
-    if d:
-        parts.append(f"TPOT {d}")
-    d = fmt_delta(model.get("size_mb"), base.get("size_mb"))
-    if d:
-        parts.append(f"size {d}")
-    return "  ".join(parts)
+    parts = [("ppl", fmt_delta(_get(model, "quality", "perplexity"), _get(base, "quality", "perplexity"))),
+             ("KL", "" if kl is None else f"{kl:.3g}"),
+             ("TPOT", fmt_delta(_get(model, "latency", "tpot_ms", "median"),
+                                _get(base, "latency", "tpot_ms", "median"))),
+             ("size", fmt_delta(model.get("size_mb"), base.get("size_mb")))]
+    return "  ".join(f"{label} {value}" for label, value in parts if value)  # a figure missing on either side: left out
 
 
 def caption(report: dict) -> str:

@@ -157,10 +157,9 @@ def _run_one(spec, name, dtype, path, python, ids, windows, options, base, progr
     from geminicompress.eval.api import new_entry
 
     entry = {**new_entry(spec, name, is_base), "_top1": None}
-    entry.update(dtype=dtype, dtype_baseline=not is_base and spec == (base or {}).get("spec"))
-    entry["size_mb"] = weights_size_mb(Path(path)) if Path(path).exists() else None
     qc = (plan.peek_config(spec) or {}).get("quantization_config") or {}
-    entry["format"] = formats.detect({"quantization_config": qc}) or "dense"
+    entry.update(format=formats.detect({"quantization_config": qc}) or "dense", dtype=dtype,
+                 size_mb=weights_size_mb(Path(path)), dtype_baseline=not is_base and spec == (base or {}).get("spec"))
     tasks = ([{"kind": "logprobs", "windows": windows.tolist()}] if windows is not None else [])
     lat = latency_tasks(ids, options) if options.latency else []
     job = {"model": path, "engine": {"dtype": dtype, "enforce_eager": True, "enable_prefix_caching": False,

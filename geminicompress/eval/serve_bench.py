@@ -28,8 +28,10 @@ from geminicompress import __version__
 from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.errors import InputError
 from geminicompress.eval import plan
-from geminicompress.eval.serve_hf import HFFlags
+from geminicompress.eval.perplexity import perplexity
+from geminicompress.eval.serve_hf import HFFlags, serve
 from geminicompress.eval.serving_metrics import from_vllm, summarize, token_agreement
+from geminicompress.eval.specs import stored_dtype
 from geminicompress.eval.vllm_engine import check_vllm, find_python, run_driver
 from geminicompress.eval.workload import WorkloadSpec, build_workload, check_spec
 from geminicompress.machine import machine, versions
@@ -157,9 +159,6 @@ def run_hf_rows(rows: list[Row], model: str, int8: str | None, requests, spec: W
                 windows: torch.Tensor | None, dtype: str, progress: Progress, trust_remote_code: bool) -> list[dict]:
     """Every row in this process: the base model loaded once (and the INT8 model for its row)."""
     from geminicompress.eval.api import free
-    from geminicompress.eval.specs import stored_dtype
-    from geminicompress.eval.perplexity import perplexity
-    from geminicompress.eval.serve_hf import serve
     from geminicompress.models.loading import load_model
 
     def load(spec_: str):

@@ -23,11 +23,15 @@ from geminicompress import __version__, formats
 from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.eval import contention, kernels, plan
+from geminicompress.eval.api import new_entry
 from geminicompress.eval.footprint import weights_size_mb
-from geminicompress.eval.latency import prompt_batch
+from geminicompress.eval.latency import percentile, prompt_batch, summarize_ms
 from geminicompress.eval.serving_metrics import from_vllm, summarize
+from geminicompress.eval.specs import display_names, stored_dtype
 from geminicompress.eval.vllm_engine import check_vllm, find_python, run_driver
 from geminicompress.machine import machine, versions
+from geminicompress.models import demo
+from geminicompress.models.loading import resolve_model
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.schema import EvalStage
 from geminicompress.threads import usable_cores
@@ -35,9 +39,6 @@ from geminicompress.threads import usable_cores
 
 def model_path(spec: str) -> str:
     """What vLLM loads for MODEL: the converted demo's folder, a local directory, or a hub id as typed."""
-    from geminicompress.models import demo
-    from geminicompress.models.loading import resolve_model
-
     source = resolve_model(spec)
     if source.kind == "demo":
         return str(demo.demo_cache_dir())
@@ -48,8 +49,6 @@ def model_path(spec: str) -> str:
 
 def engine_dtype(spec: str) -> str:
     """The activation dtype for vLLM: our fast path's for this checkpoint (bf16 for int4 formats)."""
-    from geminicompress.eval.specs import stored_dtype
-
     if kernels.expects_int4(plan.peek_config(spec)):
         return "bfloat16"
     return kernels.dtype_name(stored_dtype(spec))
@@ -87,8 +86,6 @@ def latency_tasks(ids: torch.Tensor, options: EvalStage) -> list[tuple[int, dict
 
 def latency_from_runs(runs: list[tuple[int, dict]], options: EvalStage) -> dict:
     """TTFT/TPOT (batch 1) and throughput per batch size from the serve results (warm-up runs dropped)."""
-    from geminicompress.eval.latency import percentile, summarize_ms
-
     by_batch: dict[int, list[dict]] = {}
     for b, result in runs:
         by_batch.setdefault(b, []).append(result)
@@ -106,8 +103,6 @@ def latency_from_runs(runs: list[tuple[int, dict]], options: EvalStage) -> dict:
 def evaluate_vllm(models: list[str], baseline: str, data: str, options: EvalStage, progress: Progress | None = None,
                   *, names: dict[str, str] | None = None, trust_remote_code: bool = False) -> dict:
     """Evaluate `baseline` and `models` in vLLM; the report has the shape of api.evaluate's."""
-    from geminicompress.eval.specs import display_names
-
     progress = progress or NullProgress()
     options = plan.with_device_defaults(options, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     python = find_python(options.vllm_python)
@@ -154,8 +149,6 @@ def evaluate_vllm(models: list[str], baseline: str, data: str, options: EvalStag
 
 def _run_one(spec, name, dtype, path, python, ids, windows, options, base, progress, *, is_base) -> dict:
     """One model's run in vLLM: its report entry (with `_top1`, the baseline's top-1 ids, for the caller)."""
-    from geminicompress.eval.api import new_entry
-
     entry = {**new_entry(spec, name, is_base), "_top1": None}
     qc = (plan.peek_config(spec) or {}).get("quantization_config") or {}
     entry.update(format=formats.detect({"quantization_config": qc}) or "dense", dtype=dtype,

@@ -6,6 +6,8 @@ writes OUT/eval/{report.json, report.md, tradeoff.png}; the run's report.json ge
 
 from __future__ import annotations
 
+import json
+
 from geminicompress.eval.api import evaluate
 from geminicompress.eval.report import write_report
 from geminicompress.eval.table import summary_line
@@ -51,8 +53,6 @@ def run(cfg: EvalStage, ctx) -> dict:
 
 def is_w8a8(folder) -> bool:
     """The folder holds a compressed-tensors int-quantized checkpoint with quantized input activations."""
-    import json
-
     try:
         qc = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
     except (OSError, ValueError):

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from geminicompress.errors import GeminiError, InputError
+from geminicompress.eval.footprint import count_params
 from geminicompress.memory import available_memory, too_big
 from geminicompress.models.forward import activations_bytes, streamed_logits
 from geminicompress.models.headers import is_readable_dir, loaded_bytes
@@ -73,8 +74,6 @@ def streamed_logprobs(ckpt: LazyCheckpoint, windows: torch.Tensor, device: torch
 
 def params_of(ckpt: LazyCheckpoint) -> int:
     """Parameters of the checkpoint's architecture (quantized linears at their logical in*out), a tied head once."""
-    from geminicompress.eval.footprint import count_params
-
     total = count_params(ckpt.model)
     head = ckpt.model.get_output_embeddings()
     if ckpt.tied_output and head is not None and head.weight is not ckpt.model.get_input_embeddings().weight:

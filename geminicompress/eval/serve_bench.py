@@ -139,11 +139,10 @@ def row_entry(row: Row) -> dict:
             "metrics": None, "answer_agreement": None, "perplexity": None, "ppl_drift": None}
 
 
-def finish_row(entry: dict, timings: list) -> dict:
+def finish_row(entry: dict, timings: list) -> None:
     """Fill a measured row from its request timings (outputs kept for the agreement column)."""
     entry["metrics"] = summarize(timings)
     entry["outputs"] = [t.tokens for t in timings]
-    return entry
 
 
 def ppl_fields(entry: dict, ppl: float | None, base_ppl: float | None) -> None:

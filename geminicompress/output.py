@@ -79,16 +79,11 @@ class OutputDir:
         return any(p.is_file() and p.name not in (_FINGERPRINT, THREADS_FILE) for p in self.state_dir.rglob("*"))
 
 
-def current_umask() -> int:
-    mask = os.umask(0o022)  # the only portable way to read it is to set it; put it back at once
-    os.umask(mask)
-    return mask
-
-
 def apply_umask(root: Path) -> None:
     """Give `root` and everything under it the modes `open`/`mkdir` would: 0666 & ~umask for files,
     0777 & ~umask for folders, whatever mode the library that wrote a file chose."""
-    mask = current_umask()
+    mask = os.umask(0o022)  # the only portable way to read the umask is to set it; put it back at once
+    os.umask(mask)
     file_mode, dir_mode = 0o666 & ~mask, 0o777 & ~mask
     os.chmod(root, dir_mode)
     for folder, dirs, files in os.walk(root):

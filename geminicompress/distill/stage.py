@@ -38,7 +38,7 @@ from geminicompress.distill.train import train
 from geminicompress.errors import InputError
 from geminicompress.formats.masks import read_masks, write_masks
 from geminicompress.models.lazy import LazyCheckpoint
-from geminicompress.models.loading import load_model
+from geminicompress.models.loading import load_model, load_tokenizer
 from geminicompress.recipes.schema import DistillStage
 
 CURVE = "distill_curve.png"
@@ -104,7 +104,7 @@ def run(cfg: DistillStage, ctx) -> dict:
 def choose_models(cfg: DistillStage, ctx) -> Pair:
     """Teacher, student, tokenizer and masks following the rules in the module docstring."""
     explicit = cfg.student is not None or cfg.student_layers is not None or cfg.student_config is not None
-    first = _stage_index(cfg, ctx) == 0
+    first = next((i for i, s in enumerate(ctx.recipe.stages) if s is cfg), 0) == 0
     if not explicit and not first:
         spec = cfg.teacher or ctx.recipe.model
         ctx.progress.info(f"loading the teacher {spec} for the model of the previous stages")
@@ -142,8 +142,6 @@ def _teacher(spec: str, cfg: DistillStage, ctx) -> tuple[Any, Any, LazyCheckpoin
     """(model, tokenizer, lazy checkpoint) of the teacher `spec`: loaded, or opened to stream when it
     does not fit (the model is then its skeleton on the meta device)."""
     if ST.streams(cfg, spec, ctx.progress):
-        from geminicompress.models.loading import load_tokenizer
-
         lazy = ST.open_teacher(spec, ctx.recipe.trust_remote_code, ctx.recipe.allow_nonfinite)
         return lazy.model, load_tokenizer(str(lazy.path), ctx.recipe.trust_remote_code), lazy
     loaded = _load(spec, ctx)
@@ -185,10 +183,6 @@ def _reconstruct(cfg: DistillStage, ctx, pair: Pair) -> dict[str, Any]:
                       f"{summary['seconds']:.0f} s (last layer's output error {last['error_before']:.3g} -> "
                       f"{last['error_after']:.3g} of its norm)")
     return summary
-
-
-def _stage_index(cfg: DistillStage, ctx) -> int:
-    return next((i for i, s in enumerate(ctx.recipe.stages) if s is cfg), 0)
 
 
 def _load(spec: str, ctx):

@@ -36,7 +36,7 @@ from geminicompress.memory import available_memory, too_big
 from geminicompress.models.forward import activations_bytes, final_hidden, head_logits
 from geminicompress.models.headers import is_streamable_dir, weights_bytes
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
-from geminicompress.models.loading import LoadedModel, local_dir, resolve_model
+from geminicompress.models.loading import LoadedModel, load_tokenizer, local_dir, resolve_model
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.schema import DistillStage, Recipe
 
@@ -101,8 +101,6 @@ def streamed_input(recipe: Recipe, progress: Progress) -> LoadedModel | None:
     first = recipe.stages[0] if recipe.stages else None
     if first is None or first.type != "distill" or first.teacher is not None or not streams(first, recipe.model, progress):
         return None
-    from geminicompress.models.loading import load_tokenizer
-
     progress.info(f"reading the teacher {recipe.model} one decoder layer at a time (it is not loaded whole)")
     path = streamable_dir(recipe.model)
     return LoadedModel(None, load_tokenizer(str(path), recipe.trust_remote_code), resolve_model(recipe.model))

@@ -103,7 +103,6 @@ def train(
         masks = {k: v.to(acc.device) for k, v in masks.items()}
         apply_masks(raw, masks)
 
-    history = History()
     ckpt = _shared_path(acc, Path(state_dir) / CKPT)
     if cfg.resume and (ckpt / "history.json").is_file():
         acc.load_state(str(ckpt))
@@ -111,7 +110,7 @@ def train(
         history.ppl = [tuple(x) for x in history.ppl]
         progress.info(f"resumed distillation at step {history.step} of {cfg.steps}")
     else:
-        history.ppl.append((0, perplexity(raw, eval_windows, acc.device)))
+        history = History(ppl=[(0, perplexity(raw, eval_windows, acc.device))])
 
     hidden = cfg.loss.hidden_mse > 0 or cfg.loss.hidden_cos > 0
     tokens_per_step = cfg.batch_size * cfg.grad_accum * train_windows.shape[1] * acc.num_processes

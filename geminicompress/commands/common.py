@@ -47,9 +47,12 @@ def handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
                 raise typer.Exit(exc.exit_code) from None
             # last resort: still one line, with the way to see more
             first = (str(exc).strip().splitlines() or [""])[0][:300]
-            console.print(f"[bold red]internal error:[/] {type(exc).__name__}: {first} "
-                          "(rerun with GEMINICOMPRESS_DEBUG=1 for the traceback, and please report it)",
-                          highlight=False, soft_wrap=True)
+            console.print(
+                f"[bold red]internal error:[/] {type(exc).__name__}: {first} "
+                "(rerun with GEMINICOMPRESS_DEBUG=1 for the traceback, and please report it)",
+                highlight=False,
+                soft_wrap=True,
+            )
             raise typer.Exit(1) from None
 
     return wrapper

@@ -28,5 +28,6 @@ def recipes(name: Optional[str] = typer.Argument(None, help="Print this bundled 
     table.add_column("description")
     for key, path in bundled.items():
         data = read_yaml(path)
-        table.add_row(key, ", ".join(stage_tag(s) for s in data.get("stages", [])), str(data.get("description", "")))
+        stages = ", ".join(stage_tag(s) for s in data.get("stages", []))
+        table.add_row(key, stages, str(data.get("description", "")))
     c.out_console.print(table)

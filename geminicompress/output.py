@@ -28,8 +28,7 @@ def check_output_path(out: Path, force: bool) -> None:
         raise InputError(f"output {out} already exists; pass --force to replace it")
     if out.exists() and not out.is_dir():
         raise InputError(f"output {out} exists and is not a directory")
-    parent = out.resolve().parent
-    if not parent.exists():
+    if not out.resolve().parent.exists():
         raise InputError(f"the parent folder of output {out} does not exist")
 
 

@@ -45,7 +45,7 @@ from geminicompress.output import STATE_DIR, THREADS_FILE, OutputDir, write_json
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.loader import recipe_yaml
 from geminicompress.recipes.schema import Recipe, stage_tag
-from geminicompress.verify import Probe
+from geminicompress.verify import Probe, final_name
 
 
 def fingerprint(recipe: Recipe) -> str:
@@ -191,7 +191,7 @@ def _in_memory(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, ma
     probe = _probe(ctx, verify, unrounded=True)
     shards = ShardWriter(ctx.state_dir / "shards", max_shard)
     sink = ShardSink(shards, writer, lambda i, _: layer_kept(kept, i), probe=probe)
-    ctx.progress.info(f"writing {tmp.name.removeprefix('.').removesuffix('.partial')}")
+    ctx.progress.info(f"writing {final_name(tmp)}")
     walked = walk(ctx, [], sink, "writing")
     if owned:
         kept.clear()

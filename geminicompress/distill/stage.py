@@ -58,7 +58,10 @@ class Pair:
 def run(cfg: DistillStage, ctx) -> dict:
     pair = choose_models(cfg, ctx)
     if cfg.reconstruct:
-        _check_reconstructible(pair)
+        check_same_shape(pair.student, pair.teacher)
+        if not pair.masks:
+            raise InputError("reconstruct refits a pruned student, and this student has no masks and no pruned zeros: "
+                             "prune it first (a prune stage before distill), or drop reconstruct")
     t_params, s_params = n_params(pair.teacher), n_params(pair.student)
     if s_params >= t_params and not pair.masks:  # a pruned student is smaller by its zeros
         ctx.progress.warn(f"the student ({s_params / 1e6:.1f}M parameters) is not smaller than the teacher "
@@ -162,13 +165,6 @@ def training_windows(cfg: DistillStage, ctx, tokenizer) -> tuple[torch.Tensor, t
         ctx.progress.info(f"{data} gives {len(windows) - cfg.eval_windows} training windows; {cfg.steps} steps "
                           f"read them about {epochs} times")
     return windows[: -cfg.eval_windows], windows[-cfg.eval_windows :]
-
-
-def _check_reconstructible(pair: Pair) -> None:
-    check_same_shape(pair.student, pair.teacher)
-    if not pair.masks:
-        raise InputError("reconstruct refits a pruned student, and this student has no masks and no pruned zeros: "
-                         "prune it first (a prune stage before distill), or drop reconstruct")
 
 
 def _reconstruct(cfg: DistillStage, ctx, pair: Pair) -> dict[str, Any]:

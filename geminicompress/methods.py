@@ -61,14 +61,6 @@ STAGES: dict[str, tuple[str, str]] = {
 }
 
 
-def method(name: str) -> Method:
-    from geminicompress.errors import InputError
-
-    if name not in METHODS:
-        raise InputError(f"method '{name}' is not one of {', '.join(METHODS)}")
-    return METHODS[name]
-
-
 def runner(tag: str) -> tuple[Any, str]:
     """(the class or function a stage tag runs, its kind), imported now."""
     path, kind = STAGES[tag]

@@ -28,8 +28,7 @@ def check_output_path(out: Path, force: bool) -> None:
         raise InputError(f"output {out} already exists; pass --force to replace it")
     if out.exists() and not out.is_dir():
         raise InputError(f"output {out} exists and is not a directory")
-    parent = out.resolve().parent
-    if not parent.exists():
+    if not out.resolve().parent.exists():
         raise InputError(f"the parent folder of output {out} does not exist")
 
 
@@ -79,16 +78,11 @@ class OutputDir:
         return any(p.is_file() and p.name not in (_FINGERPRINT, THREADS_FILE) for p in self.state_dir.rglob("*"))
 
 
-def current_umask() -> int:
-    mask = os.umask(0o022)  # the only portable way to read it is to set it; put it back at once
-    os.umask(mask)
-    return mask
-
-
 def apply_umask(root: Path) -> None:
     """Give `root` and everything under it the modes `open`/`mkdir` would: 0666 & ~umask for files,
     0777 & ~umask for folders, whatever mode the library that wrote a file chose."""
-    mask = current_umask()
+    mask = os.umask(0o022)  # the only portable way to read the umask is to set it; put it back at once
+    os.umask(mask)
     file_mode, dir_mode = 0o666 & ~mask, 0o777 & ~mask
     os.chmod(root, dir_mode)
     for folder, dirs, files in os.walk(root):

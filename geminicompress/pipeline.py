@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from geminicompress import __version__
-from geminicompress.distill.streamed_teacher import streamed_input
+from geminicompress.distill.streamed_teacher import streamable_dir, streamed_input
 from geminicompress.engine.contract import StageContext, layer_kept, stage_kept, walk_dtypes
 from geminicompress.engine.estimate import announce
 from geminicompress.engine.run import Walked, load_back_of, make_stage, retain_of, run_stage, should_stream, walk
@@ -39,14 +39,13 @@ from geminicompress.formats.shards import DEFAULT_MAX_BYTES, ShardWriter
 from geminicompress.formats.writer import LayerWriter
 from geminicompress.machine import machine, versions
 from geminicompress.methods import STAGES, runner
-from geminicompress.models.headers import is_streamable_dir
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
-from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer, local_dir, resolve_model
+from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer, resolve_model
 from geminicompress.output import STATE_DIR, THREADS_FILE, OutputDir, write_json
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.loader import recipe_yaml
 from geminicompress.recipes.schema import Recipe, stage_tag
-from geminicompress.verify import Probe
+from geminicompress.verify import Probe, final_name
 
 
 def fingerprint(recipe: Recipe) -> str:
@@ -77,7 +76,7 @@ def run_recipe(recipe: Recipe, out: Path, *, force: bool = False, progress: Prog
             raise InputError(f"stage '{tag}' has no runner")
         runner(tag)  # fail before loading anything if a stage does not import
     helper = _helper_rank()
-    source_dir = _source_dir(recipe) if loaded is None and not helper else None
+    source_dir = streamable_dir(recipe.model) if loaded is None and not helper else None
     streamed = source_dir is not None and should_stream(recipe, stream, source_dir)
     started = time.perf_counter()
     if helper:  # another process of `accelerate launch`/torchrun: it trains along, rank 0 writes OUT
@@ -127,12 +126,6 @@ def _helper_rank() -> int:
     return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
 
 
-def _source_dir(recipe: Recipe) -> Path | None:
-    """The local dense safetensors directory MODEL names (what a streamed run reads), else None."""
-    path = local_dir(recipe.model)
-    return path if path is not None and is_streamable_dir(path) else None
-
-
 def _out_dtype(recipe: Recipe, stored: torch.dtype) -> torch.dtype:
     """OUT's float dtype: the recipe's `output.dtype` when given; else float32 in memory, the input's own streamed."""
     return getattr(torch, recipe.output.dtype) if "dtype" in recipe.output.model_fields_set else stored
@@ -141,7 +134,6 @@ def _out_dtype(recipe: Recipe, stored: torch.dtype) -> torch.dtype:
 def _open_in_memory(recipe: Recipe, loaded: LoadedModel | None, tmp: Path, progress: Progress,
                     device: torch.device) -> StageContext:
     if loaded is None:  # a first distill stage may read its teacher, the recipe's model, layer by layer
-
         loaded = streamed_input(recipe, progress)
     if loaded is None:
         progress.info(f"loading {recipe.model}")
@@ -182,35 +174,31 @@ def _in_memory(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, ma
     results: list[dict] = []
     owner: tuple[Any, dict, dict] | None = None  # (the stage whose format OUT takes, its result, its kept tensors)
     for i, stage in enumerate(stages):
-        ctx.state_dir = tmp / "state" / f"{i}-{stage.type}"
-        ctx.state_dir.mkdir(parents=True, exist_ok=True)
-        ctx.progress.info(f"stage {i}: {stage_tag(stage)}")
-        t0 = time.perf_counter()
+        t0 = _start(ctx, tmp, i, stage)
         cls, kind = runner(stage_tag(stage))
         if kind == "model":
             summary = cls(stage, ctx)
-            results.append(_result(i, stage, time.perf_counter() - t0, summary))
             ctx.layers = ModelLayers(ctx.model)  # a distilled student replaces the model
-            continue
-        layer_stage, summary, kept = run_stage(stage, ctx)
+        else:
+            layer_stage, summary, kept = run_stage(stage, ctx)
+            if layer_stage.writer() is not None:
+                owner = (layer_stage, summary, kept)
         results.append(_result(i, stage, time.perf_counter() - t0, summary))
-        if layer_stage.writer() is not None:
-            owner = (layer_stage, summary, kept)
     ctx.state_dir = tmp / "state" / "out"
     ctx.state_dir.mkdir(parents=True, exist_ok=True)
-    writer = owner[0].writer() if owner is not None else _dense(ctx)
-    kept = owner[2] if owner is not None else {}
+    writer_stage, result, kept = owner or (None, {}, {})
+    writer = writer_stage.writer() if writer_stage is not None else LayerWriter(ctx.model, ctx.out_dtype)
     probe = _probe(ctx, verify, unrounded=True)
     shards = ShardWriter(ctx.state_dir / "shards", max_shard)
     sink = ShardSink(shards, writer, lambda i, _: layer_kept(kept, i), probe=probe)
-    ctx.progress.info(f"writing {tmp.name.removeprefix('.').removesuffix('.partial')}")
+    ctx.progress.info(f"writing {final_name(tmp)}")
     walked = walk(ctx, [], sink, "writing")
     if owned:
         kept.clear()
         for layer in ctx.layers.layers:
             for param in layer.parameters():
                 param.data = torch.empty(0, dtype=param.dtype)
-    export = _finish(ctx, tmp, shards, writer, owner[1] if owner is not None else {}, walked, probe, head=None)
+    export = _finish(ctx, tmp, shards, writer, result, walked, probe, head=None)
     return results, export
 
 
@@ -221,7 +209,7 @@ def _streamed(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, max
     n = len(layer_stages)
     owners = [k for k, s in enumerate(layer_stages) if s.writer() is not None]
     owner = owners[-1] if owners else None
-    writer = layer_stages[owner].writer() if owner is not None else _dense(ctx)
+    writer = layer_stages[owner].writer() if owner is not None else LayerWriter(ctx.model, ctx.out_dtype)
     probe = _probe(ctx, verify)  # before any layer is read
     shards = ShardWriter(ctx.state_dir / "shards", max_shard)
     retain = retain_of(layer_stages)
@@ -264,7 +252,6 @@ def _finish(ctx: StageContext, tmp: Path, shards: ShardWriter, writer: Any, resu
 def _probe(ctx: StageContext, verify: bool, unrounded: bool = False) -> Any:
     if not verify:
         return None
-
     return Probe(ctx.layers, ctx.tokenizer, ctx.out_dtype, ctx.device, unrounded=unrounded)
 
 
@@ -279,16 +266,17 @@ def _head(hooks: list) -> Any:
     return module
 
 
-def _dense(ctx: StageContext) -> Any:
-    return LayerWriter(ctx.model, ctx.out_dtype)
-
-
 def _run_model_stage(ctx: StageContext, i: int, stage: Any, tmp: Path) -> dict:
     """An eval stage, after OUT is written (it loads OUT back from disk)."""
     cls, _ = runner(stage_tag(stage))
+    t0 = _start(ctx, tmp, i, stage)
+    summary = cls(stage, ctx)
+    return _result(i, stage, time.perf_counter() - t0, summary)
+
+
+def _start(ctx: StageContext, tmp: Path, i: int, stage: Any) -> float:
+    """Stage i's own state folder (its resume state) and its info line; returns its start time."""
     ctx.state_dir = tmp / "state" / f"{i}-{stage.type}"
     ctx.state_dir.mkdir(parents=True, exist_ok=True)
     ctx.progress.info(f"stage {i}: {stage_tag(stage)}")
-    t0 = time.perf_counter()
-    summary = cls(stage, ctx)
-    return _result(i, stage, time.perf_counter() - t0, summary)
+    return time.perf_counter()

@@ -37,10 +37,8 @@ class ThreadChoice:
 
 def usable_cores() -> int:
     """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
+    cpus = affinity()
+    cores = len(cpus) if cpus is not None else os.cpu_count() or 1
     quota = _cgroup_quota()
     return max(1, min(cores, math.ceil(quota))) if quota else cores
 

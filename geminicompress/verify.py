@@ -136,7 +136,6 @@ class Probe:
 
     def __init__(self, source: Any, tokenizer: Any, out_dtype: torch.dtype, device: torch.device,
                  unrounded: bool = False) -> None:
-
         self.source, self.out_dtype, self.device = source, out_dtype, device
         model = source.model
         self.windows = probe_windows(tokenizer, model.config.vocab_size)
@@ -206,7 +205,6 @@ class Probe:
                 raise
         finally:
             self.hidden.close()
-
 
     def blame(self, reference: torch.Tensor, input_model: str | None, trust_remote_code: bool,
               streamed: bool) -> GeminiError:

@@ -12,11 +12,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional
 
+import torch
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from geminicompress.errors import GeminiError
+from geminicompress.errors import GeminiError, InputError
 from geminicompress.output import check_output_path, resume_threads
 from geminicompress.pipeline import default_device, fingerprint, run_recipe
 from geminicompress.recipes.loader import recipe_from_stage
@@ -35,17 +36,16 @@ def handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
             return func(*args, **kwargs)
         except typer.Exit:
             raise
-        except GeminiError as exc:
-            if os.environ.get("GEMINICOMPRESS_DEBUG"):
-                raise
-            console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-            raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             console.print("[bold red]interrupted[/]: partial output kept where resumable; rerun the same command")
             raise typer.Exit(130) from None
-        except Exception as exc:  # last resort: still one line, with the way to see more
+        except Exception as exc:
             if os.environ.get("GEMINICOMPRESS_DEBUG"):
                 raise
+            if isinstance(exc, GeminiError):
+                console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+                raise typer.Exit(exc.exit_code) from None
+            # last resort: still one line, with the way to see more
             first = (str(exc).strip().splitlines() or [""])[0][:300]
             console.print(
                 f"[bold red]internal error:[/] {type(exc).__name__}: {first} "
@@ -101,10 +101,6 @@ def setup_logging(verbose: bool) -> None:
 
 
 def parse_device(device: Optional[str]):
-    import torch
-
-    from geminicompress.errors import InputError
-
     if device in (None, "auto"):
         return default_device()
     try:
@@ -160,14 +156,8 @@ def wrote_line(out: Path, seconds: float, threads) -> str:
 
 
 def calibration_options(data: Optional[str], text_column: str, samples: Optional[int], seq_len: Optional[int]) -> dict:
-    cal: dict[str, Any] = {"text_column": text_column}
-    if data is not None:
-        cal["data"] = data
-    if samples is not None:
-        cal["samples"] = samples
-    if seq_len is not None:
-        cal["seq_len"] = seq_len
-    return cal
+    given = {"data": data, "samples": samples, "seq_len": seq_len}
+    return {"text_column": text_column, **{k: v for k, v in given.items() if v is not None}}
 
 
 def run_single_stage(model: str, stage: dict, out: Path, run: dict[str, Any], source: str) -> dict:
@@ -209,8 +199,7 @@ def stage_options(configs: dict[str, type], skip: set[str]) -> list[inspect.Para
         text = "; ".join(f"{', '.join(o)}: {d}" if len(configs) > 1 else d for d, o in helps.items())
         text = text if len(configs) > 1 else text[:1].upper() + text[1:]
         option = typer.Option(None, cli, help=text + ("." if text and text[-1] not in ".)" else ""))
-        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option,
-                                        annotation=Optional[List[str]] if kind is list else Optional[kind]))
+        params.append(_keyword(name, Optional[List[str]] if kind is list else Optional[kind], option))
     return params
 
 

@@ -13,7 +13,7 @@ from geminicompress.errors import InputError
 
 def _parse_layers(text: str) -> float | list[int]:
     try:
-        if "," in text or text.isdigit() and "." not in text and int(text) > 1:
+        if "," in text or text.isdigit() and int(text) > 1:
             return [int(x) for x in text.split(",") if x.strip()]
         return float(text)
     except ValueError as exc:

@@ -71,6 +71,7 @@ def eval_(
 
     from geminicompress.data import check_data_spec
     from geminicompress.eval.api import evaluate
+    from geminicompress.eval.report import write_report
     from geminicompress.eval.table import rich_table, same_dtype_lines
     from geminicompress.output import OutputDir, check_output_path
     from geminicompress.recipes.schema import EvalStage
@@ -93,8 +94,6 @@ def eval_(
     choice = c.use_threads(threads, None)
     report = evaluate(models, baseline or models[0], data, None, options, c.RichProgress(quiet), device=dev,
                       trust_remote_code=trust, allow_pickle=allow_pickle, stream=stream)
-    from geminicompress.eval.report import write_report
-
     with OutputDir(output, force) as tmp:
         write_report(report, tmp)
     c.out_console.print(rich_table(report, c.out_console.width))

@@ -72,8 +72,7 @@ def allocation_stage(target_bits: float | None, target_size_mb: float | None, ma
              "max_drift": parse_percent(max_drift, "--max-drift") if max_drift is not None else None,
              "options": [o.strip() for o in options.split(",") if o.strip()] if options is not None else None,
              "sensitivity": sensitivity}
-    given = {k: v for k, v in given.items() if v is not None}
-    return given or None
+    return {k: v for k, v in given.items() if v is not None} or None
 
 
 def _check_applicable(method: str, stage: dict) -> None:

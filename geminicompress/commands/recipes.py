@@ -10,6 +10,7 @@ from rich.table import Table
 from geminicompress.commands import common as c
 from geminicompress.errors import InputError
 from geminicompress.recipes.loader import bundled_recipes, read_yaml
+from geminicompress.recipes.schema import stage_tag
 
 
 @c.handle_errors
@@ -27,9 +28,6 @@ def recipes(name: Optional[str] = typer.Argument(None, help="Print this bundled 
     table.add_column("description")
     for key, path in bundled.items():
         data = read_yaml(path)
-        stages = ", ".join(
-            s.get("type", "?") + (f":{s['method']}" if s.get("method") and s.get("type") == "quantize" else "")
-            for s in data.get("stages", [])
-        )
+        stages = ", ".join(stage_tag(s) for s in data.get("stages", []))
         table.add_row(key, stages, str(data.get("description", "")))
     c.out_console.print(table)

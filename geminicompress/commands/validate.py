@@ -9,6 +9,7 @@ import typer
 from geminicompress.commands import common as c
 from geminicompress.errors import InputError
 from geminicompress.recipes.loader import json_schema, load_recipe
+from geminicompress.recipes.schema import stage_tag
 
 
 @c.handle_errors
@@ -24,5 +25,5 @@ def validate(
     if recipe is None:
         raise InputError("give a RECIPE to validate, or --schema")
     parsed, path = load_recipe(recipe, set_ or [])
-    stages = ", ".join(s.type if s.type != "quantize" else f"quantize:{s.method}" for s in parsed.stages)
+    stages = ", ".join(stage_tag(s) for s in parsed.stages)
     c.out_console.print(f"[green]ok[/] {path}: model {parsed.model}; stages: {stages}", highlight=False)

@@ -34,8 +34,7 @@ def check_data_spec(spec: str) -> None:
     if spec.startswith("builtin:"):
         raise InputError(f"unknown built-in text '{spec}' (available: {', '.join(sorted(BUILTIN))})")
     if is_file_spec(spec):
-        path = Path(spec).expanduser()
-        if not path.is_file():
+        if not Path(spec).expanduser().is_file():
             raise InputError(f"data file {spec} does not exist")
         if not spec.lower().endswith(FILE_SUFFIXES):
             raise InputError(f"data file {spec}: unsupported type (use {', '.join(FILE_SUFFIXES)})")

@@ -98,8 +98,7 @@ def distill_loss(
     Hidden states are the models' `output_hidden_states` tuples: index l + 1 is decoder layer l's output.
     """
     terms: dict[str, torch.Tensor] = {}
-    logit_losses = {"kl": forward_kl, "reverse_kl": reverse_kl, "jsd": jsd}
-    for name, fn in logit_losses.items():
+    for name, fn in (("kl", forward_kl), ("reverse_kl", reverse_kl), ("jsd", jsd)):
         if getattr(weights, name) > 0:
             terms[name] = fn(student_logits, teacher_logits, temperature)
     if weights.ce > 0:

@@ -8,14 +8,10 @@ mask after it (so weight decay or numerical noise cannot revive a pruned weight)
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn as nn
 
 from geminicompress.errors import InputError
-
-log = logging.getLogger(__name__)
 
 
 def check_masks(model: nn.Module, masks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -38,7 +38,7 @@ from geminicompress.distill.train import train
 from geminicompress.errors import InputError
 from geminicompress.formats.masks import read_masks, write_masks
 from geminicompress.models.lazy import LazyCheckpoint
-from geminicompress.models.loading import load_model
+from geminicompress.models.loading import load_model, load_tokenizer
 from geminicompress.recipes.schema import DistillStage
 
 CURVE = "distill_curve.png"
@@ -58,7 +58,10 @@ class Pair:
 def run(cfg: DistillStage, ctx) -> dict:
     pair = choose_models(cfg, ctx)
     if cfg.reconstruct:
-        _check_reconstructible(pair)
+        check_same_shape(pair.student, pair.teacher)
+        if not pair.masks:
+            raise InputError("reconstruct refits a pruned student, and this student has no masks and no pruned zeros: "
+                             "prune it first (a prune stage before distill), or drop reconstruct")
     t_params, s_params = n_params(pair.teacher), n_params(pair.student)
     if s_params >= t_params and not pair.masks:  # a pruned student is smaller by its zeros
         ctx.progress.warn(f"the student ({s_params / 1e6:.1f}M parameters) is not smaller than the teacher "
@@ -67,9 +70,8 @@ def run(cfg: DistillStage, ctx) -> dict:
     train_w, eval_w = training_windows(cfg, ctx, pair.tokenizer)
     rebuilt = _reconstruct(cfg, ctx, pair) if cfg.reconstruct else None
     cache = None
-    if cfg.topk_cache:
-        if cfg.loss.hidden_mse or cfg.loss.hidden_cos:
-            raise InputError("topk_cache stores logits only; hidden-state losses need the teacher online (drop one)")
+    if cfg.topk_cache and (cfg.loss.hidden_mse or cfg.loss.hidden_cos):
+        raise InputError("topk_cache stores logits only; hidden-state losses need the teacher online (drop one)")
     if pair.lazy is not None:  # one streamed pass: the cache and the held-out perplexity
         cache, teacher_ppl = ST.build_streamed_topk_cache(pair.lazy, train_w, eval_w, cfg.topk_cache, ctx.device,
                                                           work_dir=ctx.state_dir, progress=ctx.progress)
@@ -105,7 +107,7 @@ def run(cfg: DistillStage, ctx) -> dict:
 def choose_models(cfg: DistillStage, ctx) -> Pair:
     """Teacher, student, tokenizer and masks following the rules in the module docstring."""
     explicit = cfg.student is not None or cfg.student_layers is not None or cfg.student_config is not None
-    first = _stage_index(cfg, ctx) == 0
+    first = next((i for i, s in enumerate(ctx.recipe.stages) if s is cfg), 0) == 0
     if not explicit and not first:
         spec = cfg.teacher or ctx.recipe.model
         ctx.progress.info(f"loading the teacher {spec} for the model of the previous stages")
@@ -143,8 +145,6 @@ def _teacher(spec: str, cfg: DistillStage, ctx) -> tuple[Any, Any, LazyCheckpoin
     """(model, tokenizer, lazy checkpoint) of the teacher `spec`: loaded, or opened to stream when it
     does not fit (the model is then its skeleton on the meta device)."""
     if ST.streams(cfg, spec, ctx.progress):
-        from geminicompress.models.loading import load_tokenizer
-
         lazy = ST.open_teacher(spec, ctx.recipe.trust_remote_code, ctx.recipe.allow_nonfinite)
         return lazy.model, load_tokenizer(str(lazy.path), ctx.recipe.trust_remote_code), lazy
     loaded = _load(spec, ctx)
@@ -167,13 +167,6 @@ def training_windows(cfg: DistillStage, ctx, tokenizer) -> tuple[torch.Tensor, t
     return windows[: -cfg.eval_windows], windows[-cfg.eval_windows :]
 
 
-def _check_reconstructible(pair: Pair) -> None:
-    check_same_shape(pair.student, pair.teacher)
-    if not pair.masks:
-        raise InputError("reconstruct refits a pruned student, and this student has no masks and no pruned zeros: "
-                         "prune it first (a prune stage before distill), or drop reconstruct")
-
-
 def _reconstruct(cfg: DistillStage, ctx, pair: Pair) -> dict[str, Any]:
     """The layer-wise refit of a pruned student to its teacher (reconstruct.py) on calibration windows."""
     windows = ctx.calibration(cfg.data)
@@ -186,10 +179,6 @@ def _reconstruct(cfg: DistillStage, ctx, pair: Pair) -> dict[str, Any]:
                       f"{summary['seconds']:.0f} s (last layer's output error {last['error_before']:.3g} -> "
                       f"{last['error_after']:.3g} of its norm)")
     return summary
-
-
-def _stage_index(cfg: DistillStage, ctx) -> int:
-    return next((i for i, s in enumerate(ctx.recipe.stages) if s is cfg), 0)
 
 
 def _load(spec: str, ctx):

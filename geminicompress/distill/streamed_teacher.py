@@ -36,7 +36,7 @@ from geminicompress.memory import available_memory, too_big
 from geminicompress.models.forward import activations_bytes, final_hidden, head_logits
 from geminicompress.models.headers import is_streamable_dir, weights_bytes
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
-from geminicompress.models.loading import LoadedModel, local_dir, resolve_model
+from geminicompress.models.loading import LoadedModel, load_tokenizer, local_dir, resolve_model
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.schema import DistillStage, Recipe
 
@@ -45,15 +45,16 @@ TEACHER_PPL = "teacher_ppl.json"  # next to the cache: held-out perplexity by he
 
 
 # ---- deciding ----
-def teacher_dir(spec: str) -> Path | None:
-    """The local dense safetensors directory MODEL `spec` names (the demo's converted copy included)."""
+def streamable_dir(spec: str) -> Path | None:
+    """The local dense safetensors directory MODEL `spec` names (the demo's converted copy included), else None:
+    what a streamed teacher, or a streamed run (pipeline.py), reads."""
     path = local_dir(spec)
     return path if path is not None and is_streamable_dir(path) else None
 
 
 def cannot_stream(cfg: DistillStage, spec: str) -> str | None:
     """Why the teacher `spec` of stage `cfg` cannot be streamed, or None when it can."""
-    if teacher_dir(spec) is None:
+    if streamable_dir(spec) is None:
         return f"the teacher {spec} is not a local dense safetensors directory"
     if not cfg.topk_cache:
         return ("a streamed teacher teaches through its cached top-k logits: add --topk-cache K "
@@ -75,7 +76,7 @@ def streams(cfg: DistillStage, spec: str, progress: Progress | None = None) -> b
         raise InputError(f"--teacher-stream: {why}")
     if cfg.teacher_stream:
         return True
-    path = teacher_dir(spec)
+    path = streamable_dir(spec)
     if path is None:
         return False
     big = too_big(weights_bytes(path))
@@ -100,16 +101,14 @@ def streamed_input(recipe: Recipe, progress: Progress) -> LoadedModel | None:
     first = recipe.stages[0] if recipe.stages else None
     if first is None or first.type != "distill" or first.teacher is not None or not streams(first, recipe.model, progress):
         return None
-    from geminicompress.models.loading import load_tokenizer
-
     progress.info(f"reading the teacher {recipe.model} one decoder layer at a time (it is not loaded whole)")
-    path = teacher_dir(recipe.model)
+    path = streamable_dir(recipe.model)
     return LoadedModel(None, load_tokenizer(str(path), recipe.trust_remote_code), resolve_model(recipe.model))
 
 
 def open_teacher(spec: str, trust_remote_code: bool = False, allow_nonfinite: bool = False) -> LazyCheckpoint:
     """The teacher's checkpoint, read lazily (headers checked against config.json now; NaN/Inf as read)."""
-    return LazyCheckpoint(teacher_dir(spec), trust_remote_code=trust_remote_code, allow_nonfinite=allow_nonfinite)
+    return LazyCheckpoint(streamable_dir(spec), trust_remote_code=trust_remote_code, allow_nonfinite=allow_nonfinite)
 
 
 def spill_needed(windows: torch.Tensor, hidden_size: int, dtype: torch.dtype = torch.float32) -> bool:
@@ -176,7 +175,7 @@ def build_streamed_topk_cache(ckpt: LazyCheckpoint, train: torch.Tensor, held_ou
     read back when cached, else one streamed pass (activations under `work_dir` when they do not fit)."""
     folder = cache_folder(lazy_key(ckpt, train, k), root)
     cache = read_cache(folder)
-    ppl = _stored_ppl(folder, held_out) if cache is not None else None
+    ppl = _known_ppl(folder).get(_digest(held_out)) if cache is not None else None
     if cache is not None and ppl is not None:
         return cache, ppl
     todo = train[:0] if cache is not None else train  # a cache without this held-out set: the held-out only
@@ -199,18 +198,16 @@ def _digest(windows: torch.Tensor) -> str:
     return hashlib.sha256(windows.numpy().tobytes()).hexdigest()[:24]
 
 
-def _stored_ppl(folder: Path, held_out: torch.Tensor) -> float | None:
+def _known_ppl(folder: Path) -> dict[str, float]:
+    """The held-out perplexities stored next to the cache, by held-out windows' digest."""
     try:
-        return json.loads((folder / TEACHER_PPL).read_text()).get(_digest(held_out))
+        return json.loads((folder / TEACHER_PPL).read_text())
     except (OSError, json.JSONDecodeError):
-        return None
+        return {}
 
 
 def _store_ppl(folder: Path, held_out: torch.Tensor, ppl: float) -> None:
-    try:
-        known = json.loads((folder / TEACHER_PPL).read_text())
-    except (OSError, json.JSONDecodeError):
-        known = {}
+    known = _known_ppl(folder)
     known[_digest(held_out)] = ppl
     tmp = folder / f"{TEACHER_PPL}.tmp"
     tmp.write_text(json.dumps(known))

@@ -15,7 +15,7 @@ import math
 import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,10 +41,6 @@ class History:
     ppl: list[tuple[int, float]] = field(default_factory=list)
     tokens: int = 0
     seconds: float = 0.0
-
-    def to_json(self) -> dict:
-        return {"step": self.step, "loss": self.loss, "terms": self.terms, "ppl": self.ppl,
-                "tokens": self.tokens, "seconds": self.seconds}
 
 
 def batch_indices(micro: int, n_windows: int, batch_size: int, seed: int, rank: int = 0, world: int = 1) -> torch.Tensor:
@@ -107,15 +103,14 @@ def train(
         masks = {k: v.to(acc.device) for k, v in masks.items()}
         apply_masks(raw, masks)
 
-    history = History()
     ckpt = _shared_path(acc, Path(state_dir) / CKPT)
     if cfg.resume and (ckpt / "history.json").is_file():
         acc.load_state(str(ckpt))
         history = History(**json.loads((ckpt / "history.json").read_text()))
         history.ppl = [tuple(x) for x in history.ppl]
         progress.info(f"resumed distillation at step {history.step} of {cfg.steps}")
-    elif not history.ppl:
-        history.ppl.append((0, perplexity(raw, eval_windows, acc.device)))
+    else:
+        history = History(ppl=[(0, perplexity(raw, eval_windows, acc.device))])
 
     hidden = cfg.loss.hidden_mse > 0 or cfg.loss.hidden_cos > 0
     tokens_per_step = cfg.batch_size * cfg.grad_accum * train_windows.shape[1] * acc.num_processes
@@ -200,7 +195,7 @@ def _save(acc, ckpt: Path, history: History) -> None:
     acc.wait_for_everyone()
     acc.save_state(str(tmp), safe_serialization=False)
     if acc.is_main_process:
-        (tmp / "history.json").write_text(json.dumps(history.to_json()))
+        (tmp / "history.json").write_text(json.dumps(asdict(history)))
         shutil.rmtree(ckpt, ignore_errors=True)
         tmp.rename(ckpt)
     acc.wait_for_everyone()

@@ -56,21 +56,18 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         node: Any = data
         parts = key.split(".")
         for depth, part in enumerate(parts):
-            last = depth == len(parts) - 1
             if isinstance(node, list):
                 if not part.isdigit() or int(part) >= len(node):
                     raise InputError(f"--set {key}: '{part}' is not an index of a list of {len(node)}")
-                if last:
-                    node[int(part)] = value
-                else:
-                    node = node[int(part)]
+                at: int | str = int(part)
             elif isinstance(node, dict):
-                if last:
-                    node[part] = value
-                else:
-                    node = node.setdefault(part, {})
+                at = part
             else:
                 raise InputError(f"--set {key}: '{'.'.join(parts[:depth])}' is a value, not a section")
+            if depth == len(parts) - 1:
+                node[at] = value
+            else:
+                node = node[at] if isinstance(node, list) else node.setdefault(at, {})
     return data
 
 
@@ -109,7 +106,7 @@ def check_paths(recipe: Recipe, source: str) -> None:
                 refs.append((f"stages.{i}.{field}", value))
     for key, value in refs:
         try:
-            if key.endswith(".data") or key == "calibration.data":
+            if key.endswith(".data"):
                 check_data_spec(value)
             else:
                 resolve_model(value)

@@ -32,6 +32,16 @@ def check_output_path(out: Path, force: bool) -> None:
         raise InputError(f"the parent folder of output {out} does not exist")
 
 
+def partial_dir(out: Path) -> Path:
+    """The hidden sibling `.<name>.partial` that a run on OUT writes into."""
+    return out.with_name(f".{out.name}.partial")
+
+
+def final_name(partial: Path) -> str:
+    """`.out.partial` -> `out`: the name the output will have once the run completes."""
+    return partial.name.removeprefix(".").removesuffix(".partial")
+
+
 class OutputDir:
     """`with OutputDir(out, force, fingerprint) as tmp:` write into `tmp`; renamed to `out` on success."""
 
@@ -39,7 +49,7 @@ class OutputDir:
         self.out = Path(out)
         self.force = force
         self.fingerprint = fingerprint
-        self.tmp = self.out.with_name(f".{self.out.name}.partial")
+        self.tmp = partial_dir(self.out)
 
     @property
     def state_dir(self) -> Path:
@@ -104,7 +114,7 @@ THREADS_FILE = "threads.json"
 def resume_threads(out: Path, fingerprint: str) -> int | None:
     """The torch thread count of the interrupted run that a run on `out` with this fingerprint resumes, or None
     (no such run). A resumed run uses it unless told otherwise: results can depend on the thread count."""
-    state = Path(out).with_name(f".{Path(out).name}.partial") / STATE_DIR
+    state = partial_dir(Path(out)) / STATE_DIR
     try:
         if (state / _FINGERPRINT).read_text() == fingerprint and fingerprint:
             return int(json.loads((state / THREADS_FILE).read_text())["threads"])

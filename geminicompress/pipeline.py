@@ -41,11 +41,11 @@ from geminicompress.machine import machine, versions
 from geminicompress.methods import STAGES, runner
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer, resolve_model
-from geminicompress.output import STATE_DIR, THREADS_FILE, OutputDir, write_json
+from geminicompress.output import STATE_DIR, THREADS_FILE, OutputDir, final_name, write_json
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.loader import recipe_yaml
 from geminicompress.recipes.schema import Recipe, stage_tag
-from geminicompress.verify import Probe, final_name
+from geminicompress.verify import Probe
 
 
 def fingerprint(recipe: Recipe) -> str:

@@ -50,6 +50,7 @@ from geminicompress.models.forward import embed, final_hidden, head_logits, thro
 from geminicompress.models.headers import is_readable_dir, loaded_bytes
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import load_model, local_dir
+from geminicompress.output import final_name
 from geminicompress.progress import NullProgress, Progress
 
 WINDOWS, TOKENS, SEED = 2, 64, 0
@@ -221,10 +222,6 @@ class Probe:
                                   "compression (weights, or activations that overflow); nothing was written")
         return GeminiError(f"the compressed model gives {bad:,} non-finite logits on the check's probe tokens while the "
                            f"input model does not: the compression broke it; nothing was written (please report it)")
-
-
-def final_name(out: Path) -> str:
-    return out.name.removeprefix(".").removesuffix(".partial")
 
 
 def too_big(out: Path) -> bool:

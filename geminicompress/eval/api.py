@@ -39,7 +39,7 @@ from geminicompress.eval.footprint import (
 from geminicompress.eval.latency import measure_latency
 from geminicompress.eval.perplexity import window_logprobs
 from geminicompress.eval.quality import score_windows
-from geminicompress.eval.report import write_report
+from geminicompress.eval.report import new_entry, write_report
 from geminicompress.eval.specs import display_names, stored_dtype
 from geminicompress.eval.streamed import open_streamed, params_of, stream_reason, streamed_logprobs
 from geminicompress.eval.table import describe_timing
@@ -214,14 +214,6 @@ def _timing_warning(entries: list[dict]) -> str | None:
     bad = [(e["name"], e["latency"]["load"]) for e in entries
            if (e.get("latency") or {}).get("load", {}).get("unreliable")]
     return describe_timing(bad) if bad else None
-
-
-def new_entry(spec: str, name: str, is_base: bool) -> dict:
-    """A model's report entry before it is measured (its keys in report.json order; vllm_eval.py fills one too)."""
-    return {"name": name, "path": spec, "baseline": is_base, "format": None, "dtype": None, "quality": None,
-            "latency": None, "peak_memory_mb": None, "tensors_mb": None, "size_mb": None, "masks_mb": None,
-            "params": None, "sparsity": None, "quant_zeros": None, "kernel": None, "dtype_baseline": False, "tasks": None,
-            "streamed": None, "notes": []}
 
 
 def _evaluate_one(spec, name, text, options, base, device, progress, load, dtype=None):

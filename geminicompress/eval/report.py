@@ -13,6 +13,14 @@ from geminicompress.eval.table import caption, markdown_table, pct_change, same_
 from geminicompress.output import write_json
 
 
+def new_entry(spec: str, name: str, is_base: bool) -> dict:
+    """A model's report entry before it is measured (its keys in report.json order; api.py and vllm_eval.py fill one)."""
+    return {"name": name, "path": spec, "baseline": is_base, "format": None, "dtype": None, "quality": None,
+            "latency": None, "peak_memory_mb": None, "tensors_mb": None, "size_mb": None, "masks_mb": None,
+            "params": None, "sparsity": None, "quant_zeros": None, "kernel": None, "dtype_baseline": False, "tasks": None,
+            "streamed": None, "notes": []}
+
+
 def tradeoff_points(report: dict) -> tuple[str, list[tuple[str, float, float]]]:
     """(x-axis label, [(name, x, y)]) for every model that has the figures."""
     models = report["models"]

@@ -11,19 +11,15 @@ import json
 from geminicompress.eval.api import evaluate
 from geminicompress.eval.report import write_report
 from geminicompress.eval.table import summary_line
+from geminicompress.output import final_name
 from geminicompress.recipes.schema import EvalStage
 
 REPORT_FOLDER = "eval"
 
 
-def final_name(partial: str) -> str:
-    """`.out.partial` -> `out`: the name the output will have once the run completes."""
-    return partial.removeprefix(".").removesuffix(".partial")
-
-
 def run(cfg: EvalStage, ctx) -> dict:
     recipe = ctx.recipe
-    out_name = final_name(ctx.out_dir.name)
+    out_name = final_name(ctx.out_dir)
     report = evaluate(
         [str(ctx.out_dir)],
         recipe.model,
@@ -74,7 +70,7 @@ def _serving(cfg: EvalStage, ctx) -> dict:
                          ppl_tokens=s.ppl_tokens, text_column=cfg.text_column, vllm_python=cfg.vllm_python,
                          dtype=s.dtype, progress=ctx.progress, trust_remote_code=recipe.trust_remote_code)
     if report["int8"] is not None:
-        report["int8"] = str(ctx.out_dir.with_name(final_name(ctx.out_dir.name)))
+        report["int8"] = str(ctx.out_dir.with_name(final_name(ctx.out_dir)))
     serve_table.write(report, ctx.out_dir / REPORT_FOLDER / "serving")
     return {"report": f"{REPORT_FOLDER}/serving/serving.json",
             "rows": {r["row"]: (r["metrics"] or {}).get("throughput_req_s") for r in report["rows"]}}

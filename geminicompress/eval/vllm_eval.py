@@ -23,9 +23,9 @@ from geminicompress import __version__, formats
 from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.eval import contention, kernels, plan
-from geminicompress.eval.api import new_entry
 from geminicompress.eval.footprint import weights_size_mb
 from geminicompress.eval.latency import percentile, prompt_batch, summarize_ms
+from geminicompress.eval.report import new_entry
 from geminicompress.eval.serving_metrics import from_vllm, summarize
 from geminicompress.eval.specs import display_names, stored_dtype
 from geminicompress.eval.vllm_engine import check_vllm, find_python, run_driver

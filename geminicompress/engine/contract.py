@@ -120,10 +120,7 @@ def walk_dtypes(stages: list[LayerStage]) -> tuple[torch.dtype, torch.dtype] | N
 
 def stage_kept(kept: dict[str, torch.Tensor], k: int, n: int) -> dict[str, torch.Tensor]:
     """Stage k's own kept tensors (or summary entries) of a composed LayerFn over n stages."""
-    if n == 1:
-        return kept
-    head = f"{k}."
-    return {key[len(head):]: v for key, v in kept.items() if key.startswith(head)}
+    return kept if n == 1 else layer_kept(kept, k)
 
 
 def layer_kept(kept: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:

@@ -26,9 +26,6 @@ from geminicompress.engine.walk import nothing, run_layerwise, walk_outside
 from geminicompress.errors import InputError
 from geminicompress.methods import calibrates, runner
 
-# float32 (widest input)² buffers a calibrated stage holds at its peak (Hessians, solver scratch), for the
-# memory estimate of a streamed run: a stage's `squares` attribute, else 0
-
 
 @dataclass
 class Walked:
@@ -91,9 +88,7 @@ def walk(ctx: StageContext, stages: list[LayerStage], sink: Any, description: st
     dtypes = walk_dtypes(stages)
     windows = None
     if dtypes is not None:
-        data = next(s.cfg.data for s in stages if s.calibrated and s.cfg.data) if any(
-            s.calibrated and s.cfg.data for s in stages) else None
-        windows = ctx.calibration(data)
+        windows = ctx.calibration(next((s.cfg.data for s in stages if s.calibrated and s.cfg.data), None))
     source = ctx.layers.reading_in(dtypes[1] if dtypes is not None else None)
     fn = compose(*[s.layer_fn() for s in stages]) if stages else nothing
     done = run_layerwise(source, windows, fn, device=ctx.device, progress=ctx.progress, description=description,

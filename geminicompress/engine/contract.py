@@ -19,6 +19,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.nn as nn
 
+from geminicompress.compress.arch import arch_for
 from geminicompress.data.windows import calibration_windows
 from geminicompress.engine.layers import LayerFn
 from geminicompress.progress import Progress
@@ -56,8 +57,6 @@ class StageContext:
         return self._calibration[key]
 
     def layer_prefix(self, i: int) -> str:
-        from geminicompress.compress.arch import arch_for
-
         return f"{arch_for(self.model).layers}.{i}"
 
 

@@ -26,8 +26,8 @@ from geminicompress.memory import release_free_heap
 BATCH_WINDOWS = 4  # calibration windows per forward batch
 
 
-class _StopForward(Exception):
-    pass
+class StopForward(Exception):
+    """Raised by a hook to end a layer's (or model's) forward once what it observes has run."""
 
 
 @dataclass
@@ -121,14 +121,14 @@ def capture_inputs(model: nn.Module, windows: torch.Tensor, device: torch.device
         hidden.append(h.detach().to(storage, dtype or h.dtype))
         if not captured:
             captured.update({k: v for k, v in kwargs.items() if k != "hidden_states"})
-        raise _StopForward
+        raise StopForward
 
     handle = layers[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
     try:
         for row in windows:
             try:
                 model(row.unsqueeze(0).to(device), use_cache=False)
-            except _StopForward:
+            except StopForward:
                 pass
     finally:
         handle.remove()

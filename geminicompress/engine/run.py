@@ -22,8 +22,10 @@ import torch
 
 from geminicompress.engine.compose import compose
 from geminicompress.engine.contract import Done, LayerStage, StageContext, stage_kept, walk_dtypes
-from geminicompress.engine.walk import nothing, run_layerwise, walk_outside
+from geminicompress.engine.sinks import ResidentSink
+from geminicompress.engine.walk import ModelLayers, nothing, run_layerwise, walk_outside
 from geminicompress.errors import InputError
+from geminicompress.formats.shards import ShardWriter
 from geminicompress.methods import calibrates, runner
 
 
@@ -61,10 +63,6 @@ def run_stage(cfg: Any, ctx: StageContext, description: str | None = None
     """A layer stage on the model in memory (`ctx.model`): one walk whose finished layers stay in the model, a
     calibrated stage's also saved in `ctx.state_dir` to resume from. Returns (the stage, its summary, the kept
     tensors of every layer, "<layer>.<name>")."""
-    from geminicompress.engine.sinks import ResidentSink
-    from geminicompress.engine.walk import ModelLayers
-    from geminicompress.formats.shards import ShardWriter
-
     if ctx.layers is None:
         ctx.layers = ModelLayers(ctx.model)
     stage = make_stage(cfg, ctx)

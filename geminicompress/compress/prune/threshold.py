@@ -105,7 +105,7 @@ def kth_smallest(tensors: Sequence[Tensor], k: int, bins: int = 4096, max_candid
     for t in tensors:
         a = _magnitudes(t)
         below += int((a < lo).sum())
-        inside = a[(a >= lo) & (a <= hi)]
+        inside = _in_bracket(a, lo, hi)
         n_in.append(inside.numel())
         if sum(n_in) <= max_candidates:
             gathered.append(inside)

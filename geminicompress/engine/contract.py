@@ -70,9 +70,7 @@ class Done:
     calibration_data: str = ""  # the recipe's calibration DATA (a stage's own `data` wins)
     outside_rows: list[dict] = field(default_factory=list)  # what `outside` did to the modules outside the layers
     kept: dict[str, torch.Tensor] = field(default_factory=dict)  # the stage's kept tensors the sink retained
-    streamed: bool = False
     calib_dtype: torch.dtype | None = None  # the dtype the layers computed in while calibrating
-    layer_dtype: torch.dtype | None = None  # the dtype they were held in
 
 
 class LayerWriter(Protocol):
@@ -93,7 +91,7 @@ class LayerWriter(Protocol):
 class LayerStage(Protocol):
     """A method, as the engine runs it. Optional members: `outside(name, module) -> (module, row) | None`
     (the modules outside the decoder layers: an INT8 head), `retain(kept) -> kept` (which kept tensors a
-    streamed run must hold until the summary: AWQ's search results), `needs_windows_of(windows)` checks."""
+    streamed run must hold until the summary: AWQ's search results)."""
 
     cfg: Any
     calibrated: bool  # needs the layer's inputs on calibration windows

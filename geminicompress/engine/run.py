@@ -43,10 +43,9 @@ class Walked:
 
     def done(self, k: int, ctx: StageContext) -> Done:
         """What stage k's summary reads."""
-        calib, layer = self.dtypes or (None, None)
         return Done(ctx.out_dir, ctx.progress, windows=self.windows, calibration_data=ctx.recipe.calibration.data,
-                    outside_rows=self.outside_rows, kept=self.kept[k], streamed=ctx.streamed,
-                    calib_dtype=calib, layer_dtype=layer)
+                    outside_rows=self.outside_rows, kept=self.kept[k],
+                    calib_dtype=self.dtypes[0] if self.dtypes is not None else None)
 
 
 def make_stage(cfg: Any, ctx: StageContext) -> LayerStage:

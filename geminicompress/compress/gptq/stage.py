@@ -12,7 +12,7 @@ that layer and its activations on the device; quantized outputs feed the next la
    without `true_sequential`, all Hessians of the layer come from one pass of the unquantized layer.
 With `calib_dtype: bfloat16` the layer's forward passes compute in bfloat16 while the Hessians are
 float32 products of those activations and the solver reads and writes float32 master weights
-(layerwise.computing_in).
+(engine/layers.py, `computing_in`).
 The codes/scales/zeros/g_idx are kept and packed at export (formats/).
 """
 

@@ -45,9 +45,8 @@ class Int8:
         if not self.targets:
             raise InputError("the ignore patterns leave no linear layer to quantize")
         self.calibrated = cfg.smoothquant_alpha is not None
-        self.groups, self.skipped = ([], [])
-        if self.calibrated:
-            self.groups, self.skipped = sq.foldable_groups(ctx.model, arch_for(ctx.model), set(self.targets))
+        self.groups, self.skipped = sq.foldable_groups(ctx.model, arch_for(ctx.model), set(self.targets)) \
+            if self.calibrated else ([], [])
 
     def quantize(self, root: nn.Module, prefix: str, smoothed: dict[str, float] | None = None) -> list[dict[str, Any]]:
         """Swap every targeted linear under module `root` (named `prefix` in the model) for its INT8 module."""

@@ -152,9 +152,8 @@ def forward_layer(layer: nn.Module, inputs: LayerInputs, device: torch.device,
     """Run the layer over every window, `batch` windows per call; `observe[module](x, y)` sees each module's
     input x and output y (x: (batch, T, in) on the device). Returns the layer outputs, (batch, T, d) each, on
     the inputs' storage device, or views of `into` ((n, T, d): written there, e.g. a memory-mapped file)."""
-    handles = []
-    for module, fn in (observe or {}).items():
-        handles.append(module.register_forward_hook(lambda m, a, y, fn=fn: fn(a[0].detach(), y.detach())))
+    handles = [module.register_forward_hook(lambda m, a, y, fn=fn: fn(a[0].detach(), y.detach()))
+               for module, fn in (observe or {}).items()]
     outs: list[torch.Tensor] = []
     start = 0
     try:

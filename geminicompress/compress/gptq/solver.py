@@ -95,10 +95,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
     if spec.group_size == -1:
         pos_group = torch.zeros_like(pos_group)
     group_list = pos_group.tolist()
-    first_pos: dict[int, int] = {}
-    for p, g in enumerate(group_list):
-        first_pos.setdefault(g, p)
-    starts = {p: g for g, p in first_pos.items()}  # quantization position -> the group that starts there
+    starts = {group_list.index(g): g for g in set(group_list)}  # quantization position -> the group starting there
 
     params: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_groups
     if group_params == "upfront":
@@ -201,12 +198,7 @@ def _current(Wt: torch.Tensor, W1: torch.Tensor, Err1: torch.Tensor, Hinv: torch
     i2 = i1 + W1.shape[0]
     inside = positions[positions < i2]
     beyond = positions[positions >= i2]
-    parts = []
-    if inside.numel():
-        parts.append(W1[inside - i1])
-    if beyond.numel():
-        parts.append(Wt[beyond] - Hinv[i1:i1 + j, beyond].t() @ Err1[:j])
-    cur = torch.cat(parts) if len(parts) > 1 else parts[0]
+    cur = torch.cat([W1[inside - i1], Wt[beyond] - Hinv[i1:i1 + j, beyond].t() @ Err1[:j]])  # either part may be empty
     order = torch.argsort(torch.cat([inside, beyond]))
     return cur[order].t()
 

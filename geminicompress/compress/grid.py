@@ -127,12 +127,8 @@ class QuantizedWeight:
     def split_rows(self, sizes: list[int]) -> list[QuantizedWeight]:
         """The weights of linears solved as one stacked weight (rows concatenated, one input), as views
         of `sizes[i]` consecutive rows each; g_idx and spec are shared (rows are independent)."""
-        parts, start = [], 0
-        for size in sizes:
-            rows = slice(start, start + size)
-            parts.append(QuantizedWeight(self.q[rows], self.scales[rows], self.zeros[rows], self.g_idx, self.spec))
-            start += size
-        return parts
+        return [QuantizedWeight(q, scales, zeros, self.g_idx, self.spec)
+                for q, scales, zeros in zip(self.q.split(sizes), self.scales.split(sizes), self.zeros.split(sizes))]
 
 
 def group_index(columns: int, spec: QuantSpec) -> torch.Tensor:

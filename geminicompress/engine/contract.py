@@ -19,6 +19,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.nn as nn
 
+from geminicompress.compress.arch import arch_for
 from geminicompress.data.windows import calibration_windows
 from geminicompress.engine.layers import LayerFn
 from geminicompress.progress import Progress
@@ -56,8 +57,6 @@ class StageContext:
         return self._calibration[key]
 
     def layer_prefix(self, i: int) -> str:
-        from geminicompress.compress.arch import arch_for
-
         return f"{arch_for(self.model).layers}.{i}"
 
 
@@ -71,9 +70,7 @@ class Done:
     calibration_data: str = ""  # the recipe's calibration DATA (a stage's own `data` wins)
     outside_rows: list[dict] = field(default_factory=list)  # what `outside` did to the modules outside the layers
     kept: dict[str, torch.Tensor] = field(default_factory=dict)  # the stage's kept tensors the sink retained
-    streamed: bool = False
     calib_dtype: torch.dtype | None = None  # the dtype the layers computed in while calibrating
-    layer_dtype: torch.dtype | None = None  # the dtype they were held in
 
 
 class LayerWriter(Protocol):
@@ -94,7 +91,7 @@ class LayerWriter(Protocol):
 class LayerStage(Protocol):
     """A method, as the engine runs it. Optional members: `outside(name, module) -> (module, row) | None`
     (the modules outside the decoder layers: an INT8 head), `retain(kept) -> kept` (which kept tensors a
-    streamed run must hold until the summary: AWQ's search results), `needs_windows_of(windows)` checks."""
+    streamed run must hold until the summary: AWQ's search results)."""
 
     cfg: Any
     calibrated: bool  # needs the layer's inputs on calibration windows
@@ -120,10 +117,7 @@ def walk_dtypes(stages: list[LayerStage]) -> tuple[torch.dtype, torch.dtype] | N
 
 def stage_kept(kept: dict[str, torch.Tensor], k: int, n: int) -> dict[str, torch.Tensor]:
     """Stage k's own kept tensors (or summary entries) of a composed LayerFn over n stages."""
-    if n == 1:
-        return kept
-    head = f"{k}."
-    return {key[len(head):]: v for key, v in kept.items() if key.startswith(head)}
+    return kept if n == 1 else layer_kept(kept, k)
 
 
 def layer_kept(kept: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:

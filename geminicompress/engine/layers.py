@@ -26,8 +26,8 @@ from geminicompress.memory import release_free_heap
 BATCH_WINDOWS = 4  # calibration windows per forward batch
 
 
-class _StopForward(Exception):
-    pass
+class StopForward(Exception):
+    """Raised by a hook to end a layer's (or model's) forward once what it observes has run."""
 
 
 @dataclass
@@ -121,14 +121,14 @@ def capture_inputs(model: nn.Module, windows: torch.Tensor, device: torch.device
         hidden.append(h.detach().to(storage, dtype or h.dtype))
         if not captured:
             captured.update({k: v for k, v in kwargs.items() if k != "hidden_states"})
-        raise _StopForward
+        raise StopForward
 
     handle = layers[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
     try:
         for row in windows:
             try:
                 model(row.unsqueeze(0).to(device), use_cache=False)
-            except _StopForward:
+            except StopForward:
                 pass
     finally:
         handle.remove()
@@ -152,9 +152,8 @@ def forward_layer(layer: nn.Module, inputs: LayerInputs, device: torch.device,
     """Run the layer over every window, `batch` windows per call; `observe[module](x, y)` sees each module's
     input x and output y (x: (batch, T, in) on the device). Returns the layer outputs, (batch, T, d) each, on
     the inputs' storage device, or views of `into` ((n, T, d): written there, e.g. a memory-mapped file)."""
-    handles = []
-    for module, fn in (observe or {}).items():
-        handles.append(module.register_forward_hook(lambda m, a, y, fn=fn: fn(a[0].detach(), y.detach())))
+    handles = [module.register_forward_hook(lambda m, a, y, fn=fn: fn(a[0].detach(), y.detach()))
+               for module, fn in (observe or {}).items()]
     outs: list[torch.Tensor] = []
     start = 0
     try:

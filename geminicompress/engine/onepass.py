@@ -14,16 +14,14 @@ passes plus one for the outputs). Here every calibration window runs through the
   weights in place from the statistics of *all* windows), and the batches resume: each linear runs
   once, already solved, and the layer's outputs are those of the solved layer.
 
-Why greenlets and not threads: every OS thread that runs a parallel torch op gets its own OpenMP team.
-With more libgomp-managed threads than CPUs, libgomp stops spinning between parallel regions (a
-"throttled" spin of at most 1,000 iterations) and every small parallel op pays a futex wake-up. With one
-thread per batch that made the whole calibration slower; measured on 2 cores, the GPTQ solve of the
-demo's down_proj took 203 ms inside the threaded pass and 112 ms alone. Greenlets keep a single thread.
-Torch's grad mode is per thread, so it is set once around the whole pass.
+Why greenlets and not threads: every OS thread that runs a parallel torch op gets its own OpenMP team, and
+with more of them than CPUs every small parallel op pays a futex wake-up (measured: docs/gptq.md, "Why
+greenlets, not threads"). Greenlets keep a single thread; torch's grad mode is per thread, so it is set
+once around the whole pass.
 
 The price is memory: every batch's activations of this one layer are alive at the same time (about
 windows · seq_len · (intermediate + 2·hidden) · 4 bytes at the MLP's down projection). Stages offer
-the per-group passes (`layerwise.LayerJob.forward`) as the low-memory alternative.
+the per-group passes (`layers.LayerJob.forward`) as the low-memory alternative.
 """
 
 from __future__ import annotations

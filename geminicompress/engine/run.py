@@ -22,12 +22,11 @@ import torch
 
 from geminicompress.engine.compose import compose
 from geminicompress.engine.contract import Done, LayerStage, StageContext, stage_kept, walk_dtypes
-from geminicompress.engine.walk import nothing, run_layerwise, walk_outside
+from geminicompress.engine.sinks import ResidentSink
+from geminicompress.engine.walk import ModelLayers, nothing, run_layerwise, walk_outside
 from geminicompress.errors import InputError
+from geminicompress.formats.shards import ShardWriter
 from geminicompress.methods import calibrates, runner
-
-# float32 (widest input)² buffers a calibrated stage holds at its peak (Hessians, solver scratch), for the
-# memory estimate of a streamed run: a stage's `squares` attribute, else 0
 
 
 @dataclass
@@ -44,10 +43,9 @@ class Walked:
 
     def done(self, k: int, ctx: StageContext) -> Done:
         """What stage k's summary reads."""
-        calib, layer = self.dtypes or (None, None)
         return Done(ctx.out_dir, ctx.progress, windows=self.windows, calibration_data=ctx.recipe.calibration.data,
-                    outside_rows=self.outside_rows, kept=self.kept[k], streamed=ctx.streamed,
-                    calib_dtype=calib, layer_dtype=layer)
+                    outside_rows=self.outside_rows, kept=self.kept[k],
+                    calib_dtype=self.dtypes[0] if self.dtypes is not None else None)
 
 
 def make_stage(cfg: Any, ctx: StageContext) -> LayerStage:
@@ -64,10 +62,6 @@ def run_stage(cfg: Any, ctx: StageContext, description: str | None = None
     """A layer stage on the model in memory (`ctx.model`): one walk whose finished layers stay in the model, a
     calibrated stage's also saved in `ctx.state_dir` to resume from. Returns (the stage, its summary, the kept
     tensors of every layer, "<layer>.<name>")."""
-    from geminicompress.engine.sinks import ResidentSink
-    from geminicompress.engine.walk import ModelLayers
-    from geminicompress.formats.shards import ShardWriter
-
     if ctx.layers is None:
         ctx.layers = ModelLayers(ctx.model)
     stage = make_stage(cfg, ctx)
@@ -91,9 +85,7 @@ def walk(ctx: StageContext, stages: list[LayerStage], sink: Any, description: st
     dtypes = walk_dtypes(stages)
     windows = None
     if dtypes is not None:
-        data = next(s.cfg.data for s in stages if s.calibrated and s.cfg.data) if any(
-            s.calibrated and s.cfg.data for s in stages) else None
-        windows = ctx.calibration(data)
+        windows = ctx.calibration(next((s.cfg.data for s in stages if s.calibrated and s.cfg.data), None))
     source = ctx.layers.reading_in(dtypes[1] if dtypes is not None else None)
     fn = compose(*[s.layer_fn() for s in stages]) if stages else nothing
     done = run_layerwise(source, windows, fn, device=ctx.device, progress=ctx.progress, description=description,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -255,7 +256,8 @@ def _one_layer(i: int, layer: nn.Module, inputs: LayerInputs | None, process: La
             if batches is not None:
                 batch = batches[0].shape[0]
                 if into is not None:  # into the walk's activation store
-                    batches = [into[s:s + b.shape[0]].copy_(b) for s, b in zip(_starts(batches), batches)]
+                    starts = accumulate((b.shape[0] for b in batches), initial=0)
+                    batches = [into[s:s + b.shape[0]].copy_(b) for s, b in zip(starts, batches)]
             next_inputs = LayerInputs.of_batches(batches if batches is not None else
                                                  forward_layer(layer, inputs, device, batch=batch, into=into),
                                                  inputs.kwargs)
@@ -290,14 +292,6 @@ def check_activations_of(inputs: LayerInputs, after: str) -> None:
             raise NonFiniteError(f"calibration window {w}: the activations after {after} hold {hit[0]:,} non-finite "
                                  f"values (the first at {hit[1][1:]}): they overflow in the dtype the layers compute "
                                  "in; calibrate in float32 (--calib-dtype float32), on other text, or check the model")
-
-
-def _starts(batches: list[torch.Tensor]) -> list[int]:
-    out, start = [], 0
-    for b in batches:
-        out.append(start)
-        start += b.shape[0]
-    return out
 
 
 def capture_into(source: LayerSource, windows: torch.Tensor, into: torch.Tensor, device: torch.device,

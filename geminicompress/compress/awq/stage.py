@@ -72,41 +72,32 @@ class AWQ:
         return {k: v for k, v in kept.items() if not k.startswith("qw.")}
 
     def qweights(self, i: int, kept: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
-        return _qweights({f"{i}.{k}": v for k, v in kept.items()}, self.spec, self.layers_path)
+        """Layer i's quantized linears from its kept "qw.<linear>.<field>" tensors, by linear name."""
+        names = sorted({k.rsplit(".", 1)[0].removeprefix("qw.") for k in kept if k.startswith("qw.")})
+        return {f"{self.layers_path}{i}.{n}": QuantizedWeight(*(kept[f"qw.{n}.{f}"] for f in FIELDS), self.spec)
+                for n in names}
 
     def writer(self) -> Any:
+        dtype = str(self.ctx.out_dtype).removeprefix("torch.")
+        meta = {"dtype": dtype, "zero_point": self.cfg.zero_point, "method": self.cfg.method}
         return writer_for(self.cfg.format, self.ctx.model, self.ctx.out_dtype, {n: self.spec for n in self.targets},
-                          export_meta(self.cfg, str(self.ctx.out_dtype).removeprefix("torch.")), self.qweights)
+                          meta, self.qweights)
 
     def summary(self, layers: list[dict], done: Done) -> dict[str, Any]:
-        meta = search_meta(self.cfg, self.model_type, self.num_layers, self.spec, done.windows)
+        cfg, spec, windows = self.cfg, self.spec, done.windows
+        meta = {"model_type": self.model_type, "num_layers": self.num_layers, "method": cfg.method, "bits": spec.bits,
+                "group_size": spec.group_size, "zero_point": cfg.zero_point, "n_grid": cfg.n_grid,
+                "clip": cfg.clip, "search_windows": cfg.search_windows,
+                "calibration_windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]),
+                "reapplied_from": cfg.search_results}  # awq_search.json: what the saved search was made for
         results.save_search(done.out_dir, results.search_tensors(done.kept), meta)
-        return summary(self.cfg, self.spec, done.windows, len(self.targets), layers)
-
-
-def summary(cfg: AWQStage, spec: QuantSpec, windows: torch.Tensor, quantized: int, layers: list[dict]) -> dict[str, Any]:
-    """The stage's result for report.json."""
-    return {
-        "bits": spec.bits, "group_size": spec.group_size, "group_size_auto": cfg.group_size == "auto",
-        "zero_point": cfg.zero_point, "format": cfg.format,
-        "calibration_tokens": int(windows.numel()), "quantized_modules": quantized,
-        "search": "reapplied" if cfg.search_results else "searched", "search_file": f"{results.FOLDER}/{results.TENSORS}",
-        "layers": layers,
-    }
-
-
-def export_meta(cfg: AWQStage, dtype: str) -> dict[str, Any]:
-    """What the format writers read of the stage's options."""
-    return {"dtype": dtype, "zero_point": cfg.zero_point, "method": cfg.method}
-
-
-def search_meta(cfg: AWQStage, model_type: str, num_layers: int, spec: QuantSpec, windows: torch.Tensor) -> dict[str, Any]:
-    """awq_search.json: what the saved search was made for."""
-    return {"model_type": model_type, "num_layers": num_layers, "method": cfg.method, "bits": spec.bits,
-            "group_size": spec.group_size, "zero_point": cfg.zero_point, "n_grid": cfg.n_grid,
-            "clip": cfg.clip, "search_windows": cfg.search_windows,
-            "calibration_windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]),
-            "reapplied_from": cfg.search_results}
+        return {
+            "bits": spec.bits, "group_size": spec.group_size, "group_size_auto": cfg.group_size == "auto",
+            "zero_point": cfg.zero_point, "format": cfg.format,
+            "calibration_tokens": int(windows.numel()), "quantized_modules": len(self.targets),
+            "search": "reapplied" if cfg.search_results else "searched",
+            "search_file": f"{results.FOLDER}/{results.TENSORS}", "layers": layers,
+        }
 
 
 @dataclass
@@ -294,13 +285,3 @@ def _quantize(job: LayerJob, cfg: AWQStage, spec: QuantSpec, quantized: list[str
                       "g_idx": part.g_idx}
             kept.update({f"qw.{name}.{k}": v.cpu().clone() for k, v in stored.items()})
     return kept
-
-
-def _qweights(kept: dict[str, torch.Tensor], spec: QuantSpec, layers_path: str) -> dict[str, QuantizedWeight]:
-    """"<layer>.qw.<linear>.<field>" -> {full module name: QuantizedWeight}, in layer order."""
-    names = sorted({k.rsplit(".", 1)[0] for k in kept if ".qw." in k}, key=lambda n: (int(n.split(".")[0]), n))
-    out = {}
-    for name in names:
-        index, _, linear = name.partition(".qw.")
-        out[f"{layers_path}{index}.{linear}"] = QuantizedWeight(*(kept[f"{name}.{f}"] for f in FIELDS), spec)
-    return out

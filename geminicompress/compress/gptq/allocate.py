@@ -133,7 +133,6 @@ def _table(cfg: Any, ctx: Any, targets: list[str]) -> dict[str, Any]:
         if not path.is_file():
             raise InputError(f"sensitivity table {path} does not exist")
         return json.loads(path.read_text())
-
     return measure_sensitivity(ctx.model, ctx.calibration(cfg.data), parse_options(",".join(alloc.options)),
                                keep=set(targets), kl_windows=alloc.kl_windows, measure=alloc.measure, fuse=alloc.fuse,
                                device=ctx.device, progress=ctx.progress, seed=ctx.recipe.seed,

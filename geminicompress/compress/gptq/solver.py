@@ -95,23 +95,18 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
     if spec.group_size == -1:
         pos_group = torch.zeros_like(pos_group)
     group_list = pos_group.tolist()
-    first_pos: dict[int, int] = {}
-    for p, g in enumerate(group_list):
-        first_pos.setdefault(g, p)
-    starts = {p: g for g, p in first_pos.items()}  # quantization position -> the group that starts there
+    starts = {group_list.index(g): g for g in set(group_list)}  # quantization position -> the group starting there
 
     params: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_groups
-    imp_hdiag = hdiag
     if group_params == "upfront":
         for g in range(n_groups):
             cols = torch.nonzero(pos_group == g).flatten() if act_order == "group" else None
             orig = perm[cols] if cols is not None else torch.arange(g * gs, min((g + 1) * gs, in_f), device=W.device)
             if spec.group_size == -1:
                 orig = torch.arange(in_f, device=W.device)
-            params[g] = _group_qparams(W[:, orig], spec, clip, imp_hdiag[orig], sym_range)
+            params[g] = _group_qparams(W[:, orig], spec, clip, hdiag[orig], sym_range)
 
-    use_perm = act_order != "none"
-    Hinv = inverse_hessian_factor(H, damp, perm if use_perm else None, overwrite=True)  # upper factor of H⁻¹
+    Hinv = inverse_hessian_factor(H, damp, perm if act_order != "none" else None, overwrite=True)  # upper factor of H⁻¹
     del H  # its memory holds Hinv or was freed (H is this function's own copy unless overwrite)
     Wt = torch.index_select(W.t(), 0, perm)  # (in, out): column j of W is the contiguous row j here
     if overwrite:
@@ -137,7 +132,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
                 cur = _current(Wt, W1, Err1, Hinv, i1, j1, positions)  # (out, k)
                 imp = None
                 if clip is not None and clip.get("importance") == "hdiag":
-                    imp = imp_hdiag[perm[positions]]
+                    imp = hdiag[perm[positions]]
                 elif clip is not None and clip.get("importance") == "hinv":
                     imp = hinv_imp[positions]
                 params[g] = _group_qparams(cur, spec, clip, imp, sym_range, given_imp=True)
@@ -203,12 +198,7 @@ def _current(Wt: torch.Tensor, W1: torch.Tensor, Err1: torch.Tensor, Hinv: torch
     i2 = i1 + W1.shape[0]
     inside = positions[positions < i2]
     beyond = positions[positions >= i2]
-    parts = []
-    if inside.numel():
-        parts.append(W1[inside - i1])
-    if beyond.numel():
-        parts.append(Wt[beyond] - Hinv[i1:i1 + j, beyond].t() @ Err1[:j])
-    cur = torch.cat(parts) if len(parts) > 1 else parts[0]
+    cur = torch.cat([W1[inside - i1], Wt[beyond] - Hinv[i1:i1 + j, beyond].t() @ Err1[:j]])  # either part may be empty
     order = torch.argsort(torch.cat([inside, beyond]))
     return cur[order].t()
 

@@ -12,7 +12,7 @@ that layer and its activations on the device; quantized outputs feed the next la
    without `true_sequential`, all Hessians of the layer come from one pass of the unquantized layer.
 With `calib_dtype: bfloat16` the layer's forward passes compute in bfloat16 while the Hessians are
 float32 products of those activations and the solver reads and writes float32 master weights
-(layerwise.computing_in).
+(engine/layers.py, `computing_in`).
 The codes/scales/zeros/g_idx are kept and packed at export (formats/).
 """
 
@@ -32,15 +32,11 @@ from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.targets import present_groups, weight_quant_targets
 from geminicompress.engine.compose import OnePassFn
 from geminicompress.engine.contract import Done, StageContext
-from geminicompress.engine.layers import LayerFn, LayerJob, layer_output
+from geminicompress.engine.layers import LayerFn, LayerJob, StopForward, layer_output
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats import check_shapes, writer_for
 from geminicompress.formats.checkpoint import scale_dtype
 from geminicompress.recipes.quantize import GPTQStage
-
-
-class _Stop(Exception):
-    """Raised by a hook once every observed linear has run: the rest of the layer is not needed."""
 
 
 class GPTQ:
@@ -93,8 +89,10 @@ class GPTQ:
         return KeptCodes({f"{i}.{k}": v for k, v in kept.items()}, self.spec, self.layers_path, self.relative)
 
     def writer(self) -> Any:
-        return writer_for(self.cfg.format, self.ctx.model, self.ctx.out_dtype, self.specs,
-                          export_meta(self.cfg, str(self.ctx.out_dtype).removeprefix("torch.")), self.qweights)
+        cfg = self.cfg  # what the format writers read of the stage's options
+        meta = {"dtype": str(self.ctx.out_dtype).removeprefix("torch."), "act_order": cfg.act_order,
+                "true_sequential": cfg.true_sequential, "damp": cfg.damp, "first_token_weight": cfg.first_token_weight}
+        return writer_for(cfg.format, self.ctx.model, self.ctx.out_dtype, self.specs, meta, self.qweights)
 
     def summary(self, layers: list[dict], done: Done) -> dict[str, Any]:
         if self.allocation:
@@ -128,12 +126,6 @@ def gptq_dtypes(cfg: GPTQStage, source: torch.dtype, out_dtype: torch.dtype) -> 
         calib = torch.bfloat16
     exact = calib == out_dtype == source == torch.bfloat16
     return calib, torch.bfloat16 if exact else torch.float32
-
-
-def export_meta(cfg: GPTQStage, dtype: str) -> dict[str, Any]:
-    """What the format writers read of the stage's options (float dtype, act-order, ...)."""
-    return {"dtype": dtype, "act_order": cfg.act_order,
-            "true_sequential": cfg.true_sequential, "damp": cfg.damp, "first_token_weight": cfg.first_token_weight}
 
 
 def quantize_layer(job: LayerJob, *, cfg: GPTQStage, spec: QuantSpec, scales_as: torch.dtype,
@@ -203,7 +195,7 @@ def _collect_hessians(job: LayerJob, groups: list[list[str]], first_token_weight
         accs[i].add_batch(args[0].detach())
         fired.add(i)
         if len(fired) == len(accs):
-            raise _Stop
+            raise StopForward  # every hooked linear has run: the rest of the layer is not needed
 
     handles = [job.module(g[0]).register_forward_hook(partial(hook, i)) for i, g in enumerate(groups)]
     try:
@@ -214,7 +206,7 @@ def _collect_hessians(job: LayerJob, groups: list[list[str]], first_token_weight
                 try:
                     h = torch.cat([x.to(job.device) for x in hidden[i:i + batch]])  # (b, T, d)
                     layer_output(job.layer, h, job.inputs.kwargs)
-                except _Stop:
+                except StopForward:
                     pass
     finally:
         for handle in handles:

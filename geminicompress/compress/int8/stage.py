@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import get_module, set_module
+from geminicompress.compress.arch import arch_for, get_module, set_module, tied_output
 from geminicompress.compress.int8 import smoothquant as sq
 from geminicompress.compress.int8.modules import MODULES
 from geminicompress.compress.targets import check_patterns_match, compile_patterns
@@ -45,11 +45,8 @@ class Int8:
         if not self.targets:
             raise InputError("the ignore patterns leave no linear layer to quantize")
         self.calibrated = cfg.smoothquant_alpha is not None
-        self.groups, self.skipped = ([], [])
-        if self.calibrated:
-            from geminicompress.compress.arch import arch_for
-
-            self.groups, self.skipped = sq.foldable_groups(ctx.model, arch_for(ctx.model), set(self.targets))
+        self.groups, self.skipped = sq.foldable_groups(ctx.model, arch_for(ctx.model), set(self.targets)) \
+            if self.calibrated else ([], [])
 
     def quantize(self, root: nn.Module, prefix: str, smoothed: dict[str, float] | None = None) -> list[dict[str, Any]]:
         """Swap every targeted linear under module `root` (named `prefix` in the model) for its INT8 module."""
@@ -117,7 +114,9 @@ class Int8:
         rows = [r for s in layers for r in s.get("int8_rows", [])] + done.outside_rows
         smoothing: dict[str, Any] = {"alpha": None}
         if self.calibrated:
-            smoothing = smoothing_summary(self.cfg, done.calibration_data, done.windows, len(self.groups), self.skipped)
+            smoothing = {"alpha": self.cfg.smoothquant_alpha, "data": self.cfg.data or done.calibration_data,
+                         "calibration_windows": int(done.windows.shape[0]), "seq_len": int(done.windows.shape[1]),
+                         "folded_groups": len(self.groups), "skipped_groups": self.skipped}
         return {"method": self.cfg.method, "weights": "int8 symmetric per output channel",
                 "activations": "int8 dynamic per token" if self.cfg.method == "w8a8" else "float (weight-only)",
                 "quantized": len(rows), "kept_float": self.kept, "smoothquant": smoothing, "layers": rows}
@@ -126,8 +125,6 @@ class Int8:
 def select_linears(model: nn.Module, ignore: list[str], explicit: bool) -> tuple[list[str], dict[str, str]]:
     """(names of linears to quantize, {kept linear: why}).  A user-given pattern matching no linear is
     an InputError: it is almost always a typo."""
-    from geminicompress.compress.arch import tied_output
-
     patterns = compile_patterns(ignore)
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if explicit:
@@ -143,13 +140,6 @@ def select_linears(model: nn.Module, ignore: list[str], explicit: bool) -> tuple
         else:
             targets.append(name)
     return targets, kept
-
-
-def smoothing_summary(cfg: Int8Stage, default_data: str, windows: torch.Tensor, folded: int,
-                      skipped: list[str]) -> dict[str, Any]:
-    return {"alpha": cfg.smoothquant_alpha, "data": cfg.data or default_data,
-            "calibration_windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]),
-            "folded_groups": folded, "skipped_groups": skipped}
 
 
 def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:

@@ -113,10 +113,7 @@ def module_counts(cfg: Any, ctx: Any, arch: Arch, targets: dict[str, nn.Linear])
     if cfg.allocation == "owl":
         sparsity, extra = owl_map(ctx, cfg, arch, targets)
     elif cfg.allocation == "sensitivity":
-        if cfg.sensitivity is None:
-            table = prune_table(ctx, cfg, targets)
-        else:
-            table = read_table(cfg.sensitivity)
+        table = prune_table(ctx, cfg, targets) if cfg.sensitivity is None else read_table(cfg.sensitivity)
         sparsity, extra = sensitivity_map(table, cfg.method, targets, cfg.sparsity)
     else:
         return None, {}

@@ -32,7 +32,6 @@ class Threshold:
 
     value: float
     ties: tuple[int, ...]
-    k: int
 
 
 def _magnitudes(t: Tensor) -> Tensor:
@@ -105,7 +104,7 @@ def kth_smallest(tensors: Sequence[Tensor], k: int, bins: int = 4096, max_candid
     for t in tensors:
         a = _magnitudes(t)
         below += int((a < lo).sum())
-        inside = a[(a >= lo) & (a <= hi)]
+        inside = _in_bracket(a, lo, hi)
         n_in.append(inside.numel())
         if sum(n_in) <= max_candidates:
             gathered.append(inside)
@@ -127,7 +126,7 @@ def kth_smallest(tensors: Sequence[Tensor], k: int, bins: int = 4096, max_candid
 def global_threshold(tensors: Sequence[Tensor], k: int, **kwargs: int | None) -> Threshold:
     """The threshold that selects exactly the k smallest |w| over all `tensors` (ties: first come first)."""
     if k == 0:
-        return Threshold(float("-inf"), tuple(0 for _ in tensors), 0)
+        return Threshold(float("-inf"), tuple(0 for _ in tensors))
     value, n_less, equal = kth_smallest(tensors, k, **kwargs)
     remaining = k - n_less
     ties = []
@@ -136,7 +135,7 @@ def global_threshold(tensors: Sequence[Tensor], k: int, **kwargs: int | None) ->
         ties.append(take)
         remaining -= take
     assert remaining == 0, "tie allocation must account for every selected weight"
-    return Threshold(value, tuple(ties), k)
+    return Threshold(value, tuple(ties))
 
 
 def prune_mask(t: Tensor, value: float, ties: int) -> Tensor:

@@ -1,4 +1,1 @@
 """Per-module sensitivity tables (measure.py), their options (options.py) and heat-map (plot.py)."""
-
-from __future__ import annotations
-

@@ -32,14 +32,13 @@ from geminicompress.compress.arch import Arch, arch_for, get_module
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.prune.wanda import InputNorms
 from geminicompress.compress.sensitivity.options import Option, apply_option, check_applicable
+from geminicompress.compress.targets import present_groups
 from geminicompress.engine.layers import LayerJob, capture_inputs, forward_layer, layer_output
 from geminicompress.engine.walk import run_layerwise
 from geminicompress.errors import InputError
 from geminicompress.eval.drift import kl_per_token
 from geminicompress.progress import NullProgress, Progress
 
-FINAL_NORM = {"llama": "model.norm", "mistral": "model.norm", "qwen2": "model.norm", "qwen3": "model.norm",
-              "gemma": "model.norm", "gpt_neox": "gpt_neox.final_layer_norm"}
 MEASURES = ("kl", "proxy", "both")
 
 
@@ -57,7 +56,7 @@ def units_of(arch: Arch, n_layers: int, keep: set[str], fuse: bool) -> list[Unit
             names = tuple(n for n in group if f"{arch.layers}.{i}.{n}" in keep)
             if fuse and names:
                 units.append(Unit(i, names))
-            elif names:
+            else:
                 units.extend(Unit(i, (n,)) for n in names)
     return units
 
@@ -76,7 +75,7 @@ class _Tail:
 
     def __init__(self, model: nn.Module, arch: Arch, kwargs: dict[str, Any]) -> None:
         self.layers = get_module(model, arch.layers)
-        self.norm = get_module(model, FINAL_NORM[model.config.model_type])
+        self.norm = get_module(model, arch.final_norm)
         self.head = model.get_output_embeddings()
         self.kwargs = kwargs
 
@@ -103,8 +102,6 @@ def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[O
         raise InputError(f"measure '{measure}' is not one of {', '.join(MEASURES)}")
     progress = progress or NullProgress()
     arch = arch_for(model)
-    if model.config.model_type not in FINAL_NORM:
-        raise InputError(f"the sensitivity pass does not know the final norm of '{model.config.model_type}'")
     layers = get_module(model, arch.layers)
     units = units_of(arch, len(layers), keep, fuse)
     if not units:
@@ -174,8 +171,7 @@ def _statistics(layer: nn.Module, inputs: Any, device: torch.device, arch: Arch,
     """Per linear of the layer: (Hessian, input norms) from the original inputs over every window; and
     the layer's outputs (the next layer's inputs), from the same pass."""
     names = {n for u in units for n in u.linears}
-    groups = [[n for n in g if n in names] for g in arch.sequential]
-    groups = [g for g in groups if g]
+    groups = present_groups(arch, lambda n: n in names)
     if not (want_h or want_norms) or not groups:
         return {n: (None, None) for n in names}, forward_layer(layer, inputs, device)
     accs = {g[0]: (HessianAccumulator(get_module(layer, g[0]).in_features, device, first_token_weight) if want_h else None,

@@ -13,6 +13,7 @@ from geminicompress.engine.contract import walk_dtypes
 from geminicompress.errors import InputError
 from geminicompress.models.headers import free_disk
 from geminicompress.models.lazy import LazyCheckpoint
+from geminicompress.output import final_name
 
 BASE_BYTES = 800 << 20  # the interpreter, torch, transformers, the skeleton and tokenizer (measured: ~0.7 GiB)
 
@@ -84,6 +85,6 @@ def announce(ctx: Any, stages: list[Any], max_shard: int) -> dict[str, int]:
                       f"{need['peak_memory_bytes'] / 2**30:.2f} GiB, disk {need['disk_bytes'] / 2**30:.2f} GiB")
     parent = Path(ctx.out_dir).resolve().parent
     if parent.is_dir() and free_disk(parent) < need["disk_bytes"]:
-        raise InputError(f"not enough disk for {ctx.out_dir.name.removeprefix('.').removesuffix('.partial')}: needs "
+        raise InputError(f"not enough disk for {final_name(Path(ctx.out_dir))}: needs "
                          f"~{need['disk_bytes'] / 2**30:.2f} GiB, {free_disk(parent) / 2**30:.2f} GiB free")
     return need

@@ -94,6 +94,21 @@ def test_bad_budget_one_line_nothing_written(tiny_dir, text_file, tmp_path, args
     assert not out.exists()
 
 
+@pytest.mark.parametrize("content, needle", [(None, "does not exist"), ("{not json", "is not a sensitivity.json")])
+def test_bad_sensitivity_table_one_line(tiny_dir, text_file, tmp_path, content, needle):
+    table = tmp_path / "sensitivity.json"
+    if content is not None:
+        table.write_text(content)
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), "-q", "--method", "gptq", "--group-size", "16",
+                              "--data", str(text_file), "--samples", "4", "--calib-seq-len", "32",
+                              "--target-bits", "3.5", "--sensitivity", str(table)])
+    assert res.exit_code == 2, res.output
+    assert needle in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1
+    assert not out.exists()
+
+
 def test_tune_allocates_quantizes_and_measures(tiny_dir, text_file, tmp_path):
     out = tmp_path / "tuned"
     res = runner.invoke(app, ["tune", str(tiny_dir), "-o", str(out), "-q", "--max-drift", "50%",

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from geminicompress.compress.allocation import Allocation, allocate, allocate_within_drift, check_budget, frontier
 from geminicompress.compress.grid import QuantSpec
-from geminicompress.compress.sensitivity.measure import measure_sensitivity
+from geminicompress.compress.sensitivity.measure import measure_sensitivity, read_table
 from geminicompress.compress.sensitivity.options import parse_options
 from geminicompress.errors import InputError
 
@@ -129,10 +129,7 @@ def module_specs(cfg: Any, ctx: Any, targets: list[str], spec: QuantSpec) -> tup
 def _table(cfg: Any, ctx: Any, targets: list[str]) -> dict[str, Any]:
     alloc = cfg.allocation
     if alloc.sensitivity is not None:
-        path = Path(alloc.sensitivity)
-        if not path.is_file():
-            raise InputError(f"sensitivity table {path} does not exist")
-        return json.loads(path.read_text())
+        return read_table(alloc.sensitivity)
     return measure_sensitivity(ctx.model, ctx.calibration(cfg.data), parse_options(",".join(alloc.options)),
                                keep=set(targets), kl_windows=alloc.kl_windows, measure=alloc.measure, fuse=alloc.fuse,
                                device=ctx.device, progress=ctx.progress, seed=ctx.recipe.seed,

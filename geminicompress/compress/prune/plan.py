@@ -10,8 +10,6 @@ Both end in whole pruned counts per linear summing exactly to round(S · total) 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +20,7 @@ from geminicompress.compress.allocation import allocate
 from geminicompress.compress.arch import Arch
 from geminicompress.compress.prune.allocate import exact_counts, outlier_ratio, owl_layer_sparsity
 from geminicompress.compress.prune.wanda import InputNorms, wanda_scores
-from geminicompress.compress.sensitivity.measure import measure_sensitivity
+from geminicompress.compress.sensitivity.measure import measure_sensitivity, read_table
 from geminicompress.compress.sensitivity.options import parse_options
 from geminicompress.compress.targets import present_groups
 from geminicompress.engine.layers import LayerJob
@@ -84,16 +82,6 @@ def sensitivity_map(table: dict[str, Any], method: str, targets: dict[str, nn.Li
     chosen = {m: levels[c] for u, c in zip(unit_list, a.choice) for m in u["modules"]}
     return ({n: chosen[n.removesuffix(".weight")] for n in targets},
             {"predicted_drift": round(a.drift, 6), "sensitivity_levels": levels})
-
-
-def read_table(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"sensitivity table {path} does not exist")
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path} is not a sensitivity.json: {exc}") from exc
 
 
 PRUNE_LEVELS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)

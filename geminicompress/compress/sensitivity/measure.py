@@ -19,8 +19,10 @@ and it sits on the device for it.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,6 +61,17 @@ def units_of(arch: Arch, n_layers: int, keep: set[str], fuse: bool) -> list[Unit
             else:
                 units.extend(Unit(i, (n,)) for n in names)
     return units
+
+
+def read_table(path: str | Path) -> dict[str, Any]:
+    """A sensitivity.json written by `measure_sensitivity`'s caller (`geminicompress sensitivity`); one-line errors."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"sensitivity table {path} does not exist")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path} is not a sensitivity.json: {exc}") from exc
 
 
 def spearman(a: list[float], b: list[float]) -> float:

@@ -98,6 +98,9 @@ def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq
     return dequantize(quantize(w, scale, zero, maxq), scale, zero)
 
 
+CODE_FIELDS = ("q", "scales", "zeros", "g_idx")  # QuantizedWeight's tensors, as stages keep them between steps
+
+
 @dataclass
 class QuantizedWeight:
     """The artifact between a solver (RTN, GPTQ, AWQ) and a packer: codes plus per-group parameters.

@@ -10,7 +10,7 @@ from typing import Any, Literal, Mapping
 import torch
 from pydantic import Field
 
-from geminicompress.compress.grid import QuantizedWeight, QuantSpec, rtn_quantize
+from geminicompress.compress.grid import CODE_FIELDS, QuantizedWeight, QuantSpec, rtn_quantize
 from geminicompress.compress.targets import weight_quant_targets
 from geminicompress.engine.contract import Done, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
@@ -18,7 +18,6 @@ from geminicompress.formats import writer_for
 from geminicompress.formats.checkpoint import scale_dtype
 from geminicompress.recipes.base import WeightQuantStage
 
-FIELDS = ("q", "scales", "zeros", "g_idx")
 
 
 class RTNStage(WeightQuantStage):
@@ -51,7 +50,7 @@ class RTN:
             for n in job.arch.linears:
                 if f"{prefix}.{n}" in targets:
                     qw, err = quantize_linear(job.module(n).weight, self.spec, self.scales_as)
-                    kept.update({f"{n}.{f}": getattr(qw, f) for f in FIELDS})
+                    kept.update({f"{n}.{f}": getattr(qw, f) for f in CODE_FIELDS})
                     errors.append(err)
             return {"errors": errors}, kept
 
@@ -60,7 +59,7 @@ class RTN:
     def qweights(self, i: int, kept: dict[str, torch.Tensor]) -> Mapping[str, QuantizedWeight]:
         prefix = self.ctx.layer_prefix(i)
         names = dict.fromkeys(k.rsplit(".", 1)[0] for k in kept)
-        return {f"{prefix}.{n}": QuantizedWeight(*(kept[f"{n}.{f}"] for f in FIELDS), self.spec) for n in names}
+        return {f"{prefix}.{n}": QuantizedWeight(*(kept[f"{n}.{f}"] for f in CODE_FIELDS), self.spec) for n in names}
 
     def writer(self) -> Any:
         meta = {"dtype": str(self.ctx.out_dtype).removeprefix("torch."), "zero_point": not self.cfg.sym, "method": "rtn"}

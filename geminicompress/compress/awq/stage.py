@@ -28,7 +28,7 @@ from geminicompress.compress.awq import results
 from geminicompress.compress.awq.search import apply_clip, linear_error, scaled_weights, search_clip, search_scales
 from geminicompress.compress.fold import fold_problem, fold_scales
 from geminicompress.compress.gptq.solver import gptq_quantize, zeros_to_keep
-from geminicompress.compress.grid import QuantizedWeight, QuantSpec, rtn_quantize
+from geminicompress.compress.grid import CODE_FIELDS, QuantizedWeight, QuantSpec, rtn_quantize
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.targets import weight_quant_targets
 from geminicompress.engine.contract import Done, StageContext
@@ -40,7 +40,6 @@ from geminicompress.recipes.quantize import AWQStage
 
 CLIP_TOKENS = 512
 NO_CLIP = ("q_proj", "k_proj", "query_key_value")  # their outputs meet in q·kᵀ (llm-awq skips them too)
-FIELDS = ("q", "scales", "zeros", "g_idx")
 
 
 class AWQ:
@@ -74,7 +73,7 @@ class AWQ:
     def qweights(self, i: int, kept: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
         """Layer i's quantized linears from its kept "qw.<linear>.<field>" tensors, by linear name."""
         names = sorted({k.rsplit(".", 1)[0].removeprefix("qw.") for k in kept if k.startswith("qw.")})
-        return {f"{self.layers_path}{i}.{n}": QuantizedWeight(*(kept[f"qw.{n}.{f}"] for f in FIELDS), self.spec)
+        return {f"{self.layers_path}{i}.{n}": QuantizedWeight(*(kept[f"qw.{n}.{f}"] for f in CODE_FIELDS), self.spec)
                 for n in names}
 
     def writer(self) -> Any:

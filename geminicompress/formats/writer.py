@@ -74,13 +74,13 @@ class LayerWriter:
 
 class PackedWriter(LayerWriter):
     """A b-bit format: each quantized linear's weight replaced by `pack(qw)` of the codes the stage kept
-    (`qweights(i, kept)`: {full module name: QuantizedWeight} of layer i), read back by `unpack(name, parts)`.
+    (`qweights(i, kept)`: {full module name: QuantizedWeight} of layer i), read back by `unpack(parts, spec)`.
     `specs`: every quantized module's spec (mixed precision: several); `qconfig(base, specs, not_quantized)`
     makes the format's quantization_config; `extra(out, config)` writes its side files."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, key: str, specs: dict[str, QuantSpec],
                  qweights: QWeights, pack: Callable[[QuantizedWeight], dict[str, torch.Tensor]],
-                 unpack: Callable[[str, dict[str, torch.Tensor]], QuantizedWeight], suffixes: tuple[str, ...],
+                 unpack: Callable[[dict[str, torch.Tensor], QuantSpec], QuantizedWeight], suffixes: tuple[str, ...],
                  qconfig: Callable[[QuantSpec, dict[str, QuantSpec], list[str]], dict[str, Any]],
                  extra: Callable[[Path, dict[str, Any]], None] | None = None) -> None:
         super().__init__(model, dtype)
@@ -104,7 +104,7 @@ class PackedWriter(LayerWriter):
         prefix = self.prefix(i) + "."
         for name in [n for n in self.specs if n.startswith(prefix)]:
             parts = {k: tensors.pop(f"{name}.{k}") for k in self.suffixes if f"{name}.{k}" in tensors}
-            tensors[f"{name}.weight"] = self.unpack(name, parts).dequantize()
+            tensors[f"{name}.weight"] = self.unpack(parts, self.specs[name]).dequantize()
         return super().dense(i, tensors)
 
     def exact_weights(self, i: int, kept: dict[str, torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]:

@@ -67,24 +67,25 @@ def detect(config: dict[str, Any]) -> str | None:
     return f"compressed-tensors:{fmt}" if fmt is not None else str(qc.get("quant_method", "")).lower()
 
 
-def load(path: Path, config: dict[str, Any], dtype: Any) -> Any:
-    """Load the checkpoint at `path` whose config.json is `config` (a format `detect` recognises)."""
+def _read_module(path: Path, config: dict[str, Any]) -> ModuleType:
+    """The module of the format config.json (`config`) names; InputError when geminicompress does not read it."""
     key = detect(config)
     if key not in FORMATS:
         raise InputError(f"{path}: quantization format '{key}' is not one geminicompress reads "
                          f"(it reads: {', '.join(FORMATS)})")
-    return module(key).load(Path(path), config, dtype)
+    return module(key)
+
+
+def load(path: Path, config: dict[str, Any], dtype: Any) -> Any:
+    """Load the checkpoint at `path` whose config.json is `config` (a format `detect` recognises)."""
+    return _read_module(path, config).load(Path(path), config, dtype)
 
 
 def module_reader(path: Path, config: dict[str, Any]) -> Any:
     """The `reader.ModuleReader` of the checkpoint at `path` (config.json = `config`), None when it is dense."""
-    key = detect(config)
-    if key is None:
+    if detect(config) is None:
         return None
-    if key not in FORMATS:
-        raise InputError(f"{path}: quantization format '{key}' is not one geminicompress reads "
-                         f"(it reads: {', '.join(FORMATS)})")
-    return module(key).reader(Path(path), config)
+    return _read_module(path, config).reader(Path(path), config)
 
 
 def check_shapes(fmt: str, shapes: dict[str, tuple[int, int]], spec: QuantSpec) -> None:

@@ -77,17 +77,15 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def float_skeleton(path: Path, dtype: torch.dtype, init: bool = True) -> nn.Module:
-    """The model's architecture from config.json, without its quantization_config, in `dtype`
-    (weights left uninitialised with `init=False`: a loader overwrites them all)."""
+def float_skeleton(path: Path, dtype: torch.dtype) -> nn.Module:
+    """The model's architecture from config.json, without its quantization_config, in `dtype` (weights left
+    uninitialised: the loader overwrites them all)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    if init:
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
     with no_init_weights():
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 

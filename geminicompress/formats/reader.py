@@ -63,7 +63,7 @@ def load_with_reader(path: Path, dtype: torch.dtype, reader: ModuleReader) -> nn
     from geminicompress.formats.checkpoint import float_skeleton, read_tensors
 
     tensors = read_tensors(path)
-    model = float_skeleton(path, dtype, init=False)  # every tensor is overwritten (missing ones are an error)
+    model = float_skeleton(path, dtype)  # every tensor is overwritten (missing ones are an error)
     modules = reader.modules(tensors)
     for name, keys in modules.items():
         new = reader.module(name, {k: tensors.pop(k) for k in keys}, dtype)

@@ -29,7 +29,8 @@ import torch
 import torch.nn as nn
 
 from geminicompress.compress.arch import Arch, arch_for, get_module, outside_modules, set_module
-from geminicompress.errors import InputError
+from geminicompress.errors import GeminiError, InputError
+from geminicompress.formats.reader import check_replaces
 from geminicompress.models.finite import check
 from geminicompress.models.headers import open_file, read_headers, safetensors_config
 
@@ -147,9 +148,6 @@ class LazyCheckpoint:
 
     def _swap_in(self, name: str, dtype: torch.dtype) -> None:
         """Put quantized module `name`, built from its stored tensors by the format's reader, into the skeleton."""
-        from geminicompress.errors import GeminiError
-        from geminicompress.formats.reader import check_replaces
-
         if name in self._swapped:
             return
         keys = self.quantized[name]

@@ -13,6 +13,7 @@ import torch.nn as nn
 from safetensors.torch import load_file
 
 from geminicompress.errors import GeminiError
+from geminicompress.formats.masks import MASKS_FILE
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -61,8 +62,6 @@ def weight_files(path: Path) -> list[Path]:
     index = path / INDEX
     if index.is_file():
         return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    from geminicompress.formats.masks import MASKS_FILE
-
     files = [f for f in sorted(path.glob("*.safetensors")) if f.name != MASKS_FILE]
     if not files:
         raise GeminiError(f"{path} has no *.safetensors weights")

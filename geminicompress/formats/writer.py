@@ -115,10 +115,15 @@ class PackedWriter(LayerWriter):
     def base_spec(self) -> QuantSpec:
         """The spec holding the most weights, in layer order (ties: the first met): the format's top level."""
         weights: Counter = Counter()
-        for name in sorted(self.specs, key=_layer_order(self.layers_path)):
+        for name in sorted(self.specs, key=self._layer_order):
             module = self.model.get_submodule(name)
             weights[self.specs[name]] += module.in_features * module.out_features
         return weights.most_common(1)[0][0]
+
+    def _layer_order(self, name: str) -> tuple[int, str]:
+        """Sort key of a module name under the decoder layers: (layer index, the rest)."""
+        index, _, rest = name.removeprefix(self.layers_path + ".").partition(".")
+        return int(index), rest
 
     def qconfig(self, result: dict[str, Any]) -> dict[str, Any]:
         return self._qconfig(self.base_spec(), self.specs, float_linears(self.model, set(self.specs)))
@@ -131,11 +136,3 @@ class PackedWriter(LayerWriter):
         base = self.base_spec()
         return {"format": self.format, "bits": base.bits, "group_size": base.group_size, "sym": base.sym,
                 "quantized_modules": len(self.specs), "float_modules": float_linears(self.model, set(self.specs))}
-
-
-def _layer_order(layers_path: str) -> Callable[[str], tuple[int, str]]:
-    """Sort key of a module name under the decoder layers: (layer index, the rest)."""
-    def key(name: str) -> tuple[int, str]:
-        index, _, rest = name.removeprefix(layers_path + ".").partition(".")
-        return int(index), rest
-    return key

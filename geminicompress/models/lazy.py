@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -289,10 +288,6 @@ class LazyTensors(Sequence):
         if isinstance(i, slice):
             return LazyTensors(self.ckpt, self.names[i])
         return self.ckpt.read([self.names[i]], torch.float32)[self.names[i]]
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        for i in range(len(self)):
-            yield self[i]
 
     @property
     def total(self) -> int:

@@ -1,20 +1,12 @@
-"""On-disk formats: one module per format, one table that names them all.
+"""On-disk formats: one module per format, one table that names them all (docs/extending.md).
 
-Every format module has
-- `KEY`: its name in this table (the name `config.json` -> `quantization_config` identifies);
-- `detect(qc: dict) -> bool`: whether a `quantization_config` is this format (a test checks that
-  `detect` below and the modules agree);
-- `load(path, config, dtype) -> PreTrainedModel`: read it back (what `eval` measures is what ships);
-- `reader(path, config) -> reader.ModuleReader`: how one of its quantized modules is read (picked by
-  `module_reader` below); its `load` and the layer-at-a-time reader of a checkpoint bigger than memory
-  (`models/lazy.py`) both build modules through it;
-- `writer(...)`: its writer, one decoder layer at a time (writer.py); a checkpoint is written as a loop
-  over the layers by the engine's sink, in memory and streamed alike;
-Formats that hold quantized weights (`QUANTIZED`) share one writer signature,
-`writer(model, dtype, specs, meta, qweights)`, and a `check_shape(name, out, in, spec)` that refuses
-what they cannot hold before any work starts. Shared plumbing (float tensors, config.json,
-safetensors reading, the float skeleton) lives in `checkpoint.py`; nothing reaches into another
-format's private helpers.
+Every format module has `KEY` (its name here: what config.json's `quantization_config` identifies),
+`detect(qc) -> bool` (a test checks that `detect` below and the modules agree), `load(path, config, dtype)`,
+`reader(path, config) -> reader.ModuleReader` (how one of its quantized modules is read: its `load` and the
+layer-at-a-time reader, models/lazy.py, both build modules through it) and its per-layer `writer(...)`
+(writer.py). The formats in `QUANTIZED` share `writer(model, dtype, specs, meta, qweights)` and a
+`check_shape(name, out, in, spec)` that refuses what they cannot hold before any work starts. Shared
+plumbing lives in `checkpoint.py`; nothing reaches into another format's private helpers.
 
 A dense checkpoint has no `quantization_config` and loads with plain transformers. Modules are
 imported only when a model in their format is read or written.

@@ -107,7 +107,12 @@ class SparseWriter(LayerWriter):
         return tensors
 
     def dense(self, i: int, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        return super().dense(i, dense_state_dict(tensors))
+        """Every `<module>.{compressed,bitmask,shape[,row_offsets]}` group replaced by `<module>.weight`."""
+        dense = dict(tensors)
+        for module in [k.removesuffix(".bitmask") for k in tensors if k.endswith(".bitmask")]:
+            parts = {s: dense.pop(f"{module}.{s}") for s in SUFFIXES if f"{module}.{s}" in dense}
+            dense[f"{module}.weight"] = decompress(parts)
+        return super().dense(i, dense)
 
     def qconfig(self, result: dict[str, Any]) -> dict[str, Any]:
         ignore = [n for n in float_linears(self.model) if f"{n}.weight" not in self.targets]
@@ -115,15 +120,6 @@ class SparseWriter(LayerWriter):
 
     def write_config(self, out: Path, result: dict[str, Any]) -> dict[str, Any]:
         return {**super().write_config(out, result), "sparsity_structure": self.structure}
-
-
-def dense_state_dict(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Replace every `<module>.{compressed,bitmask,shape[,row_offsets]}` group by `<module>.weight`."""
-    dense = dict(tensors)
-    for module in [k.removesuffix(".bitmask") for k in tensors if k.endswith(".bitmask")]:
-        parts = {s: dense.pop(f"{module}.{s}") for s in SUFFIXES if f"{module}.{s}" in dense}
-        dense[f"{module}.weight"] = decompress(parts)
-    return dense
 
 
 def reader(path: Path, config: dict[str, Any]) -> ModuleReader:

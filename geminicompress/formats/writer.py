@@ -2,13 +2,9 @@
 builds one of these). A checkpoint is written by the engine's sink as a loop over the layers (then the
 modules outside them and config.json), whether the model is in memory or read from disk layer by layer.
 
-- `LayerWriter`: every tensor of the layer in the output dtype (the dense checkpoint; also the fake-quantized
-  weights of a b-bit method with `--format dense`); config.json with `qconfig` (None: dense);
-- `PackedWriter`: a b-bit format (gptq, awq, compressed-tensors pack-quantized): each quantized linear's
-  weight replaced by the format's `pack(qw)` of the codes the stage kept for the layer.
-Each writer also says how a resumed run puts a finished layer's written tensors back into the layer
-(`load_back`), and which of the layer's weights the format stores as exact integer codes (`exact_weights`,
-for the check of OUT: verify.py).
+`LayerWriter` is the dense checkpoint (also a b-bit method's fake-quantized weights with `--format dense`),
+`PackedWriter` a b-bit format. Each also says how a resumed run puts a finished layer's written tensors back
+(`load_back`), and which weights the format stores as exact integer codes (`exact_weights`: verify.py).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from geminicompress.compress.arch import Arch, arch_for, get_module, outside_modules, set_module
 from geminicompress.errors import GeminiError, InputError
-from geminicompress.formats.reader import check_replaces
+from geminicompress.formats.reader import check_replaces, tied_output_keys
 from geminicompress.models.finite import check
 from geminicompress.models.headers import open_file, read_headers, safetensors_config
 
@@ -202,14 +202,11 @@ class LazyCheckpoint:
         return self.stored_name(name) in self.tensors or name not in dict(self.model.named_buffers())
 
     def _tied_names(self) -> dict[str, str]:
-        if not getattr(self.model.config, "tie_word_embeddings", False):
-            return {}
-        out, inp = self.model.get_output_embeddings(), self.model.get_input_embeddings()
-        if out is None or inp is None:
-            return {}
+        """{output head weight: input embedding weight} when config.json ties them and the head is not stored."""
+        inp = self.model.get_input_embeddings()
         names = {m: n for n, m in self.model.named_modules()}
-        head, emb = f"{names[out]}.weight", f"{names[inp]}.weight"
-        return {head: emb} if head not in self.tensors else {}
+        return {head: f"{names[inp]}.weight" for head in tied_output_keys(self.model)
+                if inp is not None and head not in self.tensors}
 
     def _check_against_config(self) -> None:
         """Every tensor the skeleton needs is on disk with the shape config.json implies (a quantized

@@ -1,6 +1,6 @@
 """Checkpoint plumbing every format shares: a module's tensors as written, config.json with a
 `quantization_config`, reading a folder's safetensors (single file or sharded), the float skeleton a
-loader fills, and the per-layer writer every format's writer builds on (writer.py)."""
+loader fills (the per-layer writer every format's writer builds on is writer.py)."""
 
 from __future__ import annotations
 

@@ -6,10 +6,8 @@ loader puts in its place. Both ways of reading a checkpoint use it, so they comp
 - `models.lazy.LazyCheckpoint` builds one module when its decoder layer is read and drops it after
   (eval and the check of OUT for a model bigger than memory).
 
-A format's `reader(path, config)` returns a `ModuleReader`: the suffix that marks a module stored its
-way (`<module>.qweight`, `<module>.weight_scale`, `<module>.bitmask`), every suffix of that module's
-tensors, and `build(name, parts, dtype)`, which makes the module from those tensors (keyed by suffix,
-as stored). Dense checkpoints have no reader.
+A format's `reader(path, config)` returns a `ModuleReader` (e.g. marker `qweight`, `weight_scale`, `bitmask`);
+dense checkpoints have no reader.
 """
 
 from __future__ import annotations

@@ -102,14 +102,13 @@ def through_layer(layer: nn.Module, inp: torch.Tensor, out: torch.Tensor, kwargs
 
 @torch.no_grad()
 def embed(source: nn.Module | LayerSource, windows: torch.Tensor, *, device: torch.device,
-          dtype: torch.dtype = torch.float32, path: Path | None = None,
-          stored: torch.dtype = torch.float32) -> StreamedHidden:
-    """Decoder layer 0's inputs of every window (n, T) -> (n, T, d) in `dtype` (in the file `path` when
-    given), with the keyword arguments the model passes its decoder layers. A lazy source's embeddings
-    are read rounded to `stored` (as a checkpoint in that dtype holds them) and held in float32."""
+          dtype: torch.dtype = torch.float32, stored: torch.dtype = torch.float32) -> StreamedHidden:
+    """Decoder layer 0's inputs of every window (n, T) -> (n, T, d) in `dtype`, with the keyword arguments
+    the model passes its decoder layers. A lazy source's embeddings are read rounded to `stored` (as a
+    checkpoint in that dtype holds them) and held in float32."""
     source = source if not isinstance(source, nn.Module) else ModelLayers(source)
     shape = (windows.shape[0], windows.shape[1], source.model.config.hidden_size)
-    store = ActivationStore(shape, dtype, path)
+    store = ActivationStore(shape, dtype)
     return StreamedHidden(store, capture_into(source, windows, store.tensor, device, dtype, stored).kwargs)
 
 

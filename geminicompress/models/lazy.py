@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from geminicompress.compress.arch import Arch, arch_for, get_module, outside_modules, set_module
+from geminicompress import formats
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.reader import check_replaces, tied_output_keys
 from geminicompress.models.finite import check
@@ -61,8 +62,6 @@ class LazyCheckpoint:
     """A safetensors checkpoint (dense or quantized) whose weights stay on disk until a module asks for them."""
 
     def __init__(self, path: Path | str, trust_remote_code: bool = False, allow_nonfinite: bool = False) -> None:
-        from geminicompress import formats
-
         self.path = Path(path)
         self.allow_nonfinite = allow_nonfinite
         self.nonfinite: list[dict] = []  # what allow_nonfinite let through (models/finite.py)

@@ -1,20 +1,12 @@
-"""On-disk formats: one module per format, one table that names them all.
+"""On-disk formats: one module per format, one table that names them all (docs/extending.md).
 
-Every format module has
-- `KEY`: its name in this table (the name `config.json` -> `quantization_config` identifies);
-- `detect(qc: dict) -> bool`: whether a `quantization_config` is this format (a test checks that
-  `detect` below and the modules agree);
-- `load(path, config, dtype) -> PreTrainedModel`: read it back (what `eval` measures is what ships);
-- `reader(path, config) -> reader.ModuleReader`: how one of its quantized modules is read (picked by
-  `module_reader` below); its `load` and the layer-at-a-time reader of a checkpoint bigger than memory
-  (`models/lazy.py`) both build modules through it;
-- `writer(...)`: its writer, one decoder layer at a time (writer.py); a checkpoint is written as a loop
-  over the layers by the engine's sink, in memory and streamed alike;
-Formats that hold quantized weights (`QUANTIZED`) share one writer signature,
-`writer(model, dtype, specs, meta, qweights)`, and a `check_shape(name, out, in, spec)` that refuses
-what they cannot hold before any work starts. Shared plumbing (float tensors, config.json,
-safetensors reading, the float skeleton) lives in `checkpoint.py`; nothing reaches into another
-format's private helpers.
+Every format module has `KEY` (its name here: what config.json's `quantization_config` identifies),
+`detect(qc) -> bool` (a test checks that `detect` below and the modules agree), `load(path, config, dtype)`,
+`reader(path, config) -> reader.ModuleReader` (how one of its quantized modules is read: its `load` and the
+layer-at-a-time reader, models/lazy.py, both build modules through it) and its per-layer `writer(...)`
+(writer.py). The formats in `QUANTIZED` share `writer(model, dtype, specs, meta, qweights)` and a
+`check_shape(name, out, in, spec)` that refuses what they cannot hold before any work starts. Shared
+plumbing lives in `checkpoint.py`; nothing reaches into another format's private helpers.
 
 A dense checkpoint has no `quantization_config` and loads with plain transformers. Modules are
 imported only when a model in their format is read or written.
@@ -67,24 +59,25 @@ def detect(config: dict[str, Any]) -> str | None:
     return f"compressed-tensors:{fmt}" if fmt is not None else str(qc.get("quant_method", "")).lower()
 
 
-def load(path: Path, config: dict[str, Any], dtype: Any) -> Any:
-    """Load the checkpoint at `path` whose config.json is `config` (a format `detect` recognises)."""
+def _read_module(path: Path, config: dict[str, Any]) -> ModuleType:
+    """The module of the format config.json (`config`) names; InputError when geminicompress does not read it."""
     key = detect(config)
     if key not in FORMATS:
         raise InputError(f"{path}: quantization format '{key}' is not one geminicompress reads "
                          f"(it reads: {', '.join(FORMATS)})")
-    return module(key).load(Path(path), config, dtype)
+    return module(key)
+
+
+def load(path: Path, config: dict[str, Any], dtype: Any) -> Any:
+    """Load the checkpoint at `path` whose config.json is `config` (a format `detect` recognises)."""
+    return _read_module(path, config).load(Path(path), config, dtype)
 
 
 def module_reader(path: Path, config: dict[str, Any]) -> Any:
     """The `reader.ModuleReader` of the checkpoint at `path` (config.json = `config`), None when it is dense."""
-    key = detect(config)
-    if key is None:
+    if detect(config) is None:
         return None
-    if key not in FORMATS:
-        raise InputError(f"{path}: quantization format '{key}' is not one geminicompress reads "
-                         f"(it reads: {', '.join(FORMATS)})")
-    return module(key).reader(Path(path), config)
+    return _read_module(path, config).reader(Path(path), config)
 
 
 def check_shapes(fmt: str, shapes: dict[str, tuple[int, int]], spec: QuantSpec) -> None:

@@ -85,15 +85,13 @@ def unpack_awq(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> QuantizedWe
     return QuantizedWeight(q, scales, zeros, group_index(q.shape[1], spec), spec)
 
 
-def awq_config(spec: QuantSpec, zero_point: bool, not_converted: list[str]) -> dict[str, Any]:
-    return {"quant_method": "awq", "bits": spec.bits, "group_size": spec.group_size, "zero_point": zero_point,
-            "version": "gemm", "modules_to_not_convert": not_converted or None}
-
-
 def quantization_config(spec: QuantSpec, meta: dict[str, Any], not_quantized: list[str]) -> dict[str, Any]:
     """config.json's `quantization_config`; modules_to_not_convert is matched by name part: the float
     linears' last names (e.g. lm_head)."""
-    return awq_config(spec, bool(meta.get("zero_point", not spec.sym)), _last_names(not_quantized))
+    not_converted = sorted({n.rsplit(".", 1)[-1] for n in not_quantized})
+    return {"quant_method": "awq", "bits": spec.bits, "group_size": spec.group_size,
+            "zero_point": bool(meta.get("zero_point", not spec.sym)), "version": "gemm",
+            "modules_to_not_convert": not_converted or None}
 
 
 def writer(model: nn.Module, dtype: torch.dtype, specs: dict[str, QuantSpec], meta: dict[str, Any],
@@ -101,13 +99,8 @@ def writer(model: nn.Module, dtype: torch.dtype, specs: dict[str, QuantSpec], me
     """The per-layer writer of the AWQ GEMM layout (one spec per checkpoint)."""
     if len(set(specs.values())) != 1:
         raise InputError(f"one AWQ checkpoint holds one quantization spec, got {len(set(specs.values()))}")
-    spec = next(iter(specs.values()))
-    return PackedWriter(model, dtype, KEY, specs, qweights, pack_awq, lambda name, parts: unpack_awq(parts, spec),
-                        SUFFIXES, lambda base, all_specs, nq: quantization_config(base, meta, nq))
-
-
-def _last_names(names: list[str]) -> list[str]:
-    return sorted({n.rsplit(".", 1)[-1] for n in names})
+    return PackedWriter(model, dtype, KEY, specs, qweights, pack_awq, unpack_awq, SUFFIXES,
+                        lambda base, all_specs, nq: quantization_config(base, meta, nq))
 
 
 def reader(path: Path, config: dict) -> ModuleReader:

@@ -1,6 +1,6 @@
 """Checkpoint plumbing every format shares: a module's tensors as written, config.json with a
 `quantization_config`, reading a folder's safetensors (single file or sharded), the float skeleton a
-loader fills, and the per-layer writer every format's writer builds on (writer.py)."""
+loader fills (the per-layer writer every format's writer builds on is writer.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch.nn as nn
 from safetensors.torch import load_file
 
 from geminicompress.errors import GeminiError
+from geminicompress.formats.masks import MASKS_FILE
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -61,8 +62,6 @@ def weight_files(path: Path) -> list[Path]:
     index = path / INDEX
     if index.is_file():
         return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    from geminicompress.formats.masks import MASKS_FILE
-
     files = [f for f in sorted(path.glob("*.safetensors")) if f.name != MASKS_FILE]
     if not files:
         raise GeminiError(f"{path} has no *.safetensors weights")
@@ -77,17 +76,15 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def float_skeleton(path: Path, dtype: torch.dtype, init: bool = True) -> nn.Module:
-    """The model's architecture from config.json, without its quantization_config, in `dtype`
-    (weights left uninitialised with `init=False`: a loader overwrites them all)."""
+def float_skeleton(path: Path, dtype: torch.dtype) -> nn.Module:
+    """The model's architecture from config.json, without its quantization_config, in `dtype` (weights left
+    uninitialised: the loader overwrites them all)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    if init:
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
     with no_init_weights():
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 

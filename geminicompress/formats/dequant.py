@@ -46,14 +46,14 @@ class DequantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, bias={self.bias is not None}"
 
 
-def dequant_reader(suffixes: tuple[str, ...], unpack_module: Callable[[str, dict[str, torch.Tensor]], QuantizedWeight],
-                   bias_key: str = "bias") -> ModuleReader:
+def dequant_reader(suffixes: tuple[str, ...],
+                   unpack_module: Callable[[str, dict[str, torch.Tensor]], QuantizedWeight]) -> ModuleReader:
     """How a packed format's linear is read: a `DequantLinear` wherever the checkpoint has
     `<module>.<suffixes[0]>`, its tensors named by `suffixes` unpacked by `unpack_module(name, tensors)`
     (the spec may depend on the module: mixed precision)."""
 
     def build(name: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
-        bias = parts.pop(bias_key, None)
+        bias = parts.pop("bias", None)
         return DequantLinear(unpack_module(name, parts), bias, dtype)
 
-    return ModuleReader(suffixes[0], (*suffixes, bias_key), build)
+    return ModuleReader(suffixes[0], (*suffixes, "bias"), build)

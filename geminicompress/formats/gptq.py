@@ -15,6 +15,7 @@ GPTQModel's v1->v2 conversion adds 1 to the whole word and carries into the neig
 from __future__ import annotations
 
 import json
+from math import gcd
 from pathlib import Path
 from typing import Any
 
@@ -43,17 +44,11 @@ def check_shape(name: str, out_f: int, in_f: int, spec: QuantSpec) -> None:
     """The format needs whole words along both dimensions and whole groups."""
     if (in_f * spec.bits) % 32 or (out_f * spec.bits) % 32:
         raise InputError(f"{name}: gptq format packs {spec.bits}-bit codes into 32-bit words, which needs "
-                         f"in/out features ({in_f}/{out_f}) to be multiples of {32 // _gcd32(spec.bits)}; "
+                         f"in/out features ({in_f}/{out_f}) to be multiples of {32 // gcd(spec.bits, 32)}; "
                          "use --format compressed-tensors or dense, or --ignore this module")
     if spec.group_size != -1 and in_f % spec.group_size:
         raise InputError(f"{name}: group size {spec.group_size} does not divide the {in_f} input features; "
                          f"choose a divisor of {in_f} (or -1 for per channel)")
-
-
-def _gcd32(bits: int) -> int:
-    from math import gcd
-
-    return gcd(bits, 32)
 
 
 def pack_gptq(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
@@ -77,8 +72,11 @@ def unpack_gptq(tensors: dict[str, torch.Tensor], spec: QuantSpec, v1: bool = Tr
     return QuantizedWeight(q.contiguous(), tensors["scales"].t().float().contiguous(), zeros.contiguous(), g_idx, spec)
 
 
-def gptq_config(spec: QuantSpec, meta: dict[str, Any], skipped: list[str]) -> dict[str, Any]:
-    """`quantization_config` as transformers/GPTQModel/vLLM read it."""
+def quantization_config(spec: QuantSpec, specs: dict[str, QuantSpec], meta: dict[str, Any], layers: str,
+                        not_quantized: list[str]) -> dict[str, Any]:
+    """config.json's `quantization_config` as transformers/GPTQModel/vLLM read it: `spec` the base, the
+    modules of `specs` with another spec as `dynamic` overrides (formats/mixed.py), the float linears under
+    `layers` ("model.layers.") skipped."""
     config = {
         "quant_method": "gptq",
         "checkpoint_format": "gptq",
@@ -91,22 +89,13 @@ def gptq_config(spec: QuantSpec, meta: dict[str, Any], skipped: list[str]) -> di
         "damp_percent": float(meta.get("damp", 0.01)),
         "pack_dtype": "int32",
         "lm_head": False,
-        "meta": {"quantizer": [f"geminicompress:{meta.get('version', '')}"]},
+        "meta": {"quantizer": [f"geminicompress:{__version__}"]},
     }
-    if skipped:
-        # GPTQModel's per-module override: "-:<regex>" leaves a matching module in float.
-        config["dynamic"] = {f"-:^{name.replace('.', '[.]')}$": {} for name in skipped}
-    return config
-
-
-def quantization_config(spec: QuantSpec, specs: dict[str, QuantSpec], meta: dict[str, Any], layers: str,
-                        not_quantized: list[str]) -> dict[str, Any]:
-    """config.json's `quantization_config`: `spec` the base, the modules of `specs` with another spec as
-    `dynamic` overrides (formats/mixed.py), the float linears under `layers` ("model.layers.") skipped."""
-    config = gptq_config(spec, {**meta, "version": __version__}, [n for n in not_quantized if n.startswith(layers)])
-    overrides = gptq_dynamic(specs, spec)
-    if overrides:
-        config["dynamic"] = {**overrides, **config.get("dynamic", {})}
+    # GPTQModel's per-module override: "-:<regex>" leaves a matching module in float.
+    skipped = {f"-:^{name.replace('.', '[.]')}$": {} for name in not_quantized if name.startswith(layers)}
+    dynamic = {**gptq_dynamic(specs, spec), **skipped}
+    if dynamic:
+        config["dynamic"] = dynamic
     return config
 
 
@@ -121,12 +110,7 @@ def writer(model: nn.Module, dtype: torch.dtype, specs: dict[str, QuantSpec], me
            qweights: QWeights) -> PackedWriter:
     """The per-layer writer of GPTQ v1 (+ quantize_config.json); mixed precision as `dynamic` overrides."""
     layers = arch_for(model).layers + "."
-    base = next(iter(specs.values()))
-
-    def unpack(name: str, parts: dict[str, torch.Tensor]) -> QuantizedWeight:
-        return unpack_gptq(parts, specs.get(name, base))
-
-    return PackedWriter(model, dtype, KEY, specs, qweights, pack_gptq, unpack, SUFFIXES,
+    return PackedWriter(model, dtype, KEY, specs, qweights, pack_gptq, unpack_gptq, SUFFIXES,
                         lambda spec, all_specs, nq: quantization_config(spec, all_specs, meta, layers, nq),
                         write_quantize_config)
 

@@ -1,14 +1,10 @@
-"""Write an INT8 model in compressed-tensors layouts (what vLLM and llm-compressor read).
+"""Write an INT8 model in compressed-tensors layouts (what vLLM and llm-compressor read; docs/formats.md).
 
 W8A8 (`--method w8a8`) is `int-quantized`; for every quantized linear `<name>`:
     <name>.weight        int8  (out, in)   codes in [-127, 127]
     <name>.weight_scale  float (out, 1)    one symmetric scale per output channel
-(no zero points: symmetric). Everything else is stored as in a dense checkpoint. `config.json` gains
-
-    "quantization_config": {"quant_method": "compressed-tensors", "format": "int-quantized",
-        "quantization_status": "compressed", "ignore": [...float linears...],
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {8-bit int, symmetric, channel},
-                          "input_activations": {8-bit int, symmetric, token, dynamic}}}}
+(no zero points: symmetric). Everything else is stored as in a dense checkpoint; config.json's one config
+group has 8-bit symmetric per-channel int weights and 8-bit symmetric per-token dynamic input activations.
 
 Weight-only `int8` (W8A16) is `pack-quantized` 8-bit, as compressed-tensors and llm-compressor write
 weight-only integers and as vLLM reads them (its config refuses `int-quantized` without input

@@ -18,13 +18,9 @@ from geminicompress.compress.grid import QuantSpec
 from geminicompress.errors import GeminiError
 
 
-def exact(name: str) -> str:
-    return f"^{re.escape(name)}$"
-
-
 def gptq_dynamic(specs: dict[str, QuantSpec], base: QuantSpec) -> dict[str, dict[str, Any]]:
     """GPTQModel `dynamic` rules for the modules whose spec differs from the base."""
-    return {f"+:{exact(n)}": {"bits": s.bits, "group_size": s.group_size, "sym": s.sym}
+    return {f"+:^{re.escape(n)}$": {"bits": s.bits, "group_size": s.group_size, "sym": s.sym}
             for n, s in specs.items() if s != base}
 
 
@@ -51,9 +47,9 @@ def ct_config_groups(specs: dict[str, QuantSpec], weights_of: Callable[[QuantSpe
             for i, (spec, names) in enumerate(by_spec.items())}
 
 
-def ct_spec_of(groups: dict[str, Any], name: str, class_name: str = "Linear") -> QuantSpec | None:
-    """The weight spec of module `name` under compressed-tensors config groups (exact name, then "re:"
-    regex, then class name), or None."""
+def ct_spec_of(groups: dict[str, Any], name: str) -> QuantSpec | None:
+    """The weight spec of linear `name` under compressed-tensors config groups (exact name, then "re:"
+    regex, then the class name "Linear"), or None."""
     ranked = []
     for group in groups.values():
         w = group.get("weights")
@@ -64,7 +60,7 @@ def ct_spec_of(groups: dict[str, Any], name: str, class_name: str = "Linear") ->
                 ranked.append((0, w))
             elif target.startswith("re:") and re.match(target[3:], name):
                 ranked.append((1, w))
-            elif target == class_name:
+            elif target == "Linear":
                 ranked.append((2, w))
     if not ranked:
         return None

@@ -19,7 +19,6 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from geminicompress import __version__
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, group_index
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.bits import pack_bits, unpack_bits
@@ -75,16 +74,26 @@ def ct_config(spec: QuantSpec, meta: dict[str, Any], ignore: list[str],
               specs: dict[str, QuantSpec] | None = None) -> dict[str, Any]:
     """`quantization_config` for weight-only INT-b `pack-quantized` (W4A16 and alike); with `specs` of
     several kinds (mixed precision), one config group per spec (formats/mixed.py)."""
-    config = _ct_config(spec, meta, ignore)
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "version": COMPRESSED_TENSORS_VERSION,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": _weights(spec, meta), "input_activations": None,
+                                      "output_activations": None, "format": "pack-quantized"}},
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+    }
     if specs is not None and len(set(specs.values())) > 1:
-        config["config_groups"] = ct_config_groups(specs, lambda s: _ct_config(s, meta, ignore)["config_groups"]
-                                                   ["group_0"]["weights"])
+        config["config_groups"] = ct_config_groups(specs, lambda s: _weights(s, meta))
     return config
 
 
-def _ct_config(spec: QuantSpec, meta: dict[str, Any], ignore: list[str]) -> dict[str, Any]:
+def _weights(spec: QuantSpec, meta: dict[str, Any]) -> dict[str, Any]:
+    """A config group's `weights` entry for `spec` (`meta["act_order"]` gives its actorder)."""
     actorder = {"static": "weight", "group": "group"}.get(meta.get("act_order"))  # "weight": no g_idx in the file
-    weights = {
+    return {
         "num_bits": spec.bits,
         "type": "int",
         "symmetric": spec.sym,
@@ -96,17 +105,6 @@ def _ct_config(spec: QuantSpec, meta: dict[str, Any], ignore: list[str]) -> dict
         "observer": "minmax",
         "observer_kwargs": {},
     }
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
-        "quantization_status": "compressed",
-        "version": COMPRESSED_TENSORS_VERSION,
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                                      "output_activations": None, "format": "pack-quantized"}},
-        "ignore": ignore,
-        "kv_cache_scheme": None,
-        "global_compression_ratio": None,
-    }
 
 
 def packer(meta: dict[str, Any]) -> Callable[[QuantizedWeight], dict[str, torch.Tensor]]:
@@ -116,22 +114,11 @@ def packer(meta: dict[str, Any]) -> Callable[[QuantizedWeight], dict[str, torch.
     return lambda qw: pack_ct(qw, scales_as, with_g_idx)
 
 
-def quantization_config(spec: QuantSpec, specs: dict[str, QuantSpec], meta: dict[str, Any],
-                        ignore: list[str]) -> dict[str, Any]:
-    """config.json's `quantization_config` (`spec` the base, `specs` every quantized module's)."""
-    return ct_config(spec, {**meta, "version": __version__}, ignore, specs)
-
-
 def writer(model: nn.Module, dtype: torch.dtype, specs: dict[str, QuantSpec], meta: dict[str, Any],
            qweights: QWeights) -> PackedWriter:
     """The per-layer writer of pack-quantized; mixed precision as one config group per spec."""
-    base = next(iter(specs.values()))
-
-    def unpack(name: str, parts: dict[str, torch.Tensor]) -> QuantizedWeight:
-        return unpack_ct(parts, specs.get(name, base))
-
-    return PackedWriter(model, dtype, KEY, specs, qweights, packer(meta), unpack, SUFFIXES,
-                        lambda spec, all_specs, ignore: quantization_config(spec, all_specs, meta, ignore))
+    return PackedWriter(model, dtype, KEY, specs, qweights, packer(meta), unpack_ct, SUFFIXES,
+                        lambda spec, all_specs, ignore: ct_config(spec, meta, ignore, all_specs))
 
 
 def reader(path: Path, config: dict) -> ModuleReader:

@@ -6,10 +6,8 @@ loader puts in its place. Both ways of reading a checkpoint use it, so they comp
 - `models.lazy.LazyCheckpoint` builds one module when its decoder layer is read and drops it after
   (eval and the check of OUT for a model bigger than memory).
 
-A format's `reader(path, config)` returns a `ModuleReader`: the suffix that marks a module stored its
-way (`<module>.qweight`, `<module>.weight_scale`, `<module>.bitmask`), every suffix of that module's
-tensors, and `build(name, parts, dtype)`, which makes the module from those tensors (keyed by suffix,
-as stored). Dense checkpoints have no reader.
+A format's `reader(path, config)` returns a `ModuleReader` (e.g. marker `qweight`, `weight_scale`, `bitmask`);
+dense checkpoints have no reader.
 """
 
 from __future__ import annotations
@@ -63,7 +61,7 @@ def load_with_reader(path: Path, dtype: torch.dtype, reader: ModuleReader) -> nn
     from geminicompress.formats.checkpoint import float_skeleton, read_tensors
 
     tensors = read_tensors(path)
-    model = float_skeleton(path, dtype, init=False)  # every tensor is overwritten (missing ones are an error)
+    model = float_skeleton(path, dtype)  # every tensor is overwritten (missing ones are an error)
     modules = reader.modules(tensors)
     for name, keys in modules.items():
         new = reader.module(name, {k: tensors.pop(k) for k in keys}, dtype)

@@ -25,19 +25,21 @@ import json
 import os
 import shutil
 import struct
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from geminicompress.errors import GeminiError
+from geminicompress.formats.checkpoint import INDEX, WEIGHTS
 
 DEFAULT_MAX_BYTES = 2 * 10**9
 PROGRESS = "progress.json"
-INDEX = "model.safetensors.index.json"
 RESERVE_MAX = 1 << 20  # bytes reserved for a shard's header: ~8,000 tensor entries
 SMALL_SHARD = 64  # a shard with less data than this many reserves is rewritten with its exact header (no padding)
-_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+# torch dtype -> its name in a safetensors header
+DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
           torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
           torch.bool: "BOOL"}
 
@@ -114,7 +116,7 @@ class ShardWriter:
             with open(self._data_path(), "rb") as f:
                 f.seek(self._reserve() + start)
                 raw = bytearray(f.read(stop - start))
-            dtype = next(d for d, c in _CODES.items() if c == meta["dtype"])
+            dtype = next(d for d, c in DTYPE_CODES.items() if c == meta["dtype"])
             out[name] = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(meta["shape"]).clone() \
                 if raw else torch.empty(meta["shape"], dtype=dtype)
         return out
@@ -128,7 +130,7 @@ class ShardWriter:
             self._close_open()
         closed = self.state["closed"]
         n = len(closed)
-        names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        names = [WEIGHTS] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
         weight_map: dict[str, str] = {}
         total = 0
         for shard, name in zip(closed, names):
@@ -155,7 +157,7 @@ class ShardWriter:
         return self.work / f"part-{len(self.state['closed']) + 1:05d}.data"
 
     def _append(self, name: str, t: torch.Tensor, size: int) -> None:
-        if t.dtype not in _CODES:
+        if t.dtype not in DTYPE_CODES:
             raise GeminiError(f"tensor {name} has dtype {t.dtype}, which safetensors cannot store")
         opened = self.state["open"]
         start = opened["bytes"]
@@ -166,7 +168,7 @@ class ShardWriter:
                     f.truncate(self._reserve())
             with open(path, "ab") as f:
                 f.write(_bytes(t))
-        opened["tensors"][name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [start, start + size]}
+        opened["tensors"][name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [start, start + size]}
         opened["bytes"] = start + size
 
     def _close_open(self) -> None:
@@ -235,25 +237,18 @@ class ShardWriter:
         elif not path.is_file() and keep:
             raise GeminiError(f"{path} is missing: the resume state in {self.work} is damaged; rerun with --force")
 
-    def _guard(self, path: Path):
-        return _DiskGuard(path, self.work, len(self.state["units"]))
-
-
-class _DiskGuard:
-    """Turn ENOSPC into one line naming the file; everything finished so far stays for the rerun."""
-
-    def __init__(self, path: Path, work: Path, finished: int) -> None:
-        self.path, self.work, self.finished = path, work, finished
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is not None and issubclass(exc_type, OSError) and exc.errno == errno.ENOSPC:
+    @contextmanager
+    def _guard(self, path: Path) -> Iterator[None]:
+        """Turn ENOSPC into one line naming the file; everything finished so far stays for the rerun."""
+        finished = len(self.state["units"])
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
             free = shutil.disk_usage(self.work).free
-            raise DiskFullError(f"disk full while writing {self.path} ({free / 2**30:.2f} GiB free): free some space "
-                                f"and rerun the same command; it resumes after the {self.finished} finished units") from exc
-        return False
+            raise DiskFullError(f"disk full while writing {path} ({free / 2**30:.2f} GiB free): free some space "
+                                f"and rerun the same command; it resumes after the {finished} finished units") from exc
 
 
 def _link_or_move(src: Path, dest: Path) -> None:

@@ -69,11 +69,6 @@ def decompress(parts: dict[str, Tensor]) -> Tensor:
     return dense
 
 
-def sparsity_config(fmt: str, structure: str, global_sparsity: float, ignore: list[str]) -> dict[str, Any]:
-    return {"format": fmt, "global_sparsity": round(global_sparsity, 6), "sparsity_structure": structure,
-            "targets": ["Linear"], "ignore": ignore}
-
-
 def layout(structure: str) -> str:
     """The format name of a sparsity structure ("2:4" or anything else)."""
     return FORMATS[1] if structure == "2:4" else FORMATS[0]
@@ -89,8 +84,9 @@ def weight_tensors(name: str, tensor: Tensor, keep: Tensor, two_four: bool) -> d
 def quantization_config(structure: str, global_sparsity: float, ignore: list[str]) -> dict[str, Any]:
     """config.json's `quantization_config` for a pruned model (`ignore`: the linears stored dense)."""
     fmt = layout(structure)
-    return {"quant_method": "compressed-tensors", "format": fmt,
-            "sparsity_config": sparsity_config(fmt, structure, global_sparsity, ignore)}
+    sparsity = {"format": fmt, "global_sparsity": round(global_sparsity, 6), "sparsity_structure": structure,
+                "targets": ["Linear"], "ignore": ignore}
+    return {"quant_method": "compressed-tensors", "format": fmt, "sparsity_config": sparsity}
 
 
 class SparseWriter(LayerWriter):
@@ -111,7 +107,12 @@ class SparseWriter(LayerWriter):
         return tensors
 
     def dense(self, i: int, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        return super().dense(i, dense_state_dict(tensors))
+        """Every `<module>.{compressed,bitmask,shape[,row_offsets]}` group replaced by `<module>.weight`."""
+        dense = dict(tensors)
+        for module in [k.removesuffix(".bitmask") for k in tensors if k.endswith(".bitmask")]:
+            parts = {s: dense.pop(f"{module}.{s}") for s in SUFFIXES if f"{module}.{s}" in dense}
+            dense[f"{module}.weight"] = decompress(parts)
+        return super().dense(i, dense)
 
     def qconfig(self, result: dict[str, Any]) -> dict[str, Any]:
         ignore = [n for n in float_linears(self.model) if f"{n}.weight" not in self.targets]
@@ -119,21 +120,6 @@ class SparseWriter(LayerWriter):
 
     def write_config(self, out: Path, result: dict[str, Any]) -> dict[str, Any]:
         return {**super().write_config(out, result), "sparsity_structure": self.structure}
-
-
-def dense_state_dict(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Replace every `<module>.{compressed,bitmask,shape[,row_offsets]}` group by `<module>.weight`."""
-    modules = {k.removesuffix(".bitmask") for k in tensors if k.endswith(".bitmask")}
-    dense = {}
-    for key, value in tensors.items():
-        prefix, _, suffix = key.rpartition(".")
-        if prefix in modules and suffix in SUFFIXES:
-            continue
-        dense[key] = value
-    for module in modules:
-        parts = {s: tensors[f"{module}.{s}"] for s in SUFFIXES if f"{module}.{s}" in tensors}
-        dense[f"{module}.weight"] = decompress(parts)
-    return dense
 
 
 def reader(path: Path, config: dict[str, Any]) -> ModuleReader:

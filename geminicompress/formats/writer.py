@@ -2,13 +2,9 @@
 builds one of these). A checkpoint is written by the engine's sink as a loop over the layers (then the
 modules outside them and config.json), whether the model is in memory or read from disk layer by layer.
 
-- `LayerWriter`: every tensor of the layer in the output dtype (the dense checkpoint; also the fake-quantized
-  weights of a b-bit method with `--format dense`); config.json with `qconfig` (None: dense);
-- `PackedWriter`: a b-bit format (gptq, awq, compressed-tensors pack-quantized): each quantized linear's
-  weight replaced by the format's `pack(qw)` of the codes the stage kept for the layer.
-Each writer also says how a resumed run puts a finished layer's written tensors back into the layer
-(`load_back`), and which of the layer's weights the format stores as exact integer codes (`exact_weights`,
-for the check of OUT: verify.py).
+`LayerWriter` is the dense checkpoint (also a b-bit method's fake-quantized weights with `--format dense`),
+`PackedWriter` a b-bit format. Each also says how a resumed run puts a finished layer's written tensors back
+(`load_back`), and which weights the format stores as exact integer codes (`exact_weights`: verify.py).
 """
 
 from __future__ import annotations
@@ -74,13 +70,13 @@ class LayerWriter:
 
 class PackedWriter(LayerWriter):
     """A b-bit format: each quantized linear's weight replaced by `pack(qw)` of the codes the stage kept
-    (`qweights(i, kept)`: {full module name: QuantizedWeight} of layer i), read back by `unpack(name, parts)`.
+    (`qweights(i, kept)`: {full module name: QuantizedWeight} of layer i), read back by `unpack(parts, spec)`.
     `specs`: every quantized module's spec (mixed precision: several); `qconfig(base, specs, not_quantized)`
     makes the format's quantization_config; `extra(out, config)` writes its side files."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, key: str, specs: dict[str, QuantSpec],
                  qweights: QWeights, pack: Callable[[QuantizedWeight], dict[str, torch.Tensor]],
-                 unpack: Callable[[str, dict[str, torch.Tensor]], QuantizedWeight], suffixes: tuple[str, ...],
+                 unpack: Callable[[dict[str, torch.Tensor], QuantSpec], QuantizedWeight], suffixes: tuple[str, ...],
                  qconfig: Callable[[QuantSpec, dict[str, QuantSpec], list[str]], dict[str, Any]],
                  extra: Callable[[Path, dict[str, Any]], None] | None = None) -> None:
         super().__init__(model, dtype)
@@ -104,7 +100,7 @@ class PackedWriter(LayerWriter):
         prefix = self.prefix(i) + "."
         for name in [n for n in self.specs if n.startswith(prefix)]:
             parts = {k: tensors.pop(f"{name}.{k}") for k in self.suffixes if f"{name}.{k}" in tensors}
-            tensors[f"{name}.weight"] = self.unpack(name, parts).dequantize()
+            tensors[f"{name}.weight"] = self.unpack(parts, self.specs[name]).dequantize()
         return super().dense(i, tensors)
 
     def exact_weights(self, i: int, kept: dict[str, torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]:
@@ -115,10 +111,15 @@ class PackedWriter(LayerWriter):
     def base_spec(self) -> QuantSpec:
         """The spec holding the most weights, in layer order (ties: the first met): the format's top level."""
         weights: Counter = Counter()
-        for name in sorted(self.specs, key=_layer_order(self.layers_path)):
+        for name in sorted(self.specs, key=self._layer_order):
             module = self.model.get_submodule(name)
             weights[self.specs[name]] += module.in_features * module.out_features
         return weights.most_common(1)[0][0]
+
+    def _layer_order(self, name: str) -> tuple[int, str]:
+        """Sort key of a module name under the decoder layers: (layer index, the rest)."""
+        index, _, rest = name.removeprefix(self.layers_path + ".").partition(".")
+        return int(index), rest
 
     def qconfig(self, result: dict[str, Any]) -> dict[str, Any]:
         return self._qconfig(self.base_spec(), self.specs, float_linears(self.model, set(self.specs)))
@@ -131,11 +132,3 @@ class PackedWriter(LayerWriter):
         base = self.base_spec()
         return {"format": self.format, "bits": base.bits, "group_size": base.group_size, "sym": base.sym,
                 "quantized_modules": len(self.specs), "float_modules": float_linears(self.model, set(self.specs))}
-
-
-def _layer_order(layers_path: str) -> Callable[[str], tuple[int, str]]:
-    """Sort key of a module name under the decoder layers: (layer index, the rest)."""
-    def key(name: str) -> tuple[int, str]:
-        index, _, rest = name.removeprefix(layers_path + ".").partition(".")
-        return int(index), rest
-    return key

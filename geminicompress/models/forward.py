@@ -6,11 +6,10 @@ What grows with the number of windows is their activations, held twice (a layer'
 outputs, (n, T, d) each): in memory, or with `spill_dir` in two files mapped into memory, which the
 kernel writes out and drops under memory pressure ("activations on disk when they do not fit").
 
-The probe that checks OUT (verify.py) uses the pieces here too: `embed` (layer 0's inputs, the embeddings
-read as stored) and `through_layer` (one finished layer as written). The final norm and the output head then run window batch by window batch through the model's *own*
-forward: the decoder layers are swapped for an empty list and a pre-hook hands the final norm the stored
-hidden states, so whatever the model does after its layers (final norm, head, logit soft-capping) is
-exactly what transformers does. The embeddings are read only for layer 0's inputs.
+The final norm and the output head then run window batch by window batch through the model's *own*
+forward (`_head_only`), so whatever the model does after its layers (final norm, head, logit soft-capping)
+is exactly what transformers does. The probe that checks OUT (verify.py) uses `embed` (layer 0's inputs,
+the embeddings read as stored) and `through_layer` (one finished layer as written) too.
 
 Users: `eval --stream` (perplexity and KL of a model bigger than memory), the check of OUT after a
 streamed run, and distill's teacher top-k cache for a teacher bigger than memory.
@@ -103,14 +102,13 @@ def through_layer(layer: nn.Module, inp: torch.Tensor, out: torch.Tensor, kwargs
 
 @torch.no_grad()
 def embed(source: nn.Module | LayerSource, windows: torch.Tensor, *, device: torch.device,
-          dtype: torch.dtype = torch.float32, path: Path | None = None,
-          stored: torch.dtype = torch.float32) -> StreamedHidden:
-    """Decoder layer 0's inputs of every window (n, T) -> (n, T, d) in `dtype` (in the file `path` when
-    given), with the keyword arguments the model passes its decoder layers. A lazy source's embeddings
-    are read rounded to `stored` (as a checkpoint in that dtype holds them) and held in float32."""
+          dtype: torch.dtype = torch.float32, stored: torch.dtype = torch.float32) -> StreamedHidden:
+    """Decoder layer 0's inputs of every window (n, T) -> (n, T, d) in `dtype`, with the keyword arguments
+    the model passes its decoder layers. A lazy source's embeddings are read rounded to `stored` (as a
+    checkpoint in that dtype holds them) and held in float32."""
     source = source if not isinstance(source, nn.Module) else ModelLayers(source)
     shape = (windows.shape[0], windows.shape[1], source.model.config.hidden_size)
-    store = ActivationStore(shape, dtype, path)
+    store = ActivationStore(shape, dtype)
     return StreamedHidden(store, capture_into(source, windows, store.tensor, device, dtype, stored).kwargs)
 
 

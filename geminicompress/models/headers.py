@@ -5,6 +5,7 @@ the sizes that decide whether it fits (memory.too_big) and whether OUT fits on t
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -13,12 +14,10 @@ import torch
 
 from geminicompress.errors import InputError
 from geminicompress.formats import FORMATS, detect
+from geminicompress.formats.checkpoint import INDEX, WEIGHTS
+from geminicompress.formats.shards import DTYPE_CODES
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-           "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-           "BOOL": torch.bool}
+_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
 class TensorInfo:
@@ -29,10 +28,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -55,7 +51,7 @@ def is_readable_dir(path: Path) -> bool:
 def safetensors_config(path: Path) -> dict | None:
     """config.json of a directory that holds safetensors weights, else None."""
     path = Path(path)
-    if not (path / "config.json").is_file() or not ((path / INDEX).is_file() or (path / SINGLE).is_file()):
+    if not (path / "config.json").is_file() or not ((path / INDEX).is_file() or (path / WEIGHTS).is_file()):
         return None
     try:
         return json.loads((path / "config.json").read_text())
@@ -95,11 +91,11 @@ def read_headers(path: Path) -> dict[str, TensorInfo]:
             weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
         except (OSError, json.JSONDecodeError, KeyError) as exc:
             raise InputError(f"{index_file}: not a safetensors index ({exc})") from exc
-    elif (path / SINGLE).is_file():
+    elif (path / WEIGHTS).is_file():
         weight_map = {}
     else:
-        raise InputError(f"{path} has neither {SINGLE} nor {INDEX}")
-    files = sorted(set(weight_map.values())) or [SINGLE]
+        raise InputError(f"{path} has neither {WEIGHTS} nor {INDEX}")
+    files = sorted(set(weight_map.values())) or [WEIGHTS]
     infos: dict[str, TensorInfo] = {}
     for name in files:
         file = path / name

@@ -23,13 +23,14 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.nn as nn
 
 from geminicompress.compress.arch import Arch, arch_for, get_module, outside_modules, set_module
-from geminicompress.errors import InputError
+from geminicompress import formats
+from geminicompress.errors import GeminiError, InputError
+from geminicompress.formats.reader import check_replaces, tied_output_keys
 from geminicompress.models.finite import check
 from geminicompress.models.headers import open_file, read_headers, safetensors_config
 
@@ -61,8 +62,6 @@ class LazyCheckpoint:
     """A safetensors checkpoint (dense or quantized) whose weights stay on disk until a module asks for them."""
 
     def __init__(self, path: Path | str, trust_remote_code: bool = False, allow_nonfinite: bool = False) -> None:
-        from geminicompress import formats
-
         self.path = Path(path)
         self.allow_nonfinite = allow_nonfinite
         self.nonfinite: list[dict] = []  # what allow_nonfinite let through (models/finite.py)
@@ -147,9 +146,6 @@ class LazyCheckpoint:
 
     def _swap_in(self, name: str, dtype: torch.dtype) -> None:
         """Put quantized module `name`, built from its stored tensors by the format's reader, into the skeleton."""
-        from geminicompress.errors import GeminiError
-        from geminicompress.formats.reader import check_replaces
-
         if name in self._swapped:
             return
         keys = self.quantized[name]
@@ -205,14 +201,11 @@ class LazyCheckpoint:
         return self.stored_name(name) in self.tensors or name not in dict(self.model.named_buffers())
 
     def _tied_names(self) -> dict[str, str]:
-        if not getattr(self.model.config, "tie_word_embeddings", False):
-            return {}
-        out, inp = self.model.get_output_embeddings(), self.model.get_input_embeddings()
-        if out is None or inp is None:
-            return {}
+        """{output head weight: input embedding weight} when config.json ties them and the head is not stored."""
+        inp = self.model.get_input_embeddings()
         names = {m: n for n, m in self.model.named_modules()}
-        head, emb = f"{names[out]}.weight", f"{names[inp]}.weight"
-        return {head: emb} if head not in self.tensors else {}
+        return {head: f"{names[inp]}.weight" for head in tied_output_keys(self.model)
+                if inp is not None and head not in self.tensors}
 
     def _check_against_config(self) -> None:
         """Every tensor the skeleton needs is on disk with the shape config.json implies (a quantized
@@ -291,10 +284,6 @@ class LazyTensors(Sequence):
         if isinstance(i, slice):
             return LazyTensors(self.ckpt, self.names[i])
         return self.ckpt.read([self.names[i]], torch.float32)[self.names[i]]
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        for i in range(len(self)):
-            yield self[i]
 
     @property
     def total(self) -> int:

@@ -93,18 +93,15 @@ def load_model(
 
 def _load(spec: str, dtype: torch.dtype, trust_remote_code: bool, allow_pickle: bool) -> LoadedModel:
     source = resolve_model(spec)
-    if source.kind == "demo":
-        path = demo_dir()
-        model, tok, fmt = _load_dir(path, dtype, trust_remote_code, allow_pickle)
-        return LoadedModel(model, tok, source, fmt)
     if source.kind == "gguf":
         model, tok = _load_gguf(source.path, source.gguf_file, dtype)
         return LoadedModel(model, tok, source)
-    if source.kind == "dir":
-        model, tok, fmt = _load_dir(source.path, dtype, trust_remote_code, allow_pickle)
-        return LoadedModel(model, tok, source, fmt)
-    model, tok = _load_hub(spec, dtype, trust_remote_code, allow_pickle)
-    return LoadedModel(model, tok, source)
+    if source.kind == "hub":
+        model, tok = _load_hub(spec, dtype, trust_remote_code, allow_pickle)
+        return LoadedModel(model, tok, source)
+    path = demo_dir() if source.kind == "demo" else source.path
+    model, tok, fmt = _load_dir(path, dtype, trust_remote_code, allow_pickle)
+    return LoadedModel(model, tok, source, fmt)
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -34,8 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the in-process accounting imports this checkout, installed or not
 
 
-def timed(code: Path, args: list[str], out: Path) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of `geminicompress ARGS -o OUT` run with the package at `code`."""
+def timed(code: Path, args: list[str], out: Path, keep: bool = False) -> tuple[float, int]:
+    """(wall seconds, peak RSS bytes) of `geminicompress ARGS -o OUT` run with the package at `code`; OUT is
+    removed afterwards unless `keep`."""
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": str(code)}
     cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "geminicompress", *args, "-o", str(out), "-q", "--threads", "2"]
@@ -45,7 +46,8 @@ def timed(code: Path, args: list[str], out: Path) -> tuple[float, int]:
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(args)} failed with {code}:\n{proc.stderr[-2000:]}")
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) * 1024
-    shutil.rmtree(out, ignore_errors=True)
+    if not keep:
+        shutil.rmtree(out, ignore_errors=True)
     return wall, rss
 
 

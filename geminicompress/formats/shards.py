@@ -38,10 +38,11 @@ DEFAULT_MAX_BYTES = 2 * 10**9
 PROGRESS = "progress.json"
 RESERVE_MAX = 1 << 20  # bytes reserved for a shard's header: ~8,000 tensor entries
 SMALL_SHARD = 64  # a shard with less data than this many reserves is rewritten with its exact header (no padding)
-# torch dtype -> its name in a safetensors header
+# torch dtype <-> its name in a safetensors header
 DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-          torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
-          torch.bool: "BOOL"}
+               torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+               torch.bool: "BOOL"}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
 class DiskFullError(GeminiError):
@@ -116,7 +117,7 @@ class ShardWriter:
             with open(self._data_path(), "rb") as f:
                 f.seek(self._reserve() + start)
                 raw = bytearray(f.read(stop - start))
-            dtype = next(d for d, c in DTYPE_CODES.items() if c == meta["dtype"])
+            dtype = CODE_DTYPES[meta["dtype"]]
             out[name] = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(meta["shape"]).clone() \
                 if raw else torch.empty(meta["shape"], dtype=dtype)
         return out

@@ -15,9 +15,7 @@ import torch
 from geminicompress.errors import InputError
 from geminicompress.formats import FORMATS, detect
 from geminicompress.formats.checkpoint import INDEX, WEIGHTS
-from geminicompress.formats.shards import DTYPE_CODES
-
-_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+from geminicompress.formats.shards import CODE_DTYPES
 
 
 class TensorInfo:
@@ -105,7 +103,7 @@ def read_headers(path: Path) -> dict[str, TensorInfo]:
         with open_file(file) as f:
             for key in f.keys():
                 sl = f.get_slice(key)
-                infos[key] = TensorInfo(file, _DTYPES[sl.get_dtype()], tuple(sl.get_shape()), offsets.get(key, -1))
+                infos[key] = TensorInfo(file, CODE_DTYPES[sl.get_dtype()], tuple(sl.get_shape()), offsets.get(key, -1))
     for key, name in weight_map.items():
         if key not in infos or infos[key].file.name != name:
             raise InputError(f"{index_file} maps tensor {key} to {name}, which does not hold it")

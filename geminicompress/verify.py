@@ -151,12 +151,14 @@ class Probe:
     def advance(self, layer: nn.Module, exact: dict[str, Callable[[], torch.Tensor]]) -> None:
         """Run the probe through a finished layer as it is stored: floats rounded to the output dtype, the
         linears `exact` names ({name relative to the layer: a function making its weight}) with those weights,
-        made one at a time (each replaces the module's own weight, so one extra weight is alive at most: all
-        of an 8B layer's at once were +0.87 GB, the streamed GPTQ run's peak)."""
+        made one at a time and copied into the module's own float32 weight (one extra weight alive at most:
+        all of an 8B layer's at once were +0.87 GB, the streamed GPTQ run's peak). Copied, not swapped in: a
+        model loaded from a safetensors file holds its weights in the file's mapping, whose pages a swapped-out
+        weight does not give back while the rest of the model is alive (+13 MB resident a demo layer)."""
         with computing_in(layer, torch.float32):  # float32 copies of a lower-precision layer, put back after
             as_stored(layer, self.out_dtype, [f"{n}.weight" for n in exact])
             for name, make in exact.items():
-                get_module(layer, name).weight.data = make().to(self.device, torch.float32)
+                get_module(layer, name).weight.data.copy_(make())
             through_layer(layer, self.hidden.tensor, self.hidden.tensor, self.hidden.kwargs, device=self.device,
                           dtype=torch.float32, batch=1)  # one window at a time, as the loaded side
 

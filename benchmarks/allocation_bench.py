@@ -49,14 +49,14 @@ QUANT_ROWS = {  # label -> gptq stage options
 
 def prune_row(demo: Path, calib: torch.Tensor, options: dict, work: Path) -> tuple[object, dict]:
     """Fresh demo model through the real prune stage (no export); returns (model, stage summary)."""
-    from geminicompress.compress.prune.stage import run
+    from geminicompress.engine.run import run_stage
     from geminicompress.models.loading import load_model
     from geminicompress.recipes.schema import PruneStage
 
     loaded = load_model(str(demo))
     stage = {"type": "prune", "sparsity": 0.4, **options}
     ctx = stage_context(demo, loaded, stage, calib, work, None)
-    summary = run(PruneStage(**stage), ctx)
+    summary = run_stage(PruneStage(**stage), ctx)[1]
     shutil.rmtree(work, ignore_errors=True)
     return loaded.model, summary
 
@@ -64,7 +64,7 @@ def prune_row(demo: Path, calib: torch.Tensor, options: dict, work: Path) -> tup
 def quant_row(demo: Path, calib: torch.Tensor, options: dict, work: Path, sensitivity: str | None) -> tuple[object, dict]:
     """Fresh demo model through the real gptq stage (fake-quantized in memory, no export); the summary's
     `stage_seconds` is the stage alone (no model loading)."""
-    from geminicompress.compress.gptq.stage import run
+    from geminicompress.engine.run import run_stage
     from geminicompress.models.loading import load_model
     from geminicompress.recipes.quantize import GPTQStage
 
@@ -74,7 +74,7 @@ def quant_row(demo: Path, calib: torch.Tensor, options: dict, work: Path, sensit
         stage["allocation"] = {**stage["allocation"], "sensitivity": sensitivity}
     ctx = stage_context(demo, loaded, stage, calib, work, work)
     t0 = time.perf_counter()
-    summary = run(GPTQStage(**stage), ctx)
+    summary = run_stage(GPTQStage(**stage), ctx)[1]
     summary = {**summary, "stage_seconds": time.perf_counter() - t0}
     shutil.rmtree(work, ignore_errors=True)
     return loaded.model, summary

@@ -63,7 +63,8 @@ def round_to_nearest(model, bits: int, group: int, sym: bool):
 
 def stage_context(model: Path, loaded, stage: dict, calib: torch.Tensor, work: Path, state_dir: Path | None):
     """A StageContext over `loaded` (models.loading.load_model of `model`) for a one-stage recipe whose calibration
-    windows are exactly `calib` (n, T) (same ids for every row of a benchmark), working in a fresh `work`."""
+    windows are exactly `calib` (n, T) (same ids for every row of a benchmark), working in a fresh `work`
+    (a calibrated stage's resume state in `state_dir`, else under `work`)."""
     import shutil
 
     from geminicompress.pipeline import StageContext
@@ -76,7 +77,7 @@ def stage_context(model: Path, loaded, stage: dict, calib: torch.Tensor, work: P
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     ctx = StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, NullProgress(), torch.device("cpu"),
-                       work, state_dir)
+                       work, state_dir or work / "state")
     ctx._calibration[(data, calib.shape[0], calib.shape[1], recipe.seed)] = calib
     return ctx
 

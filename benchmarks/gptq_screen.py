@@ -34,9 +34,9 @@ from gptq_layer_check import collect  # noqa: E402
 
 def load_stats(cache: Path, samples: int):
     from geminicompress.compress.arch import decoder_layers, get_module
-    from geminicompress.models.loading import _demo_dir, load_model
+    from geminicompress.models.loading import demo_dir, load_model
 
-    loaded = load_model(str(_demo_dir()))
+    loaded = load_model(str(demo_dir()))
     model = loaded.model.float().eval()
     if cache.exists():
         stats = torch.load(cache)

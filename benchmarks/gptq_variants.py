@@ -78,9 +78,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from geminicompress.machine import machine, versions
-    from geminicompress.models.loading import _demo_dir, load_model
+    from geminicompress.models.loading import demo_dir, load_model
 
-    demo = _demo_dir()
+    demo = demo_dir()
     tok = load_model(str(demo)).tokenizer
     calib, eval_ids = calibration_ids(tok, args.samples), eval_windows(tok)
     path = RESULTS / f"{args.name}.json"

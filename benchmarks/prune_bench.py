@@ -52,7 +52,7 @@ def label(config: tuple) -> str:
 def prune_in_process(demo: Path, calib: torch.Tensor, method: str, scope: str, sparsity: float,
                      pattern: str | None, work: Path, true_sequential: bool = True) -> tuple[object, dict]:
     """Fresh demo model through the real prune stage (no export); returns (model, stage summary)."""
-    from geminicompress.compress.prune.stage import run
+    from geminicompress.engine.run import run_stage
     from geminicompress.models.loading import load_model
     from geminicompress.recipes.schema import PruneStage
 
@@ -62,7 +62,7 @@ def prune_in_process(demo: Path, calib: torch.Tensor, method: str, scope: str, s
         stage["true_sequential"] = true_sequential
     stage.update({"pattern": pattern} if pattern else {"sparsity": sparsity})
     ctx = stage_context(demo, loaded, stage, calib, work, None)
-    summary = run(PruneStage(**stage), ctx)
+    summary = run_stage(PruneStage(**stage), ctx)[1]
     shutil.rmtree(work, ignore_errors=True)
     return loaded.model, summary
 

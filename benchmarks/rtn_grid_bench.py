@@ -65,9 +65,9 @@ def main() -> None:
     torch.set_num_threads(2)
     from geminicompress.compress.arch import arch_for, decoder_layers, get_module
     from geminicompress.machine import machine, versions
-    from geminicompress.models.loading import _demo_dir, load_model
+    from geminicompress.models.loading import demo_dir, load_model
 
-    demo = _demo_dir()
+    demo = demo_dir()
     base = load_model(str(demo))
     eval_ids = eval_windows(base.tokenizer)
     names = arch_for(base.model).linears

@@ -41,12 +41,14 @@ def run_one(name: str, dtype: str, stream: bool, work: Path, samples: int) -> di
     from geminicompress.errors import GeminiError
     from geminicompress.pipeline import run_recipe
     from geminicompress.recipes.loader import recipe_from_stage
-    from geminicompress.streaming import not_streamable
+    from geminicompress.engine.run import not_streamable
+    from geminicompress.models.loading import local_dir
 
     recipe = recipe_from_stage("smollm2-demo", RUNS[name], {"data": str(DATA / "enwiki-sample.txt"), "samples": samples,
                                                             "seq_len": 512}, "bench", output={"dtype": dtype})
-    if stream and not_streamable(recipe):
-        return {"run": name, "dtype": dtype, "streamed": stream, "skipped": not_streamable(recipe)}
+    why = not_streamable(recipe, local_dir(recipe.model)) if stream else None
+    if why:
+        return {"run": name, "dtype": dtype, "streamed": stream, "skipped": why}
     out = work / f"{name}-{dtype}-{'s' if stream else 'm'}"
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()

@@ -34,7 +34,7 @@ from geminicompress.errors import GeminiError
 from geminicompress.formats import pack_quantized
 from geminicompress.formats.bits import pack_bits
 from geminicompress.formats.checkpoint import compressed_tensors_format, float_linears
-from geminicompress.formats.reader import ModuleReader, load_with_reader
+from geminicompress.formats.reader import ModuleReader
 from geminicompress.formats.writer import LayerWriter
 
 FORMAT = "int-quantized"
@@ -136,11 +136,6 @@ def reader(path: Path, config: dict[str, Any]) -> ModuleReader:
 
     # q/k/v and gate/up as one GEMM each at run time (compress/int8/shared_input.py): same results
     return ModuleReader("weight_scale", ("weight", "weight_scale", "bias", *_OPTIONAL), build, after_load=share_inputs)
-
-
-def load(path: Path, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
-    """The checkpoint with every int8 linear (`<name>.weight` int8 + `<name>.weight_scale`) an INT8 module."""
-    return load_with_reader(path, dtype, reader(path, config))
 
 
 def _check_scheme(path: Path, qc: dict[str, Any]) -> bool:

@@ -53,12 +53,12 @@ def _args(strategy: str, dynamic: bool) -> dict[str, Any]:
             "observer_kwargs": {}}
 
 
-def quantization_config(method: str, ignore: list[str]) -> dict[str, Any]:
-    """The `quantization_config` entry of config.json for `method` in ("int8", "w8a8")."""
+def quantization_config(ignore: list[str]) -> dict[str, Any]:
+    """The `quantization_config` entry of config.json for W8A8 (`int8` is written pack-quantized)."""
     group = {
         "targets": ["Linear"],
         "weights": _args("channel", dynamic=False),
-        "input_activations": _args("token", dynamic=True) if method == "w8a8" else None,
+        "input_activations": _args("token", dynamic=True),
         "output_activations": None,
         "format": FORMAT,
     }
@@ -95,7 +95,7 @@ class Int8Writer(LayerWriter):
     def qconfig(self, result: dict[str, Any]) -> dict[str, Any]:
         ignore = float_linears(self.model, self.targets)
         if self.method == "w8a8":
-            return quantization_config(self.method, ignore)
+            return quantization_config(ignore)
         return pack_quantized.ct_config(QuantSpec(8), {}, sorted(ignore))
 
     def write_config(self, out: Path, result: dict[str, Any]) -> dict[str, Any]:

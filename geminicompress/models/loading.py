@@ -94,6 +94,7 @@ def load_model(
     else:
         path = demo_dir() if source.kind == "demo" else source.path
         model, tok, fmt = _load_dir(path, dtype, trust_remote_code, allow_pickle)
+    model.eval()
     return LoadedModel(model, tok, source, fmt, nonfinite=check_named(model.state_dict().items(), allow_nonfinite))
 
 
@@ -128,7 +129,6 @@ def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool, allow_pic
             model = formats.load(path, config, dtype)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise GeminiError(f"{path} does not load as a causal language model: {_first_line(exc)}") from exc
-    model.eval()
     return model, load_tokenizer(str(path), trust_remote_code), key
 
 
@@ -157,7 +157,6 @@ def _load_gguf(folder: Path, gguf_file: str, dtype: torch.dtype):
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.eval()
     return model, tok
 
 
@@ -175,7 +174,6 @@ def _load_hub(spec: str, dtype: torch.dtype, trust_remote_code: bool, allow_pick
             f"could not load '{spec}' from the hub: {_first_line(exc)} "
             "(offline? download it once or pass a local directory)"
         ) from exc
-    model.eval()
     return model, load_tokenizer(spec, trust_remote_code, local_files_only=offline)
 
 

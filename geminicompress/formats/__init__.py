@@ -1,9 +1,9 @@
 """On-disk formats: one module per format, one table that names them all (docs/extending.md).
 
 Every format module has `KEY` (its name here: what config.json's `quantization_config` identifies),
-`detect(qc) -> bool` (a test checks that `detect` below and the modules agree), `load(path, config, dtype)`,
-`reader(path, config) -> reader.ModuleReader` (how one of its quantized modules is read: its `load` and the
-layer-at-a-time reader, models/lazy.py, both build modules through it) and its per-layer `writer(...)`
+`detect(qc) -> bool` (a test checks that `detect` below and the modules agree), `reader(path, config) ->
+reader.ModuleReader` (how one of its quantized modules is read: `load` below, the whole checkpoint in memory,
+and the layer-at-a-time reader, models/lazy.py, both build modules through it) and its per-layer `writer(...)`
 (writer.py). The formats in `QUANTIZED` share `writer(model, dtype, specs, meta, qweights)` and a
 `check_shape(name, out, in, spec)` that refuses what they cannot hold before any work starts. Shared
 plumbing lives in `checkpoint.py`; nothing reaches into another format's private helpers.
@@ -22,6 +22,7 @@ from typing import Any
 from geminicompress.compress.grid import QuantSpec
 from geminicompress.errors import InputError
 from geminicompress.formats.checkpoint import compressed_tensors_format
+from geminicompress.formats.reader import ModuleReader, load_with_reader
 
 # KEY -> module. The order is the order `detect` asks in.
 FORMATS: dict[str, str] = {
@@ -59,25 +60,25 @@ def detect(config: dict[str, Any]) -> str | None:
     return f"compressed-tensors:{fmt}" if fmt is not None else str(qc.get("quant_method", "")).lower()
 
 
-def _read_module(path: Path, config: dict[str, Any]) -> ModuleType:
-    """The module of the format config.json (`config`) names; InputError when geminicompress does not read it."""
+def _reader(path: Path, config: dict[str, Any]) -> ModuleReader:
+    """The `ModuleReader` of the format config.json (`config`) names; InputError when geminicompress does not
+    read it."""
     key = detect(config)
     if key not in FORMATS:
         raise InputError(f"{path}: quantization format '{key}' is not one geminicompress reads "
                          f"(it reads: {', '.join(FORMATS)})")
-    return module(key)
+    return module(key).reader(Path(path), config)
 
 
 def load(path: Path, config: dict[str, Any], dtype: Any) -> Any:
-    """Load the checkpoint at `path` whose config.json is `config` (a format `detect` recognises)."""
-    return _read_module(path, config).load(Path(path), config, dtype)
+    """Load the checkpoint at `path` whose config.json is `config` (a format `detect` recognises): every
+    module its format's reader recognises built by it, the rest loaded as stored (reader.load_with_reader)."""
+    return load_with_reader(Path(path), dtype, _reader(path, config))
 
 
-def module_reader(path: Path, config: dict[str, Any]) -> Any:
+def module_reader(path: Path, config: dict[str, Any]) -> ModuleReader | None:
     """The `reader.ModuleReader` of the checkpoint at `path` (config.json = `config`), None when it is dense."""
-    if detect(config) is None:
-        return None
-    return _read_module(path, config).reader(Path(path), config)
+    return None if detect(config) is None else _reader(path, config)
 
 
 def check_shapes(fmt: str, shapes: dict[str, tuple[int, int]], spec: QuantSpec) -> None:

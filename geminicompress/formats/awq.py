@@ -21,7 +21,7 @@ import torch.nn as nn
 from geminicompress.compress.grid import QuantizedWeight, QuantSpec, group_index
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.dequant import dequant_reader
-from geminicompress.formats.reader import ModuleReader, load_with_reader
+from geminicompress.formats.reader import ModuleReader
 from geminicompress.formats.writer import PackedWriter, QWeights
 
 KEY = "awq"
@@ -111,8 +111,3 @@ def reader(path: Path, config: dict) -> ModuleReader:
                           f"(got bits={qc.get('bits')}, version={qc.get('version')})")
     spec = QuantSpec(BITS, int(qc["group_size"]), sym=not qc.get("zero_point", True))
     return dequant_reader(SUFFIXES, lambda name, parts: unpack_awq(parts, spec))
-
-
-def load(path: Path, config: dict, dtype: torch.dtype) -> nn.Module:
-    """An AWQ GEMM checkpoint as a model whose quantized linears rebuild their weights on the fly."""
-    return load_with_reader(Path(path), dtype, reader(path, config))

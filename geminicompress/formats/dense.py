@@ -1,10 +1,10 @@
 """Dense checkpoints: plain transformers layout, every weight in float (quantized weights written
-dequantized, as the layer holds them, for tools that know no quantized format). Loading needs no
-geminicompress code."""
+dequantized, as the layer holds them, for tools that know no quantized format). Only written here:
+reading one needs no geminicompress code (no `quantization_config`, so `formats.detect` gives None and
+models/loading.py loads it with transformers, under the remote-code and pickle rules it owns)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,10 +16,6 @@ from geminicompress.formats.writer import LayerWriter
 KEY = "dense"
 
 
-def detect(qc: dict[str, Any]) -> bool:
-    return not qc
-
-
 def check_shape(name: str, out_f: int, in_f: int, spec: QuantSpec) -> None:
     """Any shape: dense weights hold whatever the grid produced."""
 
@@ -28,9 +24,3 @@ def writer(model: nn.Module, dtype: torch.dtype, *args: Any) -> LayerWriter:
     """The per-layer writer of a dense checkpoint: every tensor as the layer holds it (a b-bit method's
     fake-quantized weights included), in `dtype`."""
     return LayerWriter(model, dtype)
-
-
-def load(path: Path, config: dict, dtype: torch.dtype) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

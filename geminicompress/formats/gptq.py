@@ -29,7 +29,7 @@ from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.bits import pack_bits, unpack_bits
 from geminicompress.formats.dequant import dequant_reader
 from geminicompress.formats.mixed import dynamic_spec, gptq_dynamic
-from geminicompress.formats.reader import ModuleReader, load_with_reader
+from geminicompress.formats.reader import ModuleReader
 from geminicompress.formats.writer import PackedWriter, QWeights
 
 KEY = "gptq"
@@ -125,8 +125,3 @@ def reader(path: Path, config: dict) -> ModuleReader:
     v1 = str(qc.get("checkpoint_format", "gptq")).lower() != "gptq_v2"
     dynamic = qc.get("dynamic")
     return dequant_reader(SUFFIXES, lambda name, t: unpack_gptq(t, dynamic_spec(dynamic, name, spec), v1))
-
-
-def load(path: Path, config: dict, dtype: torch.dtype):
-    """Load a GPTQ v1 (or v2) checkpoint with `DequantLinear`s in place of the quantized linears."""
-    return load_with_reader(path, dtype, reader(path, config))

@@ -34,7 +34,7 @@ from geminicompress.errors import GeminiError
 from geminicompress.formats import pack_quantized
 from geminicompress.formats.bits import pack_bits
 from geminicompress.formats.checkpoint import compressed_tensors_format, float_linears
-from geminicompress.formats.reader import ModuleReader, load_with_reader
+from geminicompress.formats.reader import ModuleReader
 from geminicompress.formats.writer import LayerWriter
 
 FORMAT = "int-quantized"
@@ -53,12 +53,12 @@ def _args(strategy: str, dynamic: bool) -> dict[str, Any]:
             "observer_kwargs": {}}
 
 
-def quantization_config(method: str, ignore: list[str]) -> dict[str, Any]:
-    """The `quantization_config` entry of config.json for `method` in ("int8", "w8a8")."""
+def quantization_config(ignore: list[str]) -> dict[str, Any]:
+    """The `quantization_config` entry of config.json for W8A8 (`int8` is written pack-quantized)."""
     group = {
         "targets": ["Linear"],
         "weights": _args("channel", dynamic=False),
-        "input_activations": _args("token", dynamic=True) if method == "w8a8" else None,
+        "input_activations": _args("token", dynamic=True),
         "output_activations": None,
         "format": FORMAT,
     }
@@ -95,7 +95,7 @@ class Int8Writer(LayerWriter):
     def qconfig(self, result: dict[str, Any]) -> dict[str, Any]:
         ignore = float_linears(self.model, self.targets)
         if self.method == "w8a8":
-            return quantization_config(self.method, ignore)
+            return quantization_config(ignore)
         return pack_quantized.ct_config(QuantSpec(8), {}, sorted(ignore))
 
     def write_config(self, out: Path, result: dict[str, Any]) -> dict[str, Any]:
@@ -136,11 +136,6 @@ def reader(path: Path, config: dict[str, Any]) -> ModuleReader:
 
     # q/k/v and gate/up as one GEMM each at run time (compress/int8/shared_input.py): same results
     return ModuleReader("weight_scale", ("weight", "weight_scale", "bias", *_OPTIONAL), build, after_load=share_inputs)
-
-
-def load(path: Path, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
-    """The checkpoint with every int8 linear (`<name>.weight` int8 + `<name>.weight_scale`) an INT8 module."""
-    return load_with_reader(path, dtype, reader(path, config))
 
 
 def _check_scheme(path: Path, qc: dict[str, Any]) -> bool:

@@ -25,7 +25,7 @@ from geminicompress.formats.bits import pack_bits, unpack_bits
 from geminicompress.formats.checkpoint import compressed_tensors_format, scale_dtype
 from geminicompress.formats.dequant import dequant_reader
 from geminicompress.formats.mixed import ct_config_groups, ct_spec_of
-from geminicompress.formats.reader import ModuleReader, load_with_reader
+from geminicompress.formats.reader import ModuleReader
 from geminicompress.formats.writer import PackedWriter, QWeights
 
 KEY = "compressed-tensors:pack-quantized"
@@ -138,8 +138,3 @@ def reader(path: Path, config: dict) -> ModuleReader:
         return unpack_ct(tensors, spec)
 
     return dequant_reader(SUFFIXES, unpack_module)
-
-
-def load(path: Path, config: dict, dtype: torch.dtype):
-    """Load a compressed-tensors pack-quantized checkpoint with `DequantLinear`s."""
-    return load_with_reader(path, dtype, reader(path, config))

@@ -1,8 +1,8 @@
 """One quantized module of a checkpoint at a time: how a format stores a module and what module our
 loader puts in its place. Both ways of reading a checkpoint use it, so they compute the same thing:
 
-- `load_with_reader` loads the whole checkpoint into memory (the `load` of gptq, awq, pack-quantized,
-  int-quantized and sparse-bitmask);
+- `load_with_reader` loads the whole checkpoint into memory (`formats.load`, for gptq, awq, pack-quantized,
+  int-quantized and sparse-bitmask alike);
 - `models.lazy.LazyCheckpoint` builds one module when its decoder layer is read and drops it after
   (eval and the check of OUT for a model bigger than memory).
 

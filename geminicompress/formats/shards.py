@@ -182,12 +182,11 @@ class ShardWriter:
         reserve = self._reserve()
         if 8 + len(header) <= reserve and opened["bytes"] >= SMALL_SHARD * reserve:
             header += b" " * (reserve - 8 - len(header))  # trailing spaces: allowed, and the data starts at `reserve`
-            with self._guard(data):
-                with open(data, "r+b") as out:
-                    out.write(struct.pack("<Q", len(header)))
-                    out.write(header)
-                    out.flush()
-                    os.fsync(out.fileno())
+            with self._guard(data), open(data, "r+b") as out:
+                out.write(struct.pack("<Q", len(header)))
+                out.write(header)
+                out.flush()
+                os.fsync(out.fileno())
             os.replace(data, final)
         else:
             self._copy_with_header(data, final, header, reserve)
@@ -200,23 +199,21 @@ class ShardWriter:
     def _copy_with_header(self, data: Path, final: Path, header: bytes, skip: int) -> None:
         header += b" " * (-len(header) % 8)  # keeps the data 8-byte aligned
         tmp = final.with_name(final.name + ".tmp")
-        with self._guard(tmp):
-            with open(tmp, "wb") as out, open(data, "rb") as src:
-                out.write(struct.pack("<Q", len(header)))
-                out.write(header)
-                src.seek(skip)
-                shutil.copyfileobj(src, out, 64 << 20)
-                out.flush()
-                os.fsync(out.fileno())
+        with self._guard(tmp), open(tmp, "wb") as out, open(data, "rb") as src:
+            out.write(struct.pack("<Q", len(header)))
+            out.write(header)
+            src.seek(skip)
+            shutil.copyfileobj(src, out, 64 << 20)
+            out.flush()
+            os.fsync(out.fileno())
         os.replace(tmp, final)
 
     def _sync(self) -> None:
         path = self._data_path()
         if path.is_file():
-            with self._guard(path):
-                with open(path, "ab") as f:
-                    f.flush()
-                    os.fsync(f.fileno())
+            with self._guard(path), open(path, "ab") as f:
+                f.flush()
+                os.fsync(f.fileno())
 
     def _save_state(self) -> None:
         with self._guard(self.work / PROGRESS):

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from geminicompress.formats.checkpoint import compressed_tensors_format, float_linears
-from geminicompress.formats.reader import ModuleReader, load_with_reader
+from geminicompress.formats.reader import ModuleReader
 from geminicompress.formats.writer import LayerWriter
 
 KEY = "compressed-tensors:sparse-bitmask"  # and its 2:4 variant, sparse-24-bitmask
@@ -135,8 +135,3 @@ def reader(path: Path, config: dict[str, Any]) -> ModuleReader:
         return linear
 
     return ModuleReader("bitmask", (*SUFFIXES, "bias"), build)
-
-
-def load(path: Path, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
-    """A sparse-bitmask (or sparse-24-bitmask) checkpoint as a dense model."""
-    return load_with_reader(path, dtype, reader(path, config))

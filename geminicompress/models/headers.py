@@ -119,13 +119,8 @@ def weights_bytes(path: Path, dtype_size: int = 4) -> int:
 def loaded_bytes(path: Path, dtype: torch.dtype) -> int:
     """About what the model at `path` holds in memory when loaded in `dtype`: float tensors in `dtype`,
     packed integer codes at twice their stored bytes (a 4-bit code unpacks to one byte), int8 codes as stored."""
-    total = 0
-    for info in read_headers(path).values():
-        if info.dtype.is_floating_point:
-            total += info.numel * dtype.itemsize
-        else:
-            total += info.nbytes * (2 if info.dtype == torch.int32 else 1)
-    return total
+    return sum(i.numel * dtype.itemsize if i.dtype.is_floating_point
+               else i.nbytes * (2 if i.dtype == torch.int32 else 1) for i in read_headers(path).values())
 
 
 def free_disk(path: Path) -> int:

@@ -103,14 +103,9 @@ class LazyCheckpoint:
         """Bytes of the tensors under `prefix` (each as stored, or in `dtype` when it is floating)."""
         names = [self.stored_name(n) for n in self.names(prefix)]
         names += [k for q in self._quantized_under(prefix) for k in self.quantized[q]]
-        total = 0
-        for n in names:
-            info = self.tensors.get(n)
-            if info is None:
-                continue
-            size = dtype.itemsize if dtype is not None and info.dtype.is_floating_point else info.dtype.itemsize
-            total += info.numel * size
-        return total
+        infos = [self.tensors[n] for n in names if n in self.tensors]
+        return sum(i.numel * (dtype if dtype is not None and i.dtype.is_floating_point else i.dtype).itemsize
+                   for i in infos)
 
     def read(self, names: Sequence[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The tensors `names` (floats cast to `dtype` when given), reading each shard once, in name order."""

@@ -85,30 +85,17 @@ def load_model(
 ) -> LoadedModel:
     """Load model and tokenizer from MODEL; raise a `GeminiError` with one clear line on failure, a
     `NonFiniteError` (an input error) when a float tensor holds NaN/Inf unless `allow_nonfinite`."""
-    loaded = _load(spec, dtype, trust_remote_code, allow_pickle)
-    if loaded.model is not None:
-        loaded.nonfinite = check_named(loaded.model.state_dict().items(), allow_nonfinite)
-    return loaded
-
-
-def _load(spec: str, dtype: torch.dtype, trust_remote_code: bool, allow_pickle: bool) -> LoadedModel:
     source = resolve_model(spec)
+    fmt = None
     if source.kind == "gguf":
         model, tok = _load_gguf(source.path, source.gguf_file, dtype)
-        return LoadedModel(model, tok, source)
-    if source.kind == "hub":
+    elif source.kind == "hub":
         model, tok = _load_hub(spec, dtype, trust_remote_code, allow_pickle)
-        return LoadedModel(model, tok, source)
-    path = demo_dir() if source.kind == "demo" else source.path
-    model, tok, fmt = _load_dir(path, dtype, trust_remote_code, allow_pickle)
-    return LoadedModel(model, tok, source, fmt)
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise GeminiError(f"{path}/config.json cannot be read: {exc}") from exc
+    else:
+        path = demo_dir() if source.kind == "demo" else source.path
+        model, tok, fmt = _load_dir(path, dtype, trust_remote_code, allow_pickle)
+    model.eval()
+    return LoadedModel(model, tok, source, fmt, nonfinite=check_named(model.state_dict().items(), allow_nonfinite))
 
 
 def _check_weights(path: Path, allow_pickle: bool) -> None:
@@ -128,7 +115,10 @@ def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool, allow_pic
     from transformers import AutoModelForCausalLM
 
     _check_weights(path, allow_pickle)
-    config = _read_config(path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise GeminiError(f"{path}/config.json cannot be read: {exc}") from exc
     key = formats.detect(config)
     try:
         if key is None:
@@ -137,11 +127,8 @@ def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool, allow_pic
             )
         else:
             model = formats.load(path, config, dtype)
-    except GeminiError:
-        raise
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise GeminiError(f"{path} does not load as a causal language model: {_first_line(exc)}") from exc
-    model.eval()
     return model, load_tokenizer(str(path), trust_remote_code), key
 
 
@@ -170,7 +157,6 @@ def _load_gguf(folder: Path, gguf_file: str, dtype: torch.dtype):
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.eval()
     return model, tok
 
 
@@ -188,7 +174,6 @@ def _load_hub(spec: str, dtype: torch.dtype, trust_remote_code: bool, allow_pick
             f"could not load '{spec}' from the hub: {_first_line(exc)} "
             "(offline? download it once or pass a local directory)"
         ) from exc
-    model.eval()
     return model, load_tokenizer(spec, trust_remote_code, local_files_only=offline)
 
 

@@ -48,9 +48,11 @@ class Int8:
         self.groups, self.skipped = sq.foldable_groups(ctx.model, arch_for(ctx.model), set(self.targets)) \
             if self.calibrated else ([], [])
 
-    def quantize(self, root: nn.Module, prefix: str, smoothed: dict[str, float] | None = None) -> list[dict[str, Any]]:
-        """Swap every targeted linear under module `root` (named `prefix` in the model) for its INT8 module."""
-        rows = []
+    def quantize(self, root: nn.Module, prefix: str, smoothed: dict[str, float] | None = None
+                 ) -> list[tuple[nn.Module, dict[str, Any]]]:
+        """Swap every targeted linear under module `root` (named `prefix` in the model) for its INT8 module;
+        returns (the module, its row of the summary) for each."""
+        made = []
         head = f"{prefix}." if prefix else ""
         for full in self.targets:
             if not (full == prefix or full.startswith(head)):
@@ -61,10 +63,10 @@ class Int8:
             err = relative_error(linear.weight, module.dequantized_weight())
             if rel:
                 set_module(root, rel, module)
-            rows.append({"name": full, "shape": [module.out_features, module.in_features], "kernel": module.kernel,
-                         "smoothquant_max_scale": (smoothed or {}).get(full), "weight_rel_error": round(err, 6),
-                         "module": module})
-        return rows
+            made.append((module, {"name": full, "shape": [module.out_features, module.in_features],
+                                  "kernel": module.kernel, "smoothquant_max_scale": (smoothed or {}).get(full),
+                                  "weight_rel_error": round(err, 6)}))
+        return made
 
     @torch.no_grad()
     def _smooth(self, job: LayerJob) -> dict[str, float]:
@@ -94,18 +96,15 @@ class Int8:
         @torch.no_grad()
         def process(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             smoothed = self._smooth(job) if self.calibrated else None
-            rows = self.quantize(job.layer, f"{job.arch.layers}.{job.index}", smoothed)
-            return {"quantized": len(rows), "int8_rows": [public_row(r) for r in rows]}, {}
+            rows = [row for _, row in self.quantize(job.layer, f"{job.arch.layers}.{job.index}", smoothed)]
+            return {"quantized": len(rows), "int8_rows": rows}, {}
 
         return process
 
     @torch.no_grad()
     def outside(self, name: str, module: nn.Module) -> tuple[nn.Module, dict] | None:
         """A targeted linear outside the decoder layers (an output head not ignored): its INT8 module."""
-        if name not in self.targets:
-            return None
-        row = self.quantize(module, name)[0]
-        return row["module"], public_row(row)
+        return self.quantize(module, name)[0] if name in self.targets else None
 
     def writer(self) -> Int8Writer:
         return Int8Writer(self.ctx.model, self.ctx.out_dtype, self.cfg.method, self.targets)
@@ -145,7 +144,3 @@ def select_linears(model: nn.Module, ignore: list[str], explicit: bool) -> tuple
 def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
     w = w.detach().float()
     return float((w - w_hat.to(w.device)).norm() / w.norm().clamp_min(1e-12))
-
-
-def public_row(row: dict) -> dict:
-    return {k: v for k, v in row.items() if k != "module"}

@@ -186,10 +186,8 @@ def _awq_layer(job: LayerJob, *, cfg: AWQStage, spec: QuantSpec, saved: dict[str
     searching = saved is None
     linear_inspect = {g.linears[0] for g in arch.smooth if isinstance(job.module(g.inspect), nn.Linear)}
     want_hessian = {g[0] for g in arch.sequential} if cfg.method == "awq+gptq" else linear_inspect
-    if searching or cfg.method == "awq+gptq":
-        stats, inspect_inputs = _collect(job, cfg.search_windows, want_hessian, searching)
-    else:
-        stats, inspect_inputs = {}, {}
+    stats, inspect_inputs = _collect(job, cfg.search_windows, want_hessian, searching) \
+        if searching or cfg.method == "awq+gptq" else ({}, {})
     saved_smooth, saved_clip = results.layer_results(saved, job.index) if saved is not None else ({}, {})
     input_of = {name: group[0] for group in arch.sequential for name in group}
     divided: dict[str, torch.Tensor] = {}  # input set -> s its input is now divided by

@@ -254,16 +254,14 @@ class Prune:
             extra["threshold"] = value if math.isfinite(value) else None
         if self.calibrated:
             extra.update(calibration_windows=int(done.windows.shape[0]), calibration_seq_len=int(done.windows.shape[1]))
-        masks_file = None
         keeps = {f"{self.arch.layers}.{k.removesuffix('.keep')}.weight": v
                  for k, v in done.kept.items() if k.endswith(".keep")}
         if keeps:  # held for a following distill stage (a model in memory), and beside the weights
             self.ctx.masks = {name: keeps[name].bool().cpu() for name in self.targets}
             write_masks(self.ctx.masks, done.out_dir)
-            masks_file = MASKS_FILE
         return {"method": cfg.method, "scope": cfg.scope, "pattern": cfg.pattern,
                 "requested_sparsity": self.pattern[0] / self.pattern[1] if self.pattern else cfg.sparsity,
                 "achieved_sparsity": round(achieved, 6), "prunable_params": sum(r["params"] for r in rows),
                 "pruned_params": sum(r["zeros"] for r in rows), "plan_seconds": round(self.plan_seconds, 3),
-                **extra, "layers_over_90pct": [r["name"] for r in high], "masks_file": masks_file,
+                **extra, "layers_over_90pct": [r["name"] for r in high], "masks_file": MASKS_FILE if keeps else None,
                 "histogram_file": HISTOGRAM_FILE, "layers": rows}

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import arch_for, get_module, set_module, tied_output
+from geminicompress.compress.arch import arch_for, get_module, set_module
 from geminicompress.compress.int8 import smoothquant as sq
 from geminicompress.compress.int8.modules import MODULES
 from geminicompress.compress.targets import check_patterns_match, compile_patterns
@@ -37,11 +37,9 @@ class Int8:
 
     def __init__(self, cfg: Int8Stage, ctx: StageContext) -> None:
         self.cfg, self.ctx = cfg, ctx
-        self.targets, self.kept = select_linears(ctx.model, cfg.ignore, explicit="ignore" in cfg.model_fields_set)
-        tied = ctx.layers.tied_output  # a skeleton read from disk is not tied in memory: the source says it
-        if tied and tied not in self.kept:
-            self.kept[tied] = "output head tied to the input embeddings"
-            self.targets = [t for t in self.targets if t != tied]
+        # the tied head from the layer source: a skeleton read from disk is not tied in memory
+        self.targets, self.kept = select_linears(ctx.model, cfg.ignore, "ignore" in cfg.model_fields_set,
+                                                 ctx.layers.tied_output)
         if not self.targets:
             raise InputError("the ignore patterns leave no linear layer to quantize")
         self.calibrated = cfg.smoothquant_alpha is not None
@@ -121,20 +119,20 @@ class Int8:
                 "quantized": len(rows), "kept_float": self.kept, "smoothquant": smoothing, "layers": rows}
 
 
-def select_linears(model: nn.Module, ignore: list[str], explicit: bool) -> tuple[list[str], dict[str, str]]:
-    """(names of linears to quantize, {kept linear: why}).  A user-given pattern matching no linear is
-    an InputError: it is almost always a typo."""
+def select_linears(model: nn.Module, ignore: list[str], explicit: bool,
+                   tied: str | None) -> tuple[list[str], dict[str, str]]:
+    """(names of linears to quantize, {kept linear: why}), `tied` the output head tied to the input embeddings
+    (kept in float). A user-given pattern matching no linear is an InputError: it is almost always a typo."""
     patterns = compile_patterns(ignore)
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if explicit:
         check_patterns_match(patterns, linears)
-    tied_head = tied_output(model)
     targets, kept = [], {}
     for name in linears:
         hit = next((rx.pattern for rx in patterns if rx.search(name)), None)
         if hit is not None:
             kept[name] = f"ignore '{hit}'"
-        elif name == tied_head:
+        elif name == tied:
             kept[name] = "output head tied to the input embeddings"
         else:
             targets.append(name)

@@ -72,10 +72,8 @@ def check_pattern(targets: dict[str, nn.Linear], pattern: Pattern | None, block_
 def _wanda(W: torch.Tensor, norms: InputNorms, sparsity: float, count: int | None, pattern: Pattern | None,
            cfg: PruneStage, device: torch.device) -> torch.Tensor:
     """Wanda: zero the lowest |W|·‖X‖ of each row (exactly `count` of them for an allocation); no update."""
-    if count is not None:
-        keep = row_mask_count(wanda_scores(W, norms.norms()), count)
-    else:
-        keep = wanda_mask(W, norms.norms(), sparsity, pattern)
+    keep = wanda_mask(W, norms.norms(), sparsity, pattern) if count is None else \
+        row_mask_count(wanda_scores(W, norms.norms()), count)
     W.masked_fill_(~keep, 0.0)
     return keep
 

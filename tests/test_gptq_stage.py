@@ -243,15 +243,15 @@ def test_bfloat16_calibration_keeps_float32_weights_on_the_grid_and_matches_floa
 @pytest.mark.parametrize("bits,in_f", [(2, 8), (3, 10), (4, 6), (4, 5), (8, 6)])
 def test_kept_codes_round_trip_through_nibble_packing(bits, in_f):
     """Codes kept between layers (two per byte up to 4 bits) come back identical at export."""
-    from geminicompress.compress.gptq.stage import _codes, _kept
+    from geminicompress.compress.grid import KeptCodes, keep_codes
 
     q = torch.randint(0, 2 ** bits, (7, in_f), generator=torch.Generator().manual_seed(bits), dtype=torch.int32)
     g_idx = torch.zeros(in_f, dtype=torch.int32)
     qw = QuantizedWeight(q, torch.ones(7, 1), torch.zeros(7, 1, dtype=torch.int32), g_idx, QuantSpec(bits, -1))
-    kept = _kept(qw)
+    kept = keep_codes(qw, "m")
     packed = bits <= 4 and in_f % 2 == 0
-    assert kept["q"].shape == (7, in_f // 2 if packed else in_f)
-    assert torch.equal(_codes(kept["q"], kept["g_idx"]).to(torch.int32), q)
+    assert kept["m.q"].shape == (7, in_f // 2 if packed else in_f)
+    assert torch.equal(KeptCodes(kept, {"m": ("m", qw.spec)})["m"].q.to(torch.int32), q)
 
 
 def test_auto_group_size_is_the_largest_that_divides_every_layer():

@@ -10,6 +10,7 @@ Conventions (those of GPTQ / AutoGPTQ, so that packed checkpoints load in their 
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -98,9 +99,6 @@ def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq
     return dequantize(quantize(w, scale, zero, maxq), scale, zero)
 
 
-CODE_FIELDS = ("q", "scales", "zeros", "g_idx")  # QuantizedWeight's tensors, as stages keep them between steps
-
-
 @dataclass
 class QuantizedWeight:
     """The artifact between a solver (RTN, GPTQ, AWQ) and a packer: codes plus per-group parameters.
@@ -132,6 +130,42 @@ class QuantizedWeight:
         of `sizes[i]` consecutive rows each; g_idx and spec are shared (rows are independent)."""
         return [QuantizedWeight(q, scales, zeros, self.g_idx, self.spec)
                 for q, scales, zeros in zip(self.q.split(sizes), self.scales.split(sizes), self.zeros.split(sizes))]
+
+
+def keep_codes(qw: QuantizedWeight, name: str) -> dict[str, torch.Tensor]:
+    """`qw` as a stage keeps it between steps, "<name>.<field>" tensors on the CPU, each with its own storage
+    (row slices share the stacked one): codes and zeros as uint8 (a quarter of int32), codes two to a byte up to
+    4 bits (an eighth). The kept codes of every layer done so far are alive at the end of calibration, its
+    memory peak."""
+    q = qw.q.to(torch.uint8)
+    if qw.spec.bits <= 4 and q.shape[1] % 2 == 0:
+        q = q[:, 0::2] | (q[:, 1::2] << 4)
+    fields = {"q": q, "scales": qw.scales, "zeros": qw.zeros.to(torch.uint8), "g_idx": qw.g_idx}
+    return {f"{name}.{k}": v.cpu().clone() for k, v in fields.items()}
+
+
+class KeptCodes(Mapping[str, QuantizedWeight]):
+    """{full module name: QuantizedWeight} over the tensors `keep_codes` kept, `names` giving each module's kept
+    name and spec, built on access: the exporter packs one module at a time, so the unpacked codes of one module
+    at a time are alive, not those of the whole model next to their packed copies (export is the run's memory
+    peak). Codes and zeros stay uint8 (the packers accept any integer dtype): int32 codes of the whole model
+    would cost as much memory as its float32 weights."""
+
+    def __init__(self, kept: Mapping[str, torch.Tensor], names: dict[str, tuple[str, QuantSpec]]) -> None:
+        self._kept, self._names = kept, names
+
+    def __getitem__(self, key: str) -> QuantizedWeight:
+        name, spec = self._names[key]
+        q, g_idx = self._kept[f"{name}.q"], self._kept[f"{name}.g_idx"]
+        if q.shape[1] != g_idx.numel():  # two codes to a byte: (out, in) again
+            q = torch.stack([q & 15, q >> 4], dim=-1).reshape(q.shape[0], -1)
+        return QuantizedWeight(q, self._kept[f"{name}.scales"], self._kept[f"{name}.zeros"], g_idx, spec)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def group_index(columns: int, spec: QuantSpec) -> torch.Tensor:

@@ -5,19 +5,18 @@ is compared with, and the fastest path. Writes every format the other b-bit meth
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
 
-from geminicompress.compress.grid import CODE_FIELDS, QuantizedWeight, QuantSpec, rtn_quantize
+from geminicompress.compress.grid import KeptCodes, QuantizedWeight, QuantSpec, keep_codes, rtn_quantize
 from geminicompress.compress.targets import weight_quant_targets
 from geminicompress.engine.contract import Done, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
 from geminicompress.formats import writer_for
 from geminicompress.formats.checkpoint import scale_dtype
 from geminicompress.recipes.base import WeightQuantStage
-
 
 
 class RTNStage(WeightQuantStage):
@@ -50,16 +49,16 @@ class RTN:
             for n in job.arch.linears:
                 if f"{prefix}.{n}" in targets:
                     qw, err = quantize_linear(job.module(n).weight, self.spec, self.scales_as)
-                    kept.update({f"{n}.{f}": getattr(qw, f) for f in CODE_FIELDS})
+                    kept.update(keep_codes(qw, n))
                     errors.append(err)
             return {"errors": errors}, kept
 
         return process
 
-    def qweights(self, i: int, kept: dict[str, torch.Tensor]) -> Mapping[str, QuantizedWeight]:
+    def qweights(self, i: int, kept: dict[str, torch.Tensor]) -> KeptCodes:
         prefix = self.ctx.layer_prefix(i)
         names = dict.fromkeys(k.rsplit(".", 1)[0] for k in kept)
-        return {f"{prefix}.{n}": QuantizedWeight(*(kept[f"{n}.{f}"] for f in CODE_FIELDS), self.spec) for n in names}
+        return KeptCodes(kept, {f"{prefix}.{n}": (n, self.spec) for n in names})
 
     def writer(self) -> Any:
         meta = {"dtype": str(self.ctx.out_dtype).removeprefix("torch."), "zero_point": not self.cfg.sym, "method": "rtn"}
@@ -75,13 +74,12 @@ class RTN:
 
 @torch.no_grad()
 def quantize_linear(weight: torch.Tensor, spec: QuantSpec, scales_as: torch.dtype) -> tuple[QuantizedWeight, float]:
-    """RTN of one weight (out, in), written back fake-quantized in place; returns its codes (uint8, on the
-    CPU) and the relative error ‖W − Ŵ‖ / ‖W‖."""
+    """RTN of one weight (out, in), written back fake-quantized in place; returns its codes and the relative
+    error ‖W − Ŵ‖ / ‖W‖."""
     w = weight.detach().float()  # (out, in)
     qw = rtn_quantize(w, spec)
     qw.scales = qw.scales.to(scales_as).float()  # what the checkpoint will hold
     w_hat = qw.dequantize()
     err = float((w - w_hat).norm() / w.norm().clamp_min(1e-12))
     weight.copy_(w_hat.to(weight.dtype))
-    qw.q, qw.zeros = qw.q.to(torch.uint8).cpu(), qw.zeros.to(torch.uint8).cpu()  # a quarter of int32
     return qw, err

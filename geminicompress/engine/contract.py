@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
-import torch.nn as nn
 
 from geminicompress.compress.arch import arch_for
 from geminicompress.data.windows import calibration_windows
 from geminicompress.engine.layers import LayerFn
+from geminicompress.formats.writer import LayerWriter
 from geminicompress.progress import Progress
 
 
@@ -71,21 +71,6 @@ class Done:
     outside_rows: list[dict] = field(default_factory=list)  # what `outside` did to the modules outside the layers
     kept: dict[str, torch.Tensor] = field(default_factory=dict)  # the stage's kept tensors the sink retained
     calib_dtype: torch.dtype | None = None  # the dtype the layers computed in while calibrating
-
-
-class LayerWriter(Protocol):
-    """A format, one decoder layer at a time (formats/): the tensors a finished layer writes, how a
-    resumed run reads them back into the layer, and config.json at the end."""
-
-    format: str
-
-    def layer_tensors(self, i: int, layer: nn.Module, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
-
-    def load_back(self, i: int, layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None: ...
-
-    def exact_weights(self, i: int, kept: dict[str, torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]: ...
-
-    def write_config(self, out: Path, result: dict[str, Any]) -> dict[str, Any]: ...
 
 
 class LayerStage(Protocol):

@@ -59,12 +59,9 @@ def estimate(ckpt: LazyCheckpoint, out_dtype: torch.dtype, quantized: bool, max_
         n, T = calib.windows
         activations = n * T * per_token * calib.calib_dtype.itemsize
         peak = BASE_BYTES + layer + activations + calib.squares * 4 * widest**2 + 3 * 4 * biggest
-    disk = 0
-    for name, info in ckpt.tensors.items():
-        if info.dtype.is_floating_point:
-            disk += info.numel * (1 if quantized and name.endswith("proj.weight") else out_dtype.itemsize)
-        else:
-            disk += info.nbytes
+    # every tensor as written: floats in the output dtype (a quantized linear's weight: about a byte per weight)
+    disk = sum(info.numel * (1 if quantized and name.endswith("proj.weight") else out_dtype.itemsize)
+               if info.dtype.is_floating_point else info.nbytes for name, info in ckpt.tensors.items())
     return {"peak_memory_bytes": peak, "disk_bytes": disk + min(max_shard, disk)}
 
 

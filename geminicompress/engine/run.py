@@ -90,11 +90,10 @@ def walk(ctx: StageContext, stages: list[LayerStage], sink: Any, description: st
     fn = compose(*[s.layer_fn() for s in stages]) if stages else nothing
     done = run_layerwise(source, windows, fn, device=ctx.device, progress=ctx.progress, description=description,
                          calib_dtype=dtypes[0] if dtypes is not None else None, sink=sink)
-    summaries, kept = done.summaries, done.kept
     hooks = [s.outside for s in stages if hasattr(s, "outside")]
     rows = walk_outside(source, hooks, sink)
-    per_stage_summaries = [[{"layer": x["layer"], **stage_kept(x, k, n)} for x in summaries] for k in range(n)]
-    per_stage_kept = [_stage_kept_all(kept, k, n) for k in range(n)]
+    per_stage_summaries = [[{"layer": x["layer"], **stage_kept(x, k, n)} for x in done.summaries] for k in range(n)]
+    per_stage_kept = [_stage_kept_all(done.kept, k, n) for k in range(n)]
     return Walked(per_stage_summaries, per_stage_kept, rows, windows, dtypes, time.perf_counter() - t0)
 
 
@@ -102,13 +101,8 @@ def _stage_kept_all(kept: dict[str, torch.Tensor], k: int, n: int) -> dict[str, 
     """Stage k's entries of a walk's kept tensors ("<layer>.<stage>.<name>" -> "<layer>.<name>")."""
     if n == 1:
         return kept
-    out = {}
-    for key, value in kept.items():
-        layer, _, rest = key.partition(".")
-        stage, _, name = rest.partition(".")
-        if stage == str(k):
-            out[f"{layer}.{name}"] = value
-    return out
+    parts = ((key.split(".", 2), value) for key, value in kept.items())
+    return {f"{layer}.{name}": value for (layer, stage, name), value in parts if stage == str(k)}
 
 
 def retain_of(stages: list[LayerStage]) -> Callable[[dict], dict] | None:

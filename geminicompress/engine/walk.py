@@ -215,8 +215,7 @@ def _capture(source: LayerSource, windows: torch.Tensor, device: torch.device,
     materialise = getattr(source, "ckpt", None)
     for name in loaded:
         materialise.materialise(name, torch.float32)
-    hidden = source.model.config.hidden_size
-    storage = activation_storage(windows, hidden, calib_dtype or torch.float32, device)
+    storage = activation_storage(windows, source.model.config.hidden_size, calib_dtype or torch.float32, device)
     try:
         return capture_inputs(source.model, windows, device, storage, dtype=calib_dtype)
     finally:

@@ -28,7 +28,7 @@ from geminicompress.compress.awq import results
 from geminicompress.compress.awq.search import apply_clip, linear_error, scaled_weights, search_clip, search_scales
 from geminicompress.compress.fold import fold_problem, fold_scales
 from geminicompress.compress.gptq.solver import gptq_quantize, zeros_to_keep
-from geminicompress.compress.grid import CODE_FIELDS, QuantizedWeight, QuantSpec, rtn_quantize
+from geminicompress.compress.grid import KeptCodes, QuantSpec, keep_codes, rtn_quantize
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.targets import weight_quant_targets
 from geminicompress.engine.contract import Done, StageContext
@@ -70,11 +70,10 @@ class AWQ:
         """What a streamed run holds of a finished layer until the summary: its search results."""
         return {k: v for k, v in kept.items() if not k.startswith("qw.")}
 
-    def qweights(self, i: int, kept: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
+    def qweights(self, i: int, kept: dict[str, torch.Tensor]) -> KeptCodes:
         """Layer i's quantized linears from its kept "qw.<linear>.<field>" tensors, by linear name."""
         names = sorted({k.rsplit(".", 1)[0].removeprefix("qw.") for k in kept if k.startswith("qw.")})
-        return {f"{self.layers_path}{i}.{n}": QuantizedWeight(*(kept[f"qw.{n}.{f}"] for f in CODE_FIELDS), self.spec)
-                for n in names}
+        return KeptCodes(kept, {f"{self.layers_path}{i}.{n}": (f"qw.{n}", self.spec) for n in names})
 
     def writer(self) -> Any:
         dtype = str(self.ctx.out_dtype).removeprefix("torch.")
@@ -187,10 +186,8 @@ def _awq_layer(job: LayerJob, *, cfg: AWQStage, spec: QuantSpec, saved: dict[str
     searching = saved is None
     linear_inspect = {g.linears[0] for g in arch.smooth if isinstance(job.module(g.inspect), nn.Linear)}
     want_hessian = {g[0] for g in arch.sequential} if cfg.method == "awq+gptq" else linear_inspect
-    if searching or cfg.method == "awq+gptq":
-        stats, inspect_inputs = _collect(job, cfg.search_windows, want_hessian, searching)
-    else:
-        stats, inspect_inputs = {}, {}
+    stats, inspect_inputs = _collect(job, cfg.search_windows, want_hessian, searching) \
+        if searching or cfg.method == "awq+gptq" else ({}, {})
     saved_smooth, saved_clip = results.layer_results(saved, job.index) if saved is not None else ({}, {})
     input_of = {name: group[0] for group in arch.sequential for name in group}
     divided: dict[str, torch.Tensor] = {}  # input set -> s its input is now divided by
@@ -280,7 +277,5 @@ def _quantize(job: LayerJob, cfg: AWQStage, spec: QuantSpec, quantized: list[str
         qw.scales = qw.scales.to(scales_as).float()  # what the checkpoint will hold
         for name, module, part in zip(names, modules, qw.split_rows([m.out_features for m in modules])):
             module.weight.data = part.dequantize().to(module.weight.dtype)
-            stored = {"q": part.q.to(torch.uint8), "scales": part.scales, "zeros": part.zeros.to(torch.uint8),
-                      "g_idx": part.g_idx}
-            kept.update({f"qw.{name}.{k}": v.cpu().clone() for k, v in stored.items()})
+            kept.update(keep_codes(part, f"qw.{name}"))
     return kept

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch.nn as nn
 
-from geminicompress.compress.allocation import Allocation, allocate, allocate_within_drift, check_budget, frontier
+from geminicompress.compress.allocation import allocate, allocate_within_drift, check_budget, frontier
 from geminicompress.compress.grid import QuantSpec
 from geminicompress.compress.sensitivity.measure import measure_sensitivity, read_table
 from geminicompress.compress.sensitivity.options import parse_options
@@ -97,13 +97,10 @@ def allocate_specs(table: dict[str, Any], alloc: Any, targets: list[str], sym: b
     curve = [{"bits": round(c / params, 5), "predicted_drift_pct": round(drift_pct(d), 5)}
              for c, d in frontier(cost, drift, resolution=256)]
     counts = {o: sum(u["params"] for u, j in zip(units, a.choice) if j == i) for i, o in enumerate(alloc.options)}
-    return specs, {**target, **_chosen(a, params, fixed), "weights_per_option": counts, "frontier": curve,
-                   "table_measure": table.get("measure")}
-
-
-def _chosen(a: Allocation, params: float, fixed: float) -> dict[str, float]:
-    return {"average_bits": round(a.cost / params, 5), "predicted_kl": round(a.drift, 6),
-            "predicted_drift_pct": round(drift_pct(a.drift), 4), "predicted_size_mb": round((a.cost / 8 + fixed) / 1e6, 4)}
+    return specs, {**target, "average_bits": round(a.cost / params, 5), "predicted_kl": round(a.drift, 6),
+                   "predicted_drift_pct": round(drift_pct(a.drift), 4),
+                   "predicted_size_mb": round((a.cost / 8 + fixed) / 1e6, 4), "weights_per_option": counts,
+                   "frontier": curve, "table_measure": table.get("measure")}
 
 
 def module_specs(cfg: Any, ctx: Any, targets: list[str], spec: QuantSpec) -> tuple[dict[str, QuantSpec], dict[str, Any]]:

@@ -18,7 +18,6 @@ The codes/scales/zeros/g_idx are kept and packed at export (formats/).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any
 
@@ -27,7 +26,7 @@ import torch.nn as nn
 
 from geminicompress.compress.gptq.allocate import module_specs, write_allocation
 from geminicompress.compress.gptq.solver import gptq_quantize, zeros_to_keep
-from geminicompress.compress.grid import QuantizedWeight, QuantSpec
+from geminicompress.compress.grid import KeptCodes, QuantSpec, keep_codes
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.targets import present_groups, weight_quant_targets
 from geminicompress.engine.compose import OnePassFn
@@ -84,9 +83,10 @@ class GPTQ:
                           targets={n.removeprefix(self.layers_path) for n in self.targets}, specs=self.relative)
         return OnePassFn(process) if self.cfg.true_sequential and self.cfg.one_pass else process
 
-    def qweights(self, i: int, kept: dict[str, torch.Tensor]) -> Mapping[str, QuantizedWeight]:
-        """Layer i's quantized linears from the codes the step kept (unpacked one module at a time)."""
-        return KeptCodes({f"{i}.{k}": v for k, v in kept.items()}, self.spec, self.layers_path, self.relative)
+    def qweights(self, i: int, kept: dict[str, torch.Tensor]) -> KeptCodes:
+        """Layer i's quantized linears from the codes the step kept (unpacked one module at a time), by name."""
+        head, names = f"{self.layers_path}{i}.", sorted({k.rsplit(".", 1)[0] for k in kept})
+        return KeptCodes(kept, {head + n: (n, self.specs[head + n]) for n in names})
 
     def writer(self) -> Any:
         cfg = self.cfg  # what the format writers read of the stage's options
@@ -180,7 +180,7 @@ def _solve_group(job: LayerJob, group: list[str], H: torch.Tensor, *, cfg: GPTQS
     qw.scales = qw.scales.to(scales_as).float()  # what the checkpoint will hold
     for name, part in zip(group, qw.split_rows([m.out_features for m in modules])):
         job.set_weight(name, part.dequantize())
-        kept.update({f"{name}.{k}": v for k, v in _kept(part).items()})
+        kept.update(keep_codes(part, name))
     losses["/".join(group)] = loss
 
 
@@ -213,55 +213,3 @@ def _collect_hessians(job: LayerJob, groups: list[list[str]], first_token_weight
             handle.remove()
     return [acc.H for acc in accs]
 
-
-def _kept(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
-    """Codes as uint8 while the other layers run (a quarter of int32), two to a byte up to 4 bits (an eighth):
-    the kept codes of every layer done so far are alive at the end of calibration, its memory peak."""
-    q = qw.q.to(torch.uint8)
-    if qw.spec.bits <= 4 and q.shape[1] % 2 == 0:
-        q = q[:, 0::2] | (q[:, 1::2] << 4)
-    fields = {"q": q, "scales": qw.scales, "zeros": qw.zeros.to(torch.uint8), "g_idx": qw.g_idx}
-    return {k: v.cpu().clone() for k, v in fields.items()}  # own storage: row slices share the stacked one
-
-
-def _codes(q: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
-    """Undo `_kept`'s nibble packing: (out, in) codes; g_idx has one entry per input column."""
-    if q.shape[1] == g_idx.numel():
-        return q
-    return torch.stack([q & 15, q >> 4], dim=-1).reshape(q.shape[0], -1)
-
-
-class KeptCodes(Mapping[str, QuantizedWeight]):
-    """{full module name: QuantizedWeight} over the "<layer>.<linear>.<field>" tensors kept per layer, built
-    on access: the exporter packs one module at a time, so the unpacked codes of one module at a time are
-    alive, not those of the whole model next to their packed copies (export is the run's memory peak).
-
-    Codes and zeros stay uint8 (the packers accept any integer dtype): int32 codes of the whole model
-    would cost as much memory as its float32 weights."""
-
-    def __init__(self, kept: dict[str, torch.Tensor], spec: QuantSpec, layers_path: str,
-                 specs: dict[str, QuantSpec] | None = None) -> None:
-        self._kept, self._spec, self._path, self._specs = kept, spec, layers_path, specs or {}
-        self._names = sorted({k.rsplit(".", 1)[0] for k in kept}, key=_layer_order)
-
-    def __getitem__(self, key: str) -> QuantizedWeight:
-        name = key.removeprefix(self._path)
-        if not key.startswith(self._path) or f"{name}.q" not in self._kept:
-            raise KeyError(key)
-        k = self._kept
-        return QuantizedWeight(_codes(k[f"{name}.q"], k[f"{name}.g_idx"]), k[f"{name}.scales"], k[f"{name}.zeros"],
-                               k[f"{name}.g_idx"], self._specs.get(name, self._spec))
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and key.startswith(self._path) and f"{key.removeprefix(self._path)}.q" in self._kept
-
-    def __iter__(self) -> Iterator[str]:
-        return (self._path + n for n in self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-
-def _layer_order(name: str) -> tuple[int, str]:
-    index, _, rest = name.partition(".")
-    return int(index), rest

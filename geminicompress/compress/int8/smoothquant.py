@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import Arch, SmoothGroup, get_module
+from geminicompress.compress.arch import Arch, get_module
 from geminicompress.compress.fold import fold_problem, fold_scales
 
 
@@ -60,25 +60,16 @@ def foldable_groups(model: nn.Module, arch: Arch, quantized: set[str]) -> tuple[
     layers = get_module(model, arch.layers)
     groups, skipped = [], []
     for i in range(len(layers)):
+        base = f"{arch.layers}.{i}"
         for group in arch.smooth:
-            name = _full(arch, i, group)
-            why = _why_not(model, name, quantized)
+            name = Smoothing(f"{base}.{group.prev}", tuple(f"{base}.{n}" for n in group.linears))
+            why = "a consumer is kept in float" if not all(n in quantized for n in name.linears) else \
+                fold_problem(get_module(model, name.prev), [get_module(model, n) for n in name.linears])
             if why:
                 skipped.append(f"{name.prev} -> {', '.join(n.rsplit('.', 1)[-1] for n in name.linears)}: {why}")
             else:
                 groups.append(name)
     return groups, skipped
-
-
-def _full(arch: Arch, i: int, group: SmoothGroup) -> Smoothing:
-    base = f"{arch.layers}.{i}"
-    return Smoothing(f"{base}.{group.prev}", tuple(f"{base}.{n}" for n in group.linears))
-
-
-def _why_not(model: nn.Module, group: Smoothing, quantized: set[str]) -> str | None:
-    if not all(n in quantized for n in group.linears):
-        return "a consumer is kept in float"
-    return fold_problem(get_module(model, group.prev), [get_module(model, n) for n in group.linears])
 
 
 def window_max(x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import arch_for, get_module, set_module, tied_output
+from geminicompress.compress.arch import arch_for, get_module, set_module
 from geminicompress.compress.int8 import smoothquant as sq
 from geminicompress.compress.int8.modules import MODULES
 from geminicompress.compress.targets import check_patterns_match, compile_patterns
@@ -37,20 +37,20 @@ class Int8:
 
     def __init__(self, cfg: Int8Stage, ctx: StageContext) -> None:
         self.cfg, self.ctx = cfg, ctx
-        self.targets, self.kept = select_linears(ctx.model, cfg.ignore, explicit="ignore" in cfg.model_fields_set)
-        tied = ctx.layers.tied_output  # a skeleton read from disk is not tied in memory: the source says it
-        if tied and tied not in self.kept:
-            self.kept[tied] = "output head tied to the input embeddings"
-            self.targets = [t for t in self.targets if t != tied]
+        # the tied head from the layer source: a skeleton read from disk is not tied in memory
+        self.targets, self.kept = select_linears(ctx.model, cfg.ignore, "ignore" in cfg.model_fields_set,
+                                                 ctx.layers.tied_output)
         if not self.targets:
             raise InputError("the ignore patterns leave no linear layer to quantize")
         self.calibrated = cfg.smoothquant_alpha is not None
         self.groups, self.skipped = sq.foldable_groups(ctx.model, arch_for(ctx.model), set(self.targets)) \
             if self.calibrated else ([], [])
 
-    def quantize(self, root: nn.Module, prefix: str, smoothed: dict[str, float] | None = None) -> list[dict[str, Any]]:
-        """Swap every targeted linear under module `root` (named `prefix` in the model) for its INT8 module."""
-        rows = []
+    def quantize(self, root: nn.Module, prefix: str, smoothed: dict[str, float] | None = None
+                 ) -> list[tuple[nn.Module, dict[str, Any]]]:
+        """Swap every targeted linear under module `root` (named `prefix` in the model) for its INT8 module;
+        returns (the module, its row of the summary) for each."""
+        made = []
         head = f"{prefix}." if prefix else ""
         for full in self.targets:
             if not (full == prefix or full.startswith(head)):
@@ -61,10 +61,10 @@ class Int8:
             err = relative_error(linear.weight, module.dequantized_weight())
             if rel:
                 set_module(root, rel, module)
-            rows.append({"name": full, "shape": [module.out_features, module.in_features], "kernel": module.kernel,
-                         "smoothquant_max_scale": (smoothed or {}).get(full), "weight_rel_error": round(err, 6),
-                         "module": module})
-        return rows
+            made.append((module, {"name": full, "shape": [module.out_features, module.in_features],
+                                  "kernel": module.kernel, "smoothquant_max_scale": (smoothed or {}).get(full),
+                                  "weight_rel_error": round(err, 6)}))
+        return made
 
     @torch.no_grad()
     def _smooth(self, job: LayerJob) -> dict[str, float]:
@@ -94,18 +94,15 @@ class Int8:
         @torch.no_grad()
         def process(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             smoothed = self._smooth(job) if self.calibrated else None
-            rows = self.quantize(job.layer, f"{job.arch.layers}.{job.index}", smoothed)
-            return {"quantized": len(rows), "int8_rows": [public_row(r) for r in rows]}, {}
+            rows = [row for _, row in self.quantize(job.layer, f"{job.arch.layers}.{job.index}", smoothed)]
+            return {"quantized": len(rows), "int8_rows": rows}, {}
 
         return process
 
     @torch.no_grad()
     def outside(self, name: str, module: nn.Module) -> tuple[nn.Module, dict] | None:
         """A targeted linear outside the decoder layers (an output head not ignored): its INT8 module."""
-        if name not in self.targets:
-            return None
-        row = self.quantize(module, name)[0]
-        return row["module"], public_row(row)
+        return self.quantize(module, name)[0] if name in self.targets else None
 
     def writer(self) -> Int8Writer:
         return Int8Writer(self.ctx.model, self.ctx.out_dtype, self.cfg.method, self.targets)
@@ -122,20 +119,20 @@ class Int8:
                 "quantized": len(rows), "kept_float": self.kept, "smoothquant": smoothing, "layers": rows}
 
 
-def select_linears(model: nn.Module, ignore: list[str], explicit: bool) -> tuple[list[str], dict[str, str]]:
-    """(names of linears to quantize, {kept linear: why}).  A user-given pattern matching no linear is
-    an InputError: it is almost always a typo."""
+def select_linears(model: nn.Module, ignore: list[str], explicit: bool,
+                   tied: str | None) -> tuple[list[str], dict[str, str]]:
+    """(names of linears to quantize, {kept linear: why}), `tied` the output head tied to the input embeddings
+    (kept in float). A user-given pattern matching no linear is an InputError: it is almost always a typo."""
     patterns = compile_patterns(ignore)
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if explicit:
         check_patterns_match(patterns, linears)
-    tied_head = tied_output(model)
     targets, kept = [], {}
     for name in linears:
         hit = next((rx.pattern for rx in patterns if rx.search(name)), None)
         if hit is not None:
             kept[name] = f"ignore '{hit}'"
-        elif name == tied_head:
+        elif name == tied:
             kept[name] = "output head tied to the input embeddings"
         else:
             targets.append(name)
@@ -145,7 +142,3 @@ def select_linears(model: nn.Module, ignore: list[str], explicit: bool) -> tuple
 def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
     w = w.detach().float()
     return float((w - w_hat.to(w.device)).norm() / w.norm().clamp_min(1e-12))
-
-
-def public_row(row: dict) -> dict:
-    return {k: v for k, v in row.items() if k != "module"}

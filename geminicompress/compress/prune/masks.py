@@ -26,16 +26,9 @@ def parse_pattern(text: str | None) -> Pattern | None:
 
 
 def tensor_mask(scores: Tensor, sparsity: float) -> Tensor:
-    """Prune exactly round(sparsity · numel) lowest scores of the whole tensor (ties: lower flat index first)."""
-    k = round(sparsity * scores.numel())
-    flat = scores.detach().float().flatten()
-    if k == 0:
-        return torch.ones_like(scores, dtype=torch.bool)
-    value = torch.kthvalue(flat, k).values
-    pruned = flat < value
-    tied = flat == value
-    pruned |= tied & (tied.cumsum(0) <= k - int(pruned.sum()))
-    return ~pruned.view_as(scores)
+    """Prune exactly round(sparsity · numel) lowest scores of the whole tensor (ties: lower flat index first):
+    `row_mask` of the flattened scores as one row."""
+    return row_mask(scores.detach().float().reshape(1, -1), sparsity).view_as(scores)
 
 
 def row_mask(scores: Tensor, sparsity: float) -> Tensor:

@@ -32,8 +32,8 @@ def layer_of(name: str, arch: Arch) -> int:
     return int(name.removeprefix(arch.layers + ".").split(".", 1)[0])
 
 
-def owl_ratios(ctx: Any, cfg: Any, arch: Arch, targets: dict[str, nn.Linear]) -> list[float]:
-    """Outlier ratio D_l of every decoder layer (dense model, calibration windows)."""
+def owl_map(ctx: Any, cfg: Any, arch: Arch, targets: dict[str, nn.Linear]) -> tuple[dict[str, float], dict]:
+    """Sparsity per linear from the outlier ratio D_l of every decoder layer (dense model, calibration windows)."""
 
     @torch.no_grad()
     def observe(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -45,14 +45,9 @@ def owl_ratios(ctx: Any, cfg: Any, arch: Arch, targets: dict[str, nn.Linear]) ->
         return {"outlier_ratio": outlier_ratio(scores, cfg.owl_threshold) if scores else 0.0}, {}
 
     # an observe-only walk over the dense model (in memory, or read from disk layer by layer in float32)
-    summaries = run_layerwise(ctx.layers.reading_in(torch.float32), ctx.calibration(cfg.data), observe,
-                              device=ctx.device, progress=ctx.progress, state_dir=None,
-                              description="owl outliers").summaries
-    return [s["outlier_ratio"] for s in summaries]
-
-
-def owl_map(ctx: Any, cfg: Any, arch: Arch, targets: dict[str, nn.Linear]) -> tuple[dict[str, float], dict]:
-    ratios = owl_ratios(ctx, cfg, arch, targets)
+    walked = run_layerwise(ctx.layers.reading_in(torch.float32), ctx.calibration(cfg.data), observe,
+                           device=ctx.device, progress=ctx.progress, state_dir=None, description="owl outliers")
+    ratios = [s["outlier_ratio"] for s in walked.summaries]
     layers = sorted({layer_of(n, arch) for n in targets})
     params = [sum(t.weight.numel() for n, t in targets.items() if layer_of(n, arch) == i) for i in layers]
     per_layer = dict(zip(layers, owl_layer_sparsity([ratios[i] for i in layers], params, cfg.sparsity, cfg.owl_lambda)))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any, Callable, Container, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -72,10 +72,8 @@ def check_pattern(targets: dict[str, nn.Linear], pattern: Pattern | None, block_
 def _wanda(W: torch.Tensor, norms: InputNorms, sparsity: float, count: int | None, pattern: Pattern | None,
            cfg: PruneStage, device: torch.device) -> torch.Tensor:
     """Wanda: zero the lowest |W|·‖X‖ of each row (exactly `count` of them for an allocation); no update."""
-    if count is not None:
-        keep = row_mask_count(wanda_scores(W, norms.norms()), count)
-    else:
-        keep = wanda_mask(W, norms.norms(), sparsity, pattern)
+    keep = wanda_mask(W, norms.norms(), sparsity, pattern) if count is None else \
+        row_mask_count(wanda_scores(W, norms.norms()), count)
     W.masked_fill_(~keep, 0.0)
     return keep
 
@@ -98,50 +96,11 @@ class Criterion(NamedTuple):
     prune: Callable[..., torch.Tensor]
 
 
-# the calibrated methods, layer by layer (magnitude needs no calibration: `_magnitude`)
+# the calibrated methods, layer by layer (magnitude needs no calibration: `Prune._magnitude_fn`)
 CALIBRATED: dict[str, Criterion] = {
     "wanda": Criterion(InputNorms, _wanda),
     "sparsegpt": Criterion(HessianAccumulator, _sparsegpt),
 }
-
-
-def calibrated_layer_fn(cfg: PruneStage, targets: Container[str], pattern: Pattern | None,
-              alloc: dict[str, int] | None = None) -> Callable[[LayerJob], tuple[dict[str, Any], dict[str, torch.Tensor]]]:
-    """The per-decoder-layer step of a calibrated criterion for `run_layerwise` (`targets`: the param names
-    to prune; `alloc`: pruned weights per linear of an allocation, else cfg.sparsity everywhere)."""
-    criterion = CALIBRATED[cfg.method]
-
-    @torch.no_grad()
-    def process(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        prefix = f"{job.arch.layers}.{job.index}"
-        # linears of one `sequential` group read the same input: one statistic per group
-        groups = present_groups(job.arch, lambda n: f"{prefix}.{n}.weight" in targets)
-        stats: dict[str, Any] = {}
-        for g in groups:
-            stat = criterion.statistic(job.module(g[0]).in_features, job.device)
-            stats.update({n: stat for n in g})
-        kept: dict[str, torch.Tensor] = {}
-        counts = [0, 0]  # zeros, total
-
-        def solve(names: list[str]) -> None:
-            for n in names:
-                W = job.module(n).weight
-                k = None if alloc is None else alloc[f"{prefix}.{n}.weight"]
-                sparsity = cfg.sparsity if k is None else k / W.numel()
-                keep = criterion.prune(W, stats[n], sparsity, k, pattern, cfg, job.device)
-                kept[f"{n}.keep"] = keep.cpu()
-                counts[0] += int((W == 0).sum())
-                counts[1] += W.numel()
-
-        if cfg.true_sequential:  # each group from inputs through the already-pruned groups, one pass
-            job.one_pass(groups, lambda i, x: stats[groups[i][0]].add_batch(x), lambda i: solve(groups[i]))
-        else:  # every statistic from the dense layer, then prune all
-            job.forward({job.module(g[0]): (lambda x, y, acc=stats[g[0]]: acc.add_batch(x)) for g in groups})
-            solve([n for g in groups for n in g])
-        zeros, total = counts
-        return {"sparsity": zeros / max(1, total)}, kept
-
-    return process
 
 
 class Prune:
@@ -224,18 +183,45 @@ class Prune:
         return process
 
     def _calibrated_fn(self) -> LayerFn:
-        """Wanda / SparseGPT: `calibrated_layer_fn`; with true_sequential it only uses the layer through one
-        `one_pass`, so it shares that pass with a following one-pass stage in a streamed recipe (compose.py).
-        The rows count the zeros of the layer's weights after the step (or after the shared pass)."""
-        step = calibrated_layer_fn(self.cfg, set(self.targets), self.pattern, self.counts)
+        """Wanda / SparseGPT (`CALIBRATED`): one statistic per group of linears reading one input, then each
+        linear pruned from it (exactly `counts[name]` weights for an allocation, else cfg.sparsity everywhere).
+        With true_sequential it only uses the layer through one `one_pass`, so it shares that pass with a
+        following one-pass stage in a streamed recipe (compose.py). The rows count the zeros of the layer's
+        weights after the step (or after the shared pass)."""
+        cfg, criterion, targets, alloc = self.cfg, CALIBRATED[self.cfg.method], set(self.targets), self.counts
 
         @torch.no_grad()
         def process(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-            summary, kept = step(job)
-            rows = report.layer_rows(self._weights(job), job.arch.layers)
-            return {**summary, "rows": rows}, kept
+            prefix = f"{job.arch.layers}.{job.index}"
+            # linears of one `sequential` group read the same input: one statistic per group
+            groups = present_groups(job.arch, lambda n: f"{prefix}.{n}.weight" in targets)
+            stats: dict[str, Any] = {}
+            for g in groups:
+                stat = criterion.statistic(job.module(g[0]).in_features, job.device)
+                stats.update({n: stat for n in g})
+            kept: dict[str, torch.Tensor] = {}
+            counts = [0, 0]  # zeros, total
 
-        return OnePassFn(process) if self.cfg.true_sequential else process
+            def solve(names: list[str]) -> None:
+                for n in names:
+                    W = job.module(n).weight
+                    k = None if alloc is None else alloc[f"{prefix}.{n}.weight"]
+                    sparsity = cfg.sparsity if k is None else k / W.numel()
+                    keep = criterion.prune(W, stats[n], sparsity, k, self.pattern, cfg, job.device)
+                    kept[f"{n}.keep"] = keep.cpu()
+                    counts[0] += int((W == 0).sum())
+                    counts[1] += W.numel()
+
+            if cfg.true_sequential:  # each group from inputs through the already-pruned groups, one pass
+                job.one_pass(groups, lambda i, x: stats[groups[i][0]].add_batch(x), lambda i: solve(groups[i]))
+            else:  # every statistic from the dense layer, then prune all
+                job.forward({job.module(g[0]): (lambda x, y, acc=stats[g[0]]: acc.add_batch(x)) for g in groups})
+                solve([n for g in groups for n in g])
+            zeros, total = counts
+            rows = report.layer_rows(self._weights(job), job.arch.layers)
+            return {"sparsity": zeros / max(1, total), "rows": rows}, kept
+
+        return OnePassFn(process) if cfg.true_sequential else process
 
     def masks(self, i: int, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Layer i's keep-masks by param name."""
@@ -266,16 +252,14 @@ class Prune:
             extra["threshold"] = value if math.isfinite(value) else None
         if self.calibrated:
             extra.update(calibration_windows=int(done.windows.shape[0]), calibration_seq_len=int(done.windows.shape[1]))
-        masks_file = None
-        keeps = {f"{self.ctx.layer_prefix(int(k.split('.', 1)[0]))}.{k.split('.', 1)[1].removesuffix('.keep')}.weight": v
+        keeps = {f"{self.arch.layers}.{k.removesuffix('.keep')}.weight": v
                  for k, v in done.kept.items() if k.endswith(".keep")}
         if keeps:  # held for a following distill stage (a model in memory), and beside the weights
             self.ctx.masks = {name: keeps[name].bool().cpu() for name in self.targets}
             write_masks(self.ctx.masks, done.out_dir)
-            masks_file = MASKS_FILE
         return {"method": cfg.method, "scope": cfg.scope, "pattern": cfg.pattern,
                 "requested_sparsity": self.pattern[0] / self.pattern[1] if self.pattern else cfg.sparsity,
                 "achieved_sparsity": round(achieved, 6), "prunable_params": sum(r["params"] for r in rows),
                 "pruned_params": sum(r["zeros"] for r in rows), "plan_seconds": round(self.plan_seconds, 3),
-                **extra, "layers_over_90pct": [r["name"] for r in high], "masks_file": masks_file,
+                **extra, "layers_over_90pct": [r["name"] for r in high], "masks_file": MASKS_FILE if keeps else None,
                 "histogram_file": HISTOGRAM_FILE, "layers": rows}

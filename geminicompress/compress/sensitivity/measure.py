@@ -23,7 +23,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -123,10 +123,9 @@ def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[O
     check_applicable(options, in_features)
     kw = max(1, min(kl_windows, windows.shape[0]))
     want_h = any(o.needs_hessian for o in options)
-    want_norms = any(o.method == "wanda" for o in options)
-    if any(o.method == "sparsegpt" for o in options):
-        first_token_weight = 1.0
-    ftw = first_token_weight if any(o.method == "gptq" for o in options) else 1.0
+    methods = {o.method for o in options}
+    want_norms = "wanda" in methods
+    ftw = first_token_weight if "gptq" in methods and "sparsegpt" not in methods else 1.0  # one Hessian for both
     if not (want_h or want_norms):  # no statistics: only the measured windows need to run
         windows = windows[:kw]
     tail, states, base = _reference(model, windows[:kw], device, arch)
@@ -185,17 +184,14 @@ def _statistics(layer: nn.Module, inputs: Any, device: torch.device, arch: Arch,
     the layer's outputs (the next layer's inputs), from the same pass."""
     names = {n for u in units for n in u.linears}
     groups = present_groups(arch, lambda n: n in names)
-    if not (want_h or want_norms) or not groups:
-        return {n: (None, None) for n in names}, forward_layer(layer, inputs, device)
     accs = {g[0]: (HessianAccumulator(get_module(layer, g[0]).in_features, device, first_token_weight) if want_h else None,
                    InputNorms(get_module(layer, g[0]).in_features, device) if want_norms else None) for g in groups}
 
-    def observer(h_acc, n_acc):
+    def observer(*stats: Any) -> Callable[[torch.Tensor, torch.Tensor], None]:
         def fn(x: torch.Tensor, y: torch.Tensor) -> None:
-            if h_acc is not None:
-                h_acc.add_batch(x)
-            if n_acc is not None:
-                n_acc.add_batch(x)
+            for acc in stats:
+                if acc is not None:
+                    acc.add_batch(x)
         return fn
 
     outputs = forward_layer(layer, inputs, device, {get_module(layer, g[0]): observer(*accs[g[0]]) for g in groups})

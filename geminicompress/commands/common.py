@@ -166,8 +166,7 @@ def run_single_stage(model: str, stage: dict, out: Path, run: dict[str, Any], so
     cal = calibration_options(run["data"], run["text_column"], run["samples"], run["calib_seq_len"])
     top = {"output": {"dtype": run["dtype"]}} if run["dtype"] is not None else {}
     recipe = recipe_from_stage(model, stage, cal, source, seed=run["seed"], trust_remote_code=run["trust_remote_code"],
-                               allow_pickle=run["allow_pickle"], allow_nonfinite=run.get("allow_nonfinite", False),
-                               **top)
+                               allow_pickle=run["allow_pickle"], allow_nonfinite=run["allow_nonfinite"], **top)
     check_output_path(out, run["force"])
     dev = parse_device(run["device"])
     choice = use_threads(run["threads"], recipe.threads, out, recipe)
@@ -253,6 +252,7 @@ RUN_OPTIONS = [_keyword("data", Optional[str], DATA), _keyword("text_column", st
                _keyword("stream", Optional[bool], STREAM), _keyword("dtype", Optional[str], DTYPE),
                _keyword("no_verify", bool, NO_VERIFY), _keyword("quiet", bool, QUIET),
                _keyword("threads", Optional[int], THREADS)]
+RUN_DEFAULTS = {p.name: p.default.default for p in RUN_OPTIONS}  # what a command that leaves one out runs with
 
 
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

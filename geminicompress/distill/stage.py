@@ -113,8 +113,7 @@ def choose_models(cfg: DistillStage, ctx) -> Pair:
         ctx.progress.info(f"loading the teacher {spec} for the model of the previous stages")
         teacher, tokenizer, lazy = _teacher(spec, cfg, ctx)
         check_tokenizers(tokenizer, ctx.tokenizer, teacher, ctx.model, "(the pipeline's model)")
-        masks = ctx.masks or M.masks_from_zeros(ctx.model)
-        return Pair(teacher, ctx.model, ctx.tokenizer, None, _masks(ctx.model, masks), "previous stages' model", lazy)
+        return Pair(teacher, ctx.model, ctx.tokenizer, None, _masks(ctx.model, ctx.masks), "previous stages' model", lazy)
     if cfg.teacher:
         teacher, tokenizer, lazy = _teacher(cfg.teacher, cfg, ctx)
     elif ctx.model is None:  # the pipeline left the recipe's model on disk: it streams (ST.streamed_input)
@@ -125,8 +124,7 @@ def choose_models(cfg: DistillStage, ctx) -> Pair:
     if cfg.student is not None:
         loaded = _load(cfg.student, ctx)
         check_tokenizers(tokenizer, loaded.tokenizer, teacher, loaded.model, cfg.student)
-        masks = (read_masks(loaded.source.path) if loaded.source.path and loaded.source.kind == "dir" else None)
-        masks = masks or M.masks_from_zeros(loaded.model)
+        masks = read_masks(loaded.source.path) if loaded.source.path and loaded.source.kind == "dir" else None
         return Pair(teacher, loaded.model, loaded.tokenizer, None, _masks(loaded.model, masks), f"into {cfg.student}",
                     lazy)
     if cfg.student_config is not None:
@@ -187,6 +185,7 @@ def _load(spec: str, ctx):
 
 
 def _masks(model, masks):
+    masks = masks or M.masks_from_zeros(model)  # none given: from its exact zeros (None: not pruned)
     return M.check_masks(model, masks) if masks else None
 
 

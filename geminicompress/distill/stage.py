@@ -69,16 +69,14 @@ def run(cfg: DistillStage, ctx) -> dict:
     layer_map = _layer_map(cfg, pair)
     train_w, eval_w = training_windows(cfg, ctx, pair.tokenizer)
     rebuilt = _reconstruct(cfg, ctx, pair) if cfg.reconstruct else None
-    cache = None
     if cfg.topk_cache and (cfg.loss.hidden_mse or cfg.loss.hidden_cos):
         raise InputError("topk_cache stores logits only; hidden-state losses need the teacher online (drop one)")
     if pair.lazy is not None:  # one streamed pass: the cache and the held-out perplexity
         cache, teacher_ppl = ST.build_streamed_topk_cache(pair.lazy, train_w, eval_w, cfg.topk_cache, ctx.device,
                                                           work_dir=ctx.state_dir, progress=ctx.progress)
     else:
-        if cfg.topk_cache:
-            cache = build_topk_cache(pair.teacher, train_w, cfg.topk_cache, ctx.device, cfg.batch_size,
-                                     progress=ctx.progress)
+        cache = build_topk_cache(pair.teacher, train_w, cfg.topk_cache, ctx.device, cfg.batch_size,
+                                 progress=ctx.progress) if cfg.topk_cache else None
         teacher_ppl = _teacher_ppl(pair.teacher, eval_w, ctx.device)
     ctx.progress.info(f"distilling {pair.how}: teacher {t_params / 1e6:.1f}M -> student {s_params / 1e6:.1f}M "
                       f"parameters, {len(train_w)} training windows of {cfg.seq_len}")

@@ -15,6 +15,9 @@ from geminicompress.models.loading import resolve_model
 from geminicompress.recipes.schema import STAGE_CONFIGS, Recipe
 
 BUNDLED_DIR = Path(__file__).parent / "bundled"
+# pydantic error types whose own message describe_error replaces (they show no "(got ...)" either)
+_MESSAGES = {"extra_forbidden": "unknown key (check the spelling; `geminicompress validate --schema` lists the keys)",
+             "missing": "required key is missing"}
 
 
 def bundled_recipes() -> dict[str, Path]:
@@ -77,13 +80,9 @@ def describe_error(exc: ValidationError, source: str) -> str:
     first = errors[0]
     loc = [str(p) for p in first["loc"] if str(p) not in STAGE_CONFIGS]
     path = ".".join(loc) or "(recipe)"
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        msg = "unknown key (check the spelling; `geminicompress validate --schema` lists the keys)"
-    elif first["type"] == "missing":
-        msg = "required key is missing"
+    msg = _MESSAGES.get(first["type"], first["msg"].removeprefix("Value error, "))
     got = first.get("input")
-    if first["type"] not in ("extra_forbidden", "missing", "stage_type") and not isinstance(got, (dict, list)):
+    if first["type"] not in (*_MESSAGES, "stage_type") and not isinstance(got, (dict, list)):
         msg += f" (got {got!r})"
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
     return f"{source}: {path}: {msg}{more}"
@@ -99,11 +98,8 @@ def validate(data: dict[str, Any], source: str) -> Recipe:
 def check_paths(recipe: Recipe, source: str) -> None:
     """Check that every model and data reference exists, without loading anything."""
     refs: list[tuple[str, str]] = [("model", recipe.model), ("calibration.data", recipe.calibration.data)]
-    for i, stage in enumerate(recipe.stages):
-        for field in ("data", "teacher", "student", "draft"):
-            value = getattr(stage, field, None)
-            if value:
-                refs.append((f"stages.{i}.{field}", value))
+    refs += [(f"stages.{i}.{field}", getattr(stage, field)) for i, stage in enumerate(recipe.stages)
+             for field in ("data", "teacher", "student", "draft") if getattr(stage, field, None)]
     for key, value in refs:
         try:
             if key.endswith(".data"):

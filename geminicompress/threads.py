@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -122,10 +122,8 @@ def apply_threads(n: int) -> None:
     import torch
 
     torch.set_num_threads(n)
-    try:
+    with suppress(RuntimeError):  # only settable once, before any inter-op work has run
         torch.set_num_interop_threads(n)
-    except RuntimeError:  # only settable once, before any inter-op work has run
-        pass
 
 
 @contextmanager

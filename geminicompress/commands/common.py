@@ -95,7 +95,6 @@ def setup_logging(verbose: bool) -> None:
     from transformers.utils import logging as hf_logging
 
     hub_logging.disable_propagation()  # it has its own handler: propagating printed each line twice
-
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
 

@@ -111,7 +111,8 @@ def choose_models(cfg: DistillStage, ctx) -> Pair:
         ctx.progress.info(f"loading the teacher {spec} for the model of the previous stages")
         teacher, tokenizer, lazy = _teacher(spec, cfg, ctx)
         check_tokenizers(tokenizer, ctx.tokenizer, teacher, ctx.model, "(the pipeline's model)")
-        return Pair(teacher, ctx.model, ctx.tokenizer, None, _masks(ctx.model, ctx.masks), "previous stages' model", lazy)
+        return Pair(teacher, ctx.model, ctx.tokenizer, None, _masks(ctx.model, ctx.masks), "previous stages' model",
+                    lazy)
     if cfg.teacher:
         teacher, tokenizer, lazy = _teacher(cfg.teacher, cfg, ctx)
     elif ctx.model is None:  # the pipeline left the recipe's model on disk: it streams (ST.streamed_input)

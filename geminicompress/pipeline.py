@@ -134,11 +134,9 @@ def _open_in_memory(recipe: Recipe, loaded: LoadedModel | None, tmp: Path, progr
         loaded = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code, allow_pickle=recipe.allow_pickle,
                             allow_nonfinite=recipe.allow_nonfinite)
     torch.manual_seed(recipe.seed)
-    ctx = StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, progress, device, tmp, tmp,
-                       out_dtype=getattr(torch, recipe.output.dtype))
-    ctx.input_nonfinite = loaded.nonfinite
-    ctx.layers = ModelLayers(loaded.model) if loaded.model is not None else None
-    return ctx
+    return StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, progress, device, tmp, tmp,
+                        out_dtype=getattr(torch, recipe.output.dtype), input_nonfinite=loaded.nonfinite,
+                        layers=ModelLayers(loaded.model) if loaded.model is not None else None)
 
 
 def _open_streamed(recipe: Recipe, path: Path, tmp: Path, progress: Progress, device: torch.device) -> StageContext:
@@ -149,8 +147,7 @@ def _open_streamed(recipe: Recipe, path: Path, tmp: Path, progress: Progress, de
     out_dtype = getattr(torch, recipe.output.dtype) if "dtype" in recipe.output.model_fields_set else ckpt.dtype
     ctx = StageContext(ckpt.model, load_tokenizer(str(path), recipe.trust_remote_code), resolve_model(recipe.model),
                        recipe, progress, device, tmp, tmp / "state" / "stream", out_dtype=out_dtype,
-                       source_dtype=ckpt.dtype, streamed=True)
-    ctx.layers = LazyLayers(ckpt, None)
+                       source_dtype=ckpt.dtype, streamed=True, layers=LazyLayers(ckpt, None))
     ctx.state_dir.mkdir(parents=True, exist_ok=True)
     return ctx
 

@@ -89,10 +89,13 @@ def describe_error(exc: ValidationError, source: str) -> str:
 
 
 def validate(data: dict[str, Any], source: str) -> Recipe:
+    """`data` as a Recipe, its model and data references checked too; errors in one line naming `source`."""
     try:
-        return Recipe.model_validate(data)
+        recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         raise InputError(describe_error(exc, source)) from exc
+    check_paths(recipe, source)
+    return recipe
 
 
 def check_paths(recipe: Recipe, source: str) -> None:
@@ -113,17 +116,13 @@ def check_paths(recipe: Recipe, source: str) -> None:
 def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> tuple[Recipe, Path]:
     path = find_recipe(name_or_path)
     data = apply_overrides(read_yaml(path), overrides or [])
-    recipe = validate(data, str(path))
-    check_paths(recipe, str(path))
-    return recipe, path
+    return validate(data, str(path)), path
 
 
 def recipe_from_stage(model: str, stage: dict[str, Any], calibration: dict[str, Any], source: str, **top: Any) -> Recipe:
     """A one-stage recipe built from command-line options (`quantize`, `prune`, `distill`)."""
     data = {"model": model, "stages": [stage], "calibration": calibration, **top}
-    recipe = validate(data, source)
-    check_paths(recipe, source)
-    return recipe
+    return validate(data, source)
 
 
 def json_schema() -> str:

@@ -256,6 +256,5 @@ RUN_DEFAULTS = {p.name: p.default.default for p in RUN_OPTIONS}  # what a comman
 
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the stage's options that were given, every RUN_OPTIONS value) of a command's **options."""
-    names = {p.name for p in RUN_OPTIONS}
-    run = {k: v for k, v in options.items() if k in names}
-    return {k: v for k, v in options.items() if k not in names and v is not None and v != []}, run
+    run = {k: v for k, v in options.items() if k in RUN_DEFAULTS}
+    return {k: v for k, v in options.items() if k not in RUN_DEFAULTS and v is not None and v != []}, run

@@ -25,7 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
@@ -101,12 +101,10 @@ AUTO_FRACTION = 0.5
 
 def available_memory() -> int:
     """Bytes of memory available to new work (MemAvailable), or 0 when unknown."""
-    try:
+    with suppress(OSError):
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
-    except OSError:
-        pass
     return 0
 
 

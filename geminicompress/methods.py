@@ -2,10 +2,10 @@
 schema, the pipeline and the docs. Adding a method is one new file (its config class and its layer stage)
 plus one row here.
 
-A method's row says: its config (a pydantic stage model with `type: "quantize"` and `method`); its layer
-stage, "module:Class", imported only when a run uses it (`Class(cfg, ctx)` opens the stage and gives the
-engine its one public per-layer function, `layer_fn()`: engine/contract.py); whether a config of it
-calibrates; its default on-disk format and the formats it writes; one line of help.
+A method's row says: its config (a pydantic stage model with `type: "quantize"` and `method`); its layer stage,
+"module:Class", imported only when a run uses it (`Class(cfg, ctx)` opens the stage and gives the engine its one
+public per-layer function, `layer_fn()`: engine/contract.py); whether a config of it calibrates; its default on-disk
+format (its config's `format` choices are the formats it writes); one line of help.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from geminicompress.recipes.quantize import AWQStage, GPTQStage, Int8Stage
 
 ALWAYS: Callable[[Any], bool] = lambda cfg: True  # noqa: E731
 NEVER: Callable[[Any], bool] = lambda cfg: False  # noqa: E731
-B_BIT_FORMATS = ("gptq", "compressed-tensors", "dense")
 
 
 @dataclass(frozen=True)
@@ -30,24 +29,23 @@ class Method:
     stage: str  # "module:Class" of its layer stage
     default_format: str
     calibrated: Callable[[Any], bool]  # whether a config of it reads calibration text
-    formats: tuple[str, ...]
     help: str
 
 
 METHODS: dict[str, Method] = {
-    "rtn": Method(RTNStage, "geminicompress.compress.rtn:RTN", "gptq", NEVER, ("gptq", "awq", "compressed-tensors", "dense"),
+    "rtn": Method(RTNStage, "geminicompress.compress.rtn:RTN", "gptq", NEVER,
                   "round-to-nearest b-bit weights per group: no calibration, the baseline and the fastest path"),
     "int8": Method(Int8Stage, "geminicompress.compress.int8.stage:Int8", "compressed-tensors", NEVER,
-                   ("compressed-tensors",), "INT8 weights, float activations (W8A16)"),
+                   "INT8 weights, float activations (W8A16)"),
     "w8a8": Method(Int8Stage, "geminicompress.compress.int8.stage:Int8", "compressed-tensors",
-                   lambda cfg: cfg.smoothquant_alpha is not None, ("compressed-tensors",),
+                   lambda cfg: cfg.smoothquant_alpha is not None,
                    "INT8 weights and per-token INT8 activations (fast on CPU); SmoothQuant calibrates"),
-    "gptq": Method(GPTQStage, "geminicompress.compress.gptq.stage:GPTQ", "gptq", ALWAYS, B_BIT_FORMATS,
+    "gptq": Method(GPTQStage, "geminicompress.compress.gptq.stage:GPTQ", "gptq", ALWAYS,
                    "GPTQ: Hessian-aware rounding, layer by layer (2/3/4/8-bit)"),
-    "awq": Method(AWQStage, "geminicompress.compress.awq.stage:AWQ", "awq", ALWAYS, ("awq", "compressed-tensors", "dense"),
+    "awq": Method(AWQStage, "geminicompress.compress.awq.stage:AWQ", "awq", ALWAYS,
                   "AWQ: activation-aware scales and clipping, then round-to-nearest"),
     "awq+gptq": Method(AWQStage, "geminicompress.compress.awq.stage:AWQ", "awq", ALWAYS,
-                       ("awq", "compressed-tensors", "dense"), "AWQ's scales and clipping, then GPTQ"),
+                       "AWQ's scales and clipping, then GPTQ"),
 }
 
 # Every stage tag -> (its runner "module:name", kind). A "layers" stage is a layer stage class run by the

@@ -19,6 +19,7 @@ from typing import Any
 from geminicompress.errors import InputError
 
 STATE_DIR = "state"
+THREADS_FILE = "threads.json"
 _FINGERPRINT = "fingerprint.txt"
 
 
@@ -50,18 +51,15 @@ class OutputDir:
         self.force = force
         self.fingerprint = fingerprint
         self.tmp = partial_dir(self.out)
-
-    @property
-    def state_dir(self) -> Path:
-        return self.tmp / STATE_DIR
+        self.state_dir = self.tmp / STATE_DIR
 
     def __enter__(self) -> Path:
         check_output_path(self.out, self.force)
-        stamp = self.tmp / STATE_DIR / _FINGERPRINT
+        stamp = self.state_dir / _FINGERPRINT
         resumable = stamp.is_file() and stamp.read_text() == self.fingerprint and self.fingerprint
         if not resumable:
             shutil.rmtree(self.tmp, ignore_errors=True)
-        (self.tmp / STATE_DIR).mkdir(parents=True, exist_ok=True)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
         stamp.write_text(self.fingerprint)
         # Anything but state/ from an earlier attempt is stale: the stages write it again.
         for child in self.tmp.iterdir():
@@ -106,9 +104,6 @@ def apply_umask(root: Path) -> None:
 
 def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
-
-
-THREADS_FILE = "threads.json"
 
 
 def resume_threads(out: Path, fingerprint: str) -> int | None:

@@ -34,11 +34,10 @@ from geminicompress.engine.estimate import announce
 from geminicompress.engine.run import Walked, load_back_of, make_stage, retain_of, run_stage, should_stream, walk
 from geminicompress.engine.sinks import InputsKeeper, ShardSink
 from geminicompress.engine.walk import ModelLayers
-from geminicompress.errors import InputError
 from geminicompress.formats.shards import DEFAULT_MAX_BYTES, ShardWriter
 from geminicompress.formats.writer import LayerWriter
 from geminicompress.machine import machine, versions
-from geminicompress.methods import STAGES, runner
+from geminicompress.methods import runner
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer, resolve_model
 from geminicompress.output import STATE_DIR, THREADS_FILE, OutputDir, final_name, write_json
@@ -71,10 +70,8 @@ def run_recipe(recipe: Recipe, out: Path, *, force: bool = False, progress: Prog
     every stage can stream. verify: compare OUT, loaded back, with what the run computed (verify.py)."""
     progress = progress or NullProgress()
     device = device or default_device()
-    for tag in (stage_tag(s) for s in recipe.stages):
-        if tag not in STAGES:
-            raise InputError(f"stage '{tag}' has no runner")
-        runner(tag)  # fail before loading anything if a stage does not import
+    for stage in recipe.stages:
+        runner(stage_tag(stage))  # fail before loading anything if a stage does not import
     helper = _helper_rank()
     source_dir = streamable_dir(recipe.model) if loaded is None and not helper else None
     streamed = source_dir is not None and should_stream(recipe, stream, source_dir)
@@ -93,8 +90,10 @@ def run_recipe(recipe: Recipe, out: Path, *, force: bool = False, progress: Prog
         else:
             results, export = _in_memory(ctx, layers, tmp, verify, max_shard_bytes, owned=loaded is None)
         for i, stage in enumerate(recipe.stages):
-            if stage.type == "eval":
-                results.append(_run_model_stage(ctx, i, stage, tmp))
+            if stage.type == "eval":  # after OUT is written: it loads OUT back from disk
+                t0 = _start(ctx, tmp, i, stage)
+                summary = runner(stage_tag(stage))[0](stage, ctx)
+                results.append(_result(i, stage, time.perf_counter() - t0, summary))
         found = ctx.layers.ckpt.nonfinite if streamed else (ctx.input_nonfinite or [])
         report = {"geminicompress": __version__, "command": command or sys.argv, "model": recipe.model,
                   "output": str(out), "load_seconds": round(load_s, 3), "threads": threads,
@@ -126,11 +125,6 @@ def _helper_rank() -> int:
     return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
 
 
-def _out_dtype(recipe: Recipe, stored: torch.dtype) -> torch.dtype:
-    """OUT's float dtype: the recipe's `output.dtype` when given; else float32 in memory, the input's own streamed."""
-    return getattr(torch, recipe.output.dtype) if "dtype" in recipe.output.model_fields_set else stored
-
-
 def _open_in_memory(recipe: Recipe, loaded: LoadedModel | None, tmp: Path, progress: Progress,
                     device: torch.device) -> StageContext:
     if loaded is None:  # a first distill stage may read its teacher, the recipe's model, layer by layer
@@ -140,21 +134,20 @@ def _open_in_memory(recipe: Recipe, loaded: LoadedModel | None, tmp: Path, progr
         loaded = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code, allow_pickle=recipe.allow_pickle,
                             allow_nonfinite=recipe.allow_nonfinite)
     torch.manual_seed(recipe.seed)
-    ctx = StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, progress, device, tmp, tmp,
-                       out_dtype=getattr(torch, recipe.output.dtype))
-    ctx.input_nonfinite = loaded.nonfinite
-    ctx.layers = ModelLayers(loaded.model) if loaded.model is not None else None
-    return ctx
+    return StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, progress, device, tmp, tmp,
+                        out_dtype=getattr(torch, recipe.output.dtype), input_nonfinite=loaded.nonfinite,
+                        layers=ModelLayers(loaded.model) if loaded.model is not None else None)
 
 
 def _open_streamed(recipe: Recipe, path: Path, tmp: Path, progress: Progress, device: torch.device) -> StageContext:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     ckpt = LazyCheckpoint(path, trust_remote_code=recipe.trust_remote_code, allow_nonfinite=recipe.allow_nonfinite)
+    # OUT's float dtype: the recipe's `output.dtype` when given; else, unlike in memory (float32), the input's own
+    out_dtype = getattr(torch, recipe.output.dtype) if "dtype" in recipe.output.model_fields_set else ckpt.dtype
     ctx = StageContext(ckpt.model, load_tokenizer(str(path), recipe.trust_remote_code), resolve_model(recipe.model),
-                       recipe, progress, device, tmp, tmp / "state" / "stream", out_dtype=_out_dtype(recipe, ckpt.dtype),
-                       source_dtype=ckpt.dtype, streamed=True)
-    ctx.layers = LazyLayers(ckpt, None)
+                       recipe, progress, device, tmp, tmp / "state" / "stream", out_dtype=out_dtype,
+                       source_dtype=ckpt.dtype, streamed=True, layers=LazyLayers(ckpt, None))
     ctx.state_dir.mkdir(parents=True, exist_ok=True)
     return ctx
 
@@ -188,7 +181,7 @@ def _in_memory(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, ma
     ctx.state_dir.mkdir(parents=True, exist_ok=True)
     writer_stage, result, kept = owner or (None, {}, {})
     writer = writer_stage.writer() if writer_stage is not None else LayerWriter(ctx.model, ctx.out_dtype)
-    probe = _probe(ctx, verify, unrounded=True)
+    probe = Probe(ctx.layers, ctx.tokenizer, ctx.out_dtype, ctx.device, unrounded=True) if verify else None
     shards = ShardWriter(ctx.state_dir / "shards", max_shard)
     sink = ShardSink(shards, writer, lambda i, _: layer_kept(kept, i), probe=probe)
     ctx.progress.info(f"writing {final_name(tmp)}")
@@ -207,10 +200,9 @@ def _streamed(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, max
     layer_stages = [make_stage(s, ctx) for s in stages]
     need = announce(ctx, layer_stages, max_shard)  # estimated memory and disk; refuses when the disk is short
     n = len(layer_stages)
-    owners = [k for k, s in enumerate(layer_stages) if s.writer() is not None]
-    owner = owners[-1] if owners else None
+    owner = max((k for k, s in enumerate(layer_stages) if s.writer() is not None), default=None)
     writer = layer_stages[owner].writer() if owner is not None else LayerWriter(ctx.model, ctx.out_dtype)
-    probe = _probe(ctx, verify)  # before any layer is read
+    probe = Probe(ctx.layers, ctx.tokenizer, ctx.out_dtype, ctx.device) if verify else None  # before any layer is read
     shards = ShardWriter(ctx.state_dir / "shards", max_shard)
     retain = retain_of(layer_stages)
     dtypes = walk_dtypes(layer_stages)
@@ -249,12 +241,6 @@ def _finish(ctx: StageContext, tmp: Path, shards: ShardWriter, writer: Any, resu
     return export
 
 
-def _probe(ctx: StageContext, verify: bool, unrounded: bool = False) -> Any:
-    if not verify:
-        return None
-    return Probe(ctx.layers, ctx.tokenizer, ctx.out_dtype, ctx.device, unrounded=unrounded)
-
-
 def _head(hooks: list) -> Any:
     """What a streamed run writes for a module outside the layers (the stages' `outside` hooks in order)."""
     def module(name: str, read: Any) -> Any:
@@ -264,14 +250,6 @@ def _head(hooks: list) -> Any:
                 read = changed[0]
         return read
     return module
-
-
-def _run_model_stage(ctx: StageContext, i: int, stage: Any, tmp: Path) -> dict:
-    """An eval stage, after OUT is written (it loads OUT back from disk)."""
-    cls, _ = runner(stage_tag(stage))
-    t0 = _start(ctx, tmp, i, stage)
-    summary = cls(stage, ctx)
-    return _result(i, stage, time.perf_counter() - t0, summary)
 
 
 def _start(ctx: StageContext, tmp: Path, i: int, stage: Any) -> float:

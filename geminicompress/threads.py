@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -105,12 +105,10 @@ def choose_threads(cli: int | None = None, recipe: int | None = None, resumed: i
     """`--threads` first, then the recipe's `threads:`, then the thread count of the interrupted run this one
     resumes (`resumed`: the same bytes need the same count, docs/streaming.md), else `auto_threads` from a
     short sample."""
-    if cli is not None:
-        return ThreadChoice(cli, "--threads", f"{_n(cli)} (--threads)")
-    if recipe is not None:
-        return ThreadChoice(recipe, "recipe", f"{_n(recipe)} (recipe key threads)")
-    if resumed is not None:
-        return ThreadChoice(resumed, "resume", f"{_n(resumed)} (as the interrupted run it resumes)")
+    for given, source, why in ((cli, "--threads", "--threads"), (recipe, "recipe", "recipe key threads"),
+                               (resumed, "resume", "as the interrupted run it resumes")):
+        if given is not None:
+            return ThreadChoice(given, source, f"{_n(given)} ({why})")
     try:
         load = os.getloadavg()[0]
     except OSError:
@@ -124,10 +122,8 @@ def apply_threads(n: int) -> None:
     import torch
 
     torch.set_num_threads(n)
-    try:
+    with suppress(RuntimeError):  # only settable once, before any inter-op work has run
         torch.set_num_interop_threads(n)
-    except RuntimeError:  # only settable once, before any inter-op work has run
-        pass
 
 
 @contextmanager

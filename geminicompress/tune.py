@@ -82,8 +82,11 @@ def run_tune(run_round: Callable[[float, str | None, Path], tuple[dict, dict]], 
                 table = str(shutil.copy(folder / TABLE_FILE, work / TABLE_FILE))
             if floor is None and table is not None:
                 floor = least_predicted(json.loads(Path(table).read_text()), options, list(chosen["modules"]))
-            if done[-1].measured_pct <= max_drift:
-                return _finish(folder, out, done, max_drift, measured_on)
+            if done[-1].measured_pct <= max_drift:  # this round's checkpoint becomes OUT
+                if out.exists():
+                    shutil.rmtree(out)
+                folder.rename(out)
+                return _record(out, done, max_drift, done[-1], measured_on)
             if asked <= (floor or 0) * (1 + 1e-6):
                 break  # the dearest allocation is over the budget already
             f = undercount(done[-1].predicted_pct, done[-1].measured_pct)
@@ -99,13 +102,6 @@ def run_tune(run_round: Callable[[float, str | None, Path], tuple[dict, dict]], 
                           "add a dearer option (e.g. gptq:b8g64)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-def _finish(folder: Path, out: Path, done: list[Round], max_drift: float, measured_on: str) -> dict:
-    if out.exists():
-        shutil.rmtree(out)
-    folder.rename(out)
-    return _record(out, done, max_drift, done[-1], measured_on)
 
 
 def _record(out: Path, done: list[Round], max_drift: float, this: Round, measured_on: str) -> dict:

@@ -95,7 +95,6 @@ def setup_logging(verbose: bool) -> None:
     from transformers.utils import logging as hf_logging
 
     hub_logging.disable_propagation()  # it has its own handler: propagating printed each line twice
-
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
 
@@ -166,8 +165,7 @@ def run_single_stage(model: str, stage: dict, out: Path, run: dict[str, Any], so
     cal = calibration_options(run["data"], run["text_column"], run["samples"], run["calib_seq_len"])
     top = {"output": {"dtype": run["dtype"]}} if run["dtype"] is not None else {}
     recipe = recipe_from_stage(model, stage, cal, source, seed=run["seed"], trust_remote_code=run["trust_remote_code"],
-                               allow_pickle=run["allow_pickle"], allow_nonfinite=run.get("allow_nonfinite", False),
-                               **top)
+                               allow_pickle=run["allow_pickle"], allow_nonfinite=run["allow_nonfinite"], **top)
     check_output_path(out, run["force"])
     dev = parse_device(run["device"])
     choice = use_threads(run["threads"], recipe.threads, out, recipe)
@@ -253,10 +251,10 @@ RUN_OPTIONS = [_keyword("data", Optional[str], DATA), _keyword("text_column", st
                _keyword("stream", Optional[bool], STREAM), _keyword("dtype", Optional[str], DTYPE),
                _keyword("no_verify", bool, NO_VERIFY), _keyword("quiet", bool, QUIET),
                _keyword("threads", Optional[int], THREADS)]
+RUN_DEFAULTS = {p.name: p.default.default for p in RUN_OPTIONS}  # what a command that leaves one out runs with
 
 
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the stage's options that were given, every RUN_OPTIONS value) of a command's **options."""
-    names = {p.name for p in RUN_OPTIONS}
-    run = {k: v for k, v in options.items() if k in names}
-    return {k: v for k, v in options.items() if k not in names and v is not None and v != []}, run
+    run = {k: v for k, v in options.items() if k in RUN_DEFAULTS}
+    return {k: v for k, v in options.items() if k not in RUN_DEFAULTS and v is not None and v != []}, run

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -31,7 +31,6 @@ def _parse_loss(text: str) -> dict[str, float]:
     return out
 
 
-@c.handle_errors
 def distill(
     teacher: str = typer.Option(..., "--teacher", help="Teacher MODEL: hub id, directory, .gguf, or smollm2-demo."),
     output: Path = c.OUT,
@@ -58,13 +57,7 @@ def distill(
     eval_every: Optional[int] = typer.Option(None, "--eval-every", help="Held-out perplexity every N steps (default 50)."),
     save_every: Optional[int] = typer.Option(None, "--save-every", help="Checkpoint every N steps for --resume (default: end only)."),
     resume: Optional[bool] = typer.Option(None, "--resume/--no-resume", help="Continue exactly from the last checkpoint of the same command."),
-    seed: int = c.SEED,
-    force: bool = c.FORCE,
-    device: str = c.DEVICE,
-    trust_remote_code: bool = c.TRUST,
-    allow_pickle: bool = c.PICKLE,
-    quiet: bool = c.QUIET,
-    threads: Optional[int] = c.THREADS,
+    **options: Any,
 ) -> None:
     """Distill TEACHER into a smaller, faster student (every other layer by default).
 
@@ -77,17 +70,18 @@ def distill(
     """
     given = {
         "student": student, "student_config": student_config, "mlp_ratio": mlp_ratio, "reconstruct": reconstruct,
-        "data": data,
-        "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "grad_accum": grad_accum, "lr": lr,
+        "data": data, "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "grad_accum": grad_accum, "lr": lr,
         "warmup_steps": warmup_steps, "temperature": temperature, "topk_cache": topk_cache,
-        "teacher_stream": teacher_stream, "precision": precision,
-        "gradient_checkpointing": gradient_checkpointing, "eval_every": eval_every, "save_every": save_every,
-        "resume": resume,
+        "teacher_stream": teacher_stream, "precision": precision, "gradient_checkpointing": gradient_checkpointing,
+        "eval_every": eval_every, "save_every": save_every, "resume": resume,
         "student_layers": _parse_layers(student_layers) if student_layers is not None else None,
         "loss": _parse_loss(loss) if loss is not None else None,
     }
     stage = {"type": "distill", **{k: v for k, v in given.items() if v is not None}}
-    run = {"data": None, "text_column": text_column, "samples": samples, "calib_seq_len": None, "seed": seed,
-           "force": force, "device": device, "trust_remote_code": trust_remote_code, "allow_pickle": allow_pickle,
-           "stream": None, "dtype": None, "no_verify": False, "quiet": quiet, "threads": threads}
+    run = {**c.RUN_DEFAULTS, **options, "text_column": text_column, "samples": samples}
     c.run_single_stage(teacher, stage, output, run, source="distill options")
+
+
+# the run options of quantize and prune that distill takes too (its DATA, --samples, --seq-len are its own, above)
+DISTILL_RUN = {"seed", "force", "device", "trust_remote_code", "allow_pickle", "quiet", "threads"}
+distill = c.handle_errors(c.with_options(distill, [p for p in c.RUN_OPTIONS if p.name in DISTILL_RUN], before=None))

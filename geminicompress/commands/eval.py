@@ -83,8 +83,7 @@ def eval_(
     try:
         options = EvalStage(type="eval", data=data, text_column=text_column, latency=not no_latency,
                             quality=not no_quality, kernels=kernels, dtype_baseline=dtype_baseline, engine=engine,
-                            vllm_python=vllm_python,
-                            **{k: v for k, v in given.items() if v is not None})
+                            vllm_python=vllm_python, **{k: v for k, v in given.items() if v is not None})
     except ValidationError as exc:
         err = exc.errors()[0]
         raise InputError(f"--{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}") from exc

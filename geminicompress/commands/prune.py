@@ -10,7 +10,6 @@ import typer
 from geminicompress.commands import common as c
 from geminicompress.recipes.schema import PruneStage
 
-
 PRUNE_OPTIONS = c.stage_options({"prune": PruneStage}, skip={"type", "data"})
 
 

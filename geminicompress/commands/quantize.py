@@ -47,7 +47,9 @@ def quantize(
     allocation = allocation_stage(target_bits, target_size_mb, max_drift, allocation_options, sensitivity)
     if allocation:
         stage["allocation"] = allocation
-    _check_applicable(method, stage)
+    for key in stage:
+        if key not in METHODS[method].config.model_fields:
+            raise InputError(f"--{key.replace('_', '-')} does not apply to --method {method}")
     c.run_single_stage(model, stage, output, run, source="quantize options")
 
 
@@ -73,10 +75,3 @@ def allocation_stage(target_bits: float | None, target_size_mb: float | None, ma
              "options": [o.strip() for o in options.split(",") if o.strip()] if options is not None else None,
              "sensitivity": sensitivity}
     return {k: v for k, v in given.items() if v is not None} or None
-
-
-def _check_applicable(method: str, stage: dict) -> None:
-    cls = METHODS[method].config
-    for key in stage:
-        if key not in cls.model_fields:
-            raise InputError(f"--{key.replace('_', '-')} does not apply to --method {method}")

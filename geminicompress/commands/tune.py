@@ -19,7 +19,7 @@ from geminicompress.commands.quantize import parse_percent
 from geminicompress.compress.gptq.allocate import ALLOCATION_FILE
 from geminicompress.output import check_output_path
 from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import check_paths, validate
+from geminicompress.recipes.loader import validate
 from geminicompress.tune import run_tune
 
 
@@ -73,7 +73,6 @@ def tune(
         if first:  # the stage's own spec: the first option (every module gets one from the allocation)
             quant.update(bits=int(first.group(1)), group_size=int(first.group(2)))
         recipe = validate({**base, "stages": [quant, evaluation]}, "tune options")
-        check_paths(recipe, "tune options")
         report = run_recipe(recipe, folder, force=True, progress=progress, device=dev, command=sys.argv)
         return report, json.loads((folder / ALLOCATION_FILE).read_text())
 

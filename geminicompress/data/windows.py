@@ -19,8 +19,7 @@ def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tenso
         # Avoid tokenizing megabytes when only a prefix is needed: ~4 chars/token, with margin.
         text = text[: max(max_tokens * 12, 1000)]
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-    out = torch.tensor(ids, dtype=torch.long)
-    return out[:max_tokens] if max_tokens is not None else out
+    return torch.tensor(ids, dtype=torch.long)[:max_tokens]  # [:None]: every token
 
 
 def pack_windows(ids: torch.Tensor, seq_len: int, max_windows: int | None = None) -> torch.Tensor:

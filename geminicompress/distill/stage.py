@@ -69,16 +69,14 @@ def run(cfg: DistillStage, ctx) -> dict:
     layer_map = _layer_map(cfg, pair)
     train_w, eval_w = training_windows(cfg, ctx, pair.tokenizer)
     rebuilt = _reconstruct(cfg, ctx, pair) if cfg.reconstruct else None
-    cache = None
     if cfg.topk_cache and (cfg.loss.hidden_mse or cfg.loss.hidden_cos):
         raise InputError("topk_cache stores logits only; hidden-state losses need the teacher online (drop one)")
     if pair.lazy is not None:  # one streamed pass: the cache and the held-out perplexity
         cache, teacher_ppl = ST.build_streamed_topk_cache(pair.lazy, train_w, eval_w, cfg.topk_cache, ctx.device,
                                                           work_dir=ctx.state_dir, progress=ctx.progress)
     else:
-        if cfg.topk_cache:
-            cache = build_topk_cache(pair.teacher, train_w, cfg.topk_cache, ctx.device, cfg.batch_size,
-                                     progress=ctx.progress)
+        cache = build_topk_cache(pair.teacher, train_w, cfg.topk_cache, ctx.device, cfg.batch_size,
+                                 progress=ctx.progress) if cfg.topk_cache else None
         teacher_ppl = _teacher_ppl(pair.teacher, eval_w, ctx.device)
     ctx.progress.info(f"distilling {pair.how}: teacher {t_params / 1e6:.1f}M -> student {s_params / 1e6:.1f}M "
                       f"parameters, {len(train_w)} training windows of {cfg.seq_len}")
@@ -113,8 +111,8 @@ def choose_models(cfg: DistillStage, ctx) -> Pair:
         ctx.progress.info(f"loading the teacher {spec} for the model of the previous stages")
         teacher, tokenizer, lazy = _teacher(spec, cfg, ctx)
         check_tokenizers(tokenizer, ctx.tokenizer, teacher, ctx.model, "(the pipeline's model)")
-        masks = ctx.masks or M.masks_from_zeros(ctx.model)
-        return Pair(teacher, ctx.model, ctx.tokenizer, None, _masks(ctx.model, masks), "previous stages' model", lazy)
+        return Pair(teacher, ctx.model, ctx.tokenizer, None, _masks(ctx.model, ctx.masks), "previous stages' model",
+                    lazy)
     if cfg.teacher:
         teacher, tokenizer, lazy = _teacher(cfg.teacher, cfg, ctx)
     elif ctx.model is None:  # the pipeline left the recipe's model on disk: it streams (ST.streamed_input)
@@ -125,8 +123,7 @@ def choose_models(cfg: DistillStage, ctx) -> Pair:
     if cfg.student is not None:
         loaded = _load(cfg.student, ctx)
         check_tokenizers(tokenizer, loaded.tokenizer, teacher, loaded.model, cfg.student)
-        masks = (read_masks(loaded.source.path) if loaded.source.path and loaded.source.kind == "dir" else None)
-        masks = masks or M.masks_from_zeros(loaded.model)
+        masks = read_masks(loaded.source.path) if loaded.source.path and loaded.source.kind == "dir" else None
         return Pair(teacher, loaded.model, loaded.tokenizer, None, _masks(loaded.model, masks), f"into {cfg.student}",
                     lazy)
     if cfg.student_config is not None:
@@ -187,6 +184,7 @@ def _load(spec: str, ctx):
 
 
 def _masks(model, masks):
+    masks = masks or M.masks_from_zeros(model)  # none given: from its exact zeros (None: not pruned)
     return M.check_masks(model, masks) if masks else None
 
 

@@ -77,9 +77,7 @@ def streams(cfg: DistillStage, spec: str, progress: Progress | None = None) -> b
     if cfg.teacher_stream:
         return True
     path = streamable_dir(spec)
-    if path is None:
-        return False
-    big = too_big(weights_bytes(path))
+    big = path is not None and too_big(weights_bytes(path))
     if big and why and progress is not None:
         progress.warn(f"the teacher {spec} may not fit in memory, and it cannot be streamed: {why}")
     return big and why is None
@@ -98,8 +96,8 @@ def streamed_input(recipe: Recipe, progress: Progress) -> LoadedModel | None:
     """When the recipe's first stage is distill and streams the recipe's model as its teacher, the input
     as the pipeline hands it on: the tokenizer, no model (the stage reads the teacher layer by layer)."""
     check_recipe(recipe)
-    first = recipe.stages[0] if recipe.stages else None
-    if first is None or first.type != "distill" or first.teacher is not None or not streams(first, recipe.model, progress):
+    first = recipe.stages[0]  # a recipe has at least one stage
+    if first.type != "distill" or first.teacher is not None or not streams(first, recipe.model, progress):
         return None
     progress.info(f"reading the teacher {recipe.model} one decoder layer at a time (it is not loaded whole)")
     path = streamable_dir(recipe.model)

@@ -94,12 +94,9 @@ def derive_student(teacher: nn.Module, spec: float | list[int] = 0.5, mlp_ratio:
     teacher_sd = _teacher_tensors(teacher, ckpt, [name for name, _, _ in source.values()])
     state = dict(student.state_dict())  # buffers a lazy teacher does not store keep the student's own
     for key, (name, t, rest) in source.items():
-        if name not in teacher_sd:
-            continue
-        value = teacher_sd[name]
-        if t in channels:
-            value = _select_channels(value, rest, channels[t], mlp_in, mlp_out)
-        state[key] = value
+        if name in teacher_sd:
+            value = teacher_sd[name]
+            state[key] = _select_channels(value, rest, channels[t], mlp_in, mlp_out) if t in channels else value
     student.load_state_dict(state, strict=True)
     student.generation_config = copy.deepcopy(teacher.generation_config)
     return student.eval(), kept

@@ -150,15 +150,12 @@ def _optimizer_step(acc, student, teacher, optimizer, scheduler, windows, cfg, s
         idx = batch_indices(micro, len(windows), cfg.batch_size, seed, acc.process_index, acc.num_processes)
         ids = windows[idx].to(acc.device)  # (B, T)
         with torch.no_grad(), acc.autocast():
-            if not needs_teacher:
-                t_logits, t_hidden = None, None
-            elif cache is not None and not hidden:
-                t_logits, t_hidden = cache.get(idx, acc.device), None
-            else:
+            t_logits, t_hidden = None, None
+            if needs_teacher and (cache is None or hidden):  # the teacher runs online
                 t_out = teacher(ids, output_hidden_states=hidden)
                 t_logits, t_hidden = t_out.logits, t_out.hidden_states
-                if cache is not None:
-                    t_logits = cache.get(idx, acc.device)
+            if needs_teacher and cache is not None:  # its logits come from the top-k cache
+                t_logits = cache.get(idx, acc.device)
         sync = acc.no_sync(student) if a < cfg.grad_accum - 1 else nullcontext()
         with sync, acc.autocast():
             s_out = student(ids, output_hidden_states=hidden)

@@ -15,6 +15,9 @@ from geminicompress.models.loading import resolve_model
 from geminicompress.recipes.schema import STAGE_CONFIGS, Recipe
 
 BUNDLED_DIR = Path(__file__).parent / "bundled"
+# pydantic error types whose own message describe_error replaces (they show no "(got ...)" either)
+_MESSAGES = {"extra_forbidden": "unknown key (check the spelling; `geminicompress validate --schema` lists the keys)",
+             "missing": "required key is missing"}
 
 
 def bundled_recipes() -> dict[str, Path]:
@@ -77,33 +80,29 @@ def describe_error(exc: ValidationError, source: str) -> str:
     first = errors[0]
     loc = [str(p) for p in first["loc"] if str(p) not in STAGE_CONFIGS]
     path = ".".join(loc) or "(recipe)"
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        msg = "unknown key (check the spelling; `geminicompress validate --schema` lists the keys)"
-    elif first["type"] == "missing":
-        msg = "required key is missing"
+    msg = _MESSAGES.get(first["type"], first["msg"].removeprefix("Value error, "))
     got = first.get("input")
-    if first["type"] not in ("extra_forbidden", "missing", "stage_type") and not isinstance(got, (dict, list)):
+    if first["type"] not in (*_MESSAGES, "stage_type") and not isinstance(got, (dict, list)):
         msg += f" (got {got!r})"
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
     return f"{source}: {path}: {msg}{more}"
 
 
 def validate(data: dict[str, Any], source: str) -> Recipe:
+    """`data` as a Recipe, its model and data references checked too; errors in one line naming `source`."""
     try:
-        return Recipe.model_validate(data)
+        recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         raise InputError(describe_error(exc, source)) from exc
+    check_paths(recipe, source)
+    return recipe
 
 
 def check_paths(recipe: Recipe, source: str) -> None:
     """Check that every model and data reference exists, without loading anything."""
     refs: list[tuple[str, str]] = [("model", recipe.model), ("calibration.data", recipe.calibration.data)]
-    for i, stage in enumerate(recipe.stages):
-        for field in ("data", "teacher", "student", "draft"):
-            value = getattr(stage, field, None)
-            if value:
-                refs.append((f"stages.{i}.{field}", value))
+    refs += [(f"stages.{i}.{field}", getattr(stage, field)) for i, stage in enumerate(recipe.stages)
+             for field in ("data", "teacher", "student", "draft") if getattr(stage, field, None)]
     for key, value in refs:
         try:
             if key.endswith(".data"):
@@ -117,17 +116,13 @@ def check_paths(recipe: Recipe, source: str) -> None:
 def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> tuple[Recipe, Path]:
     path = find_recipe(name_or_path)
     data = apply_overrides(read_yaml(path), overrides or [])
-    recipe = validate(data, str(path))
-    check_paths(recipe, str(path))
-    return recipe, path
+    return validate(data, str(path)), path
 
 
 def recipe_from_stage(model: str, stage: dict[str, Any], calibration: dict[str, Any], source: str, **top: Any) -> Recipe:
     """A one-stage recipe built from command-line options (`quantize`, `prune`, `distill`)."""
     data = {"model": model, "stages": [stage], "calibration": calibration, **top}
-    recipe = validate(data, source)
-    check_paths(recipe, source)
-    return recipe
+    return validate(data, source)
 
 
 def json_schema() -> str:

@@ -44,6 +44,8 @@ def test_valid_recipe_validates(tiny_dir, tmp_path):
         (lambda r: r.update(model="./no/such/dir"), "model: model directory ./no/such/dir does not exist"),
         (lambda r: r["stages"][0].update(data="missing.jsonl"), "stages.0.data: data file missing.jsonl does not exist"),
         (lambda r: r.update(typo_key=1), "typo_key: unknown key"),
+        (lambda r: r["stages"].__setitem__(0, {"type": "prune", "pattern": "5:4"}),
+         "stages.0.pattern: pattern must be N:M with 0 < N < M (e.g. 2:4), got '5:4'"),
     ],
 )
 def test_bad_recipes(tiny_dir, tmp_path, mutate, needle):
@@ -54,6 +56,7 @@ def test_bad_recipes(tiny_dir, tmp_path, mutate, needle):
     assert res.exit_code == 2, res.output
     assert str(path) in res.output
     assert needle in res.output
+    assert res.output.count("got ") <= 1  # a message that says what it got is not given a second "(got ...)"
     assert len(res.output.strip().splitlines()) == 1
     # run gives the same error and writes nothing
     res = runner.invoke(app, ["run", str(path), "-o", str(tmp_path / "out")])

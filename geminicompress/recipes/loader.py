@@ -82,7 +82,7 @@ def describe_error(exc: ValidationError, source: str) -> str:
     path = ".".join(loc) or "(recipe)"
     msg = _MESSAGES.get(first["type"], first["msg"].removeprefix("Value error, "))
     got = first.get("input")
-    if first["type"] not in (*_MESSAGES, "stage_type") and not isinstance(got, (dict, list)):
+    if first["type"] not in (*_MESSAGES, "stage_type") and not isinstance(got, (dict, list)) and "got " not in msg:
         msg += f" (got {got!r})"
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
     return f"{source}: {path}: {msg}{more}"

@@ -46,6 +46,8 @@ def test_valid_recipe_validates(tiny_dir, tmp_path):
         (lambda r: r.update(typo_key=1), "typo_key: unknown key"),
         (lambda r: r["stages"].__setitem__(0, {"type": "prune", "pattern": "5:4"}),
          "stages.0.pattern: pattern must be N:M with 0 < N < M (e.g. 2:4), got '5:4'"),
+        (lambda r: r["stages"].__setitem__(0, {"type": "distill", "topk_cache": 8, "loss": {"hidden_mse": 1.0}}),
+         "stages.0: topk_cache stores logits only; hidden-state losses need the teacher online (drop one)"),
     ],
 )
 def test_bad_recipes(tiny_dir, tmp_path, mutate, needle):

@@ -69,8 +69,6 @@ def run(cfg: DistillStage, ctx) -> dict:
     layer_map = _layer_map(cfg, pair)
     train_w, eval_w = training_windows(cfg, ctx, pair.tokenizer)
     rebuilt = _reconstruct(cfg, ctx, pair) if cfg.reconstruct else None
-    if cfg.topk_cache and (cfg.loss.hidden_mse or cfg.loss.hidden_cos):
-        raise InputError("topk_cache stores logits only; hidden-state losses need the teacher online (drop one)")
     if pair.lazy is not None:  # one streamed pass: the cache and the held-out perplexity
         cache, teacher_ppl = ST.build_streamed_topk_cache(pair.lazy, train_w, eval_w, cfg.topk_cache, ctx.device,
                                                           work_dir=ctx.state_dir, progress=ctx.progress)

@@ -165,6 +165,8 @@ class DistillStage(_StageBase):
         given = [n for n in ("student", "student_layers", "student_config") if getattr(self, n) is not None]
         if len(given) > 1:
             raise ValueError(f"give one of student, student_layers, student_config (got {', '.join(given)})")
+        if self.topk_cache and (self.loss.hidden_mse or self.loss.hidden_cos):
+            raise ValueError("topk_cache stores logits only; hidden-state losses need the teacher online (drop one)")
         return self
 
 

@@ -134,21 +134,29 @@ def serve_bench(model: str, int8: str | None, data: str, spec: WorkloadSpec, *, 
             "versions": versions()}
 
 
-def row_entry(row: Row) -> dict:
-    return {"row": row.name, "change": row.change, "flags": row.flags, "model": row.model, "reason": row.reason,
-            "metrics": None, "answer_agreement": None, "perplexity": None, "ppl_drift": None}
-
-
-def finish_row(entry: dict, timings: list) -> None:
-    """Fill a measured row from its request timings (outputs kept for the agreement column)."""
-    entry["metrics"] = summarize(timings)
-    entry["outputs"] = [t.tokens for t in timings]
-
-
-def ppl_fields(entry: dict, ppl: float | None, base_ppl: float | None) -> None:
-    entry["perplexity"] = None if ppl is None else round(ppl, 6)
-    if ppl is not None and base_ppl:
-        entry["ppl_drift"] = round(ppl / base_ppl - 1.0, 6)
+def measure_rows(rows: list[Row], title: str, progress: Progress, serve_row) -> list[dict]:
+    """Each row's report entry. A row without a reason is served by `serve_row(row, entry, with_ppl)`, which
+    returns its request timings and, when `with_ppl` (the first measured row and the rows that change the
+    model), its perplexity, else None; or None for a row the engine refused (the entry says why)."""
+    out, base_ppl = [], None
+    with progress.task(title, len(rows)) as bar:
+        for row in rows:
+            entry = {"row": row.name, "change": row.change, "flags": row.flags, "model": row.model,
+                     "reason": row.reason, "metrics": None, "answer_agreement": None, "perplexity": None,
+                     "ppl_drift": None}
+            served = serve_row(row, entry, base_ppl is None or row.model != "base") if row.reason is None else None
+            if served is not None:
+                timings, ppl = served
+                entry["metrics"] = summarize(timings)
+                entry["outputs"] = [t.tokens for t in timings]  # for the agreement column
+                if ppl is not None:
+                    base_ppl = base_ppl or ppl
+                    entry["perplexity"] = round(ppl, 6)
+                    if base_ppl:
+                        entry["ppl_drift"] = round(ppl / base_ppl - 1.0, 6)
+            out.append(entry)
+            bar.advance(1, row=row.name)
+    return out
 
 
 # --------------------------------------------------------------------------- transformers engine
@@ -160,28 +168,22 @@ def run_hf_rows(rows: list[Row], model: str, int8: str | None, requests, spec: W
     from geminicompress.eval.api import free
     from geminicompress.models.loading import load_model
 
-    def load(spec_: str):
-        as_dtype = stored_dtype(spec_) if dtype == "auto" else getattr(torch, dtype)
-        return load_model(spec_, dtype=as_dtype, trust_remote_code=trust_remote_code).model.eval()
+    loaded = {}
 
-    out, base_ppl, loaded = [], None, {}
-    with progress.task("serving rows", len(rows)) as bar:
-        for row in rows:
-            entry = row_entry(row)
-            if row.reason is None:
-                if row.model not in loaded:
-                    for key in list(loaded):
-                        free(loaded.pop(key))
-                    loaded[row.model] = load(model if row.model == "base" else int8)
-                m = loaded[row.model]
-                progress.info(f"row {row.name}: {row.change}")
-                finish_row(entry, serve(m, requests, HFFlags(**row.flags), spec.truncated_len, spec.prefix_len))
-                if windows is not None and (base_ppl is None or row.model != "base"):
-                    ppl = perplexity(m, windows, next(m.parameters()).device)
-                    base_ppl = base_ppl or ppl
-                    ppl_fields(entry, ppl, base_ppl)
-            out.append(entry)
-            bar.advance(1, row=row.name)
+    def serve_row(row: Row, entry: dict, with_ppl: bool):
+        if row.model not in loaded:
+            for key in list(loaded):
+                free(loaded.pop(key))
+            spec_ = model if row.model == "base" else int8
+            as_dtype = stored_dtype(spec_) if dtype == "auto" else getattr(torch, dtype)
+            loaded[row.model] = load_model(spec_, dtype=as_dtype, trust_remote_code=trust_remote_code).model.eval()
+        m = loaded[row.model]
+        progress.info(f"row {row.name}: {row.change}")
+        timings = serve(m, requests, HFFlags(**row.flags), spec.truncated_len, spec.prefix_len)
+        scored = windows is not None and with_ppl
+        return timings, (perplexity(m, windows, next(m.parameters()).device) if scored else None)
+
+    out = measure_rows(rows, "serving rows", progress, serve_row)
     for m in loaded.values():
         free(m)
     return out
@@ -212,33 +214,20 @@ def run_vllm_rows(rows: list[Row], model: str, int8: str | None, requests, spec:
     score the perplexity windows through prompt_logprobs."""
     from geminicompress.eval.vllm_eval import model_path
 
-    out, base_ppl = [], None
-    with progress.task("serving rows (vLLM)", len(rows)) as bar:
-        for row in rows:
-            entry = row_entry(row)
-            if row.reason is None:
-                path = model_path(model if row.model == "base" else int8)
-                with_ppl = base_ppl is None or row.model != "base"
-                progress.info(f"row {row.name}: {row.change}")
-                result = run_driver(python, vllm_job(row, path, requests, spec, windows, dtype, with_ppl))
-                if result.get("error"):
-                    entry["reason"] = f"vLLM refused it: {result['error']}"
-                    progress.warn(f"row {row.name}: {entry['reason']}")
-                else:
-                    entry["vllm_kernels"] = result.get("kernels")
-                    finish_row(entry, vllm_timings(result["tasks"][0]))
-                    if len(result["tasks"]) > 1:
-                        ppl = ppl_from_logprobs(result["tasks"][1]["logprobs"])
-                        base_ppl = base_ppl or ppl
-                        ppl_fields(entry, ppl, base_ppl)
-            out.append(entry)
-            bar.advance(1, row=row.name)
-    return out
+    def serve_row(row: Row, entry: dict, with_ppl: bool):
+        path = model_path(model if row.model == "base" else int8)
+        progress.info(f"row {row.name}: {row.change}")
+        result = run_driver(python, vllm_job(row, path, requests, spec, windows, dtype, with_ppl))
+        if result.get("error"):
+            entry["reason"] = f"vLLM refused it: {result['error']}"
+            progress.warn(f"row {row.name}: {entry['reason']}")
+            return None
+        entry["vllm_kernels"] = result.get("kernels")
+        served = result["tasks"][0]
+        timings = [from_vllm(r, served["start_wall"]) for r in served["requests"]]
+        if len(result["tasks"]) == 1:
+            return timings, None
+        lps = result["tasks"][1]["logprobs"]  # the perplexity windows' prompt log-probs
+        return timings, math.exp(-sum(map(sum, lps)) / sum(map(len, lps)))
 
-
-def vllm_timings(result: dict) -> list:
-    return [from_vllm(r, result["start_wall"]) for r in result["requests"]]
-
-
-def ppl_from_logprobs(logprobs: list[list[float]]) -> float:
-    return math.exp(-sum(map(sum, logprobs)) / sum(map(len, logprobs)))
+    return measure_rows(rows, "serving rows (vLLM)", progress, serve_row)

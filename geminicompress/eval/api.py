@@ -133,11 +133,8 @@ def evaluate(
         jobs.insert(1, (baseline, f"{shown[0]} @{kernels.dtype_name(same_dtype)}", same_dtype))
     try:
         for spec, name, dtype in jobs:
-            if streamed[spec] is not None:
-                entry, kept, state = _evaluate_streamed(spec, name, text, options, base, device, progress, load,
-                                                        streamed[spec])
-            else:
-                entry, kept, state = _evaluate_one(spec, name, text, options, base, device, progress, load, dtype)
+            entry, kept, state = _evaluate_one(spec, name, text, options, base, device, progress, load, dtype,
+                                               streamed[spec])
             if base is None:
                 base, base_model = state, kept
             entries.append(entry)
@@ -216,8 +213,9 @@ def _timing_warning(entries: list[dict]) -> str | None:
     return describe_timing(bad) if bad else None
 
 
-def _evaluate_one(spec, name, text, options, base, device, progress, load, dtype=None):
-    """Measure one model (in `dtype` instead of its stored dtype when given); returns (entry, model kept for
+def _evaluate_one(spec, name, text, options, base, device, progress, load, dtype=None, streamed=None):
+    """Measure one model: loaded into memory (in `dtype` instead of its stored dtype when given), or one decoder
+    layer at a time from disk when `streamed` says why (no latency then); returns (entry, model kept for
     recomputing or None, Baseline if this is it)."""
     is_base = base is None
     entry = new_entry(spec, name, is_base)
@@ -227,43 +225,69 @@ def _evaluate_one(spec, name, text, options, base, device, progress, load, dtype
         entry["notes"].append(message)
         progress.warn(f"{name}: {message}")
 
-    progress.info(f"evaluating {name}" + (" (baseline)" if is_base else ""))
+    how = f", one layer at a time ({streamed})" if streamed else ""
+    progress.info(f"evaluating {name}" + (" (baseline)" if is_base else "") + how)
     with PeakMemory(device) as peak:
         try:
-            loaded = load_model(spec, dtype=dtype or stored_dtype(spec), **load)
+            if streamed:
+                ckpt, path = open_streamed(spec, load["trust_remote_code"])
+                tok = load_tokenizer(str(path), load["trust_remote_code"])
+            else:
+                loaded = load_model(spec, dtype=dtype or stored_dtype(spec), **load)
         except GeminiError as exc:
             if is_base:
                 raise type(exc)(f"baseline: {exc}") from exc  # nothing to compare with
             entry["error"] = str(exc)
             note(f"skipped: {exc}")
             return entry, None, None
-        model = loaded.model.to(device)
-        entry.update(format=loaded.format or "dense", dtype=kernels.dtype_name(next(model.parameters()).dtype),
-                     size_mb=weights_size_mb(weights_path(loaded)), masks_mb=masks_size_mb(weights_path(loaded)),
-                     tensors_mb=tensor_mb(model), params=count_params(model),
-                     sparsity=weight_sparsity(model, prune_masks_path(weights_path(loaded))),
-                     quant_zeros=quantization_zeros(model))
-        swap = kernels.use_fast_kernels if options.kernels == "fast" else kernels.describe_reference
-        choice = swap(model, device, entry["sparsity"])
-        entry.update(kernel=choice.as_dict(), dtype=choice.activation_dtype)
-        if choice.note and options.latency and choice.timed:
-            note(choice.note)  # e.g. sparsity that runs dense here: the speed column is a dense model's
-        state, ids = _quality(model, lambda w: (window_logprobs(model, x, device) for x in w), loaded.tokenizer,
-                              name, text, options, base, progress, entry, note)
-        if options.latency and not choice.timed:
-            note(f"latency not measured: {choice.note}; our dequantizing loader's timings would say nothing "
-                 "about the format's own kernels")
-        elif options.latency:
-            entry["latency"] = _latency(model, ids, options, device, progress, note)
-        if options.tasks:
-            entry["tasks"] = run_tasks(model, loaded.tokenizer, options.tasks, device, note)
+        if streamed:
+            stored = stored_dtype(spec)
+            entry.update(format=ckpt.format or "dense", dtype=kernels.dtype_name(stored), streamed=streamed,
+                         size_mb=weights_size_mb(path), masks_mb=masks_size_mb(path), params=params_of(ckpt))
+            state, _ = _quality(ckpt.model, lambda w: streamed_logprobs(ckpt, w, device, stored, progress), tok, name,
+                                text, options, base, progress, entry, note)
+        else:
+            model, state = _in_memory(loaded, name, text, options, base, device, progress, entry, note)
     entry["peak_memory_mb"] = peak.peak_mb
+    if streamed:
+        skipped = [what for what, asked in (("latency and throughput", options.latency),
+                                            ("lm-eval tasks", options.tasks)) if asked]
+        if skipped:
+            note(f"{' and '.join(skipped)} not measured: evaluated one layer at a time from disk ({streamed}); "
+                 "they are measured only for models loaded in memory")
+        return entry, None, state
     keep = is_base and state.cache is not None and not state.cache.stored
     if keep:
         state.cache.model, state.cache.device = model, device
     else:
         free(model)
     return entry, (model if keep else None), state
+
+
+def _in_memory(loaded, name, text, options, base, device, progress, entry, note):
+    """The figures of a model loaded into memory: footprint, the kernel that runs it, quality, latency and
+    tasks; returns (the model on `device`, Baseline if this is it)."""
+    model = loaded.model.to(device)
+    entry.update(format=loaded.format or "dense", dtype=kernels.dtype_name(next(model.parameters()).dtype),
+                 size_mb=weights_size_mb(weights_path(loaded)), masks_mb=masks_size_mb(weights_path(loaded)),
+                 tensors_mb=tensor_mb(model), params=count_params(model),
+                 sparsity=weight_sparsity(model, prune_masks_path(weights_path(loaded))),
+                 quant_zeros=quantization_zeros(model))
+    swap = kernels.use_fast_kernels if options.kernels == "fast" else kernels.describe_reference
+    choice = swap(model, device, entry["sparsity"])
+    entry.update(kernel=choice.as_dict(), dtype=choice.activation_dtype)
+    if choice.note and options.latency and choice.timed:
+        note(choice.note)  # e.g. sparsity that runs dense here: the speed column is a dense model's
+    state, ids = _quality(model, lambda w: (window_logprobs(model, x, device) for x in w), loaded.tokenizer,
+                          name, text, options, base, progress, entry, note)
+    if options.latency and not choice.timed:
+        note(f"latency not measured: {choice.note}; our dequantizing loader's timings would say nothing "
+             "about the format's own kernels")
+    elif options.latency:
+        entry["latency"] = _latency(model, ids, options, device, progress, note)
+    if options.tasks:
+        entry["tasks"] = run_tasks(model, loaded.tokenizer, options.tasks, device, note)
+    return model, state
 
 
 def _quality(model, logprobs_of, tok, name, text, options, base, progress, entry, note):
@@ -306,40 +330,6 @@ def _quality(model, logprobs_of, tok, name, text, options, base, progress, entry
                 base_ppl=base.perplexity if base is not None else None, progress=progress)
     state = Baseline(tok, ids, windows, cache, (entry["quality"] or {}).get("perplexity")) if base is None else None
     return state, ids
-
-
-def _evaluate_streamed(spec, name, text, options, base, device, progress, load, reason):
-    """Measure one model one decoder layer at a time from disk (no latency); as `_evaluate_one` returns."""
-    is_base = base is None
-    entry = new_entry(spec, name, is_base)
-
-    def note(message: str) -> None:
-        entry["notes"].append(message)
-        progress.warn(f"{name}: {message}")
-
-    progress.info(f"evaluating {name}" + (" (baseline)" if is_base else "") + f", one layer at a time ({reason})")
-    dtype = stored_dtype(spec)
-    with PeakMemory(device) as peak:
-        try:
-            ckpt, path = open_streamed(spec, load["trust_remote_code"])
-            tok = load_tokenizer(str(path), load["trust_remote_code"])
-        except GeminiError as exc:
-            if is_base:
-                raise type(exc)(f"baseline: {exc}") from exc
-            entry["error"] = str(exc)
-            note(f"skipped: {exc}")
-            return entry, None, None
-        entry.update(format=ckpt.format or "dense", dtype=kernels.dtype_name(dtype), streamed=reason,
-                     size_mb=weights_size_mb(path), masks_mb=masks_size_mb(path), params=params_of(ckpt))
-        state, _ = _quality(ckpt.model, lambda w: streamed_logprobs(ckpt, w, device, dtype, progress), tok, name, text,
-                            options, base, progress, entry, note)
-    entry["peak_memory_mb"] = peak.peak_mb
-    skipped = [what for what, asked in (("latency and throughput", options.latency), ("lm-eval tasks", options.tasks))
-               if asked]
-    if skipped:
-        note(f"{' and '.join(skipped)} not measured: evaluated one layer at a time from disk ({reason}); "
-             "they are measured only for models loaded in memory")
-    return entry, None, state
 
 
 def _latency(model, ids, options, device, progress, note):

@@ -128,7 +128,7 @@ def evaluate(
     entries: list[dict] = []
     base_model, base = None, None
     jobs: list[tuple[str, str, torch.dtype | None]] = [(spec, name, None) for spec, name in zip(specs, shown)]
-    same_dtype = _dtype_baseline(specs, options, device) if streamed[baseline] is None else None
+    same_dtype = _dtype_baseline(specs, options) if streamed[baseline] is None else None
     if same_dtype is not None:  # the baseline again, in the dtype the int4 kernels compute in (right after it)
         jobs.insert(1, (baseline, f"{shown[0]} @{kernels.dtype_name(same_dtype)}", same_dtype))
     try:
@@ -195,12 +195,12 @@ def _plan_line(baseline: str, n_models: int, text: str, data: str, options: Eval
     return f"plan: {'; '.join(parts)}; expected {plan.describe_duration(seconds)} on {where} (rough)"
 
 
-def _dtype_baseline(specs: list[str], options: EvalStage, device: torch.device) -> torch.dtype | None:
+def _dtype_baseline(specs: list[str], options: EvalStage) -> torch.dtype | None:
     """The activation dtype of the int4 kernels when a model will run on them and the baseline is stored
     in another dtype (so that its speed is also measured at that dtype), else None."""
     if options.kernels != "fast" or not options.dtype_baseline or not options.latency:
         return None
-    wanted = kernels.int4_activation_dtype(device)
+    wanted = kernels.INT4_ACTIVATION_DTYPE
     if stored_dtype(specs[0]) == wanted or not any(kernels.expects_int4(plan.peek_config(s)) for s in specs[1:]):
         return None
     return wanted

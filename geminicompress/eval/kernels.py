@@ -21,6 +21,7 @@ what `eval --engine vllm` measures.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -34,6 +35,8 @@ SPARSE_NOTE = "unstructured sparsity runs dense here: no sparse kernel on this d
 SPARSE_24_NOTE = "2:4 sparsity runs dense here: it needs sparse tensor cores (a GPU)"
 SPARSE_MIN = 0.1  # a dense model with at least this fraction of zero weights counts as pruned
 SLOW_FALLBACKS = ("reference", "dequant-matmul")  # the int8 modules' names for their float imitation
+# the activations of torch's int4 kernel: bf16, where it is fast (x86 CPUs: vectorized for bf16 only; CUDA: bf16 only)
+INT4_ACTIVATION_DTYPE = torch.bfloat16
 
 
 @dataclass
@@ -48,11 +51,6 @@ class KernelChoice:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def int4_activation_dtype(device: torch.device) -> torch.dtype:
-    """bf16 where torch's int4 kernel is fast (x86 CPUs: vectorized for bf16 only; CUDA: bf16 only)."""
-    return torch.bfloat16
 
 
 def expects_int4(config: dict | None) -> bool:
@@ -103,7 +101,7 @@ def use_fast_kernels(model: nn.Module, device: torch.device, sparsity: float | N
                                 f"no fast kernel on {device.type}: {name}: {plan}")
         plans[name] = plan
     int4 = [n for n, p in plans.items() if p != INT8]
-    act = int4_activation_dtype(device) if int4 else dtype
+    act = INT4_ACTIVATION_DTYPE if int4 else dtype
     model.to(act)  # norms, embeddings, head: the kernel's activation dtype
     counts: dict[str, int] = {}
     for name, m in packed:
@@ -151,11 +149,7 @@ def describe_reference(model: nn.Module, device: torch.device, sparsity: float |
 def _unpacked(model: nn.Module, device: torch.device, sparsity: float | None) -> KernelChoice:
     """A model without packed linears: dense matmuls and/or the int8 modules' own kernels."""
     dtype = next(model.parameters()).dtype
-    counts: dict[str, int] = {}
-    for m in model.modules():
-        kernel = getattr(m, "kernel", None)
-        if isinstance(kernel, str):
-            counts[kernel] = counts.get(kernel, 0) + 1
+    counts = dict(Counter(k for k in (getattr(m, "kernel", None) for m in model.modules()) if isinstance(k, str)))
     dense = sum(isinstance(m, nn.Linear) for m in model.modules())
     if dense:
         counts["dense"] = dense

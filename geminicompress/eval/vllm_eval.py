@@ -155,8 +155,9 @@ def _run_one(spec, name, dtype, path, python, ids, windows, options, base, progr
                  size_mb=weights_size_mb(Path(path)), dtype_baseline=not is_base and spec == (base or {}).get("spec"))
     tasks = ([{"kind": "logprobs", "windows": windows.tolist()}] if windows is not None else [])
     lat = latency_tasks(ids, options) if options.latency else []
+    need = max(options.prompt_len + options.gen_len, int(windows.shape[1]) if windows is not None else 0) + 16
     job = {"model": path, "engine": {"dtype": dtype, "enforce_eager": True, "enable_prefix_caching": False,
-                                     "max_model_len": _max_len(windows, options), "seed": 0},
+                                     "max_model_len": need, "seed": 0},
            "tasks": tasks + [t for _, t in lat]}
     progress.info(f"evaluating {name} in vLLM ({dtype})" + (" (baseline)" if is_base else ""))
     before = contention.read()
@@ -182,8 +183,3 @@ def _run_one(spec, name, dtype, path, python, ids, windows, options, base, progr
                                     "sections": {"vllm run": section}}
     entry["load_s"] = result.get("load_s")
     return entry
-
-
-def _max_len(windows: torch.Tensor | None, options: EvalStage) -> int:
-    need = options.prompt_len + options.gen_len
-    return max(need, int(windows.shape[1]) if windows is not None else 0) + 16

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from geminicompress import __version__
 from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.errors import GeminiError
 from geminicompress.eval import kernels, plan
@@ -39,11 +38,10 @@ from geminicompress.eval.footprint import (
 from geminicompress.eval.latency import measure_latency
 from geminicompress.eval.perplexity import window_logprobs
 from geminicompress.eval.quality import score_windows
-from geminicompress.eval.report import new_entry, write_report
+from geminicompress.eval.report import new_entry, new_report, write_report
 from geminicompress.eval.specs import display_names, stored_dtype
 from geminicompress.eval.streamed import open_streamed, params_of, stream_reason, streamed_logprobs
 from geminicompress.eval.table import describe_timing
-from geminicompress.machine import machine, versions
 from geminicompress.models import demo
 from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer
 from geminicompress.progress import NullProgress, Progress
@@ -152,17 +150,8 @@ def evaluate(
     timing_warning = _timing_warning(entries)
     if timing_warning:
         progress.warn(timing_warning)
-    report = {
-        "geminicompress": __version__,
-        "baseline": shown[0],
-        "timing_warning": timing_warning,
-        "data": data,
-        "options": options.model_dump(mode="json", exclude={"type", "data"}),
-        "machine": {**machine(), "device": str(device), "torch_threads": torch.get_num_threads()},
-        "versions": versions(),
-        "models": entries,
-        "speculative": speculative,
-    }
+    report = new_report(shown[0], data, options, entries, str(device), torch.get_num_threads(), timing_warning,
+                        speculative)
     if out_dir is not None:
         write_report(report, out_dir)
     return report

@@ -19,17 +19,16 @@ from pathlib import Path
 
 import torch
 
-from geminicompress import __version__, formats
+from geminicompress import formats
 from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.eval import contention, kernels, plan
 from geminicompress.eval.footprint import weights_size_mb
 from geminicompress.eval.latency import percentile, prompt_batch, summarize_ms
-from geminicompress.eval.report import new_entry
+from geminicompress.eval.report import new_entry, new_report
 from geminicompress.eval.serving_metrics import from_vllm, summarize
 from geminicompress.eval.specs import display_names, stored_dtype
 from geminicompress.eval.vllm_engine import check_vllm, find_python, run_driver
-from geminicompress.machine import machine, versions
 from geminicompress.models import demo
 from geminicompress.models.loading import resolve_model
 from geminicompress.progress import NullProgress, Progress
@@ -140,11 +139,8 @@ def evaluate_vllm(models: list[str], baseline: str, data: str, options: EvalStag
             base = entry.pop("_top1")
         entry.pop("_top1", None)
         entries.append(entry)
-    return {"geminicompress": __version__, "engine": "vllm", "vllm": version, "vllm_python": python,
-            "baseline": shown[0], "timing_warning": None, "data": data,
-            "options": options.model_dump(mode="json", exclude={"type", "data"}),
-            "machine": {**machine(), "device": "vllm", "torch_threads": usable_cores()}, "versions": versions(),
-            "models": entries, "speculative": None}
+    return new_report(shown[0], data, options, entries, "vllm", usable_cores(), engine="vllm", vllm=version,
+                      vllm_python=python)
 
 
 def _run_one(spec, name, dtype, path, python, ids, windows, options, base, progress, *, is_base) -> dict:

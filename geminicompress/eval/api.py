@@ -147,7 +147,7 @@ def evaluate(
         if base is not None and base.cache is not None:
             base.cache.close()
         free(base_model)
-    timing_warning = _timing_warning(entries)
+    timing_warning = describe_timing(entries)
     if timing_warning:
         progress.warn(timing_warning)
     report = new_report(shown[0], data, options, entries, str(device), torch.get_num_threads(), timing_warning,
@@ -193,13 +193,6 @@ def _dtype_baseline(specs: list[str], options: EvalStage) -> torch.dtype | None:
     if stored_dtype(specs[0]) == wanted or not any(kernels.expects_int4(plan.peek_config(s)) for s in specs[1:]):
         return None
     return wanted
-
-
-def _timing_warning(entries: list[dict]) -> str | None:
-    """One line naming the models whose timings are suspect, why, and what to do."""
-    bad = [(e["name"], e["latency"]["load"]) for e in entries
-           if (e.get("latency") or {}).get("load", {}).get("unreliable")]
-    return describe_timing(bad) if bad else None
 
 
 def _evaluate_one(spec, name, text, options, base, device, progress, load, dtype=None, streamed=None):

@@ -262,11 +262,16 @@ def _in_memory(loaded, name, text, options, base, device, progress, entry, note)
         note(choice.note)  # e.g. sparsity that runs dense here: the speed column is a dense model's
     state, ids = _quality(model, lambda w: (window_logprobs(model, x, device) for x in w), loaded.tokenizer,
                           name, text, options, base, progress, entry, note)
+    need, context = options.prompt_len + options.gen_len, model_context(model)
     if options.latency and not choice.timed:
         note(f"latency not measured: {choice.note}; our dequantizing loader's timings would say nothing "
              "about the format's own kernels")
+    elif options.latency and context is not None and need > context:
+        note(f"--prompt-len + --gen-len = {need} is above its context of {context} tokens: latency skipped")
     elif options.latency:
-        entry["latency"] = _latency(model, ids, options, device, progress, note)
+        entry["latency"] = measure_latency(model, ids, prompt_len=options.prompt_len, gen_len=options.gen_len,
+                                           batch_sizes=options.batch_sizes, repeats=options.repeats,
+                                           warmup=options.warmup, device=device, progress=progress)
     if options.tasks:
         entry["tasks"] = run_tasks(model, loaded.tokenizer, options.tasks, device, note)
     return model, state
@@ -312,14 +317,3 @@ def _quality(model, logprobs_of, tok, name, text, options, base, progress, entry
                 base_ppl=base.perplexity if base is not None else None, progress=progress)
     state = Baseline(tok, ids, windows, cache, (entry["quality"] or {}).get("perplexity")) if base is None else None
     return state, ids
-
-
-def _latency(model, ids, options, device, progress, note):
-    context = model_context(model)
-    need = options.prompt_len + options.gen_len
-    if context is not None and need > context:
-        note(f"--prompt-len + --gen-len = {need} is above its context of {context} tokens: latency skipped")
-        return None
-    return measure_latency(model, ids, prompt_len=options.prompt_len, gen_len=options.gen_len,
-                           batch_sizes=options.batch_sizes, repeats=options.repeats, warmup=options.warmup,
-                           device=device, progress=progress)

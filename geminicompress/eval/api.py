@@ -104,19 +104,18 @@ def evaluate(
     stream: evaluate one decoder layer at a time from disk: True, False, or None for the models whose
     weights exceed half of the available memory (streamed.py)."""
     progress = progress or NullProgress()
+    specs = list(dict.fromkeys([baseline, *models]))
+    shown = [(names or {}).get(s, n) for s, n in zip(specs, display_names(specs))]
     if options.engine == "vllm":  # every model measured by vLLM, in its own process (vllm_eval.py)
         from geminicompress.eval.vllm_eval import evaluate_vllm
 
-        report = evaluate_vllm(models, baseline, data, options, progress, names=names,
-                               trust_remote_code=trust_remote_code)
+        report = evaluate_vllm(specs, shown, data, options, progress, trust_remote_code)
         if out_dir is not None:
             write_report(report, out_dir)
         return report
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     options = plan.with_device_defaults(options, device)
     text = read_text(data, options.text_column)
-    specs = list(dict.fromkeys([baseline, *models]))
-    shown = [(names or {}).get(s, n) for s, n in zip(specs, display_names(specs))]
     load = dict(trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     streamed = {spec: stream_reason(spec, stream, stored_dtype(spec)) for spec in specs}  # refuses --stream early
     progress.info(_plan_line(baseline, len(specs), text, data, options, device, trust_remote_code))

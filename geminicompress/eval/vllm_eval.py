@@ -27,11 +27,11 @@ from geminicompress.eval.footprint import weights_size_mb
 from geminicompress.eval.latency import percentile, prompt_batch, summarize_ms
 from geminicompress.eval.report import new_entry, new_report
 from geminicompress.eval.serving_metrics import from_vllm, summarize
-from geminicompress.eval.specs import display_names, stored_dtype
+from geminicompress.eval.specs import stored_dtype
 from geminicompress.eval.vllm_engine import check_vllm, find_python, run_driver
 from geminicompress.models import demo
 from geminicompress.models.loading import resolve_model
-from geminicompress.progress import NullProgress, Progress
+from geminicompress.progress import Progress
 from geminicompress.recipes.schema import EvalStage
 from geminicompress.threads import usable_cores
 
@@ -99,18 +99,17 @@ def latency_from_runs(runs: list[tuple[int, dict]], options: EvalStage) -> dict:
             "warmup": options.warmup, "source": "vLLM RequestOutput.metrics"}
 
 
-def evaluate_vllm(models: list[str], baseline: str, data: str, options: EvalStage, progress: Progress | None = None,
-                  *, names: dict[str, str] | None = None, trust_remote_code: bool = False) -> dict:
-    """Evaluate `baseline` and `models` in vLLM; the report has the shape of api.evaluate's."""
-    progress = progress or NullProgress()
+def evaluate_vllm(specs: list[str], shown: list[str], data: str, options: EvalStage, progress: Progress,
+                  trust_remote_code: bool = False) -> dict:
+    """Evaluate the models `specs` (the baseline first; `shown`: their names in the report) in vLLM; the report
+    has the shape of api.evaluate's."""
+    baseline = specs[0]
     options = plan.with_device_defaults(options, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     python = find_python(options.vllm_python)
     version = check_vllm(python)  # absent / too old: one line, exit 2, before any model loads
     skipped = [flag for flag, given in (("--tasks", options.tasks), ("--draft", options.draft)) if given]
     if skipped:
         progress.warn(f"{' and '.join(skipped)}: not run with --engine vllm (they need the model in this process)")
-    specs = list(dict.fromkeys([baseline, *models]))
-    shown = [(names or {}).get(s, n) for s, n in zip(specs, display_names(specs))]
     paths = {s: model_path(s) for s in specs}
     dtypes = {s: engine_dtype(s) for s in specs}
     jobs = [(s, n, dtypes[s]) for s, n in zip(specs, shown)]

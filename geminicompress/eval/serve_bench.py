@@ -121,12 +121,6 @@ def serve_bench(model: str, int8: str | None, data: str, spec: WorkloadSpec, *, 
     else:
         rows = hf_rows(max_batch, int8)
         measured = run_hf_rows(rows, model, int8, requests, spec, windows, dtype, progress, trust_remote_code)
-    above = None  # each row's greedy answers against the last measured row above it: what this row changed
-    for m in measured:
-        outputs = m.pop("outputs", None)
-        if outputs is not None:
-            m["answer_agreement"] = 1.0 if above is None else token_agreement(outputs, above)
-            above = outputs
     notes = [f"the text held {spec.requests - repeated} distinct questions; {repeated} repeat earlier text"] if repeated else []
     return {"geminicompress": __version__, "command": "serve-bench", "engine": engine, "model": model, "int8": int8,
             "data": data, "workload": {**asdict(spec), "truncated_len": spec.truncated_len}, "max_batch": max_batch,
@@ -138,7 +132,7 @@ def measure_rows(rows: list[Row], title: str, progress: Progress, serve_row) -> 
     """Each row's report entry. A row without a reason is served by `serve_row(row, entry, with_ppl)`, which
     returns its request timings and, when `with_ppl` (the first measured row and the rows that change the
     model), its perplexity, else None; or None for a row the engine refused (the entry says why)."""
-    out, base_ppl = [], None
+    out, base_ppl, above = [], None, None
     with progress.task(title, len(rows)) as bar:
         for row in rows:
             entry = {"row": row.name, "change": row.change, "flags": row.flags, "model": row.model,
@@ -147,8 +141,11 @@ def measure_rows(rows: list[Row], title: str, progress: Progress, serve_row) -> 
             served = serve_row(row, entry, base_ppl is None or row.model != "base") if row.reason is None else None
             if served is not None:
                 timings, ppl = served
+                outputs = [t.tokens for t in timings]
                 entry["metrics"] = summarize(timings)
-                entry["outputs"] = [t.tokens for t in timings]  # for the agreement column
+                # its greedy answers against the last measured row above it: what this row changed
+                entry["answer_agreement"] = 1.0 if above is None else token_agreement(outputs, above)
+                above = outputs
                 if ppl is not None:
                     base_ppl = base_ppl or ppl
                     entry["perplexity"] = round(ppl, 6)

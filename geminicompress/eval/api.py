@@ -74,9 +74,7 @@ def weights_path(loaded: LoadedModel) -> Path | None:
 
 def same_tokenizer(a, b, text: str) -> bool:
     """Equal vocabularies that also split the start of the evaluated text identically."""
-    if a.get_vocab() != b.get_vocab():
-        return False
-    return torch.equal(tokenize(a, text, 4096), tokenize(b, text, 4096))
+    return a.get_vocab() == b.get_vocab() and torch.equal(tokenize(a, text, 4096), tokenize(b, text, 4096))
 
 
 def free(model) -> None:
@@ -248,11 +246,10 @@ def _evaluate_one(spec, name, text, options, base, device, progress, load, dtype
 def _in_memory(loaded, name, text, options, base, device, progress, entry, note):
     """The figures of a model loaded into memory: footprint, the kernel that runs it, quality, latency and
     tasks; returns (the model on `device`, Baseline if this is it)."""
-    model = loaded.model.to(device)
+    model, path = loaded.model.to(device), weights_path(loaded)
     entry.update(format=loaded.format or "dense", dtype=kernels.dtype_name(next(model.parameters()).dtype),
-                 size_mb=weights_size_mb(weights_path(loaded)), masks_mb=masks_size_mb(weights_path(loaded)),
-                 tensors_mb=tensor_mb(model), params=count_params(model),
-                 sparsity=weight_sparsity(model, prune_masks_path(weights_path(loaded))),
+                 size_mb=weights_size_mb(path), masks_mb=masks_size_mb(path), tensors_mb=tensor_mb(model),
+                 params=count_params(model), sparsity=weight_sparsity(model, prune_masks_path(path)),
                  quant_zeros=quantization_zeros(model))
     swap = kernels.use_fast_kernels if options.kernels == "fast" else kernels.describe_reference
     choice = swap(model, device, entry["sparsity"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import gc
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -251,9 +251,8 @@ def _in_memory(loaded, name, text, options, base, device, progress, entry, note)
                  size_mb=weights_size_mb(path), masks_mb=masks_size_mb(path), tensors_mb=tensor_mb(model),
                  params=count_params(model), sparsity=weight_sparsity(model, prune_masks_path(path)),
                  quant_zeros=quantization_zeros(model))
-    swap = kernels.use_fast_kernels if options.kernels == "fast" else kernels.describe_reference
-    choice = swap(model, device, entry["sparsity"])
-    entry.update(kernel=choice.as_dict(), dtype=choice.activation_dtype)
+    choice = kernels.use_fast_kernels(model, device, entry["sparsity"], reference=options.kernels != "fast")
+    entry.update(kernel=asdict(choice), dtype=choice.activation_dtype)
     if choice.note and options.latency and choice.timed:
         note(choice.note)  # e.g. sparsity that runs dense here: the speed column is a dense model's
     state, ids = _quality(model, lambda w: (window_logprobs(model, x, device) for x in w), loaded.tokenizer,

@@ -22,7 +22,7 @@ what `eval --engine vllm` measures.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -48,9 +48,6 @@ class KernelChoice:
     modules: dict[str, int] = field(default_factory=dict)  # kernel -> number of linears
     timed: bool = True  # False: only the reference path exists here; latency is not measured
     note: str | None = None  # why (no fast kernel, sparsity that runs dense)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def expects_int4(config: dict | None) -> bool:
@@ -85,13 +82,19 @@ def _is_24(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def use_fast_kernels(model: nn.Module, device: torch.device, sparsity: float | None = None) -> KernelChoice:
+def use_fast_kernels(model: nn.Module, device: torch.device, sparsity: float | None = None,
+                     reference: bool = False) -> KernelChoice:
     """Swap every `DequantLinear` for the device's fast kernel when all of them can take it (then the
-    whole model computes in the kernel's activation dtype); say what runs. The model is changed in place."""
+    whole model computes in the kernel's activation dtype); say what runs. The model is changed in place.
+    With `reference` (`eval --kernels reference`) nothing is swapped: what runs is packed formats through our
+    dequantizing loader (exact, not timed), the rest as loaded."""
     packed = [(n, m) for n, m in model.named_modules() if isinstance(m, DequantLinear)]
     if not packed:
         return _unpacked(model, device, sparsity)
     dtype = next(model.parameters()).dtype
+    if reference:
+        return KernelChoice("reference", dtype_name(dtype), {"reference": len(packed)}, False,
+                            "reference path (--kernels reference): packed weights are dequantized on every call")
     plans: dict[str, object] = {}  # name -> INT8 (fbgemm W8A16) or the int4 kernel's layout
     for name, m in packed:
         plan = INT8 if _is_int8_channel(m, device) else int4_layout(m.q, m.scales, m.zeros, m.g_idx, m.bits,
@@ -134,16 +137,6 @@ def _int8_module(m: DequantLinear, dtype: torch.dtype) -> Int8WeightOnlyLinear:
     if m.bias is not None:
         module.bias.copy_(m.bias.detach())
     return module
-
-
-def describe_reference(model: nn.Module, device: torch.device, sparsity: float | None = None) -> KernelChoice:
-    """What runs when the fast kernels are not swapped in (`eval --kernels reference`): packed formats
-    through our dequantizing loader (exact, not timed), the rest as loaded."""
-    packed = sum(isinstance(m, DequantLinear) for m in model.modules())
-    if not packed:
-        return _unpacked(model, device, sparsity)
-    return KernelChoice("reference", dtype_name(next(model.parameters()).dtype), {"reference": packed}, False,
-                        "reference path (--kernels reference): packed weights are dequantized on every call")
 
 
 def _unpacked(model: nn.Module, device: torch.device, sparsity: float | None) -> KernelChoice:

@@ -112,12 +112,10 @@ def use_fast_kernels(model: nn.Module, device: torch.device, sparsity: float | N
         module = _int8_module(m, act) if plan == INT8 else Int4Linear(plan, m.bits, m.bias, act, device)
         counts[module.kernel] = counts.get(module.kernel, 0) + 1
         model.set_submodule(name, module)
-    note = None
     bits = sorted({m.bits for n, m in packed if n in int4})
-    if bits and bits != [4]:
-        note = f"{'/'.join(map(str, bits))}-bit codes run in the int4 kernel (4 bits per weight in memory)"
-    kernel = max(counts, key=counts.get)
-    return KernelChoice(kernel, dtype_name(act), counts, True, note)
+    note = (f"{'/'.join(map(str, bits))}-bit codes run in the int4 kernel (4 bits per weight in memory)"
+            if bits and bits != [4] else None)
+    return KernelChoice(max(counts, key=counts.get), dtype_name(act), counts, True, note)
 
 
 INT8 = "int8"

@@ -130,21 +130,18 @@ def evaluate_vllm(specs: list[str], shown: list[str], data: str, options: EvalSt
                   + (f"; perplexity on {windows.numel():,} tokens" if windows is not None else ""))
     entries, base = [], None
     for spec, name, dtype in jobs:
-        entry = _run_one(spec, name, dtype, paths[spec], python, ids, windows, options, base, progress,
-                         is_base=not entries)
-        if not entries and entry.get("error"):
-            raise GeminiError(f"baseline: vLLM refused {baseline}: {entry['error']}")
-        if not entries:
-            base = entry.pop("_top1")
-        entry.pop("_top1", None)
+        entry, top1 = _run_one(spec, name, dtype, paths[spec], python, ids, windows, options, base, progress,
+                               is_base=not entries)
+        base = base if entries else top1
         entries.append(entry)
     return new_report(shown[0], data, options, entries, "vllm", usable_cores(), engine="vllm", vllm=version,
                       vllm_python=python)
 
 
-def _run_one(spec, name, dtype, path, python, ids, windows, options, base, progress, *, is_base) -> dict:
-    """One model's run in vLLM: its report entry (with `_top1`, the baseline's top-1 ids, for the caller)."""
-    entry = {**new_entry(spec, name, is_base), "_top1": None}
+def _run_one(spec, name, dtype, path, python, ids, windows, options, base, progress, *, is_base) -> tuple:
+    """One model's run in vLLM: its report entry, and what a later model is compared with (its top-1 ids,
+    perplexity and spec; None without perplexity windows). A baseline vLLM refuses stops the run."""
+    entry, top1 = new_entry(spec, name, is_base), None
     qc = (plan.peek_config(spec) or {}).get("quantization_config") or {}
     entry.update(format=formats.detect({"quantization_config": qc}) or "dense", dtype=dtype,
                  size_mb=weights_size_mb(Path(path)), dtype_baseline=not is_base and spec == (base or {}).get("spec"))
@@ -166,15 +163,17 @@ def _run_one(spec, name, dtype, path, python, ids, windows, options, base, progr
         entry["error"], entry["vllm_log"] = result["error"], result.get("log")
         entry["notes"].append(f"vLLM refused it: {result['error']}")
         progress.warn(f"{name}: vLLM refused it: {result['error']}")
-        return entry
+        if is_base:
+            raise GeminiError(f"baseline: vLLM refused {spec}: {entry['error']}")
+        return entry, None
     out = result["tasks"]
     if windows is not None:
         q = out.pop(0)
         entry["quality"] = quality_from_logprobs(q["logprobs"], q["top1"], windows, base)
-        entry["_top1"] = {"top1": q["top1"], "perplexity": entry["quality"]["perplexity"], "spec": spec}
+        top1 = {"top1": q["top1"], "perplexity": entry["quality"]["perplexity"], "spec": spec}
     if lat:
         entry["latency"] = latency_from_runs([(b, r) for (b, _), r in zip(lat, out)], options)
         entry["latency"]["load"] = {**contention.assess({"vllm run": section}, {}, usable_cores(), usable_cores()),
                                     "sections": {"vllm run": section}}
     entry["load_s"] = result.get("load_s")
-    return entry
+    return entry, top1

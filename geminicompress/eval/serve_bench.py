@@ -194,10 +194,9 @@ def vllm_job(row: Row, path: str, requests, spec: WorkloadSpec, windows: torch.T
     """One row as a driver job: an engine with the row's arguments serving the workload."""
     flags = {k: v for k, v in row.flags.items() if k != "truncate"}
     max_len = spec.truncated_len if row.flags.get("truncate") else None
-    serve_task = {"kind": "serve", "warmup": [list(reversed(requests[0].prompt(max_len)))],
-                  "requests": [{"prompt": r.prompt(max_len), "arrival_s": r.arrival_s, "max_tokens": r.answer_len}
-                               for r in requests]}
-    tasks = [serve_task]
+    tasks = [{"kind": "serve", "warmup": [list(reversed(requests[0].prompt(max_len)))],
+              "requests": [{"prompt": r.prompt(max_len), "arrival_s": r.arrival_s, "max_tokens": r.answer_len}
+                           for r in requests]}]
     if with_ppl and windows is not None:
         tasks.append({"kind": "logprobs", "windows": windows.tolist()})
     need = max(spec.longest, windows.shape[1] if windows is not None else 0) + 16

@@ -123,8 +123,9 @@ def evaluate(
     entries: list[dict] = []
     base_model, base = None, None
     jobs: list[tuple[str, str, torch.dtype | None]] = [(spec, name, None) for spec, name in zip(specs, shown)]
-    same_dtype = _dtype_baseline(specs, options) if streamed[baseline] is None else None
-    if same_dtype is not None:  # the baseline again, in the dtype the int4 kernels compute in (right after it)
+    if streamed[baseline] is None and _dtype_baseline(specs, options):
+        # the baseline again, in the dtype the int4 kernels compute in (right after it)
+        same_dtype = kernels.INT4_ACTIVATION_DTYPE
         jobs.insert(1, (baseline, f"{shown[0]} @{kernels.dtype_name(same_dtype)}", same_dtype))
     try:
         for spec, name, dtype in jobs:
@@ -181,15 +182,12 @@ def _plan_line(baseline: str, n_models: int, text: str, data: str, options: Eval
     return f"plan: {'; '.join(parts)}; expected {plan.describe_duration(seconds)} on {where} (rough)"
 
 
-def _dtype_baseline(specs: list[str], options: EvalStage) -> torch.dtype | None:
-    """The activation dtype of the int4 kernels when a model will run on them and the baseline is stored
-    in another dtype (so that its speed is also measured at that dtype), else None."""
-    if options.kernels != "fast" or not options.dtype_baseline or not options.latency:
-        return None
-    wanted = kernels.INT4_ACTIVATION_DTYPE
-    if stored_dtype(specs[0]) == wanted or not any(kernels.expects_int4(plan.peek_config(s)) for s in specs[1:]):
-        return None
-    return wanted
+def _dtype_baseline(specs: list[str], options: EvalStage) -> bool:
+    """Whether a model will run on the int4 kernels and the baseline is stored in another dtype than their
+    activation dtype (so that its speed is also measured at that dtype)."""
+    return (options.kernels == "fast" and options.dtype_baseline and options.latency
+            and stored_dtype(specs[0]) != kernels.INT4_ACTIVATION_DTYPE
+            and any(kernels.expects_int4(plan.peek_config(s)) for s in specs[1:]))
 
 
 def _evaluate_one(spec, name, text, options, base, device, progress, load, dtype=None, streamed=None):

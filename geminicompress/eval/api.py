@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import gc
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from geminicompress import __version__
 from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.errors import GeminiError
 from geminicompress.eval import kernels, plan
@@ -39,11 +38,10 @@ from geminicompress.eval.footprint import (
 from geminicompress.eval.latency import measure_latency
 from geminicompress.eval.perplexity import window_logprobs
 from geminicompress.eval.quality import score_windows
-from geminicompress.eval.report import new_entry, write_report
+from geminicompress.eval.report import new_entry, new_report, write_report
 from geminicompress.eval.specs import display_names, stored_dtype
 from geminicompress.eval.streamed import open_streamed, params_of, stream_reason, streamed_logprobs
 from geminicompress.eval.table import describe_timing
-from geminicompress.machine import machine, versions
 from geminicompress.models import demo
 from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer
 from geminicompress.progress import NullProgress, Progress
@@ -76,9 +74,7 @@ def weights_path(loaded: LoadedModel) -> Path | None:
 
 def same_tokenizer(a, b, text: str) -> bool:
     """Equal vocabularies that also split the start of the evaluated text identically."""
-    if a.get_vocab() != b.get_vocab():
-        return False
-    return torch.equal(tokenize(a, text, 4096), tokenize(b, text, 4096))
+    return a.get_vocab() == b.get_vocab() and torch.equal(tokenize(a, text, 4096), tokenize(b, text, 4096))
 
 
 def free(model) -> None:
@@ -106,19 +102,18 @@ def evaluate(
     stream: evaluate one decoder layer at a time from disk: True, False, or None for the models whose
     weights exceed half of the available memory (streamed.py)."""
     progress = progress or NullProgress()
+    specs = list(dict.fromkeys([baseline, *models]))
+    shown = [(names or {}).get(s, n) for s, n in zip(specs, display_names(specs))]
     if options.engine == "vllm":  # every model measured by vLLM, in its own process (vllm_eval.py)
         from geminicompress.eval.vllm_eval import evaluate_vllm
 
-        report = evaluate_vllm(models, baseline, data, options, progress, names=names,
-                               trust_remote_code=trust_remote_code)
+        report = evaluate_vllm(specs, shown, data, options, progress, trust_remote_code)
         if out_dir is not None:
             write_report(report, out_dir)
         return report
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     options = plan.with_device_defaults(options, device)
     text = read_text(data, options.text_column)
-    specs = list(dict.fromkeys([baseline, *models]))
-    shown = [(names or {}).get(s, n) for s, n in zip(specs, display_names(specs))]
     load = dict(trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     streamed = {spec: stream_reason(spec, stream, stored_dtype(spec)) for spec in specs}  # refuses --stream early
     progress.info(_plan_line(baseline, len(specs), text, data, options, device, trust_remote_code))
@@ -128,16 +123,14 @@ def evaluate(
     entries: list[dict] = []
     base_model, base = None, None
     jobs: list[tuple[str, str, torch.dtype | None]] = [(spec, name, None) for spec, name in zip(specs, shown)]
-    same_dtype = _dtype_baseline(specs, options, device) if streamed[baseline] is None else None
-    if same_dtype is not None:  # the baseline again, in the dtype the int4 kernels compute in (right after it)
+    if streamed[baseline] is None and _dtype_baseline(specs, options):
+        # the baseline again, in the dtype the int4 kernels compute in (right after it)
+        same_dtype = kernels.INT4_ACTIVATION_DTYPE
         jobs.insert(1, (baseline, f"{shown[0]} @{kernels.dtype_name(same_dtype)}", same_dtype))
     try:
         for spec, name, dtype in jobs:
-            if streamed[spec] is not None:
-                entry, kept, state = _evaluate_streamed(spec, name, text, options, base, device, progress, load,
-                                                        streamed[spec])
-            else:
-                entry, kept, state = _evaluate_one(spec, name, text, options, base, device, progress, load, dtype)
+            entry, kept, state = _evaluate_one(spec, name, text, options, base, device, progress, load, dtype,
+                                               streamed[spec])
             if base is None:
                 base, base_model = state, kept
             entries.append(entry)
@@ -152,20 +145,11 @@ def evaluate(
         if base is not None and base.cache is not None:
             base.cache.close()
         free(base_model)
-    timing_warning = _timing_warning(entries)
+    timing_warning = describe_timing(entries)
     if timing_warning:
         progress.warn(timing_warning)
-    report = {
-        "geminicompress": __version__,
-        "baseline": shown[0],
-        "timing_warning": timing_warning,
-        "data": data,
-        "options": options.model_dump(mode="json", exclude={"type", "data"}),
-        "machine": {**machine(), "device": str(device), "torch_threads": torch.get_num_threads()},
-        "versions": versions(),
-        "models": entries,
-        "speculative": speculative,
-    }
+    report = new_report(shown[0], data, options, entries, str(device), torch.get_num_threads(), timing_warning,
+                        speculative)
     if out_dir is not None:
         write_report(report, out_dir)
     return report
@@ -198,26 +182,17 @@ def _plan_line(baseline: str, n_models: int, text: str, data: str, options: Eval
     return f"plan: {'; '.join(parts)}; expected {plan.describe_duration(seconds)} on {where} (rough)"
 
 
-def _dtype_baseline(specs: list[str], options: EvalStage, device: torch.device) -> torch.dtype | None:
-    """The activation dtype of the int4 kernels when a model will run on them and the baseline is stored
-    in another dtype (so that its speed is also measured at that dtype), else None."""
-    if options.kernels != "fast" or not options.dtype_baseline or not options.latency:
-        return None
-    wanted = kernels.int4_activation_dtype(device)
-    if stored_dtype(specs[0]) == wanted or not any(kernels.expects_int4(plan.peek_config(s)) for s in specs[1:]):
-        return None
-    return wanted
+def _dtype_baseline(specs: list[str], options: EvalStage) -> bool:
+    """Whether a model will run on the int4 kernels and the baseline is stored in another dtype than their
+    activation dtype (so that its speed is also measured at that dtype)."""
+    return (options.kernels == "fast" and options.dtype_baseline and options.latency
+            and stored_dtype(specs[0]) != kernels.INT4_ACTIVATION_DTYPE
+            and any(kernels.expects_int4(plan.peek_config(s)) for s in specs[1:]))
 
 
-def _timing_warning(entries: list[dict]) -> str | None:
-    """One line naming the models whose timings are suspect, why, and what to do."""
-    bad = [(e["name"], e["latency"]["load"]) for e in entries
-           if (e.get("latency") or {}).get("load", {}).get("unreliable")]
-    return describe_timing(bad) if bad else None
-
-
-def _evaluate_one(spec, name, text, options, base, device, progress, load, dtype=None):
-    """Measure one model (in `dtype` instead of its stored dtype when given); returns (entry, model kept for
+def _evaluate_one(spec, name, text, options, base, device, progress, load, dtype=None, streamed=None):
+    """Measure one model: loaded into memory (in `dtype` instead of its stored dtype when given), or one decoder
+    layer at a time from disk when `streamed` says why (no latency then); returns (entry, model kept for
     recomputing or None, Baseline if this is it)."""
     is_base = base is None
     entry = new_entry(spec, name, is_base)
@@ -227,43 +202,72 @@ def _evaluate_one(spec, name, text, options, base, device, progress, load, dtype
         entry["notes"].append(message)
         progress.warn(f"{name}: {message}")
 
-    progress.info(f"evaluating {name}" + (" (baseline)" if is_base else ""))
+    how = f", one layer at a time ({streamed})" if streamed else ""
+    progress.info(f"evaluating {name}" + (" (baseline)" if is_base else "") + how)
     with PeakMemory(device) as peak:
         try:
-            loaded = load_model(spec, dtype=dtype or stored_dtype(spec), **load)
+            if streamed:
+                ckpt, path = open_streamed(spec, load["trust_remote_code"])
+                tok = load_tokenizer(str(path), load["trust_remote_code"])
+            else:
+                loaded = load_model(spec, dtype=dtype or stored_dtype(spec), **load)
         except GeminiError as exc:
             if is_base:
                 raise type(exc)(f"baseline: {exc}") from exc  # nothing to compare with
             entry["error"] = str(exc)
             note(f"skipped: {exc}")
             return entry, None, None
-        model = loaded.model.to(device)
-        entry.update(format=loaded.format or "dense", dtype=kernels.dtype_name(next(model.parameters()).dtype),
-                     size_mb=weights_size_mb(weights_path(loaded)), masks_mb=masks_size_mb(weights_path(loaded)),
-                     tensors_mb=tensor_mb(model), params=count_params(model),
-                     sparsity=weight_sparsity(model, prune_masks_path(weights_path(loaded))),
-                     quant_zeros=quantization_zeros(model))
-        swap = kernels.use_fast_kernels if options.kernels == "fast" else kernels.describe_reference
-        choice = swap(model, device, entry["sparsity"])
-        entry.update(kernel=choice.as_dict(), dtype=choice.activation_dtype)
-        if choice.note and options.latency and choice.timed:
-            note(choice.note)  # e.g. sparsity that runs dense here: the speed column is a dense model's
-        state, ids = _quality(model, lambda w: (window_logprobs(model, x, device) for x in w), loaded.tokenizer,
-                              name, text, options, base, progress, entry, note)
-        if options.latency and not choice.timed:
-            note(f"latency not measured: {choice.note}; our dequantizing loader's timings would say nothing "
-                 "about the format's own kernels")
-        elif options.latency:
-            entry["latency"] = _latency(model, ids, options, device, progress, note)
-        if options.tasks:
-            entry["tasks"] = run_tasks(model, loaded.tokenizer, options.tasks, device, note)
+        if streamed:
+            stored = stored_dtype(spec)
+            entry.update(format=ckpt.format or "dense", dtype=kernels.dtype_name(stored), streamed=streamed,
+                         size_mb=weights_size_mb(path), masks_mb=masks_size_mb(path), params=params_of(ckpt))
+            state, _ = _quality(ckpt.model, lambda w: streamed_logprobs(ckpt, w, device, stored, progress), tok, name,
+                                text, options, base, progress, entry, note)
+        else:
+            model, state = _in_memory(loaded, name, text, options, base, device, progress, entry, note)
     entry["peak_memory_mb"] = peak.peak_mb
+    if streamed:
+        skipped = [what for what, asked in (("latency and throughput", options.latency),
+                                            ("lm-eval tasks", options.tasks)) if asked]
+        if skipped:
+            note(f"{' and '.join(skipped)} not measured: evaluated one layer at a time from disk ({streamed}); "
+                 "they are measured only for models loaded in memory")
+        return entry, None, state
     keep = is_base and state.cache is not None and not state.cache.stored
     if keep:
         state.cache.model, state.cache.device = model, device
     else:
         free(model)
     return entry, (model if keep else None), state
+
+
+def _in_memory(loaded, name, text, options, base, device, progress, entry, note):
+    """The figures of a model loaded into memory: footprint, the kernel that runs it, quality, latency and
+    tasks; returns (the model on `device`, Baseline if this is it)."""
+    model, path = loaded.model.to(device), weights_path(loaded)
+    entry.update(format=loaded.format or "dense", dtype=kernels.dtype_name(next(model.parameters()).dtype),
+                 size_mb=weights_size_mb(path), masks_mb=masks_size_mb(path), tensors_mb=tensor_mb(model),
+                 params=count_params(model), sparsity=weight_sparsity(model, prune_masks_path(path)),
+                 quant_zeros=quantization_zeros(model))
+    choice = kernels.use_fast_kernels(model, device, entry["sparsity"], reference=options.kernels != "fast")
+    entry.update(kernel=asdict(choice), dtype=choice.activation_dtype)
+    if choice.note and options.latency and choice.timed:
+        note(choice.note)  # e.g. sparsity that runs dense here: the speed column is a dense model's
+    state, ids = _quality(model, lambda w: (window_logprobs(model, x, device) for x in w), loaded.tokenizer,
+                          name, text, options, base, progress, entry, note)
+    need, context = options.prompt_len + options.gen_len, model_context(model)
+    if options.latency and not choice.timed:
+        note(f"latency not measured: {choice.note}; our dequantizing loader's timings would say nothing "
+             "about the format's own kernels")
+    elif options.latency and context is not None and need > context:
+        note(f"--prompt-len + --gen-len = {need} is above its context of {context} tokens: latency skipped")
+    elif options.latency:
+        entry["latency"] = measure_latency(model, ids, prompt_len=options.prompt_len, gen_len=options.gen_len,
+                                           batch_sizes=options.batch_sizes, repeats=options.repeats,
+                                           warmup=options.warmup, device=device, progress=progress)
+    if options.tasks:
+        entry["tasks"] = run_tasks(model, loaded.tokenizer, options.tasks, device, note)
+    return model, state
 
 
 def _quality(model, logprobs_of, tok, name, text, options, base, progress, entry, note):
@@ -306,48 +310,3 @@ def _quality(model, logprobs_of, tok, name, text, options, base, progress, entry
                 base_ppl=base.perplexity if base is not None else None, progress=progress)
     state = Baseline(tok, ids, windows, cache, (entry["quality"] or {}).get("perplexity")) if base is None else None
     return state, ids
-
-
-def _evaluate_streamed(spec, name, text, options, base, device, progress, load, reason):
-    """Measure one model one decoder layer at a time from disk (no latency); as `_evaluate_one` returns."""
-    is_base = base is None
-    entry = new_entry(spec, name, is_base)
-
-    def note(message: str) -> None:
-        entry["notes"].append(message)
-        progress.warn(f"{name}: {message}")
-
-    progress.info(f"evaluating {name}" + (" (baseline)" if is_base else "") + f", one layer at a time ({reason})")
-    dtype = stored_dtype(spec)
-    with PeakMemory(device) as peak:
-        try:
-            ckpt, path = open_streamed(spec, load["trust_remote_code"])
-            tok = load_tokenizer(str(path), load["trust_remote_code"])
-        except GeminiError as exc:
-            if is_base:
-                raise type(exc)(f"baseline: {exc}") from exc
-            entry["error"] = str(exc)
-            note(f"skipped: {exc}")
-            return entry, None, None
-        entry.update(format=ckpt.format or "dense", dtype=kernels.dtype_name(dtype), streamed=reason,
-                     size_mb=weights_size_mb(path), masks_mb=masks_size_mb(path), params=params_of(ckpt))
-        state, _ = _quality(ckpt.model, lambda w: streamed_logprobs(ckpt, w, device, dtype, progress), tok, name, text,
-                            options, base, progress, entry, note)
-    entry["peak_memory_mb"] = peak.peak_mb
-    skipped = [what for what, asked in (("latency and throughput", options.latency), ("lm-eval tasks", options.tasks))
-               if asked]
-    if skipped:
-        note(f"{' and '.join(skipped)} not measured: evaluated one layer at a time from disk ({reason}); "
-             "they are measured only for models loaded in memory")
-    return entry, None, state
-
-
-def _latency(model, ids, options, device, progress, note):
-    context = model_context(model)
-    need = options.prompt_len + options.gen_len
-    if context is not None and need > context:
-        note(f"--prompt-len + --gen-len = {need} is above its context of {context} tokens: latency skipped")
-        return None
-    return measure_latency(model, ids, prompt_len=options.prompt_len, gen_len=options.gen_len,
-                           batch_sizes=options.batch_sizes, repeats=options.repeats, warmup=options.warmup,
-                           device=device, progress=progress)

@@ -21,7 +21,8 @@ what `eval --engine vllm` measures.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -34,6 +35,8 @@ SPARSE_NOTE = "unstructured sparsity runs dense here: no sparse kernel on this d
 SPARSE_24_NOTE = "2:4 sparsity runs dense here: it needs sparse tensor cores (a GPU)"
 SPARSE_MIN = 0.1  # a dense model with at least this fraction of zero weights counts as pruned
 SLOW_FALLBACKS = ("reference", "dequant-matmul")  # the int8 modules' names for their float imitation
+# the activations of torch's int4 kernel: bf16, where it is fast (x86 CPUs: vectorized for bf16 only; CUDA: bf16 only)
+INT4_ACTIVATION_DTYPE = torch.bfloat16
 
 
 @dataclass
@@ -45,14 +48,6 @@ class KernelChoice:
     modules: dict[str, int] = field(default_factory=dict)  # kernel -> number of linears
     timed: bool = True  # False: only the reference path exists here; latency is not measured
     note: str | None = None  # why (no fast kernel, sparsity that runs dense)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def int4_activation_dtype(device: torch.device) -> torch.dtype:
-    """bf16 where torch's int4 kernel is fast (x86 CPUs: vectorized for bf16 only; CUDA: bf16 only)."""
-    return torch.bfloat16
 
 
 def expects_int4(config: dict | None) -> bool:
@@ -87,13 +82,19 @@ def _is_24(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def use_fast_kernels(model: nn.Module, device: torch.device, sparsity: float | None = None) -> KernelChoice:
+def use_fast_kernels(model: nn.Module, device: torch.device, sparsity: float | None = None,
+                     reference: bool = False) -> KernelChoice:
     """Swap every `DequantLinear` for the device's fast kernel when all of them can take it (then the
-    whole model computes in the kernel's activation dtype); say what runs. The model is changed in place."""
+    whole model computes in the kernel's activation dtype); say what runs. The model is changed in place.
+    With `reference` (`eval --kernels reference`) nothing is swapped: what runs is packed formats through our
+    dequantizing loader (exact, not timed), the rest as loaded."""
     packed = [(n, m) for n, m in model.named_modules() if isinstance(m, DequantLinear)]
     if not packed:
         return _unpacked(model, device, sparsity)
     dtype = next(model.parameters()).dtype
+    if reference:
+        return KernelChoice("reference", dtype_name(dtype), {"reference": len(packed)}, False,
+                            "reference path (--kernels reference): packed weights are dequantized on every call")
     plans: dict[str, object] = {}  # name -> INT8 (fbgemm W8A16) or the int4 kernel's layout
     for name, m in packed:
         plan = INT8 if _is_int8_channel(m, device) else int4_layout(m.q, m.scales, m.zeros, m.g_idx, m.bits,
@@ -103,7 +104,7 @@ def use_fast_kernels(model: nn.Module, device: torch.device, sparsity: float | N
                                 f"no fast kernel on {device.type}: {name}: {plan}")
         plans[name] = plan
     int4 = [n for n, p in plans.items() if p != INT8]
-    act = int4_activation_dtype(device) if int4 else dtype
+    act = INT4_ACTIVATION_DTYPE if int4 else dtype
     model.to(act)  # norms, embeddings, head: the kernel's activation dtype
     counts: dict[str, int] = {}
     for name, m in packed:
@@ -111,12 +112,10 @@ def use_fast_kernels(model: nn.Module, device: torch.device, sparsity: float | N
         module = _int8_module(m, act) if plan == INT8 else Int4Linear(plan, m.bits, m.bias, act, device)
         counts[module.kernel] = counts.get(module.kernel, 0) + 1
         model.set_submodule(name, module)
-    note = None
     bits = sorted({m.bits for n, m in packed if n in int4})
-    if bits and bits != [4]:
-        note = f"{'/'.join(map(str, bits))}-bit codes run in the int4 kernel (4 bits per weight in memory)"
-    kernel = max(counts, key=counts.get)
-    return KernelChoice(kernel, dtype_name(act), counts, True, note)
+    note = (f"{'/'.join(map(str, bits))}-bit codes run in the int4 kernel (4 bits per weight in memory)"
+            if bits and bits != [4] else None)
+    return KernelChoice(max(counts, key=counts.get), dtype_name(act), counts, True, note)
 
 
 INT8 = "int8"
@@ -138,24 +137,10 @@ def _int8_module(m: DequantLinear, dtype: torch.dtype) -> Int8WeightOnlyLinear:
     return module
 
 
-def describe_reference(model: nn.Module, device: torch.device, sparsity: float | None = None) -> KernelChoice:
-    """What runs when the fast kernels are not swapped in (`eval --kernels reference`): packed formats
-    through our dequantizing loader (exact, not timed), the rest as loaded."""
-    packed = sum(isinstance(m, DequantLinear) for m in model.modules())
-    if not packed:
-        return _unpacked(model, device, sparsity)
-    return KernelChoice("reference", dtype_name(next(model.parameters()).dtype), {"reference": packed}, False,
-                        "reference path (--kernels reference): packed weights are dequantized on every call")
-
-
 def _unpacked(model: nn.Module, device: torch.device, sparsity: float | None) -> KernelChoice:
     """A model without packed linears: dense matmuls and/or the int8 modules' own kernels."""
     dtype = next(model.parameters()).dtype
-    counts: dict[str, int] = {}
-    for m in model.modules():
-        kernel = getattr(m, "kernel", None)
-        if isinstance(kernel, str):
-            counts[kernel] = counts.get(kernel, 0) + 1
+    counts = dict(Counter(k for k in (getattr(m, "kernel", None) for m in model.modules()) if isinstance(k, str)))
     dense = sum(isinstance(m, nn.Linear) for m in model.modules())
     if dense:
         counts["dense"] = dense

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from geminicompress import __version__
 from geminicompress.eval.table import caption, markdown_table, pct_change, same_dtype_lines, summary_line
+from geminicompress.machine import machine, versions
 from geminicompress.output import write_json
+from geminicompress.recipes.schema import EvalStage
 
 
 def new_entry(spec: str, name: str, is_base: bool) -> dict:
@@ -19,6 +22,15 @@ def new_entry(spec: str, name: str, is_base: bool) -> dict:
             "latency": None, "peak_memory_mb": None, "tensors_mb": None, "size_mb": None, "masks_mb": None,
             "params": None, "sparsity": None, "quant_zeros": None, "kernel": None, "dtype_baseline": False, "tasks": None,
             "streamed": None, "notes": []}
+
+
+def new_report(baseline: str, data: str, options: EvalStage, models: list[dict], device: str, threads: int,
+               timing_warning: str | None = None, speculative: dict | None = None, **engine) -> dict:
+    """The report of `evaluate` (keys in report.json order; vllm_eval.py puts its `engine` keys after the version)."""
+    return {"geminicompress": __version__, **engine, "baseline": baseline, "timing_warning": timing_warning,
+            "data": data, "options": options.model_dump(mode="json", exclude={"type", "data"}),
+            "machine": {**machine(), "device": device, "torch_threads": threads}, "versions": versions(),
+            "models": models, "speculative": speculative}
 
 
 def tradeoff_points(report: dict) -> tuple[str, list[tuple[str, float, float]]]:

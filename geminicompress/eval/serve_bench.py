@@ -121,12 +121,6 @@ def serve_bench(model: str, int8: str | None, data: str, spec: WorkloadSpec, *, 
     else:
         rows = hf_rows(max_batch, int8)
         measured = run_hf_rows(rows, model, int8, requests, spec, windows, dtype, progress, trust_remote_code)
-    above = None  # each row's greedy answers against the last measured row above it: what this row changed
-    for m in measured:
-        outputs = m.pop("outputs", None)
-        if outputs is not None:
-            m["answer_agreement"] = 1.0 if above is None else token_agreement(outputs, above)
-            above = outputs
     notes = [f"the text held {spec.requests - repeated} distinct questions; {repeated} repeat earlier text"] if repeated else []
     return {"geminicompress": __version__, "command": "serve-bench", "engine": engine, "model": model, "int8": int8,
             "data": data, "workload": {**asdict(spec), "truncated_len": spec.truncated_len}, "max_batch": max_batch,
@@ -134,21 +128,32 @@ def serve_bench(model: str, int8: str | None, data: str, spec: WorkloadSpec, *, 
             "versions": versions()}
 
 
-def row_entry(row: Row) -> dict:
-    return {"row": row.name, "change": row.change, "flags": row.flags, "model": row.model, "reason": row.reason,
-            "metrics": None, "answer_agreement": None, "perplexity": None, "ppl_drift": None}
-
-
-def finish_row(entry: dict, timings: list) -> None:
-    """Fill a measured row from its request timings (outputs kept for the agreement column)."""
-    entry["metrics"] = summarize(timings)
-    entry["outputs"] = [t.tokens for t in timings]
-
-
-def ppl_fields(entry: dict, ppl: float | None, base_ppl: float | None) -> None:
-    entry["perplexity"] = None if ppl is None else round(ppl, 6)
-    if ppl is not None and base_ppl:
-        entry["ppl_drift"] = round(ppl / base_ppl - 1.0, 6)
+def measure_rows(rows: list[Row], title: str, progress: Progress, serve_row) -> list[dict]:
+    """Each row's report entry. A row without a reason is served by `serve_row(row, entry, with_ppl)`, which
+    returns its request timings and, when `with_ppl` (the first measured row and the rows that change the
+    model), its perplexity, else None; or None for a row the engine refused (the entry says why)."""
+    out, base_ppl, above = [], None, None
+    with progress.task(title, len(rows)) as bar:
+        for row in rows:
+            entry = {"row": row.name, "change": row.change, "flags": row.flags, "model": row.model,
+                     "reason": row.reason, "metrics": None, "answer_agreement": None, "perplexity": None,
+                     "ppl_drift": None}
+            served = serve_row(row, entry, base_ppl is None or row.model != "base") if row.reason is None else None
+            if served is not None:
+                timings, ppl = served
+                outputs = [t.tokens for t in timings]
+                entry["metrics"] = summarize(timings)
+                # its greedy answers against the last measured row above it: what this row changed
+                entry["answer_agreement"] = 1.0 if above is None else token_agreement(outputs, above)
+                above = outputs
+                if ppl is not None:
+                    base_ppl = base_ppl or ppl
+                    entry["perplexity"] = round(ppl, 6)
+                    if base_ppl:
+                        entry["ppl_drift"] = round(ppl / base_ppl - 1.0, 6)
+            out.append(entry)
+            bar.advance(1, row=row.name)
+    return out
 
 
 # --------------------------------------------------------------------------- transformers engine
@@ -160,28 +165,22 @@ def run_hf_rows(rows: list[Row], model: str, int8: str | None, requests, spec: W
     from geminicompress.eval.api import free
     from geminicompress.models.loading import load_model
 
-    def load(spec_: str):
-        as_dtype = stored_dtype(spec_) if dtype == "auto" else getattr(torch, dtype)
-        return load_model(spec_, dtype=as_dtype, trust_remote_code=trust_remote_code).model.eval()
+    loaded = {}
 
-    out, base_ppl, loaded = [], None, {}
-    with progress.task("serving rows", len(rows)) as bar:
-        for row in rows:
-            entry = row_entry(row)
-            if row.reason is None:
-                if row.model not in loaded:
-                    for key in list(loaded):
-                        free(loaded.pop(key))
-                    loaded[row.model] = load(model if row.model == "base" else int8)
-                m = loaded[row.model]
-                progress.info(f"row {row.name}: {row.change}")
-                finish_row(entry, serve(m, requests, HFFlags(**row.flags), spec.truncated_len, spec.prefix_len))
-                if windows is not None and (base_ppl is None or row.model != "base"):
-                    ppl = perplexity(m, windows, next(m.parameters()).device)
-                    base_ppl = base_ppl or ppl
-                    ppl_fields(entry, ppl, base_ppl)
-            out.append(entry)
-            bar.advance(1, row=row.name)
+    def serve_row(row: Row, entry: dict, with_ppl: bool):
+        if row.model not in loaded:
+            for key in list(loaded):
+                free(loaded.pop(key))
+            spec_ = model if row.model == "base" else int8
+            as_dtype = stored_dtype(spec_) if dtype == "auto" else getattr(torch, dtype)
+            loaded[row.model] = load_model(spec_, dtype=as_dtype, trust_remote_code=trust_remote_code).model.eval()
+        m = loaded[row.model]
+        progress.info(f"row {row.name}: {row.change}")
+        timings = serve(m, requests, HFFlags(**row.flags), spec.truncated_len, spec.prefix_len)
+        scored = windows is not None and with_ppl
+        return timings, (perplexity(m, windows, next(m.parameters()).device) if scored else None)
+
+    out = measure_rows(rows, "serving rows", progress, serve_row)
     for m in loaded.values():
         free(m)
     return out
@@ -195,10 +194,9 @@ def vllm_job(row: Row, path: str, requests, spec: WorkloadSpec, windows: torch.T
     """One row as a driver job: an engine with the row's arguments serving the workload."""
     flags = {k: v for k, v in row.flags.items() if k != "truncate"}
     max_len = spec.truncated_len if row.flags.get("truncate") else None
-    serve_task = {"kind": "serve", "warmup": [list(reversed(requests[0].prompt(max_len)))],
-                  "requests": [{"prompt": r.prompt(max_len), "arrival_s": r.arrival_s, "max_tokens": r.answer_len}
-                               for r in requests]}
-    tasks = [serve_task]
+    tasks = [{"kind": "serve", "warmup": [list(reversed(requests[0].prompt(max_len)))],
+              "requests": [{"prompt": r.prompt(max_len), "arrival_s": r.arrival_s, "max_tokens": r.answer_len}
+                           for r in requests]}]
     if with_ppl and windows is not None:
         tasks.append({"kind": "logprobs", "windows": windows.tolist()})
     need = max(spec.longest, windows.shape[1] if windows is not None else 0) + 16
@@ -212,33 +210,20 @@ def run_vllm_rows(rows: list[Row], model: str, int8: str | None, requests, spec:
     score the perplexity windows through prompt_logprobs."""
     from geminicompress.eval.vllm_eval import model_path
 
-    out, base_ppl = [], None
-    with progress.task("serving rows (vLLM)", len(rows)) as bar:
-        for row in rows:
-            entry = row_entry(row)
-            if row.reason is None:
-                path = model_path(model if row.model == "base" else int8)
-                with_ppl = base_ppl is None or row.model != "base"
-                progress.info(f"row {row.name}: {row.change}")
-                result = run_driver(python, vllm_job(row, path, requests, spec, windows, dtype, with_ppl))
-                if result.get("error"):
-                    entry["reason"] = f"vLLM refused it: {result['error']}"
-                    progress.warn(f"row {row.name}: {entry['reason']}")
-                else:
-                    entry["vllm_kernels"] = result.get("kernels")
-                    finish_row(entry, vllm_timings(result["tasks"][0]))
-                    if len(result["tasks"]) > 1:
-                        ppl = ppl_from_logprobs(result["tasks"][1]["logprobs"])
-                        base_ppl = base_ppl or ppl
-                        ppl_fields(entry, ppl, base_ppl)
-            out.append(entry)
-            bar.advance(1, row=row.name)
-    return out
+    def serve_row(row: Row, entry: dict, with_ppl: bool):
+        path = model_path(model if row.model == "base" else int8)
+        progress.info(f"row {row.name}: {row.change}")
+        result = run_driver(python, vllm_job(row, path, requests, spec, windows, dtype, with_ppl))
+        if result.get("error"):
+            entry["reason"] = f"vLLM refused it: {result['error']}"
+            progress.warn(f"row {row.name}: {entry['reason']}")
+            return None
+        entry["vllm_kernels"] = result.get("kernels")
+        served = result["tasks"][0]
+        timings = [from_vllm(r, served["start_wall"]) for r in served["requests"]]
+        if len(result["tasks"]) == 1:
+            return timings, None
+        lps = result["tasks"][1]["logprobs"]  # the perplexity windows' prompt log-probs
+        return timings, math.exp(-sum(map(sum, lps)) / sum(map(len, lps)))
 
-
-def vllm_timings(result: dict) -> list:
-    return [from_vllm(r, result["start_wall"]) for r in result["requests"]]
-
-
-def ppl_from_logprobs(logprobs: list[list[float]]) -> float:
-    return math.exp(-sum(map(sum, logprobs)) / sum(map(len, logprobs)))
+    return measure_rows(rows, "serving rows (vLLM)", progress, serve_row)

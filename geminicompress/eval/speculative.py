@@ -94,7 +94,6 @@ def measure_speculative(
             lambda: teacher.generate(ids, attention_mask=mask, assistant_model=draft, tokenizer=None, **kwargs),
             device, repeats, warmup)
     alone, assisted = statistics.median(alone_t), statistics.median(assisted_t)
-    n_runs = repeats + warmup
     return {
         "gen_len": gen_len,
         "prompt_len": int(ids.shape[1]),
@@ -103,7 +102,7 @@ def measure_speculative(
         "speedup": alone / assisted,
         "acceptance_rate": counts["accepted"] / max(1, counts["proposed"]),
         "accepted_per_round": counts["accepted"] / max(1, counts["rounds"]),
-        "proposed_tokens": counts["proposed"] // n_runs,
+        "proposed_tokens": counts["proposed"] // (repeats + warmup),
         "same_output": bool(torch.equal(alone_out, assisted_out)),
         "teacher_runs_s": alone_t,
         "assisted_runs_s": assisted_t,

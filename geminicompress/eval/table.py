@@ -70,8 +70,13 @@ def _marked(cell: Cell, mark: str) -> Cell:
     return (value + mark if mark and value != "n/a" else value), delta
 
 
-def describe_timing(bad: list[tuple[str, dict]]) -> str:
-    """`timings unreliable for A, B (marked *): why; fix` from the latency `load` verdicts."""
+def describe_timing(models: list[dict]) -> str | None:
+    """`timings unreliable for A, B (marked *): why; fix` from the models' latency `load` verdicts: one line
+    naming the models whose timings are suspect, why, and what to do; None when there are none."""
+    bad = [(m["name"], m["latency"]["load"]) for m in models
+           if (m.get("latency") or {}).get("load", {}).get("unreliable")]
+    if not bad:
+        return None
     worst = max((load for _, load in bad), key=lambda load: load.get("other_cores") or 0.0)
     names = ", ".join(name for name, _ in bad)
     return f"timings unreliable for {names} (marked {UNRELIABLE}): {worst['why']}; {worst['fix']}"

@@ -119,15 +119,12 @@ def serve_task(engine, task: dict) -> dict:
 
 
 def _request_record(out, finished_s: float) -> dict:
-    m = out.metrics
+    # arrival_time: wall clock (frontend); first_token_latency: vLLM's TTFT, from arrival; the *_ts: engine-core
+    # monotonic timestamps
+    stats = ("arrival_time", "first_token_latency", "queued_ts", "scheduled_ts", "first_token_ts", "last_token_ts",
+             "num_generation_tokens")
     return {
-        "arrival_time": getattr(m, "arrival_time", None),  # wall clock (frontend)
-        "first_token_latency": getattr(m, "first_token_latency", None),  # vLLM's TTFT, from arrival
-        "queued_ts": getattr(m, "queued_ts", None),  # engine-core monotonic timestamps
-        "scheduled_ts": getattr(m, "scheduled_ts", None),
-        "first_token_ts": getattr(m, "first_token_ts", None),
-        "last_token_ts": getattr(m, "last_token_ts", None),
-        "num_generation_tokens": getattr(m, "num_generation_tokens", None),
+        **{key: getattr(out.metrics, key, None) for key in stats},
         "num_cached_tokens": out.num_cached_tokens or 0,
         "prompt_tokens": len(out.prompt_token_ids or []),
         "output": list(out.outputs[0].token_ids),

@@ -19,20 +19,19 @@ from pathlib import Path
 
 import torch
 
-from geminicompress import __version__, formats
+from geminicompress import formats
 from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.eval import contention, kernels, plan
 from geminicompress.eval.footprint import weights_size_mb
 from geminicompress.eval.latency import percentile, prompt_batch, summarize_ms
-from geminicompress.eval.report import new_entry
+from geminicompress.eval.report import new_entry, new_report
 from geminicompress.eval.serving_metrics import from_vllm, summarize
-from geminicompress.eval.specs import display_names, stored_dtype
+from geminicompress.eval.specs import stored_dtype
 from geminicompress.eval.vllm_engine import check_vllm, find_python, run_driver
-from geminicompress.machine import machine, versions
 from geminicompress.models import demo
 from geminicompress.models.loading import resolve_model
-from geminicompress.progress import NullProgress, Progress
+from geminicompress.progress import Progress
 from geminicompress.recipes.schema import EvalStage
 from geminicompress.threads import usable_cores
 
@@ -100,18 +99,17 @@ def latency_from_runs(runs: list[tuple[int, dict]], options: EvalStage) -> dict:
             "warmup": options.warmup, "source": "vLLM RequestOutput.metrics"}
 
 
-def evaluate_vllm(models: list[str], baseline: str, data: str, options: EvalStage, progress: Progress | None = None,
-                  *, names: dict[str, str] | None = None, trust_remote_code: bool = False) -> dict:
-    """Evaluate `baseline` and `models` in vLLM; the report has the shape of api.evaluate's."""
-    progress = progress or NullProgress()
+def evaluate_vllm(specs: list[str], shown: list[str], data: str, options: EvalStage, progress: Progress,
+                  trust_remote_code: bool = False) -> dict:
+    """Evaluate the models `specs` (the baseline first; `shown`: their names in the report) in vLLM; the report
+    has the shape of api.evaluate's."""
+    baseline = specs[0]
     options = plan.with_device_defaults(options, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     python = find_python(options.vllm_python)
     version = check_vllm(python)  # absent / too old: one line, exit 2, before any model loads
     skipped = [flag for flag, given in (("--tasks", options.tasks), ("--draft", options.draft)) if given]
     if skipped:
         progress.warn(f"{' and '.join(skipped)}: not run with --engine vllm (they need the model in this process)")
-    specs = list(dict.fromkeys([baseline, *models]))
-    shown = [(names or {}).get(s, n) for s, n in zip(specs, display_names(specs))]
     paths = {s: model_path(s) for s in specs}
     dtypes = {s: engine_dtype(s) for s in specs}
     jobs = [(s, n, dtypes[s]) for s, n in zip(specs, shown)]
@@ -132,31 +130,26 @@ def evaluate_vllm(models: list[str], baseline: str, data: str, options: EvalStag
                   + (f"; perplexity on {windows.numel():,} tokens" if windows is not None else ""))
     entries, base = [], None
     for spec, name, dtype in jobs:
-        entry = _run_one(spec, name, dtype, paths[spec], python, ids, windows, options, base, progress,
-                         is_base=not entries)
-        if not entries and entry.get("error"):
-            raise GeminiError(f"baseline: vLLM refused {baseline}: {entry['error']}")
-        if not entries:
-            base = entry.pop("_top1")
-        entry.pop("_top1", None)
+        entry, top1 = _run_one(spec, name, dtype, paths[spec], python, ids, windows, options, base, progress,
+                               is_base=not entries)
+        base = base if entries else top1
         entries.append(entry)
-    return {"geminicompress": __version__, "engine": "vllm", "vllm": version, "vllm_python": python,
-            "baseline": shown[0], "timing_warning": None, "data": data,
-            "options": options.model_dump(mode="json", exclude={"type", "data"}),
-            "machine": {**machine(), "device": "vllm", "torch_threads": usable_cores()}, "versions": versions(),
-            "models": entries, "speculative": None}
+    return new_report(shown[0], data, options, entries, "vllm", usable_cores(), engine="vllm", vllm=version,
+                      vllm_python=python)
 
 
-def _run_one(spec, name, dtype, path, python, ids, windows, options, base, progress, *, is_base) -> dict:
-    """One model's run in vLLM: its report entry (with `_top1`, the baseline's top-1 ids, for the caller)."""
-    entry = {**new_entry(spec, name, is_base), "_top1": None}
+def _run_one(spec, name, dtype, path, python, ids, windows, options, base, progress, *, is_base) -> tuple:
+    """One model's run in vLLM: its report entry, and what a later model is compared with (its top-1 ids,
+    perplexity and spec; None without perplexity windows). A baseline vLLM refuses stops the run."""
+    entry, top1 = new_entry(spec, name, is_base), None
     qc = (plan.peek_config(spec) or {}).get("quantization_config") or {}
     entry.update(format=formats.detect({"quantization_config": qc}) or "dense", dtype=dtype,
                  size_mb=weights_size_mb(Path(path)), dtype_baseline=not is_base and spec == (base or {}).get("spec"))
     tasks = ([{"kind": "logprobs", "windows": windows.tolist()}] if windows is not None else [])
     lat = latency_tasks(ids, options) if options.latency else []
+    need = max(options.prompt_len + options.gen_len, int(windows.shape[1]) if windows is not None else 0) + 16
     job = {"model": path, "engine": {"dtype": dtype, "enforce_eager": True, "enable_prefix_caching": False,
-                                     "max_model_len": _max_len(windows, options), "seed": 0},
+                                     "max_model_len": need, "seed": 0},
            "tasks": tasks + [t for _, t in lat]}
     progress.info(f"evaluating {name} in vLLM ({dtype})" + (" (baseline)" if is_base else ""))
     before = contention.read()
@@ -170,20 +163,17 @@ def _run_one(spec, name, dtype, path, python, ids, windows, options, base, progr
         entry["error"], entry["vllm_log"] = result["error"], result.get("log")
         entry["notes"].append(f"vLLM refused it: {result['error']}")
         progress.warn(f"{name}: vLLM refused it: {result['error']}")
-        return entry
+        if is_base:
+            raise GeminiError(f"baseline: vLLM refused {spec}: {entry['error']}")
+        return entry, None
     out = result["tasks"]
     if windows is not None:
         q = out.pop(0)
         entry["quality"] = quality_from_logprobs(q["logprobs"], q["top1"], windows, base)
-        entry["_top1"] = {"top1": q["top1"], "perplexity": entry["quality"]["perplexity"], "spec": spec}
+        top1 = {"top1": q["top1"], "perplexity": entry["quality"]["perplexity"], "spec": spec}
     if lat:
         entry["latency"] = latency_from_runs([(b, r) for (b, _), r in zip(lat, out)], options)
         entry["latency"]["load"] = {**contention.assess({"vllm run": section}, {}, usable_cores(), usable_cores()),
                                     "sections": {"vllm run": section}}
     entry["load_s"] = result.get("load_s")
-    return entry
-
-
-def _max_len(windows: torch.Tensor | None, options: EvalStage) -> int:
-    need = options.prompt_len + options.gen_len
-    return max(need, int(windows.shape[1]) if windows is not None else 0) + 16
+    return entry, top1

@@ -109,12 +109,16 @@ def choose_threads(cli: int | None = None, recipe: int | None = None, resumed: i
                                (resumed, "resume", "as the interrupted run it resumes")):
         if given is not None:
             return ThreadChoice(given, source, f"{_n(given)} ({why})")
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = None
-    n, reason = auto_threads(torch_default_threads(), usable_cores(), other_busy_cores(), load)
+    n, reason = auto_threads(torch_default_threads(), usable_cores(), other_busy_cores(), load_average())
     return ThreadChoice(n, "auto", reason)
+
+
+def load_average() -> float | None:
+    """The system's 1-minute load average, None where it gives none."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def apply_threads(n: int) -> None:

@@ -13,7 +13,6 @@ processes used at least max(1/2, cores/4) cores, or when a p90 is ≥ 1.25× its
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -32,13 +31,9 @@ class Reading:
 
 def read() -> Reading:
     """A reading now (cheap: two /proc reads)."""
-    from geminicompress.threads import affinity, busy_seconds, own_seconds
+    from geminicompress.threads import affinity, busy_seconds, load_average, own_seconds
 
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = None
-    return Reading(time.perf_counter(), busy_seconds(affinity()), own_seconds(), load)
+    return Reading(time.perf_counter(), busy_seconds(affinity()), own_seconds(), load_average())
 
 
 def between(before: Reading, after: Reading) -> dict:

@@ -1,6 +1,6 @@
-"""Optional measurements that lean on code outside this package: downstream tasks through
-lm-eval-harness, and speculative decoding with a draft model (geminicompress.eval.speculative,
-written with the distillation code). Each is skipped with one clear line when it is not available.
+"""Optional measurements: downstream tasks through lm-eval-harness (a package of its own, installed
+apart), and speculative decoding with a draft model (geminicompress.eval.speculative, written with the
+distillation code). Each is skipped with one clear line when it is not available.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ def build_workload(ids: torch.Tensor, spec: WorkloadSpec) -> tuple[list[Request]
     """The requests from the text's token ids (N,); and how many questions repeat earlier text (0 when the
     text is long enough)."""
     need = spec.prefix_len + spec.requests * spec.question_len
-    repeats = max(0, -(-(need - ids.numel()) // spec.question_len)) if ids.numel() < need else 0
+    repeats = -(-(need - ids.numel()) // spec.question_len) if ids.numel() < need else 0
     if ids.numel() < need:
         ids = ids.repeat(need // max(ids.numel(), 1) + 1)
     tokens = ids.tolist()

@@ -59,8 +59,6 @@ def cannot_stream(cfg: DistillStage, spec: str) -> str | None:
     if not cfg.topk_cache:
         return ("a streamed teacher teaches through its cached top-k logits: add --topk-cache K "
                 "(topk_cache: K; e.g. 64), or load it whole with --no-teacher-stream")
-    if cfg.loss.hidden_mse or cfg.loss.hidden_cos:
-        return "hidden-state losses need the whole teacher online: drop hidden_mse/hidden_cos"
     if cfg.reconstruct:
         return "reconstruct refits to the whole teacher's layers: drop --reconstruct"
     return None

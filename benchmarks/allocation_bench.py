@@ -49,9 +49,9 @@ QUANT_ROWS = {  # label -> gptq stage options
 
 def prune_row(demo: Path, calib: torch.Tensor, options: dict, work: Path) -> tuple[object, dict]:
     """Fresh demo model through the real prune stage (no export); returns (model, stage summary)."""
-    from geminicompress.engine.run import run_stage
     from geminicompress.models.loading import load_model
     from geminicompress.recipes.schema import PruneStage
+    from geminicompress.stages import run_stage
 
     loaded = load_model(str(demo))
     stage = {"type": "prune", "sparsity": 0.4, **options}
@@ -64,9 +64,9 @@ def prune_row(demo: Path, calib: torch.Tensor, options: dict, work: Path) -> tup
 def quant_row(demo: Path, calib: torch.Tensor, options: dict, work: Path, sensitivity: str | None) -> tuple[object, dict]:
     """Fresh demo model through the real gptq stage (fake-quantized in memory, no export); the summary's
     `stage_seconds` is the stage alone (no model loading)."""
-    from geminicompress.engine.run import run_stage
+    from geminicompress.compress.gptq.config import GPTQStage
     from geminicompress.models.loading import load_model
-    from geminicompress.recipes.quantize import GPTQStage
+    from geminicompress.stages import run_stage
 
     loaded = load_model(str(demo))
     stage = {"type": "quantize", "method": "gptq", **options}

@@ -34,10 +34,10 @@ def time_gptq(demo: Path, calib: torch.Tensor, work: Path) -> float:
 
 
 def time_sensitivity(demo: Path, calib: torch.Tensor, options: str) -> float:
-    from geminicompress.compress.arch import arch_for
     from geminicompress.compress.sensitivity.measure import measure_sensitivity
     from geminicompress.compress.sensitivity.options import parse_options
     from geminicompress.compress.targets import decoder_linears
+    from geminicompress.core.arch import arch_for
     from geminicompress.models.loading import load_model
 
     model = load_model(str(demo)).model

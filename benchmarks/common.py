@@ -49,8 +49,8 @@ def perplexity(model, windows: torch.Tensor) -> float:
 @torch.no_grad()
 def round_to_nearest(model, bits: int, group: int, sym: bool):
     """The RTN baseline: every decoder linear quantized to the nearest grid point in place; returns model."""
-    from geminicompress.compress.arch import arch_for, decoder_layers, get_module
-    from geminicompress.compress.grid import QuantSpec, rtn_quantize
+    from geminicompress.core.arch import arch_for, decoder_layers, get_module
+    from geminicompress.core.grid import QuantSpec, rtn_quantize
 
     spec = QuantSpec(bits, group, sym)
     for layer in decoder_layers(model):

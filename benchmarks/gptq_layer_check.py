@@ -37,8 +37,8 @@ from common import RESULTS, calibration_ids  # noqa: E402
 @torch.no_grad()
 def collect(model, ids: torch.Tensor, batch: int = 4) -> dict[tuple[int, tuple[str, ...]], dict]:
     """{(layer, group): {"H": (in, in), "x0": (windows, in) position-0 inputs}} from one pass of the model."""
-    from geminicompress.compress.arch import arch_for, decoder_layers, get_module
     from geminicompress.compress.hessian import HessianAccumulator
+    from geminicompress.core.arch import arch_for, decoder_layers, get_module
 
     arch = arch_for(model)
     stats, handles = {}, []
@@ -71,12 +71,12 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="results file (default benchmarks/results/gptq_layer_check[_b3...].json)")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    from geminicompress.compress.arch import decoder_layers, get_module
+    from geminicompress.compress.gptq.config import GPTQStage
     from geminicompress.compress.gptq.solver import gptq_quantize
-    from geminicompress.compress.grid import QuantSpec, rtn_quantize
+    from geminicompress.core.arch import decoder_layers, get_module
+    from geminicompress.core.grid import QuantSpec, rtn_quantize
     from geminicompress.machine import machine, versions
     from geminicompress.models.loading import demo_dir, load_model
-    from geminicompress.recipes.quantize import GPTQStage
 
     cfg = GPTQStage(method="gptq", bits=args.bits, group_size=args.group_size, **json.loads(args.flags))
     spec = QuantSpec(cfg.bits, cfg.group_size, cfg.sym)

@@ -33,7 +33,7 @@ from gptq_layer_check import collect  # noqa: E402
 
 
 def load_stats(cache: Path, samples: int):
-    from geminicompress.compress.arch import decoder_layers, get_module
+    from geminicompress.core.arch import decoder_layers, get_module
     from geminicompress.models.loading import demo_dir, load_model
 
     loaded = load_model(str(demo_dir()))
@@ -50,8 +50,8 @@ def load_stats(cache: Path, samples: int):
 
 def solve(variant: dict, W: torch.Tensor, Hw: torch.Tensor, spec) -> torch.Tensor:
     from geminicompress.compress.gptq.solver import gptq_quantize
-    from geminicompress.compress.grid import qparams, quantize
     from geminicompress.compress.scale_search import clip_qparams
+    from geminicompress.core.grid import qparams, quantize
 
     v = dict(variant)
     refit = v.pop("refit", 0)
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="results file (default: none)")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    from geminicompress.compress.grid import QuantSpec
+    from geminicompress.core.grid import QuantSpec
 
     spec = QuantSpec(args.bits, args.group_size, True)
     variants = json.loads(args.variants)

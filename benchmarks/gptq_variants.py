@@ -31,8 +31,8 @@ from common import RESULTS, calibration_ids, eval_windows, perplexity, stage_con
 
 def run_variant(demo: Path, calib: torch.Tensor, eval_ids: torch.Tensor, variant: dict, work: Path) -> dict:
     from geminicompress.compress.gptq import stage as gptq_stage
+    from geminicompress.compress.gptq.config import GPTQStage
     from geminicompress.models.loading import load_model
-    from geminicompress.recipes.quantize import GPTQStage
 
     loaded = load_model(str(demo))
     options = {"type": "quantize", "method": "gptq", "bits": 4, "group_size": 64, **variant.get("stage", {})}

@@ -65,9 +65,9 @@ def ensure_torchao(args) -> bool:
 
 def ours(model, tok, method: str, alpha: float | None, calib: torch.Tensor, workdir: Path):
     from geminicompress.compress.int8 import stage
+    from geminicompress.compress.int8.config import Int8Stage
     from geminicompress.models.loading import load_model
     from geminicompress.progress import NullProgress
-    from geminicompress.recipes.quantize import Int8Stage
     from geminicompress.recipes.schema import Recipe
 
     m = copy.deepcopy(model)

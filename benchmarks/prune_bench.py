@@ -52,9 +52,9 @@ def label(config: tuple) -> str:
 def prune_in_process(demo: Path, calib: torch.Tensor, method: str, scope: str, sparsity: float,
                      pattern: str | None, work: Path, true_sequential: bool = True) -> tuple[object, dict]:
     """Fresh demo model through the real prune stage (no export); returns (model, stage summary)."""
-    from geminicompress.engine.run import run_stage
     from geminicompress.models.loading import load_model
     from geminicompress.recipes.schema import PruneStage
+    from geminicompress.stages import run_stage
 
     loaded = load_model(str(demo))
     stage = {"type": "prune", "method": method, "scope": scope}

@@ -36,8 +36,8 @@ GRIDS = {
 
 
 def fake_quantize_weight(w: torch.Tensor, bits: int, group: int, grid: dict) -> torch.Tensor:
-    from geminicompress.compress.grid import QuantSpec, qparams, quantize
     from geminicompress.compress.scale_search import clip_qparams
+    from geminicompress.core.grid import QuantSpec, qparams, quantize
 
     spec = QuantSpec(bits, group, True)
     width = w.shape[1] if group == -1 else group
@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--name", default="rtn_grid_bench")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    from geminicompress.compress.arch import arch_for, decoder_layers, get_module
+    from geminicompress.core.arch import arch_for, decoder_layers, get_module
     from geminicompress.machine import machine, versions
     from geminicompress.models.loading import demo_dir, load_model
 

@@ -39,10 +39,10 @@ def run_one(name: str, dtype: str, stream: bool, work: Path, samples: int) -> di
     import torch
 
     from geminicompress.errors import GeminiError
+    from geminicompress.models.loading import local_dir
     from geminicompress.pipeline import run_recipe
     from geminicompress.recipes.loader import recipe_from_stage
-    from geminicompress.engine.run import not_streamable
-    from geminicompress.models.loading import local_dir
+    from geminicompress.stages import not_streamable
 
     recipe = recipe_from_stage("smollm2-demo", RUNS[name], {"data": str(DATA / "enwiki-sample.txt"), "samples": samples,
                                                             "seq_len": 512}, "bench", output={"dtype": dtype})

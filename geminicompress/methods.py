@@ -16,8 +16,10 @@ from typing import Any, Callable
 
 from pydantic import BaseModel
 
+from geminicompress.compress.awq.config import AWQStage
+from geminicompress.compress.gptq.config import GPTQStage
+from geminicompress.compress.int8.config import Int8Stage
 from geminicompress.compress.rtn import RTNStage
-from geminicompress.recipes.quantize import AWQStage, GPTQStage, Int8Stage
 
 ALWAYS: Callable[[Any], bool] = lambda cfg: True  # noqa: E731
 NEVER: Callable[[Any], bool] = lambda cfg: False  # noqa: E731

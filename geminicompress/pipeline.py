@@ -7,7 +7,7 @@ is a function `run(cfg, ctx) -> dict` on the model in memory; eval stages come l
 In memory: the model is loaded; every layer stage walks it (in order, model stages between), and a last
 walk writes OUT. Streamed (`--stream`, or automatically when the model does not fit, memory.too_big): the
 checkpoint is read one layer at a time and one walk applies every stage to layer i and writes it before
-layer i+1 is read (engine/run.py). Both write OUT with the same sink and writers, in the format of the last
+layer i+1 is read (stages.py). Both write OUT with the same sink and writers, in the format of the last
 stage that sets one, into the hidden partial folder (output.py); OUT is verified on the way out (a probe
 carried through the layers as written, compared with OUT loaded back: verify.py); eval stages then load it
 back from disk and compare it with the recipe's input model, so what is measured is exactly what ships;
@@ -31,7 +31,6 @@ from geminicompress import __version__
 from geminicompress.distill.streamed_teacher import streamable_dir, streamed_input
 from geminicompress.engine.contract import StageContext, layer_kept, stage_kept, walk_dtypes
 from geminicompress.engine.estimate import announce
-from geminicompress.engine.run import Walked, load_back_of, make_stage, retain_of, run_stage, should_stream, walk
 from geminicompress.engine.sinks import InputsKeeper, ShardSink
 from geminicompress.engine.walk import ModelLayers
 from geminicompress.formats.shards import DEFAULT_MAX_BYTES, ShardWriter
@@ -44,6 +43,7 @@ from geminicompress.output import STATE_DIR, THREADS_FILE, OutputDir, final_name
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.loader import recipe_yaml
 from geminicompress.recipes.schema import Recipe, stage_tag
+from geminicompress.stages import Walked, load_back_of, make_stage, retain_of, run_stage, should_stream, walk
 from geminicompress.verify import Probe
 
 

@@ -41,12 +41,12 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import get_module
+from geminicompress.core.arch import get_module
+from geminicompress.engine.forward import embed, final_hidden, head_logits, through_layer
 from geminicompress.engine.layers import computing_in
 from geminicompress.errors import GeminiError
 from geminicompress.memory import too_big as over
 from geminicompress.models.finite import NonFiniteError
-from geminicompress.models.forward import embed, final_hidden, head_logits, through_layer
 from geminicompress.models.headers import is_readable_dir, loaded_bytes
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import load_model, local_dir

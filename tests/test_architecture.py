@@ -153,6 +153,51 @@ def private_imports() -> list[tuple[str, str, str]]:
     return [(a, b, n) for a, b, _, names in edges() for n in names if n.startswith("_") and not n.endswith("__")]
 
 
+def folder(module: str) -> str:
+    """The top-level room a module lives in: its folder under the package, or the module itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def folder_edges() -> dict[tuple[str, str], list[str]]:
+    """(importer's folder, imported folder) -> the module imports behind it, over every import."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for a, b, _, _ in edges():
+        if folder(a) != folder(b):
+            out.setdefault((folder(a), folder(b)), []).append(f"{a} -> {b}")
+    return out
+
+
+def folder_circles() -> list[list[str]]:
+    """Folders that reach themselves through imports (a pair importing each other, or a longer loop)."""
+    graph: dict[str, set[str]] = {}
+    for a, b in folder_edges():
+        graph.setdefault(a, set()).add(b)
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    loops = {tuple(sorted(f for f in reach(a) if a in reach(f) or f == a)) for a in graph if a in reach(a)}
+    return sorted(list(loop) for loop in loops)
+
+
+def test_folders_import_only_downward():
+    """Issue #35: no two top-level folders import each other, nor do longer loops of folders."""
+    edges_ = folder_edges()
+    assert folder_circles() == [], {k: v for k, v in edges_.items() if (k[1], k[0]) in edges_}
+
+
+def test_ground_floor_imports_nothing_above_it():
+    assert {b for (a, b) in folder_edges() if a == "core"} <= {"errors"}
+    assert {b for (a, b) in folder_edges() if a == "kernels"} <= {"core", "errors"}
+
+
 def test_no_import_circle():
     assert circles() == []
 
@@ -175,3 +220,4 @@ if __name__ == "__main__":
     print("upward imports:", upward() or "none")
     print("circles:", circles() or "none")
     print("private names imported:", private_imports() or "none")
+    print("folder loops:", folder_circles() or "none")

@@ -5,19 +5,25 @@ import json
 
 import pytest
 import torch
+from tiny import save_tiny, tiny_model
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
-from geminicompress.compress.arch import arch_for, decoder_layers, get_module
+from geminicompress.compress.awq.search import (
+    apply_clip,
+    linear_error,
+    pseudo_quantize,
+    search_clip,
+    search_scales,
+    smooth_scales,
+)
 from geminicompress.compress.fold import fold_problem, fold_scales
-from geminicompress.compress.awq.search import (apply_clip, linear_error, pseudo_quantize, search_clip,
-                                                search_scales, smooth_scales)
-from geminicompress.compress.grid import QuantSpec, rtn_quantize
 from geminicompress.compress.hessian import HessianAccumulator
+from geminicompress.core.arch import arch_for, decoder_layers, get_module
+from geminicompress.core.grid import QuantSpec, rtn_quantize
 from geminicompress.models.loading import load_model
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage
-from tiny import save_tiny, tiny_model
 
 CPU = torch.device("cpu")
 runner = CliRunner()
@@ -223,7 +229,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path, text_file):
     config = json.loads((path / "config.json").read_text())
     model = load_model(str(path)).model
     model.config.model_type = "bloom"
-    from geminicompress.compress.arch import ARCHS
+    from geminicompress.core.arch import ARCHS
     from geminicompress.errors import InputError
 
     with pytest.raises(InputError, match="supported: " + ", ".join(sorted(ARCHS))):

@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from geminicompress.compress.grid import QuantSpec, rtn_quantize
+from geminicompress.core.grid import QuantSpec, rtn_quantize
+from geminicompress.errors import InputError
 from geminicompress.formats.awq import AWQ_ORDER, check_shape, pack_awq, unpack_awq
 from geminicompress.formats.dequant import DequantLinear
-from geminicompress.errors import InputError
 from geminicompress.models.loading import load_model
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from geminicompress.core.metrics import DriftMeter, kl_per_token, top1_agreement
 from geminicompress.data import pack_windows, tokenize
 from geminicompress.eval.baseline_cache import BaselineCache
-from geminicompress.eval.drift import DriftMeter, kl_per_token, top1_agreement
 from geminicompress.eval.footprint import count_params, weight_sparsity, weights_size_mb
 from geminicompress.eval.latency import greedy_run, measure_latency, percentile, prompt_batch
 from geminicompress.eval.quality import measure_quality

@@ -1,4 +1,4 @@
-"""The layer-streamed forward (models/forward.py): the same logits as the model's own forward, from a
+"""The layer-streamed forward (engine/forward.py): the same logits as the model's own forward, from a
 model in memory and from a checkpoint read one layer at a time, activations in memory or on disk."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from geminicompress.models.forward import final_hidden, head_logits, streamed_logits
-from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from tiny import tiny_model, tiny_tokenizer
+
+from geminicompress.engine.forward import final_hidden, head_logits, streamed_logits
+from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 
 
 def _windows(n: int = 5, T: int = 24, seed: int = 0) -> torch.Tensor:

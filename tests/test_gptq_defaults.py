@@ -4,10 +4,10 @@ first-token (attention-sink) weighting of the Hessian that the defaults use (doc
 import pytest
 import torch
 
+from geminicompress.compress.gptq.config import GPTQStage
 from geminicompress.compress.gptq.solver import gptq_quantize
-from geminicompress.compress.grid import QuantSpec, rtn_quantize
 from geminicompress.compress.hessian import HessianAccumulator
-from geminicompress.recipes.quantize import GPTQStage
+from geminicompress.core.grid import QuantSpec, rtn_quantize
 
 B, T, D = 8, 256, 64  # windows, tokens per window, input columns
 

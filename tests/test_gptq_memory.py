@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from geminicompress.compress.gptq.solver import gptq_quantize
-from geminicompress.compress.grid import QuantSpec
+from geminicompress.core.grid import QuantSpec
 
 
 @pytest.mark.parametrize("group_size,act_order,static", [(32, True, False), (-1, False, False), (64, True, True),

@@ -4,7 +4,7 @@ import torch
 
 from geminicompress.compress.gptq.refit import refit_scales
 from geminicompress.compress.gptq.solver import gptq_quantize
-from geminicompress.compress.grid import QuantizedWeight, QuantSpec, group_index
+from geminicompress.core.grid import QuantizedWeight, QuantSpec, group_index
 
 
 def _hessian(d: int = 32, seed: int = 0) -> torch.Tensor:

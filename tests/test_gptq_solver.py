@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from geminicompress.compress.gptq.solver import gptq_quantize
-from geminicompress.compress.grid import QuantSpec, rtn_quantize
+from geminicompress.core.grid import QuantSpec, rtn_quantize
 from geminicompress.errors import GeminiError
 
 
@@ -114,7 +114,7 @@ def _textbook_gptq(W, H, spec, damp=0.01, act_order=False, static_groups=False, 
     """Algorithm 1 of the paper without any batching: quantize column j, update every later column at once.
     Static groups (g_idx = j // group): a group's scale is decided from the group's current (updated) columns
     when its first column is reached, or from the unquantized weights with `upfront`."""
-    from geminicompress.compress.grid import qparams, quantize
+    from geminicompress.core.grid import qparams, quantize
 
     W, H = W.clone().double(), H.clone().double()
     in_f = W.shape[1]
@@ -257,7 +257,7 @@ def test_row_blocked_dequantize_equals_the_whole_matrix_formula():
     g = torch.Generator().manual_seed(8)
     spec = QuantSpec(4, 16, sym=False)
     g_idx = torch.randperm(64, generator=g).to(torch.int32) // 16  # act-order: groups out of column order
-    from geminicompress.compress.grid import QuantizedWeight
+    from geminicompress.core.grid import QuantizedWeight
 
     qw = QuantizedWeight(torch.randint(0, 16, (37, 64), generator=g, dtype=torch.int32),
                          torch.rand(37, 4, generator=g), torch.randint(0, 16, (37, 4), generator=g, dtype=torch.int32),

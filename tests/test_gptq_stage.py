@@ -4,17 +4,17 @@ import json
 
 import pytest
 import torch
+from tiny import save_tiny, tiny_tokenizer
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
-from geminicompress.compress.arch import arch_for, get_module
-from geminicompress.compress.grid import QuantizedWeight, QuantSpec, rtn_quantize
+from geminicompress.compress.gptq.config import GPTQStage
+from geminicompress.core.arch import arch_for, get_module
+from geminicompress.core.grid import QuantizedWeight, QuantSpec, rtn_quantize
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.models.loading import load_model, resolve_model
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage
-from geminicompress.recipes.quantize import GPTQStage
-from tiny import save_tiny, tiny_tokenizer
 
 CPU = torch.device("cpu")
 runner = CliRunner()
@@ -128,9 +128,9 @@ def test_other_architectures(tmp_path, text_file, kind):
 
 
 def test_resume_restores_finished_layers(tiny_dir, text_file, tmp_path):
-    from geminicompress.engine.run import run_stage
     from geminicompress.engine.contract import StageContext
     from geminicompress.progress import NullProgress
+    from geminicompress.stages import run_stage
 
     recipe = recipe_from_stage(str(tiny_dir), {"type": "quantize", "method": "gptq", "group_size": 32},
                                {"data": str(text_file), "samples": 4, "seq_len": 64}, "test")
@@ -243,7 +243,7 @@ def test_bfloat16_calibration_keeps_float32_weights_on_the_grid_and_matches_floa
 @pytest.mark.parametrize("bits,in_f", [(2, 8), (3, 10), (4, 6), (4, 5), (8, 6)])
 def test_kept_codes_round_trip_through_nibble_packing(bits, in_f):
     """Codes kept between layers (two per byte up to 4 bits) come back identical at export."""
-    from geminicompress.compress.grid import KeptCodes, keep_codes
+    from geminicompress.core.grid import KeptCodes, keep_codes
 
     q = torch.randint(0, 2 ** bits, (7, in_f), generator=torch.Generator().manual_seed(bits), dtype=torch.int32)
     g_idx = torch.zeros(in_f, dtype=torch.int32)
@@ -255,7 +255,7 @@ def test_kept_codes_round_trip_through_nibble_packing(bits, in_f):
 
 
 def test_auto_group_size_is_the_largest_that_divides_every_layer():
-    from geminicompress.compress.grid import auto_group_size
+    from geminicompress.core.grid import auto_group_size
     from geminicompress.errors import InputError
 
     assert auto_group_size([576, 1536]) == 64  # SmolLM2-135M: 128 does not divide 576

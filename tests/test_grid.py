@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from geminicompress.compress.grid import QuantSpec, qparams, rtn_quantize
+from geminicompress.core.grid import QuantSpec, qparams, rtn_quantize
 from geminicompress.errors import InputError
 
 

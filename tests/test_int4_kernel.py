@@ -1,4 +1,4 @@
-"""torch's int4 kernel for our packed formats (eval/int4.py, eval/kernels.py): the zero-point conversion
+"""torch's int4 kernel for our packed formats (kernels/int4.py, eval/kernels.py): the zero-point conversion
 gives back the checkpoint's weights, the kernel's outputs equal the reference path's within the
 activation dtype's rounding, act-order / per-channel / 3-bit layouts, refusals with their reasons, and a
 whole GPTQ / AWQ / pack-quantized model's perplexity through the fast path against the reference path."""
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from geminicompress.compress.grid import QuantizedWeight, QuantSpec
-from geminicompress.eval.int4 import Int4Linear, dequantize_layout, int4_layout
+from geminicompress.core.grid import QuantizedWeight, QuantSpec
 from geminicompress.eval.kernels import expects_int4, use_fast_kernels
 from geminicompress.formats.dequant import DequantLinear
+from geminicompress.kernels.int4 import Int4Linear, dequantize_layout, int4_layout
 
 CPU = torch.device("cpu")
 
@@ -111,10 +111,11 @@ def test_expects_int4_from_config_alone():
 
 @pytest.fixture(scope="module")
 def packed_models(tmp_path_factory, text_file):
+    from tiny import save_tiny
+
     from geminicompress.models.loading import load_model
     from geminicompress.pipeline import run_recipe
     from geminicompress.recipes.loader import recipe_from_stage
-    from tiny import save_tiny
 
     root = tmp_path_factory.mktemp("int4")
     base = save_tiny(root / "base")
@@ -166,10 +167,11 @@ def test_model_quality_through_the_fast_path_equals_the_reference_path(packed_mo
 
 
 def test_8bit_model_has_no_fast_kernel_and_is_not_timed(tmp_path, text_file):
+    from tiny import save_tiny
+
     from geminicompress.models.loading import load_model
     from geminicompress.pipeline import run_recipe
     from geminicompress.recipes.loader import recipe_from_stage
-    from tiny import save_tiny
 
     base = save_tiny(tmp_path / "base")
     recipe = recipe_from_stage(str(base), {"type": "quantize", "method": "rtn", "bits": 8, "group_size": 32},
@@ -183,8 +185,9 @@ def test_8bit_model_has_no_fast_kernel_and_is_not_timed(tmp_path, text_file):
 
 
 def test_dense_and_int8_models_keep_their_kernels(tiny_dir):
-    from geminicompress.models.loading import load_model
     from tiny import prune_in_place
+
+    from geminicompress.models.loading import load_model
 
     loaded = load_model(str(tiny_dir))
     choice = use_fast_kernels(loaded.model, CPU, sparsity=0.0)
@@ -202,10 +205,11 @@ def test_dense_and_int8_models_keep_their_kernels(tiny_dir):
 def test_8bit_symmetric_per_channel_runs_fbgemm_exactly(tmp_path, text_file):
     """8-bit symmetric per-channel packed codes (what a pack-quantized W8A16 file holds) are int8 W8A16
     weights: fbgemm's module, the same logits as the reference path."""
+    from tiny import save_tiny
+
     from geminicompress.models.loading import load_model
     from geminicompress.pipeline import run_recipe
     from geminicompress.recipes.loader import recipe_from_stage
-    from tiny import save_tiny
 
     base = save_tiny(tmp_path / "base")
     stage = {"type": "quantize", "method": "rtn", "bits": 8, "group_size": -1, "format": "compressed-tensors"}

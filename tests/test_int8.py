@@ -6,8 +6,8 @@ import torch.nn as nn
 
 from geminicompress.compress.fold import fold_scales
 from geminicompress.compress.int8 import smoothquant as sq
-from geminicompress.compress.int8.modules import Int8WeightOnlyLinear, W8A8Linear, fbgemm_available
-from geminicompress.compress.int8.quant import (
+from geminicompress.kernels.int8 import Int8WeightOnlyLinear, W8A8Linear, fbgemm_available
+from geminicompress.kernels.int8_quant import (
     channel_scales,
     dequantize,
     fake_quantize_tokens,
@@ -102,7 +102,7 @@ def test_folding_leaves_the_float_model_unchanged(kind):
     model = tiny_model(kind)
     ids = torch.randint(0, 384, (1, 24))
     before = model(ids).logits
-    from geminicompress.compress.arch import arch_for, get_module
+    from geminicompress.core.arch import arch_for, get_module
 
     arch = arch_for(model)
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -121,11 +121,11 @@ def test_smoothquant_statistic_is_window_maxima_averaged_per_channel(tmp_path):
     channel, taken on the float layer's inputs (not the max over all tokens, which grows with the text)."""
     from tiny import tiny_model, tiny_tokenizer
 
+    from geminicompress.compress.int8.config import Int8Stage
     from geminicompress.engine.contract import StageContext
-    from geminicompress.engine.run import run_stage
     from geminicompress.progress import NullProgress
-    from geminicompress.recipes.quantize import Int8Stage
     from geminicompress.recipes.schema import Recipe
+    from geminicompress.stages import run_stage
 
     model, copy = tiny_model(), tiny_model()
     windows = torch.randint(0, 384, (3, 16), generator=torch.Generator().manual_seed(0))

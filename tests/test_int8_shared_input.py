@@ -1,15 +1,15 @@
 """Sibling INT8 linears reading one input (q/k/v, gate/up) run as one GEMM at run time
-(compress/int8/shared_input.py): same outputs as the separate GEMMs, fewer kernel calls."""
+(kernels/shared_input.py): same outputs as the separate GEMMs, fewer kernel calls."""
 
 import copy
 
 import pytest
 import torch
-
-from geminicompress.compress.arch import set_module
-from geminicompress.compress.int8.modules import MODULES
-from geminicompress.compress.int8.shared_input import share_inputs
 from tiny import tiny_model
+
+from geminicompress.core.arch import set_module
+from geminicompress.kernels.int8 import MODULES
+from geminicompress.kernels.shared_input import share_inputs
 
 
 def _int8_model(method: str, kind: str = "llama"):

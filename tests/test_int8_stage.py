@@ -8,16 +8,16 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
-from geminicompress.compress.int8.modules import Int8WeightOnlyLinear, W8A8Linear
+from geminicompress.compress.int8.config import Int8Stage
 from geminicompress.engine.contract import StageContext
-from geminicompress.engine.run import run_stage
 from geminicompress.eval.kernels import use_fast_kernels
 from geminicompress.formats.bits import unpack_bits
 from geminicompress.formats.dequant import DequantLinear
+from geminicompress.kernels.int8 import Int8WeightOnlyLinear, W8A8Linear
 from geminicompress.models.loading import load_model
 from geminicompress.progress import NullProgress
-from geminicompress.recipes.quantize import Int8Stage
 from geminicompress.recipes.schema import Recipe
+from geminicompress.stages import run_stage
 
 runner = CliRunner()
 

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from tiny import tiny_model
 
-from geminicompress.compress.arch import arch_for, decoder_layers
+from geminicompress.core.arch import arch_for, decoder_layers
 from geminicompress.engine.layers import capture_inputs, forward_layer
 from geminicompress.engine.walk import run_layerwise
 from geminicompress.errors import InputError
-from tiny import tiny_model
 
 CPU = torch.device("cpu")
 

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny import save_tiny
 
+from geminicompress.engine.forward import streamed_logits
 from geminicompress.errors import InputError
 from geminicompress.formats.dequant import DequantLinear
-from geminicompress.models.forward import streamed_logits
 from geminicompress.models.headers import is_readable_dir
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import load_model

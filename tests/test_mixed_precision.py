@@ -9,10 +9,10 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
-from geminicompress.compress.arch import get_module
+from geminicompress.core.arch import get_module
+from geminicompress.core.grid import QuantSpec
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.formats.mixed import ct_spec_of, dynamic_spec
-from geminicompress.compress.grid import QuantSpec
 from geminicompress.models.loading import load_model
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage

@@ -6,15 +6,15 @@ import threading
 import pytest
 import torch
 import torch.nn as nn
+from tiny import tiny_model
 
-from geminicompress.compress.arch import arch_for, decoder_layers
+from geminicompress.core.arch import arch_for, decoder_layers
 from geminicompress.engine.layers import LayerJob, capture_inputs, forward_layer
 from geminicompress.engine.onepass import one_pass
 from geminicompress.errors import GeminiError
-from geminicompress.pipeline import run_recipe
 from geminicompress.models.loading import load_model
+from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage
-from tiny import tiny_model
 
 CPU = torch.device("cpu")
 

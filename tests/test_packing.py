@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from geminicompress.compress.gptq.solver import gptq_quantize
-from geminicompress.compress.grid import QuantSpec
+from geminicompress.core.grid import QuantSpec
 from geminicompress.formats.bits import pack_bits, packed_width, unpack_bits
 from geminicompress.formats.gptq import pack_gptq, unpack_gptq
 from geminicompress.formats.pack_quantized import pack_ct, unpack_ct

@@ -7,10 +7,10 @@ import torch
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
-from geminicompress.compress.arch import arch_for
 from geminicompress.compress.prune.allocate import exact_counts, outlier_ratio, owl_layer_sparsity
 from geminicompress.compress.prune.masks import row_mask_count
 from geminicompress.compress.prune.stage import prunable_weights
+from geminicompress.core.arch import arch_for
 from geminicompress.errors import InputError
 from geminicompress.models.loading import load_model
 

@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
-from geminicompress.compress.arch import arch_for
 from geminicompress.compress.prune.stage import prunable_weights
+from geminicompress.core.arch import arch_for
 from geminicompress.models.loading import load_model
 
 runner = CliRunner()
@@ -93,10 +93,10 @@ def test_global_scope_differs_per_layer_and_ignore(tiny_dir, tmp_path):
 
 
 def test_stage_sets_masks_for_distill(tiny_dir):
-    from geminicompress.engine.run import run_stage
     from geminicompress.engine.contract import StageContext
     from geminicompress.progress import NullProgress
     from geminicompress.recipes.schema import PruneStage, Recipe
+    from geminicompress.stages import run_stage
 
     loaded = load_model(str(tiny_dir))
     recipe = Recipe(model=str(tiny_dir), stages=[{"type": "prune", "sparsity": 0.95}])

@@ -5,12 +5,12 @@ import copy
 
 import pytest
 import torch
+from tiny import prune_in_place, tiny_model
 
-from geminicompress.compress.arch import arch_for, get_module
 from geminicompress.compress.prune.refit import refit_masked, subset_solve
+from geminicompress.core.arch import arch_for, get_module
 from geminicompress.distill.reconstruct import reconstruct
 from geminicompress.errors import InputError
-from tiny import prune_in_place, tiny_model
 
 CPU = torch.device("cpu")
 

@@ -8,7 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
-from geminicompress.compress.grid import QuantSpec, rtn_quantize
+from geminicompress.core.grid import QuantSpec, rtn_quantize
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.models.loading import load_model
 from geminicompress.pipeline import run_recipe

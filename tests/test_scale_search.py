@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from geminicompress.compress.grid import QuantSpec, fake_quantize, qparams
 from geminicompress.compress.scale_search import clip_qparams
+from geminicompress.core.grid import QuantSpec, fake_quantize, qparams
 
 
 def _err(w, scale, zero, spec, importance=None, norm=2.0):

@@ -7,10 +7,10 @@ import torch
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
-from geminicompress.compress.arch import arch_for
-from geminicompress.compress.targets import decoder_linears as quantizable
 from geminicompress.compress.sensitivity.measure import measure_sensitivity, spearman
 from geminicompress.compress.sensitivity.options import parse_options
+from geminicompress.compress.targets import decoder_linears as quantizable
+from geminicompress.core.arch import arch_for
 from geminicompress.errors import InputError
 
 runner = CliRunner()

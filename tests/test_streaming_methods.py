@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import save_sharded, tiny_model
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
 from geminicompress.engine import layers as layerwise
 from geminicompress.engine.compose import OnePassFn, compose
-from geminicompress.formats.checkpoint import read_tensors
-from geminicompress.recipes.loader import recipe_from_stage
 from geminicompress.engine.sinks import ShardSink
+from geminicompress.formats.checkpoint import read_tensors
 from geminicompress.pipeline import run_recipe
-from tiny import save_sharded, tiny_model
+from geminicompress.recipes.loader import recipe_from_stage
 
 runner = CliRunner()
 CALIB = ["--samples", "4", "--calib-seq-len", "48"]
@@ -147,7 +147,7 @@ def test_calibrated_run_resumes_after_a_crash_bitwise(sharded, tmp_path, monkeyp
 def test_consecutive_one_pass_stages_share_one_pass():
     """Two one-pass stages on a 4-linear llama layer: one forward per batch; in every group stage 0 solves
     before stage 1; stage 1 sees each group's input through the groups both stages solved already."""
-    from geminicompress.compress.arch import arch_for, decoder_layers
+    from geminicompress.core.arch import arch_for, decoder_layers
     from geminicompress.engine.layers import LayerJob, capture_inputs, forward_layer
 
     model = tiny_model("llama")

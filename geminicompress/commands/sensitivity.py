@@ -9,11 +9,11 @@ from typing import List, Optional
 import typer
 
 from geminicompress.commands import common as c
-from geminicompress.compress.arch import arch_for
 from geminicompress.compress.sensitivity.measure import MEASURES, measure_sensitivity
 from geminicompress.compress.sensitivity.options import parse_options
 from geminicompress.compress.sensitivity.plot import write_heatmap
 from geminicompress.compress.targets import decoder_linears as quantizable
+from geminicompress.core.arch import arch_for
 from geminicompress.data.windows import calibration_windows
 from geminicompress.errors import InputError
 from geminicompress.models.loading import load_model

@@ -10,13 +10,13 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from geminicompress.compress.grid import KeptCodes, QuantizedWeight, QuantSpec, keep_codes, rtn_quantize
 from geminicompress.compress.targets import weight_quant_targets
+from geminicompress.core.config import WeightQuantStage
+from geminicompress.core.grid import KeptCodes, QuantizedWeight, QuantSpec, keep_codes, rtn_quantize
 from geminicompress.engine.contract import Done, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
 from geminicompress.formats import writer_for
 from geminicompress.formats.checkpoint import scale_dtype
-from geminicompress.recipes.base import WeightQuantStage
 
 
 class RTNStage(WeightQuantStage):

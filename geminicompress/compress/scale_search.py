@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from geminicompress.compress.grid import QuantSpec, qparams, quantize
+from geminicompress.core.grid import QuantSpec, qparams, quantize
 
 
 def clip_qparams(w: torch.Tensor, spec: QuantSpec, importance: torch.Tensor | None = None, *,

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch.nn as nn
 
-from geminicompress.compress.arch import Arch, arch_for, get_module
-from geminicompress.compress.grid import QuantSpec, auto_group_size
+from geminicompress.core.arch import Arch, arch_for, get_module
+from geminicompress.core.grid import QuantSpec, auto_group_size
 from geminicompress.errors import InputError
 from geminicompress.formats import check_shapes
 
 if TYPE_CHECKING:
-    from geminicompress.recipes.base import WeightQuantStage
+    from geminicompress.core.config import WeightQuantStage
 
 
 def compile_patterns(ignore: list[str]) -> list[re.Pattern[str]]:

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import arch_for, get_module
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.prune.refit import refit_masked
 from geminicompress.compress.targets import present_groups
+from geminicompress.core.arch import arch_for, get_module
 from geminicompress.engine.layers import LayerJob
 from geminicompress.engine.walk import run_layerwise
 from geminicompress.errors import InputError

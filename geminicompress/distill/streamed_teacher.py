@@ -2,7 +2,7 @@
 
 When the teacher is a local dense safetensors directory that does not fit (or `teacher_stream: true`,
 `--teacher-stream`), it is never loaded whole. It is opened as a `LazyCheckpoint` (skeleton on the meta
-device), and the shared layer-streamed forward (`models/forward.py`) runs every training window through
+device), and the shared layer-streamed forward (`engine/forward.py`) runs every training window through
 decoder layer 0, then layer 1, ..., then the model's own final norm and head, one window at a time;
 only each window's top-k logits are kept (float16 values, int32 indices: the `topk_cache` format). The
 activations of all windows (two (n, T, d) float32 arrays) go to memory-mapped files when they exceed
@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from geminicompress.distill.topk_cache import TopKCache, cache_folder, read_cache, teacher_key, top_k, write_cache
+from geminicompress.engine.forward import activations_bytes, final_hidden, head_logits
 from geminicompress.errors import InputError
 from geminicompress.memory import available_memory, too_big
-from geminicompress.models.forward import activations_bytes, final_hidden, head_logits
 from geminicompress.models.headers import is_streamable_dir, weights_bytes
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import LoadedModel, load_tokenizer, local_dir, resolve_model

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import arch_for
+from geminicompress.core.arch import arch_for
 from geminicompress.errors import InputError
 from geminicompress.models.lazy import LazyCheckpoint
 

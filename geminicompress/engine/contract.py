@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from geminicompress.compress.arch import arch_for
+from geminicompress.core.arch import arch_for
 from geminicompress.data.windows import calibration_windows
 from geminicompress.engine.layers import LayerFn
 from geminicompress.formats.writer import LayerWriter

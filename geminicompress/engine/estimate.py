@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from geminicompress.compress.arch import get_module
+from geminicompress.core.arch import get_module
 from geminicompress.engine.contract import walk_dtypes
 from geminicompress.errors import InputError
 from geminicompress.models.headers import free_disk

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import Arch, arch_for, get_module
+from geminicompress.core.arch import Arch, arch_for, get_module
 from geminicompress.engine.onepass import one_pass
 from geminicompress.memory import release_free_heap
 

@@ -23,7 +23,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from geminicompress.compress.arch import set_module
+from geminicompress.core.arch import set_module
 from geminicompress.errors import GeminiError
 from geminicompress.formats.shards import ShardWriter
 

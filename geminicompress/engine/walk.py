@@ -24,7 +24,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import Arch, arch_for, get_module, outside_modules, tied_output
+from geminicompress.core.arch import Arch, arch_for, get_module, outside_modules, tied_output
 from geminicompress.engine.layers import (
     LayerFn,
     LayerInputs,

@@ -9,7 +9,7 @@ every call, which is exact but says nothing about speed (issue #25: 13x "slower"
 | GPTQ / AWQ / pack-quantized, 2-4 bit | torch's int4 kernel, bf16 activations (int4.py) | torch's int4 kernel (tinygemm), bf16 |
 | the same, 8-bit symmetric per channel | fbgemm's W8A16 kernel (the int8 module) | none: not timed |
 | the same, other 8-bit, or a shape the kernel cannot hold | none: latency not measured, the reason shown | same |
-| int8 / w8a8 (compressed-tensors int-quantized) | fbgemm (compress/int8/modules.py, as loaded) | reference matmuls |
+| int8 / w8a8 (compressed-tensors int-quantized) | fbgemm (kernels/int8.py, as loaded) | reference matmuls |
 | dense | torch's matmul in the stored dtype | same |
 | dense with pruned zeros | dense matmul, noted: unstructured sparsity / 2:4 has no kernel here | 2:4: sparse tensor cores, not used |
 
@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from geminicompress.compress.int8.modules import Int8WeightOnlyLinear
-from geminicompress.eval.int4 import Int4Linear, int4_layout
 from geminicompress.formats.dequant import DequantLinear
+from geminicompress.kernels.int4 import Int4Linear, int4_layout
+from geminicompress.kernels.int8 import Int8WeightOnlyLinear
 
 SPARSE_NOTE = "unstructured sparsity runs dense here: no sparse kernel on this device"
 SPARSE_24_NOTE = "2:4 sparsity runs dense here: it needs sparse tensor cores (a GPU)"

@@ -11,8 +11,8 @@ from typing import Any, Iterable
 
 import torch
 
+from geminicompress.core.metrics import DriftMeter
 from geminicompress.eval.baseline_cache import BaselineCache
-from geminicompress.eval.drift import DriftMeter
 from geminicompress.eval.perplexity import PerplexityMeter, token_nll, window_logprobs
 from geminicompress.progress import NullProgress, Progress
 

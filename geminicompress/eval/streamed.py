@@ -1,5 +1,5 @@
 """Quality of a model bigger than memory: its windows go through one decoder layer at a time
-(`models/forward.py`), read from disk (`models/lazy.py`, dense or any format geminicompress writes),
+(`engine/forward.py`), read from disk (`models/lazy.py`, dense or any format geminicompress writes),
 and the log-probs of each window are scored by the same meters as a model in memory (quality.py).
 
 Chosen per model: `--stream` forces it, `--no-stream` forbids it, and otherwise a model streams when
@@ -18,10 +18,10 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from geminicompress.engine.forward import activations_bytes, streamed_logits
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.eval.footprint import count_params
 from geminicompress.memory import available_memory, too_big
-from geminicompress.models.forward import activations_bytes, streamed_logits
 from geminicompress.models.headers import is_readable_dir, loaded_bytes
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import local_dir

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from geminicompress.compress.grid import QuantSpec
+from geminicompress.core.grid import QuantSpec
 from geminicompress.errors import InputError
 from geminicompress.formats.checkpoint import compressed_tensors_format
 from geminicompress.formats.reader import ModuleReader, load_with_reader

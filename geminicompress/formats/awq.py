@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.grid import QuantizedWeight, QuantSpec, group_index
+from geminicompress.core.grid import QuantizedWeight, QuantSpec, group_index
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.dequant import dequant_reader
 from geminicompress.formats.reader import ModuleReader

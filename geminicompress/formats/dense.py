@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.grid import QuantSpec
+from geminicompress.core.grid import QuantSpec
 from geminicompress.formats.writer import LayerWriter
 
 KEY = "dense"

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from geminicompress.compress.grid import QuantizedWeight
+from geminicompress.core.grid import QuantizedWeight
 from geminicompress.formats.reader import ModuleReader
 
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn as nn
 
 from geminicompress import __version__
-from geminicompress.compress.arch import arch_for
-from geminicompress.compress.grid import QuantizedWeight, QuantSpec
+from geminicompress.core.arch import arch_for
+from geminicompress.core.grid import QuantizedWeight, QuantSpec
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.bits import pack_bits, unpack_bits
 from geminicompress.formats.dequant import dequant_reader

@@ -27,15 +27,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.grid import QuantSpec
-from geminicompress.compress.int8.modules import Int8WeightOnlyLinear, W8A8Linear
-from geminicompress.compress.int8.shared_input import share_inputs
+from geminicompress.core.grid import QuantSpec
 from geminicompress.errors import GeminiError
 from geminicompress.formats import pack_quantized
 from geminicompress.formats.bits import pack_bits
 from geminicompress.formats.checkpoint import compressed_tensors_format, float_linears
 from geminicompress.formats.reader import ModuleReader
 from geminicompress.formats.writer import LayerWriter
+from geminicompress.kernels.int8 import Int8WeightOnlyLinear, W8A8Linear
+from geminicompress.kernels.shared_input import share_inputs
 
 FORMAT = "int-quantized"
 KEY = f"compressed-tensors:{FORMAT}"
@@ -134,7 +134,7 @@ def reader(path: Path, config: dict[str, Any]) -> ModuleReader:
         module.load_state_dict({k: v for k, v in parts.items() if k in ("weight", "weight_scale", "bias")})
         return module
 
-    # q/k/v and gate/up as one GEMM each at run time (compress/int8/shared_input.py): same results
+    # q/k/v and gate/up as one GEMM each at run time (kernels/shared_input.py): same results
     return ModuleReader("weight_scale", ("weight", "weight_scale", "bias", *_OPTIONAL), build, after_load=share_inputs)
 
 

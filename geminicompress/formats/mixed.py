@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
-from geminicompress.compress.grid import QuantSpec
+from geminicompress.core.grid import QuantSpec
 from geminicompress.errors import GeminiError
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.grid import QuantizedWeight, QuantSpec, group_index
+from geminicompress.core.grid import QuantizedWeight, QuantSpec, group_index
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.bits import pack_bits, unpack_bits
 from geminicompress.formats.checkpoint import compressed_tensors_format, scale_dtype

@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import get_module, set_module
+from geminicompress.core.arch import get_module, set_module
 from geminicompress.errors import GeminiError
 
 

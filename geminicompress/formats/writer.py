@@ -16,8 +16,8 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import arch_for
-from geminicompress.compress.grid import QuantizedWeight, QuantSpec
+from geminicompress.core.arch import arch_for
+from geminicompress.core.grid import QuantizedWeight, QuantSpec
 from geminicompress.formats.checkpoint import float_linears, module_tensors, write_config
 
 QWeights = Callable[[int, dict[str, torch.Tensor]], Mapping[str, QuantizedWeight]]  # (layer, kept) -> {module: qw}

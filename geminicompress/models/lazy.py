@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import Arch, arch_for, get_module, outside_modules, set_module
 from geminicompress import formats
+from geminicompress.core.arch import Arch, arch_for, get_module, outside_modules, set_module
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.reader import check_replaces, tied_output_keys
 from geminicompress.models.finite import check

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from geminicompress.compress.grid import QuantSpec, fake_quantize, qparams, rtn_quantize
+from geminicompress.core.grid import QuantSpec, fake_quantize, qparams, rtn_quantize
 
 
 def pseudo_quantize(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

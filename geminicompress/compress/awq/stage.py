@@ -23,20 +23,20 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import SmoothGroup, get_module
 from geminicompress.compress.awq import results
+from geminicompress.compress.awq.config import AWQStage
 from geminicompress.compress.awq.search import apply_clip, linear_error, scaled_weights, search_clip, search_scales
 from geminicompress.compress.fold import fold_problem, fold_scales
 from geminicompress.compress.gptq.solver import gptq_quantize, zeros_to_keep
-from geminicompress.compress.grid import KeptCodes, QuantSpec, keep_codes, rtn_quantize
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.targets import weight_quant_targets
+from geminicompress.core.arch import SmoothGroup, get_module
+from geminicompress.core.grid import KeptCodes, QuantSpec, keep_codes, rtn_quantize
 from geminicompress.engine.contract import Done, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
 from geminicompress.errors import GeminiError
 from geminicompress.formats import writer_for
 from geminicompress.formats.checkpoint import scale_dtype
-from geminicompress.recipes.quantize import AWQStage
 
 CLIP_TOKENS = 512
 NO_CLIP = ("q_proj", "k_proj", "query_key_value")  # their outputs meet in q·kᵀ (llm-awq skips them too)

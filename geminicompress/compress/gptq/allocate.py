@@ -17,9 +17,9 @@ import numpy as np
 import torch.nn as nn
 
 from geminicompress.compress.allocation import allocate, allocate_within_drift, check_budget, frontier
-from geminicompress.compress.grid import QuantSpec
 from geminicompress.compress.sensitivity.measure import measure_sensitivity, read_table
 from geminicompress.compress.sensitivity.options import parse_options
+from geminicompress.core.grid import QuantSpec
 from geminicompress.errors import InputError
 
 ALLOCATION_FILE = "allocation.json"

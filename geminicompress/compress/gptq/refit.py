@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from geminicompress.compress.grid import QuantizedWeight
+from geminicompress.core.grid import QuantizedWeight
 
 
 def refit_scales(qw: QuantizedWeight, W: torch.Tensor, H: torch.Tensor, rows: int = 4096) -> QuantizedWeight:

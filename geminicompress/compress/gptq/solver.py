@@ -24,9 +24,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from geminicompress.compress.grid import QuantizedWeight, QuantSpec, qparams, quantize
 from geminicompress.compress.hessian import inverse_hessian_factor
 from geminicompress.compress.scale_search import clip_qparams
+from geminicompress.core.grid import QuantizedWeight, QuantSpec, qparams, quantize
 from geminicompress.errors import GeminiError
 
 _SUB_BLOCK = 32  # columns per rank-1 sub-block (the rest of the work goes through matmuls)

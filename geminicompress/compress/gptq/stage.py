@@ -25,17 +25,17 @@ import torch
 import torch.nn as nn
 
 from geminicompress.compress.gptq.allocate import module_specs, write_allocation
+from geminicompress.compress.gptq.config import GPTQStage
 from geminicompress.compress.gptq.solver import gptq_quantize, zeros_to_keep
-from geminicompress.compress.grid import KeptCodes, QuantSpec, keep_codes
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.targets import present_groups, weight_quant_targets
+from geminicompress.core.grid import KeptCodes, QuantSpec, keep_codes
 from geminicompress.engine.compose import OnePassFn
 from geminicompress.engine.contract import Done, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob, StopForward, layer_output
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats import check_shapes, writer_for
 from geminicompress.formats.checkpoint import scale_dtype
-from geminicompress.recipes.quantize import GPTQStage
 
 
 class GPTQ:

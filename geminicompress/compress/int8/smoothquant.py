@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import Arch, get_module
 from geminicompress.compress.fold import fold_problem, fold_scales
+from geminicompress.core.arch import Arch, get_module
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,12 @@ import torch
 import torch.nn as nn
 
 from geminicompress.compress.allocation import allocate
-from geminicompress.compress.arch import Arch
 from geminicompress.compress.prune.allocate import exact_counts, outlier_ratio, owl_layer_sparsity
 from geminicompress.compress.prune.wanda import InputNorms, wanda_scores
 from geminicompress.compress.sensitivity.measure import measure_sensitivity, read_table
 from geminicompress.compress.sensitivity.options import parse_options
 from geminicompress.compress.targets import present_groups
+from geminicompress.core.arch import Arch
 from geminicompress.engine.layers import LayerJob
 from geminicompress.engine.walk import run_layerwise
 from geminicompress.errors import InputError

@@ -25,22 +25,22 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import Arch, arch_for, get_module
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.prune import report
+from geminicompress.compress.prune.config import PruneStage
 from geminicompress.compress.prune.masks import Pattern, parse_pattern, pattern_mask, row_mask_count, tensor_mask
 from geminicompress.compress.prune.plan import module_counts
 from geminicompress.compress.prune.sparsegpt import sparsegpt_prune
 from geminicompress.compress.prune.threshold import global_threshold, prune_mask
 from geminicompress.compress.prune.wanda import InputNorms, wanda_mask, wanda_scores
 from geminicompress.compress.targets import check_patterns_match, compile_patterns, decoder_linears, present_groups
+from geminicompress.core.arch import Arch, arch_for, get_module
 from geminicompress.engine.compose import OnePassFn
 from geminicompress.engine.contract import Done, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
 from geminicompress.errors import InputError
 from geminicompress.formats.masks import MASKS_FILE, write_masks
 from geminicompress.formats.sparse_bitmask import SparseWriter
-from geminicompress.recipes.schema import PruneStage
 from geminicompress.threads import solver_threads
 
 HISTOGRAM_FILE = "prune_sparsity.png"

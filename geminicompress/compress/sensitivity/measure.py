@@ -30,15 +30,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from geminicompress.compress.arch import Arch, arch_for, get_module
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.prune.wanda import InputNorms
 from geminicompress.compress.sensitivity.options import Option, apply_option, check_applicable
 from geminicompress.compress.targets import present_groups
+from geminicompress.core.arch import Arch, arch_for, get_module
+from geminicompress.core.metrics import kl_per_token
 from geminicompress.engine.layers import LayerJob, capture_inputs, forward_layer, layer_output
 from geminicompress.engine.walk import run_layerwise
 from geminicompress.errors import InputError
-from geminicompress.eval.drift import kl_per_token
 from geminicompress.progress import NullProgress, Progress
 
 MEASURES = ("kl", "proxy", "both")

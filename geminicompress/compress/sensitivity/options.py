@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from geminicompress.compress.gptq.solver import gptq_quantize
-from geminicompress.compress.grid import QuantSpec, rtn_quantize
 from geminicompress.compress.prune.masks import row_mask, tensor_mask
 from geminicompress.compress.prune.sparsegpt import sparsegpt_prune
 from geminicompress.compress.prune.wanda import wanda_scores
+from geminicompress.core.grid import QuantSpec, rtn_quantize
 from geminicompress.errors import InputError
 
 QUANT = ("gptq", "rtn")

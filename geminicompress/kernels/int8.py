@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from geminicompress.compress.int8.quant import dequantize, fake_quantize_tokens, quantize_weight
+from geminicompress.kernels.int8_quant import dequantize, fake_quantize_tokens, quantize_weight
 
 
 class Int8Base(nn.Module):

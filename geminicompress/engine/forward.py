@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import arch_for, get_module, set_module
+from geminicompress.core.arch import arch_for, get_module, set_module
 from geminicompress.engine.layers import computing_in, layer_output
 from geminicompress.engine.walk import LayerSource, ModelLayers, capture_into, nothing, run_layerwise
 from geminicompress.progress import NullProgress, Progress

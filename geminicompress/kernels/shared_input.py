@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import ARCHS, get_module
-from geminicompress.compress.int8.modules import Int8Base
+from geminicompress.core.arch import ARCHS, get_module
+from geminicompress.kernels.int8 import Int8Base
 
 
 class SharedInput:

@@ -1,5 +1,4 @@
-"""Configs of the quantization methods that predate the method registry (`geminicompress/methods.py`
-maps each method name to its config class, runner, default format and whether it calibrates)."""
+"""The GPTQ stage's config and its mixed-precision allocation (its registry row: methods.py)."""
 
 from __future__ import annotations
 
@@ -8,32 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from geminicompress.recipes.base import StageBase, Strict, WeightQuantStage
-
-
-class Int8Stage(StageBase):
-    """INT8: `int8` = weight-only (W8A16); `w8a8` = INT8 weights and dynamic INT8 activations."""
-
-    type: Literal["quantize"] = "quantize"
-    method: Literal["int8", "w8a8"]
-    bits: Literal[8] = Field(8, description="8")
-    smoothquant_alpha: float | None = Field(
-        0.5, ge=0.0, le=1.0, description="SmoothQuant strength in [0, 1] (default 0.5), calibrated on the stage's "
-        "DATA; 0 or null = no SmoothQuant")
-    ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="module name pattern (regex) to keep "
-                              "in float; repeatable (default lm_head)")
-    format: Literal["compressed-tensors"] = Field("compressed-tensors", description="compressed-tensors: "
-                                                  "int-quantized (w8a8), pack-quantized 8-bit (int8)")
-
-    @model_validator(mode="after")
-    def _smoothquant_needs_w8a8(self) -> "Int8Stage":
-        if self.method != "w8a8":
-            if "smoothquant_alpha" in self.model_fields_set and self.smoothquant_alpha:
-                raise ValueError("smoothquant_alpha applies to method w8a8 only (int8 keeps activations in float)")
-            object.__setattr__(self, "smoothquant_alpha", None)
-        elif self.smoothquant_alpha == 0:
-            object.__setattr__(self, "smoothquant_alpha", None)  # 0 = off: one spelling in the report
-        return self
+from geminicompress.core.config import Strict, WeightQuantStage
 
 
 class QuantAllocation(Strict):
@@ -116,24 +90,3 @@ class GPTQStage(WeightQuantStage):
         if bad:
             raise ValueError(f"overrides are b<bits>g<group size>, e.g. b8g64; got {', '.join(bad)}")
         return v
-
-
-class AWQStage(WeightQuantStage):
-    """AWQ (Lin et al., 2023): activation-aware scaling (+ clipping), then RTN or GPTQ."""
-
-    method: Literal["awq", "awq+gptq"]
-    zero_point: bool = Field(True, description="asymmetric with zero points (default) or symmetric")
-    clip: bool = Field(True, description="search a clipping range per group (default on)")
-    n_grid: int = Field(20, ge=1, le=1000, description="points in the alpha grid in [0, 1) of the scale search "
-                        "(default 20)")
-    search_windows: int = Field(8, ge=1, description="calibration windows on which the scale search measures the "
-                                "output error (activation statistics use all windows)")
-    damp: float = Field(0.01, gt=0.0, lt=1.0, description="dampening of GPTQ's Hessian (awq+gptq), "
-                        "fraction of its mean diagonal")
-    block_size: int = Field(128, ge=1, description="GPTQ's columns per lazy-update block (awq+gptq)")
-    keep_zeros: bool = Field(False, description="keep a pruned weight's zeros at exactly zero in GPTQ (awq+gptq; "
-                             "see gptq); awq's round-to-nearest keeps them anyway")
-    search_results: str | None = Field(None, description="re-apply saved scales/clips (OUT/awq_search/) instead of "
-                                       "searching")
-    format: Literal["awq", "compressed-tensors", "dense"] = Field("awq", description="on-disk format (default: the "
-                                                                 "method's own)")

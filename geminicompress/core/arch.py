@@ -10,7 +10,7 @@ One `Arch` per `model_type`. Used by every layer-by-layer method:
   is skipped at run time by the caller, as llm-awq does.
 - `norm_offset`: 1.0 where the norm multiplies by (1 + weight) (Gemma), else 0.0.
 - `final_norm`: path from the CausalLM to the norm applied after the last decoder layer (a layer-streamed
-  forward hands its final hidden states to that module: models/forward.py).
+  forward hands its final hidden states to that module: engine/forward.py).
 """
 
 from __future__ import annotations

@@ -77,7 +77,9 @@ def other_busy_cores(seconds: float = SAMPLE_S) -> float:
     b0, o0, t0 = busy_seconds(cpus), own_seconds(), time.perf_counter()
     time.sleep(seconds)
     b1, o1, t1 = busy_seconds(cpus), own_seconds(), time.perf_counter()
-    return max(0.0, ((b1 - b0) - (o1 - o0)) / max(t1 - t0, 1e-9))
+    # /proc/stat counts in ticks read at other instants than the clock: on a loaded machine a short sample can
+    # read more than all our cores; no process keeps more than them busy
+    return min(float(len(cpus) if cpus else usable_cores()), max(0.0, ((b1 - b0) - (o1 - o0)) / max(t1 - t0, 1e-9)))
 
 
 def auto_threads(torch_default: int, cores: int, others: float, load_1m: float | None) -> tuple[int, str]:

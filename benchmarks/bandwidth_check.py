@@ -12,7 +12,7 @@ byte once: time per token >= bytes per token / bandwidth. Measured here, in one 
   (tied to the embeddings: read once per step, in the checkpoint's float dtype); the embedding
   lookup (one row) and the KV cache (a few MB at 128 tokens) are left out;
 - TPOT: greedy decoding after a 128-token prompt, 32 new tokens, batch 1, median of 5 runs after 1
-  warm-up (eval/latency.py's greedy_run), each model through the kernel `eval` uses (eval/kernels.py).
+  warm-up (eval/cost/latency.py's greedy_run), each model through the kernel `eval` uses (eval/engines/torch_kernels.py).
 
     python benchmarks/bandwidth_check.py --models-dir /work/serve-models --threads 2
 
@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import RESULTS, eval_windows
-from geminicompress.eval.kernels import use_fast_kernels
-from geminicompress.eval.latency import greedy_run, prompt_batch
+
+from geminicompress.eval.cost.latency import greedy_run, prompt_batch
+from geminicompress.eval.engines.torch_kernels import use_fast_kernels
 from geminicompress.machine import machine, versions
 from geminicompress.models.loading import load_model
 

@@ -3,7 +3,7 @@
 The protocol (so that figures compare across issues): the demo model (SmolLM2-135M), perplexity on the
 first 16,384 tokens of ../shared/data/wikitext2-test.txt in 512-token windows, calibration windows of
 512 tokens drawn with a fixed seed from ../shared/data/enwiki-sample.txt. Perplexity is the package's
-own (`geminicompress.eval.perplexity.perplexity`), so benchmarks and `geminicompress eval` agree.
+own (`geminicompress.eval.quality.perplexity.perplexity`), so benchmarks and `geminicompress eval` agree.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def calibration_ids(tokenizer, n: int, seed: int = 0) -> torch.Tensor:
 
 
 def perplexity(model, windows: torch.Tensor) -> float:
-    from geminicompress.eval.perplexity import perplexity as ppl
+    from geminicompress.eval.quality.perplexity import perplexity as ppl
 
     return ppl(model, windows, "cpu", batch_size=4)
 

@@ -33,13 +33,14 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
 from common import calibration_ids  # noqa: E402
+
 from geminicompress.data import pack_windows, tokenize  # noqa: E402
 from geminicompress.distill.masks import sparsity  # noqa: E402
 from geminicompress.distill.plot import plot_curve  # noqa: E402
 from geminicompress.distill.reconstruct import reconstruct  # noqa: E402
 from geminicompress.distill.student import derive_student, n_params  # noqa: E402
 from geminicompress.distill.train import train  # noqa: E402
-from geminicompress.eval.perplexity import perplexity  # noqa: E402
+from geminicompress.eval.quality.perplexity import perplexity  # noqa: E402
 from geminicompress.eval.speculative import generation_speed, measure_speculative  # noqa: E402
 from geminicompress.machine import machine, versions  # noqa: E402
 from geminicompress.models.loading import load_model  # noqa: E402

@@ -4,7 +4,7 @@ same two models, in one process, interleaved, at several thread counts.
 The two protocols (docs/int8.md explains the difference):
 - bench: `int8_bench.decode_times`: prefill a 128-token prompt, then time each of 32 decode steps
   separately; TPOT = the median over all steps of all repeats (5 rounds); 2 threads, set explicitly.
-- eval:  `geminicompress.eval.latency.greedy_run`: prefill the prompt, then time the whole loop of
+- eval:  `geminicompress.eval.cost.latency.greedy_run`: prefill the prompt, then time the whole loop of
   gen_len - 1 decode steps; TPOT = decode time / (gen_len - 1), the median of `repeats` runs; threads =
   torch's default (one per core of the machine).
 
@@ -48,7 +48,7 @@ def bench_protocol(model, prompt: torch.Tensor, steps: int) -> list[float]:
 
 def main() -> None:
     from geminicompress.data.windows import tokenize
-    from geminicompress.eval.latency import greedy_run
+    from geminicompress.eval.cost.latency import greedy_run
     from geminicompress.machine import machine, versions
     from geminicompress.models.loading import load_model
 

@@ -27,12 +27,12 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import RESULTS, eval_windows
-from geminicompress.eval.kernels import expects_int4, use_fast_kernels
-from geminicompress.eval.perplexity import perplexity
-from geminicompress.eval.vllm_engine import check_vllm, run_driver
-from geminicompress.eval.vllm_eval import engine_dtype, model_path
+
+from geminicompress.eval.engines.torch_kernels import expects_int4, use_fast_kernels
+from geminicompress.eval.engines.vllm_engine import check_vllm, run_driver
+from geminicompress.eval.engines.vllm_eval import engine_dtype, model_path
+from geminicompress.eval.quality.perplexity import perplexity
 from geminicompress.machine import machine, versions
 from geminicompress.models.loading import load_model
 

@@ -18,12 +18,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from common import RESULTS, eval_windows
+
+from geminicompress.eval.engines.torch_kernels import use_fast_kernels
+from geminicompress.eval.engines.vllm_engine import run_driver
+from geminicompress.eval.engines.vllm_eval import engine_dtype, model_path
 from geminicompress.eval.specs import stored_dtype
-from geminicompress.eval.kernels import use_fast_kernels
-from geminicompress.eval.vllm_engine import run_driver
-from geminicompress.eval.vllm_eval import engine_dtype, model_path
 from geminicompress.machine import machine, versions
 from geminicompress.models.loading import load_model
 

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 
 from geminicompress.core.metrics import DriftMeter, kl_per_token, top1_agreement
 from geminicompress.data import pack_windows, tokenize
-from geminicompress.eval.baseline_cache import BaselineCache
-from geminicompress.eval.footprint import count_params, weight_sparsity, weights_size_mb
-from geminicompress.eval.latency import greedy_run, measure_latency, percentile, prompt_batch
-from geminicompress.eval.quality import measure_quality
+from geminicompress.eval.cost.footprint import count_params, weight_sparsity, weights_size_mb
+from geminicompress.eval.cost.latency import greedy_run, measure_latency, percentile, prompt_batch
+from geminicompress.eval.quality.baseline_cache import BaselineCache
+from geminicompress.eval.quality.scoring import measure_quality
 
 CPU = torch.device("cpu")
 
@@ -57,7 +57,7 @@ def test_kl_of_a_model_against_itself_is_zero_and_agreement_one(model, windows, 
 
 
 def test_cached_logprobs_round_trip_exactly(model, windows):
-    from geminicompress.eval.perplexity import window_logprobs
+    from geminicompress.eval.quality.perplexity import window_logprobs
 
     with BaselineCache(windows.shape[0], 63, model.config.vocab_size) as cache:
         logps = [window_logprobs(model, w, CPU) for w in windows]

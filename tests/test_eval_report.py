@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from tiny import VOCAB, save_tiny
 from typer.testing import CliRunner
 
 from geminicompress import methods, pipeline
@@ -11,7 +12,6 @@ from geminicompress.cli import app
 from geminicompress.eval.api import evaluate
 from geminicompress.models import load_model
 from geminicompress.recipes.schema import EvalStage, Recipe
-from tiny import VOCAB, save_tiny
 
 FAST = dict(type="eval", seq_len=64, max_tokens=640, prompt_len=8, gen_len=3, batch_sizes=[1, 2], repeats=2, warmup=0)
 runner = CliRunner()
@@ -47,6 +47,7 @@ class Lines:
 def other_tokenizer():
     """A BPE with the same vocabulary size trained on other text: different merges, different ids."""
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -273,7 +274,7 @@ def test_tasks_results_go_into_each_models_entry(dirs, text_file, monkeypatch):
 def test_prune_then_quantize_loads_and_reports_the_pruned_zeros(dirs, text_file, tmp_path):
     """The masks file next to packed weights is neither loaded as weights nor counted in the size; the
     sparsity is the pruned weights that are still zero after quantization."""
-    from geminicompress.eval.footprint import prune_masks_path, weight_sparsity, weights_size_mb
+    from geminicompress.eval.cost.footprint import prune_masks_path, weight_sparsity, weights_size_mb
 
     base, out = dirs[0], tmp_path / "pq"
     recipe = Recipe(model=str(base), calibration={"data": str(text_file), "samples": 4, "seq_len": 64},

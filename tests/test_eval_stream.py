@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from geminicompress import memory
 from geminicompress.cli import app
-from geminicompress.eval import streamed as streamed_mod
 from geminicompress.eval.api import evaluate
-from geminicompress.eval.baseline_cache import BaselineCache
+from geminicompress.eval.quality import streamed as streamed_mod
+from geminicompress.eval.quality.baseline_cache import BaselineCache
 from geminicompress.models.loading import load_model
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage

@@ -7,15 +7,15 @@ import json
 
 import pytest
 import torch
+from tiny import save_tiny, tiny_config, tiny_model
 from typer.testing import CliRunner
 
 from geminicompress import threads
 from geminicompress.cli import app
-from geminicompress.eval import contention, latency, plan
 from geminicompress.eval.api import evaluate
-from geminicompress.eval.contention import Reading, assess, between
+from geminicompress.eval.cost import contention, latency, plan
+from geminicompress.eval.cost.contention import Reading, assess, between
 from geminicompress.recipes.schema import EvalStage, Recipe
-from tiny import save_tiny, tiny_config, tiny_model
 
 CPU = torch.device("cpu")
 runner = CliRunner()

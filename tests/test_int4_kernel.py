@@ -1,4 +1,4 @@
-"""torch's int4 kernel for our packed formats (kernels/int4.py, eval/kernels.py): the zero-point conversion
+"""torch's int4 kernel for our packed formats (kernels/int4.py, eval/engines/torch_kernels.py): the zero-point conversion
 gives back the checkpoint's weights, the kernel's outputs equal the reference path's within the
 activation dtype's rounding, act-order / per-channel / 3-bit layouts, refusals with their reasons, and a
 whole GPTQ / AWQ / pack-quantized model's perplexity through the fast path against the reference path."""
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from geminicompress.core.grid import QuantizedWeight, QuantSpec
-from geminicompress.eval.kernels import expects_int4, use_fast_kernels
+from geminicompress.eval.engines.torch_kernels import expects_int4, use_fast_kernels
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.kernels.int4 import Int4Linear, dequantize_layout, int4_layout
 
@@ -143,7 +143,7 @@ def _windows(tok, text_file, n=4, seq=64):
 
 @pytest.mark.parametrize("name", ["gptq-actorder", "gptq-ct", "awq", "gptq-3bit"])
 def test_model_quality_through_the_fast_path_equals_the_reference_path(packed_models, text_file, name):
-    from geminicompress.eval.perplexity import perplexity
+    from geminicompress.eval.quality.perplexity import perplexity
     from geminicompress.models.loading import load_model
 
     _, outs = packed_models

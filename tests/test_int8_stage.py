@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from geminicompress.cli import app
 from geminicompress.compress.int8.config import Int8Stage
 from geminicompress.engine.contract import StageContext
-from geminicompress.eval.kernels import use_fast_kernels
+from geminicompress.eval.engines.torch_kernels import use_fast_kernels
 from geminicompress.formats.bits import unpack_bits
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.kernels.int8 import Int8WeightOnlyLinear, W8A8Linear

@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 
 from geminicompress.cli import app
 from geminicompress.errors import InputError
-from geminicompress.eval import serve_table
-from geminicompress.eval.serve_bench import ROWS, hf_rows, serve_bench, vllm_job, vllm_rows
-from geminicompress.eval.serve_hf import HFFlags, serve
-from geminicompress.eval.workload import WorkloadSpec, arrivals, build_workload, check_spec
+from geminicompress.eval.serving import table as serve_table
+from geminicompress.eval.serving.bench import ROWS, hf_rows, serve_bench, vllm_job, vllm_rows
+from geminicompress.eval.serving.hf import HFFlags, serve
+from geminicompress.eval.serving.workload import WorkloadSpec, arrivals, build_workload, check_spec
 
 runner = CliRunner()
 FAKE = Path(__file__).parent / "fake_vllm"

@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 
 from geminicompress.cli import app
 from geminicompress.errors import InputError
-from geminicompress.eval import vllm_engine
-from geminicompress.eval.serving_metrics import RequestTiming, from_vllm, summarize, token_agreement
-from geminicompress.eval.vllm_eval import latency_tasks, quality_from_logprobs
+from geminicompress.eval.engines import vllm_engine as vllm_engine
+from geminicompress.eval.engines.vllm_eval import latency_tasks, quality_from_logprobs
+from geminicompress.eval.serving.metrics import RequestTiming, from_vllm, summarize, token_agreement
 from geminicompress.recipes.schema import EvalStage
 
 FAKE = Path(__file__).parent / "fake_vllm"
@@ -143,8 +143,9 @@ def test_quality_from_logprobs_and_latency_tasks():
 
 
 def test_eval_engine_vllm_end_to_end_on_the_stand_in(with_fake_vllm, tmp_path, text_file):
-    from geminicompress.eval.api import evaluate
     from tiny import save_tiny
+
+    from geminicompress.eval.api import evaluate
 
     base = save_tiny(tmp_path / "base")
     refused = save_tiny(tmp_path / "refuse-this")

@@ -53,9 +53,9 @@ def serve_bench(
     """
     from geminicompress.data import check_data_spec
     from geminicompress.errors import InputError
-    from geminicompress.eval import serve_table
-    from geminicompress.eval.serve_bench import serve_bench as run
-    from geminicompress.eval.workload import WorkloadSpec
+    from geminicompress.eval.serving import table as serve_table
+    from geminicompress.eval.serving.bench import serve_bench as run
+    from geminicompress.eval.serving.workload import WorkloadSpec
     from geminicompress.output import OutputDir, check_output_path
 
     if engine not in ("transformers", "vllm"):

@@ -201,7 +201,7 @@ def _layer_map(cfg: DistillStage, pair: Pair) -> dict[int, int] | None:
 
 
 def _teacher_ppl(teacher, eval_windows: torch.Tensor, device: torch.device) -> float:
-    from geminicompress.eval.perplexity import perplexity
+    from geminicompress.eval.quality.perplexity import perplexity
 
     teacher.to(device)
     return round(perplexity(teacher, eval_windows, device), 4)

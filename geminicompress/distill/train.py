@@ -24,7 +24,7 @@ import torch.nn as nn
 from geminicompress.distill.losses import distill_loss
 from geminicompress.distill.masks import apply_masks, mask_grads
 from geminicompress.distill.topk_cache import TopKCache
-from geminicompress.eval.perplexity import perplexity
+from geminicompress.eval.quality.perplexity import perplexity
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.schema import DistillStage
 

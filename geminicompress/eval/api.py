@@ -22,10 +22,8 @@ import torch
 
 from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.errors import GeminiError
-from geminicompress.eval import kernels, plan
-from geminicompress.eval.baseline_cache import BaselineCache
-from geminicompress.eval.extras import run_speculative, run_tasks, tasks_available
-from geminicompress.eval.footprint import (
+from geminicompress.eval.cost import plan
+from geminicompress.eval.cost.footprint import (
     PeakMemory,
     count_params,
     masks_size_mb,
@@ -35,12 +33,15 @@ from geminicompress.eval.footprint import (
     weight_sparsity,
     weights_size_mb,
 )
-from geminicompress.eval.latency import measure_latency
-from geminicompress.eval.perplexity import window_logprobs
-from geminicompress.eval.quality import score_windows
+from geminicompress.eval.cost.latency import measure_latency
+from geminicompress.eval.engines import torch_kernels as kernels
+from geminicompress.eval.extras import run_speculative, run_tasks, tasks_available
+from geminicompress.eval.quality.baseline_cache import BaselineCache
+from geminicompress.eval.quality.perplexity import window_logprobs
+from geminicompress.eval.quality.scoring import score_windows
+from geminicompress.eval.quality.streamed import open_streamed, params_of, stream_reason, streamed_logprobs
 from geminicompress.eval.report import new_entry, new_report, write_report
 from geminicompress.eval.specs import display_names, stored_dtype
-from geminicompress.eval.streamed import open_streamed, params_of, stream_reason, streamed_logprobs
 from geminicompress.eval.table import describe_timing
 from geminicompress.models import demo
 from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer
@@ -105,7 +106,7 @@ def evaluate(
     specs = list(dict.fromkeys([baseline, *models]))
     shown = [(names or {}).get(s, n) for s, n in zip(specs, display_names(specs))]
     if options.engine == "vllm":  # every model measured by vLLM, in its own process (vllm_eval.py)
-        from geminicompress.eval.vllm_eval import evaluate_vllm
+        from geminicompress.eval.engines.vllm_eval import evaluate_vllm
 
         report = evaluate_vllm(specs, shown, data, options, progress, trust_remote_code)
         if out_dir is not None:

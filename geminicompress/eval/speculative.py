@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
-from geminicompress.eval.latency import sync
+from geminicompress.eval.cost.latency import sync
 
 
 def _greedy_kwargs(model: Any, gen_len: int) -> dict:

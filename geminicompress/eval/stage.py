@@ -59,9 +59,9 @@ def is_w8a8(folder) -> bool:
 
 def _serving(cfg: EvalStage, ctx) -> dict:
     """The serving table of the recipe's model into OUT/eval/serving/; its INT8 row serves OUT when W8A8."""
-    from geminicompress.eval import serve_table
-    from geminicompress.eval.serve_bench import serve_bench
-    from geminicompress.eval.workload import WorkloadSpec
+    from geminicompress.eval.serving import table as serve_table
+    from geminicompress.eval.serving.bench import serve_bench
+    from geminicompress.eval.serving.workload import WorkloadSpec
 
     s, recipe = cfg.serving, ctx.recipe
     spec = WorkloadSpec(s.requests, s.prefix_len, s.question_len, s.answer_len, s.rate, s.max_prompt_len, s.seed)

@@ -116,7 +116,7 @@ _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def kernel_label(model: dict) -> str:
-    """`int4, bf16`: the kernel that ran the model's linears and the activation dtype (eval/kernels.py)."""
+    """`int4, bf16`: the kernel that ran the model's linears and the activation dtype (eval/engines/torch_kernels.py)."""
     k = model.get("kernel") or {}
     if not k:
         return ""

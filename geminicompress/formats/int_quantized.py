@@ -11,7 +11,7 @@ weight-only integers and as vLLM reads them (its config refuses `int-quantized` 
 activations unless the weights are floats): the same codes plus 128, four per int32 word
 (`<name>.weight_packed`, formats/pack_quantized.py's layout), `<name>.weight_scale` and
 `<name>.weight_shape`. Our loader reads it back as any pack-quantized file; `eval` runs it on the same
-fbgemm W8A16 kernel as the int8 module (eval/kernels.py: 8-bit symmetric per-channel codes).
+fbgemm W8A16 kernel as the int8 module (eval/engines/torch_kernels.py: 8-bit symmetric per-channel codes).
 
 Loading int-quantized (ours, or llm-compressor's W8A8, or an older W8A16 of ours or theirs): build the
 architecture without initialising weights, replace every linear whose stored `weight` is int8 (with a

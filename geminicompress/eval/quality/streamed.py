@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from geminicompress.engine.forward import activations_bytes, streamed_logits
 from geminicompress.errors import GeminiError, InputError
-from geminicompress.eval.footprint import count_params
+from geminicompress.eval.cost.footprint import count_params
 from geminicompress.memory import available_memory, too_big
 from geminicompress.models.headers import is_readable_dir, loaded_bytes
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers

@@ -2,7 +2,7 @@
 
 This file runs under vLLM's python, usually another venv (vLLM pins torch and a transformers older than
 ours, docs/serving.md), so it imports only the standard library and vllm, and never geminicompress.
-geminicompress runs it as `PYTHON vllm_driver.py JOB.json RESULT.json` (eval/vllm_engine.py builds the
+geminicompress runs it as `PYTHON vllm_driver.py JOB.json RESULT.json` (eval/engines/vllm_engine.py builds the
 job and reads the result; the arithmetic on the figures is done there, where it is tested).
 
 Job: {"model": DIR, "engine": {EngineArgs keyword arguments}, "tasks": [TASK, ...]}, TASK one of

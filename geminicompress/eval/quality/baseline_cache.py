@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from geminicompress.eval.perplexity import window_logprobs
+from geminicompress.eval.quality.perplexity import window_logprobs
 
 DEFAULT_LIMIT_BYTES = 8 * 1024**3
 

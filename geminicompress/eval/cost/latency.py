@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from geminicompress.eval import contention
+from geminicompress.eval.cost import contention as contention
 from geminicompress.memory import heap_reuse
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.threads import usable_cores

@@ -27,13 +27,13 @@ import torch
 from geminicompress import __version__
 from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.errors import InputError
-from geminicompress.eval import plan
-from geminicompress.eval.perplexity import perplexity
-from geminicompress.eval.serve_hf import HFFlags, serve
-from geminicompress.eval.serving_metrics import from_vllm, summarize, token_agreement
+from geminicompress.eval.cost import plan as plan
+from geminicompress.eval.engines.vllm_engine import check_vllm, find_python, run_driver
+from geminicompress.eval.quality.perplexity import perplexity
+from geminicompress.eval.serving.hf import HFFlags, serve
+from geminicompress.eval.serving.metrics import from_vllm, summarize, token_agreement
+from geminicompress.eval.serving.workload import WorkloadSpec, build_workload, check_spec
 from geminicompress.eval.specs import stored_dtype
-from geminicompress.eval.vllm_engine import check_vllm, find_python, run_driver
-from geminicompress.eval.workload import WorkloadSpec, build_workload, check_spec
 from geminicompress.machine import machine, versions
 from geminicompress.progress import NullProgress, Progress
 
@@ -208,7 +208,7 @@ def run_vllm_rows(rows: list[Row], model: str, int8: str | None, requests, spec:
                   windows: torch.Tensor | None, python: str, dtype: str, progress: Progress) -> list[dict]:
     """Every row as its own vLLM engine (flags are engine arguments); the first and the INT8 row also
     score the perplexity windows through prompt_logprobs."""
-    from geminicompress.eval.vllm_eval import model_path
+    from geminicompress.eval.engines.vllm_eval import model_path
 
     def serve_row(row: Row, entry: dict, with_ppl: bool):
         path = model_path(model if row.model == "base" else int8)

@@ -2,7 +2,7 @@
 that shares the baseline's tokenizer) drift against the baseline's cached log-probs.
 
 Only one window's logits live at a time: (T-1, V) for the model and, for drift, the baseline's.
-`score_windows` takes the log-probs from anywhere (a model bigger than memory: eval/streamed.py).
+`score_windows` takes the log-probs from anywhere (a model bigger than memory: eval/quality/streamed.py).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any, Iterable
 import torch
 
 from geminicompress.core.metrics import DriftMeter
-from geminicompress.eval.baseline_cache import BaselineCache
-from geminicompress.eval.perplexity import PerplexityMeter, token_nll, window_logprobs
+from geminicompress.eval.quality.baseline_cache import BaselineCache
+from geminicompress.eval.quality.perplexity import PerplexityMeter, token_nll, window_logprobs
 from geminicompress.progress import NullProgress, Progress
 
 

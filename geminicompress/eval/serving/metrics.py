@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from geminicompress.eval.latency import summarize_ms
+from geminicompress.eval.cost.latency import summarize_ms
 
 
 @dataclass

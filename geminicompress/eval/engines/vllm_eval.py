@@ -22,13 +22,14 @@ import torch
 from geminicompress import formats
 from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.errors import GeminiError, InputError
-from geminicompress.eval import contention, kernels, plan
-from geminicompress.eval.footprint import weights_size_mb
-from geminicompress.eval.latency import percentile, prompt_batch, summarize_ms
+from geminicompress.eval.cost import contention, plan
+from geminicompress.eval.cost.footprint import weights_size_mb
+from geminicompress.eval.cost.latency import percentile, prompt_batch, summarize_ms
+from geminicompress.eval.engines import torch_kernels as kernels
+from geminicompress.eval.engines.vllm_engine import check_vllm, find_python, run_driver
 from geminicompress.eval.report import new_entry, new_report
-from geminicompress.eval.serving_metrics import from_vllm, summarize
+from geminicompress.eval.serving.metrics import from_vllm, summarize
 from geminicompress.eval.specs import stored_dtype
-from geminicompress.eval.vllm_engine import check_vllm, find_python, run_driver
 from geminicompress.models import demo
 from geminicompress.models.loading import resolve_model
 from geminicompress.progress import Progress

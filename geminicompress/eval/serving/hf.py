@@ -30,9 +30,9 @@ from typing import Iterator
 
 import torch
 
-from geminicompress.eval.latency import cache_of, forward_args
-from geminicompress.eval.serving_metrics import RequestTiming
-from geminicompress.eval.workload import Request
+from geminicompress.eval.cost.latency import cache_of, forward_args
+from geminicompress.eval.serving.metrics import RequestTiming
+from geminicompress.eval.serving.workload import Request
 
 NO_EOS = -1  # a token id no model produces: answers are never cut short
 

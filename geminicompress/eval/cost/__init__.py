@@ -1,0 +1,1 @@
+"""Cost: latency and throughput, machine contention, footprint (memory, disk, parameters), the pre-load plan."""

@@ -208,8 +208,7 @@ def _streamed(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, max
     dtypes = walk_dtypes(layer_stages)
     # the written layers give the next inputs back exactly unless a stage changed float weights that are written
     # in a lower dtype than they were computed in: then the exact inputs are kept with the resume state
-    inexact = dtypes is not None and dtypes[1] != ctx.out_dtype and any(getattr(s, "rounds_floats", False)
-                                                                         for s in layer_stages)
+    inexact = dtypes is not None and dtypes[1] != ctx.out_dtype and any(s.rounds_floats for s in layer_stages)
     sink = ShardSink(shards, writer, (lambda i, kept: stage_kept(kept, owner, n)) if owner is not None else
                      (lambda i, kept: {}), load_back=load_back_of(layer_stages, writer), probe=probe, retain=retain,
                      kept_writer=ShardWriter(ctx.state_dir / "kept") if retain is not None else None,
@@ -217,7 +216,7 @@ def _streamed(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, max
     walked = walk(ctx, layer_stages, sink, "streamed layers")
     results = [_result(k, stage, walked.seconds, s.summary(walked.summaries[k], walked.done(k, ctx)))
                for k, (stage, s) in enumerate(zip(stages, layer_stages))]
-    hooks = [s.outside for s in layer_stages if hasattr(s, "outside")]
+    hooks = [s.outside for s in layer_stages]
     export = _finish(ctx, tmp, shards, writer, results[owner]["result"] if owner is not None else {}, walked, probe,
                      head=_head(hooks) if hooks else None)
     export.update(streamed=True, estimated=need)

@@ -90,7 +90,7 @@ def walk(ctx: StageContext, stages: list[LayerStage], sink: Any, description: st
     fn = compose(*[s.layer_fn() for s in stages]) if stages else nothing
     done = run_layerwise(source, windows, fn, device=ctx.device, progress=ctx.progress, description=description,
                          calib_dtype=dtypes[0] if dtypes is not None else None, sink=sink)
-    hooks = [s.outside for s in stages if hasattr(s, "outside")]
+    hooks = [s.outside for s in stages]
     rows = walk_outside(source, hooks, sink)
     per_stage_summaries = [[{"layer": x["layer"], **stage_kept(x, k, n)} for x in done.summaries] for k in range(n)]
     per_stage_kept = [_stage_kept_all(done.kept, k, n) for k in range(n)]
@@ -107,14 +107,14 @@ def _stage_kept_all(kept: dict[str, torch.Tensor], k: int, n: int) -> dict[str, 
 
 def retain_of(stages: list[LayerStage]) -> Callable[[dict], dict] | None:
     """What a streamed walk must hold of each finished layer's kept tensors until the summaries."""
-    if not any(hasattr(s, "retain") for s in stages):
+    if not any(s.retains for s in stages):
         return None
     n = len(stages)
 
     def retain(kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for k, s in enumerate(stages):
-            if hasattr(s, "retain"):
+            if s.retains:
                 mine = s.retain(stage_kept(kept, k, n))
                 out.update({(f"{k}.{name}" if n > 1 else name): v for name, v in mine.items()})
         return out
@@ -127,7 +127,7 @@ def load_back_of(stages: list[LayerStage], layer_writer: Any) -> Callable | None
     tensors (dequantized, decompressed), except for a stage whose next inputs are the layer *as read* (int8
     with SmoothQuant feeds the next layer the float layer's outputs): nothing to put back when it is alone,
     not resumable through a finished layer when other stages changed the layer too."""
-    if any(getattr(s, "resume_from_input", False) for s in stages):
+    if any(s.resume_from_input for s in stages):
         return (lambda i, layer, tensors: None) if len(stages) == 1 else None
     return layer_writer.load_back
 
@@ -154,7 +154,7 @@ def _stage_not_streamable(stage: Any, first: bool) -> str | None:
     if stage.type == "distill":
         return "distill trains the whole model and is not streamed; run it with --no-stream"
     cls, _ = runner(stage_tag(stage))
-    return cls.cannot_stream(stage, first) if hasattr(cls, "cannot_stream") else None
+    return cls.cannot_stream(stage, first)
 
 
 def should_stream(recipe: Any, stream: bool | None, source_dir: Path | None) -> bool:

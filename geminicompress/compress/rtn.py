@@ -13,7 +13,7 @@ from pydantic import Field
 from geminicompress.compress.targets import weight_quant_targets
 from geminicompress.core.config import WeightQuantStage
 from geminicompress.core.grid import KeptCodes, QuantizedWeight, QuantSpec, keep_codes, rtn_quantize
-from geminicompress.engine.contract import Done, StageContext
+from geminicompress.engine.contract import Done, LayerStage, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
 from geminicompress.formats import writer_for
 from geminicompress.formats.checkpoint import scale_dtype
@@ -29,7 +29,7 @@ class RTNStage(WeightQuantStage):
                                                                          "(default: the method's own)")
 
 
-class RTN:
+class RTN(LayerStage):
     """RTN as the engine runs it: every targeted linear of a layer rounded in place, its codes kept."""
 
     calibrated = False

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -73,19 +73,41 @@ class Done:
     calib_dtype: torch.dtype | None = None  # the dtype the layers computed in while calibrating
 
 
-class LayerStage(Protocol):
-    """A method, as the engine runs it. Optional members: `outside(name, module) -> (module, row) | None`
-    (the modules outside the decoder layers: an INT8 head), `retain(kept) -> kept` (which kept tensors a
-    streamed run must hold until the summary: AWQ's search results)."""
+class LayerStage:
+    """A method, as the engine runs it: subclass this. `layer_fn`, `writer` and `summary` are the contract;
+    the other members are optional hooks whose defaults here do nothing, so the engine never probes for them.
+
+    `outside(name, module) -> (module, row) | None`: the modules outside the decoder layers (an INT8 head).
+    `retain(kept) -> kept` (with `retains = True`): which kept tensors a streamed run must hold until the
+    summary (AWQ's search results). `cannot_stream(cfg, first)`: why a config cannot run streamed, or None."""
 
     cfg: Any
-    calibrated: bool  # needs the layer's inputs on calibration windows
+    calibrated: bool = False  # needs the layer's inputs on calibration windows
+    dtypes: tuple[torch.dtype, torch.dtype] | None = None  # (compute, hold) while calibrating; None: the walk's
+    squares: int = 0  # float32 (in)^2 buffers at its peak (estimate.py)
+    one_pass_memory: bool = False  # holds a layer's activations for every window (estimate.py)
+    rounds_floats: bool = False  # changes float weights that a lower output dtype rounds (resume: pipeline.py)
+    resume_from_input: bool = False  # the next layer's inputs are the float layer's outputs (stages.load_back_of)
+    retains: bool = False  # has a `retain` that keeps tensors until the summary
 
-    def layer_fn(self) -> LayerFn: ...
+    @staticmethod
+    def cannot_stream(cfg: Any, first: bool) -> str | None:
+        return None
 
-    def writer(self) -> LayerWriter | None: ...  # the format it writes (None: it leaves the previous one's)
+    def layer_fn(self) -> LayerFn:
+        raise NotImplementedError
 
-    def summary(self, layers: list[dict], done: Done) -> dict[str, Any]: ...
+    def writer(self) -> LayerWriter | None:  # the format it writes (None: it leaves the previous one's)
+        return None
+
+    def summary(self, layers: list[dict], done: Done) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def outside(self, name: str, module: Any) -> tuple[Any, dict] | None:
+        return None
+
+    def retain(self, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {}
 
 
 def walk_dtypes(stages: list[LayerStage]) -> tuple[torch.dtype, torch.dtype] | None:
@@ -95,7 +117,7 @@ def walk_dtypes(stages: list[LayerStage]) -> tuple[torch.dtype, torch.dtype] | N
     mine = [s for s in stages if s.calibrated]
     if not mine:
         return None
-    if len(mine) == 1 and getattr(mine[0], "dtypes", None) is not None:
+    if len(mine) == 1 and mine[0].dtypes is not None:
         return mine[0].dtypes
     return torch.float32, torch.float32
 

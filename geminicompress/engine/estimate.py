@@ -74,8 +74,8 @@ def announce(ctx: Any, stages: list[Any], max_shard: int) -> dict[str, int]:
     if dtypes is not None:
         cal = ctx.recipe.calibration
         calib = Calibration((cal.samples, cal.seq_len), dtypes[0], dtypes[1],
-                            any(getattr(s, "one_pass_memory", False) for s in stages),
-                            sum(getattr(s, "squares", 0) for s in stages))
+                            any(s.one_pass_memory for s in stages),
+                            sum(s.squares for s in stages))
     quantized = any(s.cfg.type == "quantize" for s in stages)
     need = estimate(ckpt, ctx.out_dtype, quantized, max_shard, calib)
     ctx.progress.info(f"streaming {len(ckpt.layers)} layers from {ckpt.path}: estimated peak memory "

@@ -32,7 +32,7 @@ from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.targets import weight_quant_targets
 from geminicompress.core.arch import SmoothGroup, get_module
 from geminicompress.core.grid import KeptCodes, QuantSpec, keep_codes, rtn_quantize
-from geminicompress.engine.contract import Done, StageContext
+from geminicompress.engine.contract import Done, LayerStage, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
 from geminicompress.errors import GeminiError
 from geminicompress.formats import writer_for
@@ -42,13 +42,14 @@ CLIP_TOKENS = 512
 NO_CLIP = ("q_proj", "k_proj", "query_key_value")  # their outputs meet in q·kᵀ (llm-awq skips them too)
 
 
-class AWQ:
+class AWQ(LayerStage):
     """AWQ / AWQ+GPTQ as the engine runs it: steps 1-4 on each layer (`_awq_layer`), the codes packed per layer
     by the format's writer, the search results (scales, clips: small) held until the end and saved in
     OUT/awq_search/ (a saved search re-applied instead with `search_results`)."""
 
     calibrated = True
     squares = 2  # float32 (in)² buffers at its peak (estimate.py)
+    retains = True  # its search results are held until the summary (retain)
     rounds_floats = True  # folds its scales into float norms: written in a lower dtype, they round (resume: run.py)
 
     def __init__(self, cfg: AWQStage, ctx: StageContext) -> None:

@@ -31,14 +31,14 @@ from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.targets import present_groups, weight_quant_targets
 from geminicompress.core.grid import KeptCodes, QuantSpec, keep_codes
 from geminicompress.engine.compose import OnePassFn
-from geminicompress.engine.contract import Done, StageContext
+from geminicompress.engine.contract import Done, LayerStage, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob, StopForward, layer_output
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats import check_shapes, writer_for
 from geminicompress.formats.checkpoint import scale_dtype
 
 
-class GPTQ:
+class GPTQ(LayerStage):
     """GPTQ as the engine runs it: the layer's groups solved by `quantize_layer`, its codes kept and packed
     per layer by the format's writer. Opening (before any work): targets, the spec (group size "auto"
     resolved), per-module specs of an allocation or overrides (allocate.py: a pre-pass), the format's shape

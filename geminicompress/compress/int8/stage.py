@@ -23,14 +23,14 @@ from geminicompress.compress.int8 import smoothquant as sq
 from geminicompress.compress.int8.config import Int8Stage
 from geminicompress.compress.targets import check_patterns_match, compile_patterns
 from geminicompress.core.arch import arch_for, get_module, set_module
-from geminicompress.engine.contract import Done, StageContext
+from geminicompress.engine.contract import Done, LayerStage, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
 from geminicompress.errors import InputError
 from geminicompress.formats.int_quantized import Int8Writer
 from geminicompress.kernels.int8 import MODULES
 
 
-class Int8:
+class Int8(LayerStage):
     """int8 / w8a8 as the engine runs it."""
 
     resume_from_input = True  # the next layer's inputs are the float layer's outputs (stages.py load_back_of)

@@ -36,7 +36,7 @@ from geminicompress.compress.prune.wanda import InputNorms, wanda_mask, wanda_sc
 from geminicompress.compress.targets import check_patterns_match, compile_patterns, decoder_linears, present_groups
 from geminicompress.core.arch import Arch, arch_for, get_module
 from geminicompress.engine.compose import OnePassFn
-from geminicompress.engine.contract import Done, StageContext
+from geminicompress.engine.contract import Done, LayerStage, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
 from geminicompress.errors import InputError
 from geminicompress.formats.masks import MASKS_FILE, write_masks
@@ -103,7 +103,7 @@ CALIBRATED: dict[str, Criterion] = {
 }
 
 
-class Prune:
+class Prune(LayerStage):
     """A prune stage as the engine runs it. Opening (before any work): the prunable weights, the pattern
     check, and the whole-model decisions as pre-passes that produce per-layer parameters: the exact global
     magnitude threshold (one streaming pass over the weights: threshold.py; cached in the run's state for a

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from geminicompress import __version__
+from geminicompress.diskerrors import disk_errno, disk_error
 from geminicompress.distill.streamed_teacher import streamable_dir, streamed_input
 from geminicompress.engine.contract import StageContext, layer_kept, stage_kept, walk_dtypes
 from geminicompress.engine.estimate import announce
@@ -40,7 +41,7 @@ from geminicompress.machine import machine, versions
 from geminicompress.methods import runner
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer, resolve_model
-from geminicompress.output import STATE_DIR, THREADS_FILE, OutputDir, final_name, write_json
+from geminicompress.output import STATE_DIR, THREADS_FILE, OutputDir, final_name, partial_dir, write_json
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.loader import recipe_yaml
 from geminicompress.recipes.schema import Recipe, stage_tag
@@ -67,7 +68,20 @@ def run_recipe(recipe: Recipe, out: Path, *, force: bool = False, progress: Prog
     """Run every stage of `recipe` and write OUT; return the report (also written to OUT/report.json).
 
     stream: run layer by layer from disk: True, False, or None to decide from the model's size and whether
-    every stage can stream. verify: compare OUT, loaded back, with what the run computed (verify.py)."""
+    every stage can stream. verify: compare OUT, loaded back, with what the run computed (verify.py).
+    A disk that refuses a write of OUT (full, read-only, no permission) is one line (diskerrors.py)."""
+    try:
+        return _run_recipe(recipe, out, force=force, progress=progress, device=device, command=command,
+                           loaded=loaded, stream=stream, verify=verify, max_shard_bytes=max_shard_bytes)
+    except Exception as exc:
+        if disk_errno(exc) is None:
+            raise
+        raise disk_error(exc, str(partial_dir(out)), partial=partial_dir(out)) from exc
+
+
+def _run_recipe(recipe: Recipe, out: Path, *, force: bool, progress: Progress | None, device: torch.device | None,
+                command: list[str] | None, loaded: LoadedModel | None, stream: bool | None, verify: bool,
+                max_shard_bytes: int) -> dict:
     progress = progress or NullProgress()
     device = device or default_device()
     for stage in recipe.stages:

@@ -75,9 +75,15 @@ def size_text(n: int | None) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MB"
 
 
-def _what_of(exc: BaseException, what: str) -> str:
-    filename = getattr(exc, "filename", None)
-    return f"{filename}" if filename else what
+def _what_of(exc: BaseException | None, what: str) -> str:
+    """The file the refused write was to: the first `filename` in `exc`'s chain, else `what`."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if getattr(exc, "filename", None):
+            return str(exc.filename)
+        exc = exc.__cause__ or exc.__context__
+    return what
 
 
 def disk_error(exc: BaseException, what: str, *, before: bool = False, partial: Path | None = None) -> GeminiError:
@@ -87,17 +93,17 @@ def disk_error(exc: BaseException, what: str, *, before: bool = False, partial: 
     reason = DISK_ERRNOS.get(code, "the disk refused the write")
     where = _what_of(exc, what)
     free = free_bytes(partial if partial is not None else Path(where))
-    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        fix = "choose an output folder you can write to, or fix its permissions"
-    else:
-        fix = "free some space or choose another output folder"
+    full = code in (errno.ENOSPC, errno.EDQUOT)
+    fix = "free some space or choose another output folder" if full else \
+        "choose an output folder you can write to, or fix its permissions"
     if before:
         return InputError(f"cannot write {where}: {reason} ({size_text(free)} free there); {fix}; nothing was written")
     fate = ""
     if partial is not None:
         if partial.exists():
-            fate = (f"; the partial run {partial} ({size_text(tree_bytes(partial))}) is kept: {fix} and rerun the "
-                    f"same command to resume it, or delete it")
+            then = "free some space" if full else "make it writable"
+            fate = (f"; the partial run {partial} ({size_text(tree_bytes(partial))}) is kept: {then} and rerun the "
+                    f"same command to resume it, or delete it to give its space back")
         else:
             fate = f"; nothing was kept ({partial} was removed)"
     return DiskError(f"{reason} while writing {where} ({size_text(free)} free there){fate}")

@@ -31,10 +31,11 @@ from geminicompress import __version__
 from geminicompress.diskerrors import disk_errno, disk_error
 from geminicompress.distill.streamed_teacher import streamable_dir, streamed_input
 from geminicompress.engine.contract import StageContext, layer_kept, stage_kept, walk_dtypes
-from geminicompress.engine.estimate import announce
+from geminicompress.engine.estimate import announce, check_disk_in_memory
 from geminicompress.engine.run import Walked, load_back_of, make_stage, retain_of, run_stage, should_stream, walk
 from geminicompress.engine.sinks import InputsKeeper, ShardSink
 from geminicompress.engine.walk import ModelLayers
+from geminicompress.errors import InputError
 from geminicompress.formats.shards import DEFAULT_MAX_BYTES, ShardWriter
 from geminicompress.formats.writer import LayerWriter
 from geminicompress.machine import machine, versions
@@ -74,7 +75,7 @@ def run_recipe(recipe: Recipe, out: Path, *, force: bool = False, progress: Prog
         return _run_recipe(recipe, out, force=force, progress=progress, device=device, command=command,
                            loaded=loaded, stream=stream, verify=verify, max_shard_bytes=max_shard_bytes)
     except Exception as exc:
-        if disk_errno(exc) is None:
+        if isinstance(exc, InputError) or disk_errno(exc) is None:  # an InputError: already said, before the work
             raise
         raise disk_error(exc, str(partial_dir(out)), partial=partial_dir(out)) from exc
 
@@ -178,6 +179,7 @@ def _in_memory(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, ma
     weights and the stage's kept codes are freed before OUT is loaded back for the check: on the demo's 4-bit
     GPTQ that check was the peak, with the model and OUT both in float32 (1.88 GiB). A caller's model is left
     as the stages made it."""
+    check_disk_in_memory(ctx, stages, max_shard)  # before the work: OUT's estimated size against the free disk
     results: list[dict] = []
     owner: tuple[Any, dict, dict] | None = None  # (the stage whose format OUT takes, its result, its kept tensors)
     for i, stage in enumerate(stages):

@@ -41,7 +41,7 @@ from geminicompress.formats.writer import LayerWriter
 from geminicompress.machine import machine, versions
 from geminicompress.methods import runner
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
-from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer, resolve_model
+from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer, resolve_model, unused_warning
 from geminicompress.output import STATE_DIR, THREADS_FILE, OutputDir, final_name, partial_dir, write_json
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.loader import recipe_yaml
@@ -148,6 +148,8 @@ def _open_in_memory(recipe: Recipe, loaded: LoadedModel | None, tmp: Path, progr
         progress.info(f"loading {recipe.model}")
         loaded = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code, allow_pickle=recipe.allow_pickle,
                             allow_nonfinite=recipe.allow_nonfinite)
+    if loaded.unused:
+        progress.warn(unused_warning(recipe.model, loaded.unused))
     torch.manual_seed(recipe.seed)
     return StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, progress, device, tmp, tmp,
                         out_dtype=getattr(torch, recipe.output.dtype), input_nonfinite=loaded.nonfinite,
@@ -158,6 +160,8 @@ def _open_streamed(recipe: Recipe, path: Path, tmp: Path, progress: Progress, de
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     ckpt = LazyCheckpoint(path, trust_remote_code=recipe.trust_remote_code, allow_nonfinite=recipe.allow_nonfinite)
+    if ckpt.unused:
+        progress.warn(unused_warning(recipe.model, ckpt.unused))
     # OUT's float dtype: the recipe's `output.dtype` when given; else, unlike in memory (float32), the input's own
     out_dtype = getattr(torch, recipe.output.dtype) if "dtype" in recipe.output.model_fields_set else ckpt.dtype
     ctx = StageContext(ckpt.model, load_tokenizer(str(path), recipe.trust_remote_code), resolve_model(recipe.model),

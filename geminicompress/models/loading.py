@@ -141,6 +141,7 @@ def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool, allow_pic
     from transformers import AutoModelForCausalLM
 
     _check_weights(path, allow_pickle)
+    check_tokenizer_files(path)  # before the weights load: said in a second, not after the model is read
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -164,10 +165,28 @@ def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool, allow_pic
 def load_tokenizer(where: str, trust_remote_code: bool, **kwargs: Any):
     from transformers import AutoTokenizer
 
+    if Path(where).is_dir() and "gguf_file" not in kwargs:
+        check_tokenizer_files(Path(where))
     try:
         return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
-        raise GeminiError(f"{where}: tokenizer does not load: {_first_line(exc)}") from exc
+        text = " ".join(str(exc).split())[:400] or type(exc).__name__  # the whole message on one line, not its first
+        raise GeminiError(f"{where}: the tokenizer does not load: {text}") from exc
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def check_tokenizer_files(path: Path) -> None:
+    """An InputError (exit 2, before any work) naming what is missing when the model directory `path` has no
+    tokenizer: neither tokenizer.json nor tokenizer.model (nor a vocab.json with merges.txt)."""
+    names = {p.name for p in path.iterdir()}
+    if {"tokenizer.json", "tokenizer.model"} & names or {"vocab.json", "merges.txt"} <= names:
+        return
+    missing = [n for n in TOKENIZER_FILES if n not in names]
+    said = f"{', '.join(missing[:-1])} and {missing[-1]} are" if len(missing) > 1 else f"{missing[0]} is"
+    raise InputError(f"{path} has no tokenizer: {said} missing; copy the tokenizer files of the model these "
+                     "weights come from into it.")
 
 
 def _load_gguf(folder: Path, gguf_file: str, dtype: torch.dtype):

@@ -31,6 +31,7 @@ from geminicompress import __version__
 from geminicompress.diskerrors import disk_errno, disk_error
 from geminicompress.distill.streamed_teacher import streamable_dir, streamed_input
 from geminicompress.engine.contract import StageContext, layer_kept, stage_kept, walk_dtypes
+from geminicompress.engine.preflight import preflight
 from geminicompress.engine.estimate import announce, check_disk_in_memory
 from geminicompress.engine.run import Walked, load_back_of, make_stage, retain_of, run_stage, should_stream, walk
 from geminicompress.engine.sinks import InputsKeeper, ShardSink
@@ -41,7 +42,7 @@ from geminicompress.formats.writer import LayerWriter
 from geminicompress.machine import machine, versions
 from geminicompress.methods import runner
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
-from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer, resolve_model, unused_warning
+from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer, local_dir, resolve_model, unused_warning
 from geminicompress.output import STATE_DIR, THREADS_FILE, OutputDir, final_name, partial_dir, write_json
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.loader import recipe_yaml
@@ -87,6 +88,8 @@ def _run_recipe(recipe: Recipe, out: Path, *, force: bool, progress: Progress | 
     device = device or default_device()
     for stage in recipe.stages:
         runner(stage_tag(stage))  # fail before loading anything if a stage does not import
+    if loaded is None:
+        preflight(recipe, local_dir(recipe.model))  # what config.json alone refuses, before any weight is read
     helper = _helper_rank()
     source_dir = streamable_dir(recipe.model) if loaded is None and not helper else None
     streamed = source_dir is not None and should_stream(recipe, stream, source_dir)

@@ -35,7 +35,8 @@ from geminicompress.models.finite import check
 from geminicompress.models.headers import open_file, read_headers, safetensors_config
 
 
-def _skeleton(path: Path, trust_remote_code: bool) -> nn.Module:
+def skeleton(path: Path, trust_remote_code: bool) -> nn.Module:
+    """The model config.json in `path` describes, its parameters on the meta device (no weight read)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -73,7 +74,7 @@ class LazyCheckpoint:
         # {module name: its checkpoint keys} for every module stored quantized (read by `reader`)
         self.quantized: dict[str, list[str]] = self.reader.modules(self.tensors) if self.reader else {}
         self._swapped: dict[str, nn.Module] = {}  # quantized module name -> the skeleton's meta module
-        self.model = _skeleton(self.path, trust_remote_code)
+        self.model = skeleton(self.path, trust_remote_code)
         self.arch: Arch = arch_for(self.model)
         self.layers: nn.ModuleList = get_module(self.model, self.arch.layers)
         self._tied = self._tied_names()

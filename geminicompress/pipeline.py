@@ -206,7 +206,7 @@ def _in_memory(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, ma
     writer = writer_stage.writer() if writer_stage is not None else LayerWriter(ctx.model, ctx.out_dtype)
     probe = Probe(ctx.layers, ctx.tokenizer, ctx.out_dtype, ctx.device, unrounded=True) if verify else None
     shards = ShardWriter(ctx.state_dir / "shards", max_shard)
-    sink = ShardSink(shards, writer, lambda i, _: layer_kept(kept, i), probe=probe)
+    sink = ShardSink(shards, writer, lambda i, _: layer_kept(kept, i), probe=probe, computed=True)
     ctx.progress.info(f"writing {final_name(tmp)}")
     walked = walk(ctx, [], sink, "writing")
     if owned:
@@ -233,8 +233,10 @@ def _streamed(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, max
     # in a lower dtype than they were computed in: then the exact inputs are kept with the resume state
     inexact = dtypes is not None and dtypes[1] != ctx.out_dtype and any(getattr(s, "rounds_floats", False)
                                                                          for s in layer_stages)
+    load_back = load_back_of(layer_stages, writer)
     sink = ShardSink(shards, writer, (lambda i, kept: stage_kept(kept, owner, n)) if owner is not None else
-                     (lambda i, kept: {}), load_back=load_back_of(layer_stages, writer), probe=probe, retain=retain,
+                     (lambda i, kept: {}), load_back=load_back, probe=probe, retain=retain,
+                     rebuild=load_back if load_back == writer.load_back else None,
                      kept_writer=ShardWriter(ctx.state_dir / "kept") if retain is not None else None,
                      inputs=InputsKeeper(ctx.state_dir / "inputs") if inexact else None)
     walked = walk(ctx, layer_stages, sink, "streamed layers")

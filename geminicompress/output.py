@@ -6,10 +6,18 @@ restarted with the same command, finds its `state/` folder there and resumes (GP
 `state/` is kept only when the recipe fingerprint matches, and removed before the final rename.
 Before that rename every file and folder gets the mode the umask gives new files (safetensors writes
 its files 0600, which a serving process running as another user cannot read).
+
+One writer per OUT: a run holds an exclusive OS lock (`fcntl.flock`) on `.<name>.partial/lock` from before it
+looks at the partial folder until OUT is in place. The OS drops the lock when the process ends, however it ends,
+so a killed run leaves nothing that blocks the next one; a second run while the first is alive refuses in one
+line (exit 2) naming the holder's pid, which the holder writes into the lock file. A run resumes only a partial
+folder whose lock it holds.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
@@ -21,6 +29,7 @@ from geminicompress.errors import InputError
 STATE_DIR = "state"
 THREADS_FILE = "threads.json"
 _FINGERPRINT = "fingerprint.txt"
+LOCK_FILE = "lock"
 
 
 def check_output_path(out: Path, force: bool) -> None:
@@ -55,35 +64,79 @@ class OutputDir:
 
     def __enter__(self) -> Path:
         check_output_path(self.out, self.force)
-        stamp = self.state_dir / _FINGERPRINT
-        resumable = stamp.is_file() and stamp.read_text() == self.fingerprint and self.fingerprint
-        if not resumable:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(self.fingerprint)
-        # Anything but state/ from an earlier attempt is stale: the stages write it again.
-        for child in self.tmp.iterdir():
-            if child.name != STATE_DIR:
-                shutil.rmtree(child) if child.is_dir() else child.unlink()
+        self.lock = lock_partial(self.tmp)
+        try:
+            check_output_path(self.out, self.force)  # again: a run that held the lock may have just finished OUT
+            stamp = self.state_dir / _FINGERPRINT
+            resumable = stamp.is_file() and stamp.read_text() == self.fingerprint and self.fingerprint
+            # Anything but state/ (when resumable) from an earlier attempt is stale: the stages write it again.
+            for child in self.tmp.iterdir():
+                if child.name != LOCK_FILE and (child.name != STATE_DIR or not resumable):
+                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            stamp.write_text(self.fingerprint)
+        except BaseException:
+            self.lock.close()
+            raise
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None:
-            shutil.rmtree(self.state_dir, ignore_errors=True)
-            apply_umask(self.tmp)
-            if self.out.exists():
-                shutil.rmtree(self.out)
-            self.tmp.rename(self.out)
+        try:
+            if exc_type is None:
+                shutil.rmtree(self.state_dir, ignore_errors=True)
+                apply_umask(self.tmp)
+                if self.out.exists():
+                    shutil.rmtree(self.out)
+                self.tmp.rename(self.out)  # the lock held through the rename: no second run opens it in between
+                (self.out / LOCK_FILE).unlink(missing_ok=True)
+                return False
+            if not self._has_resume_state() or issubclass(exc_type, InputError):
+                shutil.rmtree(self.tmp, ignore_errors=True)  # bad input: the same command would stop there again
+            # else: keep the hidden partial folder so that the same command resumes from its state/
             return False
-        if not self._has_resume_state() or issubclass(exc_type, InputError):
-            shutil.rmtree(self.tmp, ignore_errors=True)  # bad input: the same command would stop there again
-        # else: keep the hidden partial folder so that the same command resumes from its state/
-        return False
+        finally:
+            self.lock.close()
 
     def _has_resume_state(self) -> bool:
         if not self.fingerprint or not self.state_dir.is_dir():
             return False
         return any(p.is_file() and p.name not in (_FINGERPRINT, THREADS_FILE) for p in self.state_dir.rglob("*"))
+
+
+def lock_partial(tmp: Path):
+    """Create the partial folder `tmp` if needed and take the exclusive lock on `tmp/lock`, writing this
+    process's pid into it; returns the open lock file (closing it releases the lock). An InputError naming
+    the holder when another process has it."""
+    final = final_name(tmp)
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        path = tmp / LOCK_FILE
+        f = open(path, "a+")
+    except OSError as exc:
+        from geminicompress.diskerrors import disk_error
+        raise disk_error(exc, f"the partial folder {tmp} of {final}", before=True) from exc
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise
+        raise InputError(f"another run (pid {holder}) is writing {final} (it holds {path}); wait for it to "
+                         "finish, or stop it, then rerun") from None
+    try:
+        same = os.stat(path).st_ino == os.fstat(f.fileno()).st_ino
+    except FileNotFoundError:
+        same = False
+    if not same:  # the holder finished meanwhile and its folder became OUT: lock the new partial folder
+        f.close()
+        return lock_partial(tmp)
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 def apply_umask(root: Path) -> None:

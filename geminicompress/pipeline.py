@@ -28,18 +28,28 @@ from typing import Any
 import torch
 
 from geminicompress import __version__
+from geminicompress.diskerrors import disk_errno, disk_error
 from geminicompress.distill.streamed_teacher import streamable_dir, streamed_input
 from geminicompress.engine.contract import StageContext, layer_kept, stage_kept, walk_dtypes
-from geminicompress.engine.estimate import announce
+from geminicompress.engine.estimate import announce, check_disk_in_memory
 from geminicompress.engine.sinks import InputsKeeper, ShardSink
 from geminicompress.engine.walk import ModelLayers
+from geminicompress.errors import InputError
 from geminicompress.formats.shards import DEFAULT_MAX_BYTES, ShardWriter
 from geminicompress.formats.writer import LayerWriter
 from geminicompress.machine import machine, versions
 from geminicompress.methods import runner
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
-from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer, resolve_model
-from geminicompress.output import STATE_DIR, THREADS_FILE, OutputDir, final_name, write_json
+from geminicompress.models.loading import (
+    LoadedModel,
+    load_model,
+    load_tokenizer,
+    local_dir,
+    resolve_model,
+    unused_warning,
+)
+from geminicompress.output import STATE_DIR, THREADS_FILE, OutputDir, final_name, partial_dir, write_json
+from geminicompress.preflight import preflight
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.loader import recipe_yaml
 from geminicompress.recipes.schema import Recipe, stage_tag
@@ -67,11 +77,26 @@ def run_recipe(recipe: Recipe, out: Path, *, force: bool = False, progress: Prog
     """Run every stage of `recipe` and write OUT; return the report (also written to OUT/report.json).
 
     stream: run layer by layer from disk: True, False, or None to decide from the model's size and whether
-    every stage can stream. verify: compare OUT, loaded back, with what the run computed (verify.py)."""
+    every stage can stream. verify: compare OUT, loaded back, with what the run computed (verify.py).
+    A disk that refuses a write of OUT (full, read-only, no permission) is one line (diskerrors.py)."""
+    try:
+        return _run_recipe(recipe, out, force=force, progress=progress, device=device, command=command,
+                           loaded=loaded, stream=stream, verify=verify, max_shard_bytes=max_shard_bytes)
+    except Exception as exc:
+        if isinstance(exc, InputError) or disk_errno(exc) is None:  # an InputError: already said, before the work
+            raise
+        raise disk_error(exc, str(partial_dir(out)), partial=partial_dir(out)) from exc
+
+
+def _run_recipe(recipe: Recipe, out: Path, *, force: bool, progress: Progress | None, device: torch.device | None,
+                command: list[str] | None, loaded: LoadedModel | None, stream: bool | None, verify: bool,
+                max_shard_bytes: int) -> dict:
     progress = progress or NullProgress()
     device = device or default_device()
     for stage in recipe.stages:
         runner(stage_tag(stage))  # fail before loading anything if a stage does not import
+    if loaded is None:
+        preflight(recipe, local_dir(recipe.model))  # what config.json alone refuses, before any weight is read
     helper = _helper_rank()
     source_dir = streamable_dir(recipe.model) if loaded is None and not helper else None
     streamed = source_dir is not None and should_stream(recipe, stream, source_dir)
@@ -133,6 +158,8 @@ def _open_in_memory(recipe: Recipe, loaded: LoadedModel | None, tmp: Path, progr
         progress.info(f"loading {recipe.model}")
         loaded = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code, allow_pickle=recipe.allow_pickle,
                             allow_nonfinite=recipe.allow_nonfinite)
+    if loaded.unused:
+        progress.warn(unused_warning(recipe.model, loaded.unused))
     torch.manual_seed(recipe.seed)
     return StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, progress, device, tmp, tmp,
                         out_dtype=getattr(torch, recipe.output.dtype), input_nonfinite=loaded.nonfinite,
@@ -143,6 +170,8 @@ def _open_streamed(recipe: Recipe, path: Path, tmp: Path, progress: Progress, de
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     ckpt = LazyCheckpoint(path, trust_remote_code=recipe.trust_remote_code, allow_nonfinite=recipe.allow_nonfinite)
+    if ckpt.unused:
+        progress.warn(unused_warning(recipe.model, ckpt.unused))
     # OUT's float dtype: the recipe's `output.dtype` when given; else, unlike in memory (float32), the input's own
     out_dtype = getattr(torch, recipe.output.dtype) if "dtype" in recipe.output.model_fields_set else ckpt.dtype
     ctx = StageContext(ckpt.model, load_tokenizer(str(path), recipe.trust_remote_code), resolve_model(recipe.model),
@@ -164,6 +193,7 @@ def _in_memory(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, ma
     weights and the stage's kept codes are freed before OUT is loaded back for the check: on the demo's 4-bit
     GPTQ that check was the peak, with the model and OUT both in float32 (1.88 GiB). A caller's model is left
     as the stages made it."""
+    check_disk_in_memory(ctx, stages, max_shard)  # before the work: OUT's estimated size against the free disk
     results: list[dict] = []
     owner: tuple[Any, dict, dict] | None = None  # (the stage whose format OUT takes, its result, its kept tensors)
     for i, stage in enumerate(stages):
@@ -183,7 +213,7 @@ def _in_memory(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, ma
     writer = writer_stage.writer() if writer_stage is not None else LayerWriter(ctx.model, ctx.out_dtype)
     probe = Probe(ctx.layers, ctx.tokenizer, ctx.out_dtype, ctx.device, unrounded=True) if verify else None
     shards = ShardWriter(ctx.state_dir / "shards", max_shard)
-    sink = ShardSink(shards, writer, lambda i, _: layer_kept(kept, i), probe=probe)
+    sink = ShardSink(shards, writer, lambda i, _: layer_kept(kept, i), probe=probe, computed=True)
     ctx.progress.info(f"writing {final_name(tmp)}")
     walked = walk(ctx, [], sink, "writing")
     if owned:
@@ -209,8 +239,10 @@ def _streamed(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, max
     # the written layers give the next inputs back exactly unless a stage changed float weights that are written
     # in a lower dtype than they were computed in: then the exact inputs are kept with the resume state
     inexact = dtypes is not None and dtypes[1] != ctx.out_dtype and any(s.rounds_floats for s in layer_stages)
+    load_back = load_back_of(layer_stages, writer)
     sink = ShardSink(shards, writer, (lambda i, kept: stage_kept(kept, owner, n)) if owner is not None else
-                     (lambda i, kept: {}), load_back=load_back_of(layer_stages, writer), probe=probe, retain=retain,
+                     (lambda i, kept: {}), load_back=load_back, probe=probe, retain=retain,
+                     rebuild=load_back if load_back == writer.load_back else None,
                      kept_writer=ShardWriter(ctx.state_dir / "kept") if retain is not None else None,
                      inputs=InputsKeeper(ctx.state_dir / "inputs") if inexact else None)
     walked = walk(ctx, layer_stages, sink, "streamed layers")

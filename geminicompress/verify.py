@@ -179,9 +179,10 @@ class Probe:
         where they are not."""
         progress = progress or NullProgress()
         try:
-            if self.resumed:
+            if self.resumed:  # only where a finished layer could not be rebuilt from disk (sinks.ShardSink)
                 return {"windows": list(self.windows.shape), "skipped": f"the run resumed: layers {self.resumed[0]}-"
-                        f"{self.resumed[-1]} were finished by an earlier process, which did not carry the probe"}
+                        f"{self.resumed[-1]} were finished by an earlier process and their format cannot be read "
+                        "back into a layer here"}
             t0 = time.perf_counter()
 
             def as_written(name: str, module: nn.Module) -> nn.Module:

@@ -137,7 +137,9 @@ def test_cli_bad_inputs_are_one_line_each_and_others_still_run(dirs, text_file, 
     short.write_text("too short")
     out = tmp_path / "rep"
     res = invoke(base, same, tmp_path / "missing", "--data", text_file, "-o", out, *CLI_FAST)
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 1, res.output  # a model it was asked to measure failed: a script must see it (#34)
+    last = res.output.strip().splitlines()[-1]
+    assert last.startswith("error: 1 of 3 models failed: missing") and "report.json" in last, last
     lines = [line for line in res.output.splitlines() if "missing" in line and "warning" in line]
     assert len(lines) == 1 and "does not exist" in lines[0]
     rep = json.loads((out / "report.json").read_text())

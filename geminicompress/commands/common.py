@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from geminicompress.diskerrors import disk_errno, disk_error
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.output import check_output_path, resume_threads
 from geminicompress.pipeline import default_device, fingerprint, run_recipe
@@ -42,6 +43,8 @@ def handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as exc:
             if os.environ.get("GEMINICOMPRESS_DEBUG"):
                 raise
+            if not isinstance(exc, GeminiError) and disk_errno(exc) is not None:  # the user's disk, not our bug
+                exc = disk_error(exc, "the output")
             if isinstance(exc, GeminiError):
                 console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
                 raise typer.Exit(exc.exit_code) from None

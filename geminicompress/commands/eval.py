@@ -100,3 +100,8 @@ def eval_(
         c.out_console.print(line, highlight=False, soft_wrap=True)
     c.console.print(f"[green]wrote[/] {output}  (report.json, report.md, tradeoff.png; {choice.reason})",
                     highlight=False, soft_wrap=True)
+    failed = [m["name"] for m in report["models"] if m.get("error")]
+    if failed:  # the report holds the others; a script must still see that a model it asked for was not measured
+        c.console.print(f"[bold red]error:[/] {len(failed)} of {len(report['models'])} models failed: "
+                        f"{', '.join(failed)} (why: report.json's models[].error)", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)

@@ -16,6 +16,9 @@ at position 0 in layers 12-28, and lost to round-to-nearest in perplexity.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
 from geminicompress.compress.inplace import mirror_lower_, permute_symmetric_
@@ -107,11 +110,28 @@ def inverse_hessian_factor(H: torch.Tensor, damp: float, perm: torch.Tensor | No
     A.diagonal().add_(damp * torch.mean(torch.diag(A)))
     mirror_lower_(A)  # symmetric, so the column-major view A.mT holds the same matrix
     info = torch.zeros((), dtype=torch.int32, device=A.device)
-    torch.linalg.cholesky_ex(A.mT, out=(A.mT, info))  # L, column-major
-    if info == 0:
-        torch.cholesky_inverse(A.mT, out=A.mT)  # (P H Pᵀ + λI)⁻¹
-        torch.linalg.cholesky_ex(A.mT, upper=True, out=(A.mT, info))
+    with one_thread():  # LAPACK splits its blocks by thread count, and the last bits follow: one order, always
+        torch.linalg.cholesky_ex(A.mT, out=(A.mT, info))  # L, column-major
         if info == 0:
-            return A.mT
+            torch.cholesky_inverse(A.mT, out=A.mT)  # (P H Pᵀ + λI)⁻¹
+            torch.linalg.cholesky_ex(A.mT, upper=True, out=(A.mT, info))
+    if info == 0:
+        return A.mT
     raise GeminiError(f"the Hessian is not positive definite even after dampening by {damp}; "
                       "raise damp (e.g. 0.1) or use more calibration tokens")
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's CPU thread count set to 1 inside, restored after: for the CPU LAPACK calls whose results follow
+    the thread count (the Cholesky factor and inverse: their blocked algorithms split by threads), so that
+    `--threads 1` and `--threads 2` give the same bytes (issue #34). A GPU's solvers do not read it."""
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

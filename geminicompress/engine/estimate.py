@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
 from geminicompress.core.arch import get_module
 from geminicompress.engine.contract import walk_dtypes
+from geminicompress.diskerrors import free_bytes, size_text, tree_bytes
 from geminicompress.errors import InputError
-from geminicompress.models.headers import free_disk
 from geminicompress.models.lazy import LazyCheckpoint
 from geminicompress.output import final_name
 
@@ -59,10 +59,38 @@ def estimate(ckpt: LazyCheckpoint, out_dtype: torch.dtype, quantized: bool, max_
         n, T = calib.windows
         activations = n * T * per_token * calib.calib_dtype.itemsize
         peak = BASE_BYTES + layer + activations + calib.squares * 4 * widest**2 + 3 * 4 * biggest
-    # every tensor as written: floats in the output dtype (a quantized linear's weight: about a byte per weight)
-    disk = sum(info.numel * (1 if quantized and name.endswith("proj.weight") else out_dtype.itemsize)
-               if info.dtype.is_floating_point else info.nbytes for name, info in ckpt.tensors.items())
-    return {"peak_memory_bytes": peak, "disk_bytes": disk + min(max_shard, disk)}
+    disk = out_bytes(((n, i.numel, i.dtype) for n, i in ckpt.tensors.items()), out_dtype, quantized, max_shard)
+    return {"peak_memory_bytes": peak, "disk_bytes": disk}
+
+
+def out_bytes(tensors: Iterable[tuple[str, int, torch.dtype]], out_dtype: torch.dtype, quantized: bool,
+              max_shard: int) -> int:
+    """OUT's size on disk while it is written, from its input's (name, numel, dtype): every tensor as written
+    (floats in the output dtype; a quantized linear's weight about a byte per weight), plus one shard's worth
+    (a shard that does not fit its reserved header is copied once)."""
+    disk = sum(numel * (1 if quantized and name.endswith("proj.weight") else out_dtype.itemsize)
+               if dtype.is_floating_point else numel * dtype.itemsize for name, numel, dtype in tensors)
+    return disk + min(max_shard, disk)
+
+
+def check_disk(out_dir: Path, need: int) -> None:
+    """An InputError (before any work) when the disk that OUT's partial folder `out_dir` is on has less free
+    than `need` bytes; the partial folder is then removed (output.py: an input error keeps nothing)."""
+    free = free_bytes(Path(out_dir))
+    if free is not None and free + tree_bytes(Path(out_dir)) < need:  # an earlier attempt's files are rewritten
+        raise InputError(f"not enough disk for {final_name(Path(out_dir))}: it needs about {size_text(need)} and "
+                         f"{Path(out_dir).resolve().parent} has {size_text(free)} free; free some space or choose "
+                         "another output folder; nothing was written")
+
+
+def check_disk_in_memory(ctx: Any, stages: list[Any], max_shard: int) -> int:
+    """Before the stages of a run in memory: OUT's estimated size (from the model's tensors) against the free
+    disk (check_disk). Returns the estimate."""
+    quantized = any(s.type == "quantize" for s in stages)
+    state = ctx.model.state_dict()
+    need = out_bytes(((n, t.numel(), t.dtype) for n, t in state.items()), ctx.out_dtype, quantized, max_shard)
+    check_disk(ctx.out_dir, need)
+    return need
 
 
 def announce(ctx: Any, stages: list[Any], max_shard: int) -> dict[str, int]:
@@ -80,8 +108,5 @@ def announce(ctx: Any, stages: list[Any], max_shard: int) -> dict[str, int]:
     need = estimate(ckpt, ctx.out_dtype, quantized, max_shard, calib)
     ctx.progress.info(f"streaming {len(ckpt.layers)} layers from {ckpt.path}: estimated peak memory "
                       f"{need['peak_memory_bytes'] / 2**30:.2f} GiB, disk {need['disk_bytes'] / 2**30:.2f} GiB")
-    parent = Path(ctx.out_dir).resolve().parent
-    if parent.is_dir() and free_disk(parent) < need["disk_bytes"]:
-        raise InputError(f"not enough disk for {final_name(Path(ctx.out_dir))}: needs "
-                         f"~{need['disk_bytes'] / 2**30:.2f} GiB, {free_disk(parent) / 2**30:.2f} GiB free")
+    check_disk(ctx.out_dir, need["disk_bytes"])
     return need

@@ -80,23 +80,54 @@ class ShardSink:
     def __init__(self, writer: ShardWriter, layer_writer: Any, kept_of: KeptOf,
                  load_back: Callable[[int, nn.Module, dict[str, torch.Tensor]], None] | None = None,
                  probe: Any = None, retain: Callable[[dict], dict] | None = None,
-                 kept_writer: ShardWriter | None = None, inputs: InputsKeeper | None = None) -> None:
+                 kept_writer: ShardWriter | None = None, inputs: InputsKeeper | None = None,
+                 computed: bool = False, rebuild: Callable[[int, nn.Module, dict], None] | None = None) -> None:
         self.writer, self.layer_writer, self.kept_of, self.load_back = writer, layer_writer, kept_of, load_back
         self.probe, self.retain, self.kept_writer, self.inputs = probe, retain, kept_writer, inputs
+        self.computed, self.rebuild = computed, rebuild
 
     def finished(self, i: int) -> bool:
         return self.writer.finished(f"layer.{i}")
 
     def restore(self, i: int, layer: nn.Module | None) -> tuple[dict, dict[str, torch.Tensor]]:
         unit = f"layer.{i}"
-        if self.probe is not None:
-            self.probe.resumed.append(i)
+        written = None
         if layer is not None:
             if self.load_back is None:
                 raise GeminiError("this streamed run cannot resume through a finished layer; rerun with --force")
-            self.load_back(i, layer, self.writer.read(unit))
+            written = self.writer.read(unit)
+            self.load_back(i, layer, written)
         kept = self.kept_writer.read(unit) if self.kept_writer is not None and self.kept_writer.finished(unit) else {}
-        return self.writer.summary(unit), {k.partition(".")[2]: v for k, v in kept.items()}
+        kept = {k.partition(".")[2]: v for k, v in kept.items()}
+        if self.probe is not None:
+            self._probe_finished(i, layer if self.load_back is self.rebuild else None, written, kept)
+        return self.writer.summary(unit), kept
+
+    def _probe_finished(self, i: int, layer: nn.Module | None, written: dict | None, kept: dict) -> None:
+        """The probe through layer i, which an earlier process finished, so that a resumed run is verified like
+        any other (issue #34): in memory, the layer as the run computed it (the model holds it) with the codes
+        the stage kept, as `finish` would; streamed, the layer rebuilt from what was written (`rebuild`: the
+        writer's load_back), its quantized linears held exactly as dequantized. A layer that cannot be rebuilt
+        from disk (an int8 stage, which writes modules a float layer does not have) is recorded as not
+        re-checked (Probe.resumed)."""
+        source = self.probe.source
+        if self.computed:
+            self.probe.advance(source.load(i), self.layer_writer.exact_weights(i, self.kept_of(i, kept)))
+            return
+        if self.rebuild is None:
+            self.probe.resumed.append(i)
+            return
+        import copy
+
+        own = layer is None
+        layer = source.load(i) if own else copy.deepcopy(layer)  # the walk goes on with the caller's layer
+        try:
+            layer.float()  # float32, so that the dequantized weights put back stay exact
+            self.rebuild(i, layer, written if written is not None else self.writer.read(f"layer.{i}"))
+            self.probe.advance(layer, self.layer_writer.as_written_exact(i, layer))
+        finally:
+            if own:
+                source.release(i)
 
     def finish(self, i: int, layer: nn.Module, summary: dict, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         mine = self.kept_of(i, kept)

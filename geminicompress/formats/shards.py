@@ -31,6 +31,7 @@ from typing import Any, Iterator
 
 import torch
 
+from geminicompress.diskerrors import DiskError
 from geminicompress.errors import GeminiError
 from geminicompress.formats.checkpoint import INDEX, WEIGHTS
 
@@ -45,8 +46,12 @@ DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
-class DiskFullError(GeminiError):
-    """The disk filled up while writing; the finished units are kept and a rerun resumes after them."""
+class DiskFullError(DiskError):
+    """The disk filled up while writing `filename`; the finished units are kept and a rerun resumes after them."""
+
+    def __init__(self, message: str, filename: str) -> None:
+        super().__init__(message)
+        self.filename = filename
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -243,10 +248,13 @@ class ShardWriter:
             yield
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
+                if exc.filename is None:
+                    exc.filename = str(path)  # which file it was: the pipeline's one line says it (diskerrors.py)
                 raise
             free = shutil.disk_usage(self.work).free
             raise DiskFullError(f"disk full while writing {path} ({free / 2**30:.2f} GiB free): free some space "
-                                f"and rerun the same command; it resumes after the {finished} finished units") from exc
+                                f"and rerun the same command; it resumes after the {finished} finished units",
+                                str(path)) from exc
 
 
 def _link_or_move(src: Path, dest: Path) -> None:

@@ -58,6 +58,11 @@ class LayerWriter:
         """{linear relative to layer i: a function making its weight} for the weights stored as exact codes."""
         return {}
 
+    def as_written_exact(self, i: int, layer: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
+        """Like `exact_weights`, for layer i rebuilt from its written tensors (`load_back`): its weights stored as
+        codes, which hold their dequantized values exactly in float32 (none for a dense checkpoint)."""
+        return {}
+
     def qconfig(self, result: dict[str, Any]) -> dict[str, Any] | None:
         return None
 
@@ -107,6 +112,12 @@ class PackedWriter(LayerWriter):
         qweights = self.qweights(i, kept)  # a lazy mapping: unpacked when read
         head = self.prefix(i) + "."
         return {name.removeprefix(head): (lambda name=name: qweights[name].dequantize()) for name in qweights}
+
+    def as_written_exact(self, i: int, layer: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
+        head = self.prefix(i) + "."
+        weights = {n.removeprefix(head): layer.get_submodule(n.removeprefix(head)).weight.detach().clone()
+                   for n in self.specs if n.startswith(head)}
+        return {name: (lambda w=w: w) for name, w in weights.items()}
 
     def base_spec(self) -> QuantSpec:
         """The spec holding the most weights, in layer order (ties: the first met): the format's top level."""

@@ -35,7 +35,8 @@ from geminicompress.models.finite import check
 from geminicompress.models.headers import open_file, read_headers, safetensors_config
 
 
-def _skeleton(path: Path, trust_remote_code: bool) -> nn.Module:
+def skeleton(path: Path, trust_remote_code: bool) -> nn.Module:
+    """The model config.json in `path` describes, its parameters on the meta device (no weight read)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -73,7 +74,7 @@ class LazyCheckpoint:
         # {module name: its checkpoint keys} for every module stored quantized (read by `reader`)
         self.quantized: dict[str, list[str]] = self.reader.modules(self.tensors) if self.reader else {}
         self._swapped: dict[str, nn.Module] = {}  # quantized module name -> the skeleton's meta module
-        self.model = _skeleton(self.path, trust_remote_code)
+        self.model = skeleton(self.path, trust_remote_code)
         self.arch: Arch = arch_for(self.model)
         self.layers: nn.ModuleList = get_module(self.model, self.arch.layers)
         self._tied = self._tied_names()
@@ -210,12 +211,16 @@ class LazyCheckpoint:
             if not isinstance(modules.get(q), nn.Linear):
                 raise InputError(f"{self.tensors[self.quantized[q][0]].file}: quantized module {q} is not a linear "
                                  "layer of the model's architecture (config.json)")
-        for name, expected in self.model.state_dict(keep_vars=True).items():
+        expected_names = self.model.state_dict(keep_vars=True)
+        known = set(expected_names) | {k for keys in self.quantized.values() for k in keys}
+        # the checkpoint's tensors the model does not use: ignored, as transformers' loader ignores them (a warning)
+        self.unused = sorted(n for n in self.tensors if n not in known)
+        for name, expected in expected_names.items():
             if not self._on_disk(name) or self._owner(name) is not None:
                 continue
             info = self.tensors.get(self.stored_name(name))
             if info is None:
-                raise InputError(f"{self.path}: tensor {name} is missing from the checkpoint (config.json needs it)")
+                raise InputError(f"{self.path}: tensor {name} is missing from the checkpoint (config.json needs it: does config.json describe these weights?); nothing was written")
             if info.shape != tuple(expected.shape):
                 raise InputError(f"{info.file}: tensor {name} has shape {list(info.shape)} but config.json implies "
                                  f"{list(expected.shape)}")

@@ -52,6 +52,7 @@ class LoadedModel:
     source: ModelSource
     format: str | None = None  # None for dense checkpoints
     nonfinite: list[dict] | None = None  # NaN/Inf tensors `allow_nonfinite` let through (models/finite.py)
+    unused: list[str] | None = None  # checkpoint tensors the model does not use (transformers ignored them)
 
 
 def resolve_model(spec: str) -> ModelSource:
@@ -86,16 +87,41 @@ def load_model(
     """Load model and tokenizer from MODEL; raise a `GeminiError` with one clear line on failure, a
     `NonFiniteError` (an input error) when a float tensor holds NaN/Inf unless `allow_nonfinite`."""
     source = resolve_model(spec)
-    fmt = None
+    fmt, unused = None, None
     if source.kind == "gguf":
         model, tok = _load_gguf(source.path, source.gguf_file, dtype)
     elif source.kind == "hub":
-        model, tok = _load_hub(spec, dtype, trust_remote_code, allow_pickle)
+        model, tok, unused = _load_hub(spec, dtype, trust_remote_code, allow_pickle)
     else:
         path = demo_dir() if source.kind == "demo" else source.path
-        model, tok, fmt = _load_dir(path, dtype, trust_remote_code, allow_pickle)
+        model, tok, fmt, unused = _load_dir(path, dtype, trust_remote_code, allow_pickle)
     model.eval()
-    return LoadedModel(model, tok, source, fmt, nonfinite=check_named(model.state_dict().items(), allow_nonfinite))
+    return LoadedModel(model, tok, source, fmt, nonfinite=check_named(model.state_dict().items(), allow_nonfinite),
+                       unused=unused)
+
+
+def check_loading_info(where: str, info: dict[str, Any]) -> list[str]:
+    """transformers' loading info of `from_pretrained(..., output_loading_info=True)`: an InputError when the
+    checkpoint lacks a tensor the config needs (transformers would initialise it at random) or holds one with
+    another shape; returns the checkpoint's tensors the model does not use (for a warning)."""
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise InputError(f"{where}: tensor {missing[0]}{more} is missing from the checkpoint (config.json needs it: "
+                         "does config.json describe these weights?); nothing was written")
+    mismatched = list(info.get("mismatched_keys") or [])
+    if mismatched:
+        name, got, want = (list(mismatched[0]) + [None, None])[:3]
+        raise InputError(f"{where}: tensor {name} has shape {list(got) if got else '?'} but config.json implies "
+                         f"{list(want) if want else 'another'}")
+    return sorted(info.get("unexpected_keys") or [])
+
+
+def unused_warning(where: str, unused: list[str]) -> str:
+    """The one warning line for checkpoint tensors the model does not use."""
+    more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
+    return (f"{where} holds {len(unused)} tensor(s) the model's config does not use ({unused[0]}{more}); they are "
+            "ignored and not written")
 
 
 def _check_weights(path: Path, allow_pickle: bool) -> None:
@@ -115,30 +141,52 @@ def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool, allow_pic
     from transformers import AutoModelForCausalLM
 
     _check_weights(path, allow_pickle)
+    check_tokenizer_files(path)  # before the weights load: said in a second, not after the model is read
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise GeminiError(f"{path}/config.json cannot be read: {exc}") from exc
     key = formats.detect(config)
     try:
+        unused: list[str] = []
         if key is None:
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=not allow_pickle or None
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=not allow_pickle or None,
+                output_loading_info=True,
             )
+            unused = check_loading_info(str(path), info)
         else:
             model = formats.load(path, config, dtype)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise GeminiError(f"{path} does not load as a causal language model: {_first_line(exc)}") from exc
-    return model, load_tokenizer(str(path), trust_remote_code), key
+    return model, load_tokenizer(str(path), trust_remote_code), key, unused
 
 
 def load_tokenizer(where: str, trust_remote_code: bool, **kwargs: Any):
     from transformers import AutoTokenizer
 
+    if Path(where).is_dir() and "gguf_file" not in kwargs:
+        check_tokenizer_files(Path(where))
     try:
         return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
-        raise GeminiError(f"{where}: tokenizer does not load: {_first_line(exc)}") from exc
+        text = " ".join(str(exc).split())[:400] or type(exc).__name__  # the whole message on one line, not its first
+        raise GeminiError(f"{where}: the tokenizer does not load: {text}") from exc
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def check_tokenizer_files(path: Path) -> None:
+    """An InputError (exit 2, before any work) naming what is missing when the model directory `path` has no
+    tokenizer: neither tokenizer.json nor tokenizer.model (nor a vocab.json with merges.txt)."""
+    names = {p.name for p in path.iterdir()}
+    if {"tokenizer.json", "tokenizer.model"} & names or {"vocab.json", "merges.txt"} <= names:
+        return
+    missing = [n for n in TOKENIZER_FILES if n not in names]
+    said = f"{', '.join(missing[:-1])} and {missing[-1]} are" if len(missing) > 1 else f"{missing[0]} is"
+    raise InputError(f"{path} has no tokenizer: {said} missing; copy the tokenizer files of the model these "
+                     "weights come from into it.")
 
 
 def _load_gguf(folder: Path, gguf_file: str, dtype: torch.dtype):
@@ -165,16 +213,17 @@ def _load_hub(spec: str, dtype: torch.dtype, trust_remote_code: bool, allow_pick
 
     offline = _hub_offline(spec)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model, info = AutoModelForCausalLM.from_pretrained(
             spec, dtype=dtype, trust_remote_code=trust_remote_code,
-            use_safetensors=None if allow_pickle else True, local_files_only=offline,
+            use_safetensors=None if allow_pickle else True, local_files_only=offline, output_loading_info=True,
         )
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise GeminiError(
             f"could not load '{spec}' from the hub: {_first_line(exc)} "
             "(offline? download it once or pass a local directory)"
         ) from exc
-    return model, load_tokenizer(spec, trust_remote_code, local_files_only=offline)
+    unused = check_loading_info(spec, info)
+    return model, load_tokenizer(spec, trust_remote_code, local_files_only=offline), unused
 
 
 def _hub_offline(spec: str) -> bool:

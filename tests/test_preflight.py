@@ -1,0 +1,58 @@
+"""Refuse before loading (issue #34): what config.json alone can refuse (the architecture, shapes against the
+group size and format, an N:M pattern) is one line, exit 2, before any weight is read."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from geminicompress import pipeline
+from geminicompress.cli import app
+from geminicompress.engine import preflight as preflight_mod
+from geminicompress.errors import InputError
+from geminicompress.output import partial_dir
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(pipeline, "load_model", loaded)
+    monkeypatch.setattr(pipeline, "LazyCheckpoint", loaded)
+
+
+def _refused(result, out) -> str:
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "AssertionError" not in result.output, result.output
+    assert not out.exists() and not partial_dir(out).exists()
+    return lines[0]
+
+
+@pytest.mark.parametrize("stream", ["--no-stream", "--stream"])
+@pytest.mark.parametrize("args, said", [
+    (["quantize", "--method", "gptq", "--group-size", "48"], "group size 48 does not divide the 64 input features"),
+    (["quantize", "--method", "awq", "--bits", "3"], "the AWQ format holds 4-bit weights only"),
+    (["prune", "--pattern", "3:7"], "not a multiple of M=7 in pattern 3:7"),
+])
+def test_shapes_that_do_not_fit_are_refused_before_loading(tiny_dir, tmp_path, no_loading, args, said, stream):
+    out = tmp_path / "out"
+    line = _refused(runner.invoke(app, [args[0], str(tiny_dir), "-o", str(out), *args[1:], stream, "-q"]), out)
+    assert said in line, line
+
+
+def test_an_unsupported_architecture_is_refused_before_loading(tiny_dir, tmp_path, no_loading, monkeypatch):
+    """The refusal is `arch_for`'s (the one function that knows the architectures), asked of the config's skeleton."""
+    seen = []
+
+    def arch_for(model):
+        seen.append(model.config.model_type)
+        raise InputError(f"architecture '{model.config.model_type}' is not supported")
+
+    monkeypatch.setattr(preflight_mod, "arch_for", arch_for)
+    out = tmp_path / "out"
+    line = _refused(runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), "--method", "int8", "-q"]), out)
+    assert line == "error: architecture 'llama' is not supported" and seen == ["llama"]

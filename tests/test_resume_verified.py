@@ -1,0 +1,78 @@
+"""A resumed run is verified like any other (issue #34): the probe runs through the layers an earlier process
+finished, in memory as the run computed them, streamed as rebuilt from what was written; a finished layer whose
+bytes were damaged on disk between the kill and the rerun fails the check of a run in memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from geminicompress.engine.sinks import ShardSink
+from geminicompress.errors import GeminiError
+from geminicompress.output import partial_dir
+from geminicompress.pipeline import run_recipe
+from geminicompress.recipes.loader import recipe_from_stage
+from tiny import save_sharded
+
+CPU = torch.device("cpu")
+STAGES = {
+    "gptq": {"type": "quantize", "method": "gptq", "group_size": 32},
+    "rtn": {"type": "quantize", "method": "rtn", "group_size": 32},
+    "sparsegpt": {"type": "prune", "method": "sparsegpt", "sparsity": 0.5},
+    "int8": {"type": "quantize", "method": "int8"},
+}
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    return save_sharded(tmp_path_factory.mktemp("rv") / "tiny-bf16", num_hidden_layers=3)
+
+
+def _killed_then_resumed(recipe, out: Path, stream: bool, monkeypatch, kill_at: int = 2, between=None) -> dict:
+    finish = ShardSink.finish
+
+    def killed(self, i, layer, summary, kept):
+        if i == kill_at:
+            raise KeyboardInterrupt
+        return finish(self, i, layer, summary, kept)
+
+    monkeypatch.setattr(ShardSink, "finish", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_recipe(recipe, out, device=CPU, stream=stream)
+    monkeypatch.setattr(ShardSink, "finish", finish)
+    assert partial_dir(out).is_dir()
+    if between is not None:
+        between(partial_dir(out))
+    return run_recipe(recipe, out, device=CPU, stream=stream)
+
+
+@pytest.mark.parametrize("name, stream", [("gptq", False), ("int8", False), ("gptq", True), ("rtn", True),
+                                          ("sparsegpt", True)])
+def test_a_resumed_run_is_verified(sharded, tmp_path, monkeypatch, name, stream):
+    recipe = recipe_from_stage(str(sharded), STAGES[name], {"samples": 8, "seq_len": 32}, "test")
+    report = _killed_then_resumed(recipe, tmp_path / "out", stream, monkeypatch)
+    verified = report["export"]["verified"]
+    assert "skipped" not in verified, verified
+    assert verified["max_abs_logit_diff"] <= verified["tolerance"]
+
+
+def test_a_finished_layer_damaged_on_disk_fails_the_check_of_a_resumed_run(sharded, tmp_path, monkeypatch):
+    recipe = recipe_from_stage(str(sharded), STAGES["rtn"], {}, "test")
+
+    def damage(partial: Path) -> None:
+        state = partial / "state" / "out" / "shards"
+        progress = json.loads((state / "progress.json").read_text())
+        meta = progress["open"]["tensors"]
+        name = next(n for n in meta if n.endswith("mlp.down_proj.scales"))  # layer 0's, already written
+        start, stop = meta[name]["data_offsets"]
+        data = state / "part-00001.data"
+        raw = bytearray(data.read_bytes())
+        at = progress["open"]["reserve"] + start
+        raw[at:at + (stop - start)] = bytes(stop - start)  # its scales zeroed
+        data.write_bytes(bytes(raw))
+
+    with pytest.raises(GeminiError, match="verification failed"):
+        _killed_then_resumed(recipe, tmp_path / "out", False, monkeypatch, between=damage)

@@ -17,16 +17,17 @@ from geminicompress.engine.layers import LayerFn, LayerJob
 from geminicompress.formats import writer_for
 from geminicompress.formats.checkpoint import scale_dtype
 from geminicompress.recipes.base import WeightQuantStage
+from geminicompress.recipes.gguf import GGUF_HELP, GGUFFields
 
 
-class RTNStage(WeightQuantStage):
+class RTNStage(WeightQuantStage, GGUFFields):
     """Round-to-nearest: scale and zero point from each group's min and max."""
 
     method: Literal["rtn"]
     sym: bool = Field(True, description="symmetric (default) or asymmetric with zero points",
                       json_schema_extra={"cli": "--sym/--asym"})
-    format: Literal["gptq", "awq", "compressed-tensors", "dense"] = Field("gptq", description="on-disk format "
-                                                                         "(default: the method's own)")
+    format: Literal["gptq", "awq", "compressed-tensors", "dense", "gguf"] = Field(
+        "gptq", description=f"on-disk format (default: the method's own); {GGUF_HELP}")
 
 
 class RTN:

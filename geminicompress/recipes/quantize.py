@@ -9,9 +9,10 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from geminicompress.recipes.base import StageBase, Strict, WeightQuantStage
+from geminicompress.recipes.gguf import GGUF_HELP, GGUFFields
 
 
-class Int8Stage(StageBase):
+class Int8Stage(StageBase, GGUFFields):
     """INT8: `int8` = weight-only (W8A16); `w8a8` = INT8 weights and dynamic INT8 activations."""
 
     type: Literal["quantize"] = "quantize"
@@ -22,8 +23,9 @@ class Int8Stage(StageBase):
         "DATA; 0 or null = no SmoothQuant")
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="module name pattern (regex) to keep "
                               "in float; repeatable (default lm_head)")
-    format: Literal["compressed-tensors"] = Field("compressed-tensors", description="compressed-tensors: "
-                                                  "int-quantized (w8a8), pack-quantized 8-bit (int8)")
+    format: Literal["compressed-tensors", "gguf"] = Field("compressed-tensors", description="compressed-tensors: "
+                                                          "int-quantized (w8a8), pack-quantized 8-bit (int8); gguf: "
+                                                          "OUT/model.gguf (Q8_0) beside it")
 
     @model_validator(mode="after")
     def _smoothquant_needs_w8a8(self) -> "Int8Stage":
@@ -63,7 +65,7 @@ class QuantAllocation(Strict):
         return self
 
 
-class GPTQStage(WeightQuantStage):
+class GPTQStage(WeightQuantStage, GGUFFields):
     """GPTQ (Frantar et al., 2022): Hessian-aware rounding, layer by layer."""
 
     method: Literal["gptq"]
@@ -90,8 +92,8 @@ class GPTQStage(WeightQuantStage):
     calib_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="float32 (default) or bfloat16: the dtype layers compute in while calibrating; the "
         "solver and the saved weights stay float32. bfloat16 is faster on GPUs and on CPUs with AVX512-BF16")
-    format: Literal["gptq", "compressed-tensors", "dense"] = Field("gptq", description="on-disk format (default: the "
-                                                                  "method's own)")
+    format: Literal["gptq", "compressed-tensors", "dense", "gguf"] = Field(
+        "gptq", description=f"on-disk format (default: the method's own); {GGUF_HELP}")
     allocation: QuantAllocation | None = Field(None, description="mixed precision: bits per module under a budget")
     overrides: dict[str, str] = Field(default_factory=dict, description="module name -> b<bits>g<group> "
                                       "(e.g. model.layers.0.self_attn.v_proj: b8g64); wins over the allocation")
@@ -118,7 +120,7 @@ class GPTQStage(WeightQuantStage):
         return v
 
 
-class AWQStage(WeightQuantStage):
+class AWQStage(WeightQuantStage, GGUFFields):
     """AWQ (Lin et al., 2023): activation-aware scaling (+ clipping), then RTN or GPTQ."""
 
     method: Literal["awq", "awq+gptq"]
@@ -135,5 +137,5 @@ class AWQStage(WeightQuantStage):
                              "see gptq); awq's round-to-nearest keeps them anyway")
     search_results: str | None = Field(None, description="re-apply saved scales/clips (OUT/awq_search/) instead of "
                                        "searching")
-    format: Literal["awq", "compressed-tensors", "dense"] = Field("awq", description="on-disk format (default: the "
-                                                                 "method's own)")
+    format: Literal["awq", "compressed-tensors", "dense", "gguf"] = Field(
+        "awq", description=f"on-disk format (default: the method's own); {GGUF_HELP}")

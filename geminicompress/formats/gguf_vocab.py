@@ -95,11 +95,29 @@ def tokenizer_pre(tok: Any) -> str:
     digest = sha256(str(tok.encode(CHKTXT)).encode()).hexdigest()
     if digest in PRE:
         return PRE[digest]
-    pre = spec.get("pre_tokenizer") or {}
-    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
-        return "gpt-2"
+    name = _pre_by_structure(spec.get("pre_tokenizer") or {})
+    if name is not None:
+        return name
     raise InputError(f"llama.cpp does not know this tokenizer's pre-tokenizer (chkhsh {digest[:12]}…), so a GGUF "
                      "would split text differently; quantize the model's own .gguf file instead")
+
+
+# The split regexes of llama.cpp's byte-level pre-tokenizers (llama-vocab.cpp) that tokenizer.json spells as
+# Split(regex, Isolated) then ByteLevel without its own regex.
+_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}%s| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+REGEX_PRE = {_SPLIT % "": "qwen2", _SPLIT % "{1,3}": "llama-bpe"}
+
+
+def _pre_by_structure(pre: dict[str, Any]) -> str | None:
+    """The pre-tokenizer name from tokenizer.json's `pre_tokenizer` when its hash is not in the table (a model
+    trained with a known pre-tokenizer on its own vocabulary): GPT-2's byte-level regex, Qwen2's or Llama 3's."""
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"
+    parts = pre.get("pretokenizers") or []
+    if pre.get("type") == "Sequence" and len(parts) == 2 and parts[0].get("type") == "Split" \
+            and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True):
+        return REGEX_PRE.get((parts[0].get("pattern") or {}).get("Regex"))
+    return None
 
 
 def vocab_base(tok: Any, vocab_size: int) -> tuple[list[str], list[int]]:

@@ -136,20 +136,28 @@ def encode_quantized(qw: QuantizedWeight, asym: str = "q5_0") -> Encoded:
     return Encoded(pack_q4_1(s, m, qw.q), qtype, (out_f, in_f), max_step_error=err)
 
 
-def encode_float(w: torch.Tensor, qtype: Q) -> Encoded:
-    """A float tensor as F32, F16 or Q8_0 (quantized as llama.cpp does: per block d = max|w| / 127).
-    1-D tensors (norms, biases) are always F32."""
-    w = w.detach().float()
-    if w.dim() == 1 or qtype == Q.F32:
-        return Encoded(w.numpy(), Q.F32, tuple(w.shape))
-    if qtype == Q.F16:
-        return Encoded(w.to(torch.float16).numpy(), Q.F16, tuple(w.shape))
-    if qtype != Q.Q8_0:
+def encode_float(w: torch.Tensor, qtype: Q, rows_per_chunk: int = 4096) -> Encoded:
+    """A float tensor as F32, F16 or Q8_0 (quantized as llama.cpp does: per block d = max|w| / 127), a chunk of
+    rows at a time (an 8B model's embedding is 0.5 G weights). 1-D tensors (norms, biases) are always F32."""
+    w = w.detach()
+    if w.dim() == 1:
+        qtype = Q.F32
+    if qtype not in (Q.F32, Q.F16, Q.Q8_0):
         raise ValueError(f"float tensors are written as F32, F16 or Q8_0, not {qtype.name}")
-    rows, cols = w.shape
-    if cols % BLOCK:
+    rows, cols = w.shape[0], (w.shape[1] if w.dim() == 2 else None)
+    if qtype == Q.Q8_0 and cols % BLOCK:
         raise InputError(f"Q8_0 needs a multiple of {BLOCK} columns, got {cols}: use --gguf-embeddings f16")
-    return Encoded(quants.quantize(w.numpy(), Q.Q8_0), Q.Q8_0, (rows, cols))  # llama.cpp's reference rounding
+    if w.dim() == 1:
+        return Encoded(w.float().numpy(), Q.F32, (rows,))
+    width = cols // BLOCK * 34 if qtype == Q.Q8_0 else cols
+    data = np.empty((rows, width), dtype={Q.F32: np.float32, Q.F16: np.float16, Q.Q8_0: np.uint8}[qtype])
+    for r in range(0, rows, rows_per_chunk):
+        part = w[r:r + rows_per_chunk].float()
+        if qtype == Q.Q8_0:  # llama.cpp's reference rounding
+            data[r:r + rows_per_chunk] = quants.quantize(part.numpy(), Q.Q8_0)
+        else:
+            data[r:r + rows_per_chunk] = part.to(torch.float16 if qtype == Q.F16 else torch.float32).numpy()
+    return Encoded(data, qtype, (rows, cols))
 
 
 def permute_rows(enc: Encoded, perm: torch.Tensor) -> Encoded:

@@ -325,17 +325,28 @@ print(json.dumps(np.asarray(llm.scores[:len(ids)]).tolist()))
 """
 
 
+def _llama_logits(python: str, path: Path, ids: list[int]) -> torch.Tensor:
+    res = subprocess.run([python, "-c", _SCORE, str(path), json.dumps(ids)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return torch.tensor(json.loads(res.stdout))
+
+
 @pytest.mark.slow
-def test_llama_cpp_loads_the_file_and_agrees_with_our_logits(tiny_dir, tmp_path):
+def test_llama_cpp_loads_the_files_and_agrees_with_our_logits(tiny_dir, tmp_path):
+    """F32: llama.cpp's logits equal ours to float rounding. Q4_0 (our rtn codes): close; llama.cpp rounds the
+    activations to 8 bits in these matmuls (measured on this tiny model: 1.8% of the largest logit)."""
     python = _llama_python()
     if python is None:
         pytest.skip("llama-cpp-python is not installed (set GEMINICOMPRESS_LLAMA_PYTHON to a python that has it)")
+    ids = tiny_tokenizer()("The object is returned by the function when it is called.")["input_ids"]
     path = tmp_path / "f32.gguf"
     export(tiny_dir, GGUFOptions(embeddings="f32", floats="f32"), dest=path)
-    ids = tiny_tokenizer()("The object is returned by the function when it is called.")["input_ids"]
-    res = subprocess.run([python, "-c", _SCORE, str(path), json.dumps(ids)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    theirs = torch.tensor(json.loads(res.stdout))
     with torch.no_grad():
         ours = load_model(str(tiny_dir)).model(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(theirs, ours, atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(_llama_logits(python, path, ids), ours, atol=2e-3, rtol=1e-3)
+    out = tmp_path / "q4"
+    _run(tiny_dir, out, method="rtn", bits=4, format="gguf", gguf_embeddings="f32")
+    with torch.no_grad():
+        ours = load_model(str(out)).model(torch.tensor([ids])).logits[0]
+    theirs = _llama_logits(python, out / "model.gguf", ids)
+    assert (theirs - ours).abs().max() <= 0.05 * ours.abs().max()

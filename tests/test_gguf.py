@@ -16,6 +16,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFWriter, quants
+from tiny import save_tiny, tiny_tokenizer
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
@@ -25,8 +26,6 @@ from geminicompress.formats.gguf_export import GGUFOptions, export
 from geminicompress.models.loading import load_model
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage
-
-from tiny import save_tiny, tiny_tokenizer
 
 CPU = torch.device("cpu")
 runner = CliRunner()
@@ -309,7 +308,7 @@ def _llama_python() -> str | None:
     candidates = [given] if given else [sys.executable, "/work/venv-llama/bin/python"]
     for python in candidates:
         if python and Path(python).exists() and subprocess.run([python, "-c", "import llama_cpp"],
-                                                               capture_output=True).returncode == 0:
+                                                               capture_output=True, check=False).returncode == 0:
             return python
     return None
 
@@ -326,7 +325,7 @@ print(json.dumps(np.asarray(llm.scores[:len(ids)]).tolist()))
 
 
 def _llama_logits(python: str, path: Path, ids: list[int]) -> torch.Tensor:
-    res = subprocess.run([python, "-c", _SCORE, str(path), json.dumps(ids)], capture_output=True, text=True)
+    res = subprocess.run([python, "-c", _SCORE, str(path), json.dumps(ids)], capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr[-2000:]
     return torch.tensor(json.loads(res.stdout))
 

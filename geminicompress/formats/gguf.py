@@ -94,7 +94,7 @@ def pack_q8_0(d: torch.Tensor, q: torch.Tensor) -> np.ndarray:
 def block_params(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """Each 32-column block's (scale, zero): (out, nb) each. InputError when a block spans two groups
     (a group size that is not a multiple of 32, or act-order's permuted groups)."""
-    out_f, in_f = qw.q.shape
+    in_f = qw.q.shape[1]
     if in_f % BLOCK:
         raise InputError(f"GGUF stores rows in blocks of {BLOCK}, and {in_f} input features are not a multiple of it")
     g = qw.g_idx.to(torch.int64).reshape(in_f // BLOCK, BLOCK)  # (nb, 32)

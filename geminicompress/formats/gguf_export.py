@@ -188,7 +188,7 @@ def _tensors(w: gguf.GGUFWriter, out: Path, config: dict[str, Any], arch: GGUFAr
         files = {}
         for file in weight_files(out):
             handle = stack.enter_context(safe_open(str(file), framework="pt"))
-            files.update({k: handle for k in handle.keys()})
+            files.update(dict.fromkeys(handle.keys(), handle))
         modules = reader.modules(files) if reader is not None else {}
         owned = {k for keys in modules.values() for k in keys}
 
@@ -212,10 +212,10 @@ def _tensors(w: gguf.GGUFWriter, out: Path, config: dict[str, Any], arch: GGUFAr
             add(f"{module}.weight", blocks.encode_quantized(qw, options.asym))
             if bias is not None:
                 add(f"{module}.bias", blocks.encode_float(bias, Q.F32))
-        for key in files:
+        for key, handle in files.items():
             if key in owned or (tied and key == "lm_head.weight"):
                 continue
-            tensor = files[key].get_tensor(key)
+            tensor = handle.get_tensor(key)
             add(key, blocks.encode_float(tensor, _float_type(key, tensor, options)))
     return stats
 

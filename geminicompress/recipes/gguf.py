@@ -38,7 +38,7 @@ class GGUFFields(Strict):
         return data
 
     @model_validator(mode="after")
-    def _gguf_options(self) -> "GGUFFields":
+    def _gguf_options(self) -> GGUFFields:
         fmt = getattr(self, "format", None)
         given = [k for k in ("gguf_asym", "gguf_embeddings", "gguf_float") if getattr(self, k) is not None]
         if given and fmt != "gguf":

@@ -20,10 +20,10 @@ import torch
 import torch.nn as nn
 
 from geminicompress.compress.arch import arch_for, get_module, set_module
+from geminicompress.compress.grid import QuantSpec
 from geminicompress.compress.int8 import smoothquant as sq
 from geminicompress.compress.int8.modules import MODULES
 from geminicompress.compress.int8.quant import quantize
-from geminicompress.compress.grid import QuantSpec
 from geminicompress.compress.targets import check_patterns_match, compile_patterns
 from geminicompress.engine.contract import Done, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob

@@ -104,7 +104,8 @@ def main() -> None:
             path = Path(tmp) / "f32.gguf"
             info = export(args.float_dir, GGUFOptions(embeddings="f32", floats="f32"), dest=path)
             theirs = llama_ppl(args.llama_python, path, windows, text, ids)
-        result["f32"] = {"torch": ours, "llama_cpp": theirs["ppl"], "equal_4_decimals": round(ours, 4) == round(theirs["ppl"], 4),
+        result["f32"] = {"torch": ours, "llama_cpp": theirs["ppl"], "abs_diff": abs(ours - theirs["ppl"]),
+                         "equal_4_decimals": round(ours, 4) == round(theirs["ppl"], 4),
                          "tokenizer": info["tokenizer"], "tokens_equal": theirs["tokens_equal"],
                          "tokenized": theirs["tokens"], **({"first_difference": theirs["first_difference"]}
                                                            if "first_difference" in theirs else {})}

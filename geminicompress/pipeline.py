@@ -109,6 +109,7 @@ def _run_recipe(recipe: Recipe, out: Path, *, force: bool, progress: Progress | 
         ctx = _open_streamed(recipe, source_dir, tmp, progress, device) if streamed else \
             _open_in_memory(recipe, loaded, tmp, progress, device)
         load_s = time.perf_counter() - t0
+        _check_gguf(ctx)
         layers = [s for s in recipe.stages if s.type != "eval"]
         if streamed:
             results, export = _streamed(ctx, layers, tmp, verify, max_shard_bytes)
@@ -269,7 +270,44 @@ def _finish(ctx: StageContext, tmp: Path, shards: ShardWriter, writer: Any, resu
         export["verified"] = probe.check(tmp, head, ctx.state_dir, trust_remote_code=ctx.recipe.trust_remote_code,
                                          progress=ctx.progress, streamed=True if ctx.streamed else None,
                                          input_model=ctx.recipe.model, allow_nonfinite=ctx.recipe.allow_nonfinite)
+    if getattr(writer, "gguf", False):
+        export["gguf"] = _export_gguf(ctx, tmp)
     return export
+
+
+def _gguf_stage(recipe: Recipe) -> Any:
+    """The last stage that asks for `format: gguf` (None when none does)."""
+    return next((s for s in reversed(recipe.stages) if getattr(s, "format", None) == "gguf"), None)
+
+
+def _check_gguf(ctx: StageContext) -> None:
+    """Refuse before any work a model whose architecture GGUF cannot name, or whose tokenizer (when not copied
+    from the input's GGUF file) llama.cpp would split differently (formats/gguf_export.py, gguf_vocab.py)."""
+    if _gguf_stage(ctx.recipe) is not None and ctx.model is not None:
+        from geminicompress.formats.gguf_export import gguf_arch
+        from geminicompress.formats.gguf_vocab import tokenizer_pre
+
+        gguf_arch(ctx.model.config.to_dict())
+        if _source_gguf(ctx.recipe.model) is None:
+            tokenizer_pre(ctx.tokenizer)
+
+
+def _source_gguf(model: str) -> Path | None:
+    """The GGUF file MODEL was read from (the demo's included), else None."""
+    source = resolve_model(model)
+    if source.kind == "demo":
+        return source.path
+    if source.kind == "gguf" and source.path is not None and source.gguf_file:
+        return source.path / source.gguf_file
+    return None
+
+
+def _export_gguf(ctx: StageContext, tmp: Path) -> dict:
+    """OUT/model.gguf from OUT as written; the tokenizer copied from the input's GGUF file when it came from one."""
+    from geminicompress.formats.gguf_export import GGUFOptions, export
+
+    ctx.progress.info(f"writing {final_name(tmp)}/model.gguf")
+    return export(tmp, GGUFOptions(**_gguf_stage(ctx.recipe).gguf_options()), source_gguf=_source_gguf(ctx.recipe.model))
 
 
 def _head(hooks: list) -> Any:

@@ -12,6 +12,7 @@ from pydantic import Field
 
 from geminicompress.compress.targets import weight_quant_targets
 from geminicompress.core.config import WeightQuantStage
+from geminicompress.core.gguf_config import GGUF_HELP, GGUFFields
 from geminicompress.core.grid import KeptCodes, QuantizedWeight, QuantSpec, keep_codes, rtn_quantize
 from geminicompress.engine.contract import Done, LayerStage, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
@@ -19,14 +20,14 @@ from geminicompress.formats import writer_for
 from geminicompress.formats.checkpoint import scale_dtype
 
 
-class RTNStage(WeightQuantStage):
+class RTNStage(WeightQuantStage, GGUFFields):
     """Round-to-nearest: scale and zero point from each group's min and max."""
 
     method: Literal["rtn"]
     sym: bool = Field(True, description="symmetric (default) or asymmetric with zero points",
                       json_schema_extra={"cli": "--sym/--asym"})
-    format: Literal["gptq", "awq", "compressed-tensors", "dense"] = Field("gptq", description="on-disk format "
-                                                                         "(default: the method's own)")
+    format: Literal["gptq", "awq", "compressed-tensors", "dense", "gguf"] = Field(
+        "gptq", description=f"on-disk format (default: the method's own); {GGUF_HELP}")
 
 
 class RTN(LayerStage):

@@ -13,7 +13,8 @@ class Strict(BaseModel):
 
 GroupSize = Union[Annotated[int, Field(ge=-1)], Literal["auto"]]
 GROUP_SIZE_HELP = ("input columns sharing a scale; -1 or 0 = per output channel; default auto: the largest of 128, "
-                   "64, 32 dividing every quantized layer's input features (printed, and recorded in report.json)")
+                   "64, 32 dividing every quantized layer's input features (printed, and recorded in report.json); "
+                   "32 with --format gguf")
 
 
 class StageBase(Strict):

@@ -40,6 +40,7 @@ QUANTIZED: dict[str, str] = {
     "awq": "geminicompress.formats.awq",
     "compressed-tensors": "geminicompress.formats.pack_quantized",
     "dense": "geminicompress.formats.dense",
+    "gguf": "geminicompress.formats.gguf_export",  # a gptq checkpoint + OUT/model.gguf
 }
 
 

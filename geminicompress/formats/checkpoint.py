@@ -22,7 +22,7 @@ INDEX = "model.safetensors.index.json"
 def scale_dtype(fmt: str, dtype: str) -> torch.dtype:
     """The dtype a format stores scales in; quantize with scales already rounded to it so that the
     in-memory model and the written checkpoint compute the same weights."""
-    return torch.float16 if fmt in ("gptq", "awq") else getattr(torch, dtype)
+    return torch.float16 if fmt in ("gptq", "awq", "gguf") else getattr(torch, dtype)
 
 
 def module_tensors(prefix: str, module: nn.Module, dtype: torch.dtype,

@@ -7,9 +7,10 @@ from typing import Literal
 from pydantic import Field
 
 from geminicompress.core.config import WeightQuantStage
+from geminicompress.core.gguf_config import GGUF_HELP, GGUFFields
 
 
-class AWQStage(WeightQuantStage):
+class AWQStage(WeightQuantStage, GGUFFields):
     """AWQ (Lin et al., 2023): activation-aware scaling (+ clipping), then RTN or GPTQ."""
 
     method: Literal["awq", "awq+gptq"]
@@ -26,5 +27,5 @@ class AWQStage(WeightQuantStage):
                              "see gptq); awq's round-to-nearest keeps them anyway")
     search_results: str | None = Field(None, description="re-apply saved scales/clips (OUT/awq_search/) instead of "
                                        "searching")
-    format: Literal["awq", "compressed-tensors", "dense"] = Field("awq", description="on-disk format (default: the "
-                                                                 "method's own)")
+    format: Literal["awq", "compressed-tensors", "dense", "gguf"] = Field(
+        "awq", description=f"on-disk format (default: the method's own); {GGUF_HELP}")

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from geminicompress.core.config import Strict, WeightQuantStage
+from geminicompress.core.gguf_config import GGUF_HELP, GGUFFields
 
 
 class QuantAllocation(Strict):
@@ -37,7 +38,7 @@ class QuantAllocation(Strict):
         return self
 
 
-class GPTQStage(WeightQuantStage):
+class GPTQStage(WeightQuantStage, GGUFFields):
     """GPTQ (Frantar et al., 2022): Hessian-aware rounding, layer by layer."""
 
     method: Literal["gptq"]
@@ -64,8 +65,8 @@ class GPTQStage(WeightQuantStage):
     calib_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="float32 (default) or bfloat16: the dtype layers compute in while calibrating; the "
         "solver and the saved weights stay float32. bfloat16 is faster on GPUs and on CPUs with AVX512-BF16")
-    format: Literal["gptq", "compressed-tensors", "dense"] = Field("gptq", description="on-disk format (default: the "
-                                                                  "method's own)")
+    format: Literal["gptq", "compressed-tensors", "dense", "gguf"] = Field(
+        "gptq", description=f"on-disk format (default: the method's own); {GGUF_HELP}")
     allocation: QuantAllocation | None = Field(None, description="mixed precision: bits per module under a budget")
     overrides: dict[str, str] = Field(default_factory=dict, description="module name -> b<bits>g<group> "
                                       "(e.g. model.layers.0.self_attn.v_proj: b8g64); wins over the allocation")

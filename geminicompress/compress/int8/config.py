@@ -7,9 +7,10 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from geminicompress.core.config import StageBase
+from geminicompress.core.gguf_config import GGUFFields
 
 
-class Int8Stage(StageBase):
+class Int8Stage(StageBase, GGUFFields):
     """INT8: `int8` = weight-only (W8A16); `w8a8` = INT8 weights and dynamic INT8 activations."""
 
     type: Literal["quantize"] = "quantize"
@@ -20,8 +21,9 @@ class Int8Stage(StageBase):
         "DATA; 0 or null = no SmoothQuant")
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="module name pattern (regex) to keep "
                               "in float; repeatable (default lm_head)")
-    format: Literal["compressed-tensors"] = Field("compressed-tensors", description="compressed-tensors: "
-                                                  "int-quantized (w8a8), pack-quantized 8-bit (int8)")
+    format: Literal["compressed-tensors", "gguf"] = Field("compressed-tensors", description="compressed-tensors: "
+                                                          "int-quantized (w8a8), pack-quantized 8-bit (int8); gguf: "
+                                                          "OUT/model.gguf (Q8_0) beside it")
 
     @model_validator(mode="after")
     def _smoothquant_needs_w8a8(self) -> "Int8Stage":

@@ -23,11 +23,14 @@ from geminicompress.compress.int8 import smoothquant as sq
 from geminicompress.compress.int8.config import Int8Stage
 from geminicompress.compress.targets import check_patterns_match, compile_patterns
 from geminicompress.core.arch import arch_for, get_module, set_module
+from geminicompress.core.grid import QuantSpec
 from geminicompress.engine.contract import Done, LayerStage, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
 from geminicompress.errors import InputError
+from geminicompress.formats import check_shapes
 from geminicompress.formats.int_quantized import Int8Writer
 from geminicompress.kernels.int8 import MODULES
+from geminicompress.kernels.int8_quant import quantize
 
 
 class Int8(LayerStage):
@@ -42,6 +45,8 @@ class Int8(LayerStage):
                                                  ctx.layers.tied_output)
         if not self.targets:
             raise InputError("the ignore patterns leave no linear layer to quantize")
+        if cfg.format == "gguf":  # Q8_0 blocks of 32 input columns
+            check_shapes("gguf", {n: tuple(get_module(ctx.model, n).weight.shape) for n in self.targets}, QuantSpec(8))
         self.calibrated = cfg.smoothquant_alpha is not None
         self.groups, self.skipped = sq.foldable_groups(ctx.model, arch_for(ctx.model), set(self.targets)) \
             if self.calibrated else ([], [])
@@ -58,6 +63,10 @@ class Int8(LayerStage):
             rel = full[len(head):]
             linear = get_module(root, rel) if rel else root
             module = MODULES[self.cfg.method].from_linear(linear)
+            if self.cfg.format == "gguf":  # GGUF's Q8_0 stores fp16 scales: the codes are rounded on those
+                scale = module.weight_scale.to(torch.float16).float()
+                module.weight.copy_(quantize(linear.weight.data, scale))
+                module.weight_scale.copy_(scale)
             err = relative_error(linear.weight, module.dequantized_weight())
             if rel:
                 set_module(root, rel, module)
@@ -105,7 +114,9 @@ class Int8(LayerStage):
         return self.quantize(module, name)[0] if name in self.targets else None
 
     def writer(self) -> Int8Writer:
-        return Int8Writer(self.ctx.model, self.ctx.out_dtype, self.cfg.method, self.targets)
+        writer = Int8Writer(self.ctx.model, self.ctx.out_dtype, self.cfg.method, self.targets)
+        writer.gguf = self.cfg.format == "gguf"  # OUT/model.gguf (Q8_0) once OUT is written (pipeline.py)
+        return writer
 
     def summary(self, layers: list[dict], done: Done) -> dict[str, Any]:
         rows = [r for s in layers for r in s.get("int8_rows", [])] + done.outside_rows

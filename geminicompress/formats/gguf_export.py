@@ -1,0 +1,245 @@
+"""OUT as one GGUF file for llama.cpp (and Ollama, LM Studio): `--format gguf` writes OUT/model.gguf beside the
+checkpoint, from the checkpoint as written, one module at a time.
+
+The checkpoint's quantized linears are read by their format's reader (formats/) and written as the GGUF block
+type that holds their codes exactly (formats/gguf.py); float linears as F16 (or F32), norms and biases as F32,
+the embeddings as Q8_0 (or F16/F32: `embeddings`), an untied float output head likewise, a tied one not at
+all (llama.cpp reads token_embd.weight for it). Rows of q_proj/k_proj (codes, scales and biases alike) are
+reordered as llama.cpp's converter does for the llama architecture (not for qwen2). Metadata: the llama.cpp
+hyperparameters of the architecture (rope.freq_base and the RMS epsilon included: llama.cpp silently takes
+10000 and 1e-5 when they are missing), and the tokenizer (gguf_vocab.py).
+
+Memory: one module's tensors at a time; the written blocks go to a spooled temporary file (gguf's
+`use_temp_file`), which spills to disk past 256 MB.
+
+As a quantized format: `writer(...)` writes the checkpoint in GPTQ format (which holds every grid GGUF
+takes) and marks it for the export that follows verification (pipeline.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import torch
+import torch.nn as nn
+from gguf import GGMLQuantizationType as Q
+from safetensors import safe_open
+
+from geminicompress.core.grid import QuantizedWeight, QuantSpec
+from geminicompress.errors import GeminiError, InputError
+from geminicompress.formats import gguf as blocks
+from geminicompress.formats.checkpoint import weight_files
+from geminicompress.formats.gguf_vocab import build_tokenizer, copy_tokenizer
+
+KEY = "gguf"
+FILE = "model.gguf"
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    name: str  # general.architecture
+    arch: gguf.MODEL_ARCH  # the tensor-name table
+    permute_qk: bool  # the converter reorders q/k rows (rotate-half -> interleaved rope)
+
+
+# model_type -> how llama.cpp names it (its converter maps Mistral to the llama architecture)
+ARCHS: dict[str, GGUFArch] = {
+    "llama": GGUFArch("llama", gguf.MODEL_ARCH.LLAMA, True),
+    "mistral": GGUFArch("llama", gguf.MODEL_ARCH.LLAMA, True),
+    "qwen2": GGUFArch("qwen2", gguf.MODEL_ARCH.QWEN2, False),
+}
+
+
+@dataclass(frozen=True)
+class GGUFOptions:
+    asym: str = "q5_0"  # asymmetric <= 4-bit codes: q5_0 (exact) or q4_1 (its m rounded to fp16)
+    embeddings: str = "q8_0"  # token embeddings and an untied float head: q8_0, f16 or f32
+    floats: str = "f16"  # float linears (dense or pruned): f16 or f32
+
+
+def gguf_arch(config: dict[str, Any]) -> GGUFArch:
+    """The GGUF architecture of a config.json; InputError (one line) for one we cannot name, or a rope
+    scaling we do not write."""
+    model_type = config.get("model_type")
+    if model_type not in ARCHS:
+        raise InputError(f"--format gguf writes the architectures {', '.join(ARCHS)}; this model is "
+                         f"'{model_type}' (use another --format)")
+    scaling = _rope(config).get("rope_type", "default")
+    if scaling not in ("default", "linear"):
+        raise InputError(f"--format gguf: rope scaling '{scaling}' is not written to GGUF here (default and linear are)")
+    return ARCHS[model_type]
+
+
+def _rope(config: dict[str, Any]) -> dict[str, Any]:
+    """The rope parameters (transformers 5: `rope_parameters`; before: `rope_theta` and `rope_scaling`)."""
+    rope = dict(config.get("rope_scaling") or {})
+    rope.update(config.get("rope_parameters") or {})
+    if "rope_theta" in config:
+        rope.setdefault("rope_theta", config["rope_theta"])
+    if "type" in rope:
+        rope.setdefault("rope_type", rope["type"])
+    return rope
+
+
+def check_shape(name: str, out_f: int, in_f: int, spec: QuantSpec) -> None:
+    """Before any work: GGUF's blocks are 32 input columns, each under one scale; asymmetric 8-bit has no type."""
+    if in_f % blocks.BLOCK:
+        raise InputError(f"{name}: --format gguf stores rows in blocks of {blocks.BLOCK} and its {in_f} input features "
+                         f"are not a multiple of {blocks.BLOCK}; --ignore it or use another --format")
+    if spec.group_size not in (-1, 0) and spec.group_size % blocks.BLOCK:
+        raise InputError(f"--format gguf needs a group size that is a multiple of {blocks.BLOCK} (or -1), "
+                         f"got {spec.group_size}")
+    if not spec.sym and spec.bits >= 8:
+        raise InputError("--format gguf: asymmetric 8-bit codes have no exact GGUF type; use --sym, or 4 bits")
+
+
+def writer(model: nn.Module, dtype: torch.dtype, specs: dict[str, QuantSpec], meta: dict[str, Any],
+           qweights: Any) -> Any:
+    """The checkpoint beside model.gguf: GPTQ format (symmetric or with zero points, any group), marked
+    `gguf` so that the pipeline exports it once it is written and verified."""
+    from geminicompress.formats import gptq
+
+    gguf_arch(model.config.to_dict())
+    packed = gptq.writer(model, dtype, specs, meta, qweights)
+    packed.gguf = True
+    return packed
+
+
+def export(out: Path, options: GGUFOptions | None = None, source_gguf: Path | None = None,
+           dest: Path | None = None) -> dict[str, Any]:
+    """Write the checkpoint in `out` as `dest` (default OUT/model.gguf); tokenizer metadata copied from
+    `source_gguf` when given, else built from OUT's tokenizer. Returns what report.json says of it."""
+    options = options or GGUFOptions()
+    dest = dest or out / FILE
+    config = json.loads((out / "config.json").read_text())
+    arch = gguf_arch(config)
+    tmp = dest.with_name(f".{dest.name}.partial")
+    writer = gguf.GGUFWriter(tmp, arch.name, use_temp_file=True)
+    try:
+        _metadata(writer, config, arch)
+        vocab = config.get("vocab_size")
+        if source_gguf is not None:
+            copy_tokenizer(writer, source_gguf)
+            tokenizer = f"copied from {source_gguf.name}"
+        else:
+            tokenizer = f"built ({build_tokenizer(writer, out, vocab)})"
+        stats = _tensors(writer, out, config, arch, options)
+        writer.add_file_type(_FILE_TYPES.get(stats["types"].most_common(1)[0][0], gguf.LlamaFileType.GUESSED))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+    os.replace(tmp, dest)
+    return {"file": dest.name, "bytes": dest.stat().st_size, "tokenizer": tokenizer,
+            "types": {t.name: n for t, n in stats["types"].items()}, "exact": stats["exact"],
+            **({"q4_1_max_m_error_steps": round(stats["q4_1_err"], 6)} if stats["q4_1_err"] else {})}
+
+
+_FILE_TYPES = {Q.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0, Q.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
+               Q.Q5_0: gguf.LlamaFileType.MOSTLY_Q5_0, Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
+               Q.F16: gguf.LlamaFileType.MOSTLY_F16, Q.F32: gguf.LlamaFileType.ALL_F32}
+
+
+def _metadata(w: gguf.GGUFWriter, config: dict[str, Any], arch: GGUFArch) -> None:
+    """The hyperparameters llama.cpp reads for the llama/qwen2 architectures (the converter's TextModel)."""
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // heads
+    rope = _rope(config)
+    w.add_name(str(config.get("_name_or_path") or config.get("_model_name_or_path") or config["model_type"]))
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    w.add_vocab_size(config["vocab_size"])
+    w.add_rope_dimension_count(head_dim)
+    if head_dim != hidden // heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _tensors(w: gguf.GGUFWriter, out: Path, config: dict[str, Any], arch: GGUFArch,
+             options: GGUFOptions) -> dict[str, Any]:
+    """Every tensor of OUT into `w`, one module at a time."""
+    from geminicompress.formats import module_reader
+
+    names = gguf.get_tensor_name_map(arch.arch, config["num_hidden_layers"])
+    reader = module_reader(out, config)
+    heads = {"q_proj": config["num_attention_heads"],
+             "k_proj": config.get("num_key_value_heads") or config["num_attention_heads"]}
+    tied = bool(config.get("tie_word_embeddings", False))
+    stats: dict[str, Any] = {"types": Counter(), "exact": True, "q4_1_err": 0.0}
+    with ExitStack() as stack:
+        files = {}
+        for file in weight_files(out):
+            handle = stack.enter_context(safe_open(str(file), framework="pt"))
+            files.update(dict.fromkeys(handle.keys(), handle))
+        modules = reader.modules(files) if reader is not None else {}
+        owned = {k for keys in modules.values() for k in keys}
+
+        def add(hf_name: str, enc: blocks.Encoded) -> None:
+            name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if name is None:
+                raise GeminiError(f"{hf_name}: no GGUF tensor name for it in the {arch.name} architecture")
+            kind = hf_name.rsplit(".", 2)[-2] if "." in hf_name else ""
+            if arch.permute_qk and kind in heads:
+                enc = blocks.permute_rows(enc, blocks.qk_permutation(enc.shape[0], heads[kind]))
+            w.add_tensor(name, enc.data, raw_shape=enc.data.shape if enc.qtype in (Q.F16, Q.F32) else None,
+                         raw_dtype=None if enc.qtype in (Q.F16, Q.F32) else enc.qtype)
+            stats["types"][enc.qtype] += 1
+            if enc.qtype == Q.Q4_1:
+                stats["q4_1_err"] = max(stats["q4_1_err"], enc.max_step_error)
+
+        for module, keys in modules.items():
+            built = reader.module(module, {k: files[k].get_tensor(k) for k in keys}, torch.float32)
+            qw, bias, exact = codes_of(built)
+            stats["exact"] &= exact
+            add(f"{module}.weight", blocks.encode_quantized(qw, options.asym))
+            if bias is not None:
+                add(f"{module}.bias", blocks.encode_float(bias, Q.F32))
+        for key, handle in files.items():
+            if key in owned or (tied and key == "lm_head.weight"):
+                continue
+            tensor = handle.get_tensor(key)
+            add(key, blocks.encode_float(tensor, _float_type(key, tensor, options)))
+    return stats
+
+
+def _float_type(key: str, tensor: torch.Tensor, options: GGUFOptions) -> Q:
+    if tensor.dim() < 2:
+        return Q.F32
+    if key.endswith("embed_tokens.weight") or key == "lm_head.weight":
+        return {"q8_0": Q.Q8_0, "f16": Q.F16, "f32": Q.F32}[options.embeddings]
+    return blocks.FLOAT_TYPES[options.floats]
+
+
+def codes_of(module: nn.Module) -> tuple[QuantizedWeight, torch.Tensor | None, bool]:
+    """(the codes, the bias, whether the scales are fp16 values) of a quantized module our readers build:
+    a `DequantLinear` (gptq, awq, pack-quantized) or an INT8 module (int-quantized: zero 128 on 8 bits)."""
+    if hasattr(module, "zeros") and hasattr(module, "g_idx"):
+        qw = QuantizedWeight(module.q, module.scales.float(), module.zeros, module.g_idx,
+                             QuantSpec(module.bits, -1, True))
+    elif hasattr(module, "weight_scale"):
+        codes = module.weight.to(torch.int32) + 128  # (out, in)
+        qw = QuantizedWeight(codes, module.weight_scale.float(), torch.full_like(module.weight_scale, 128,
+                             dtype=torch.int32), torch.zeros(codes.shape[1], dtype=torch.int32), QuantSpec(8, -1, True))
+    else:
+        raise GeminiError(f"a {type(module).__name__} has no codes GGUF can hold")
+    exact = bool((qw.scales.to(torch.float16).float() == qw.scales).all())
+    bias = getattr(module, "bias", None)
+    return qw, (bias.detach() if bias is not None else None), exact

@@ -125,3 +125,13 @@ def test_auto_is_off_for_the_normal_formats_and_signed_weighted_for_gguf():
     assert scale_search(off, spec) is None
     with pytest.raises(ValueError, match="symmetric"):
         GPTQStage(method="gptq", sym=False, scale_search="weighted")
+
+
+def test_hinv_weights_run_lazily_and_refuse_upfront():
+    W, H = _layer(3)
+    spec = QuantSpec(4, 32)
+    qw, _ = gptq_quantize(W, H, spec, act_order="static", search=ScaleSearch(signed=True, weights="hinv"))
+    base, _ = gptq_quantize(W, H, spec, act_order="static", search=ScaleSearch(signed=True))
+    assert _output_error(W, qw, H) < _output_error(W, base, H)
+    with pytest.raises(Exception, match="reaches it"):
+        gptq_quantize(W, H, spec, search=ScaleSearch(weights="hinv"), group_params="upfront")

@@ -66,7 +66,8 @@ class ScaleSearch:
     weight; llama.cpp's Q4_0/Q5_0 quantizers do this. Unsigned: `qparams`' scale (full range, positive).
     weights: None (no search), "plain" (every column alike), "hdiag" (c_j = H_jj, the mean squared input of
     column j: llama.cpp's importance matrix), "llama" (c_rj = H_jj · sqrt(σ²_r + w_rj²), σ²_r the row's mean
-    squared weight: llama.cpp's `quantize_row_q4_0_impl` weighting).
+    squared weight: llama.cpp's `quantize_row_q4_0_impl` weighting), "hinv" (c_j = 1 / [H⁻¹]_jj², the weight
+    of column j's error in GPTQ's loss at its place in the solve; the caller passes it as `hdiag`).
     factors: the scale is searched over base · f for f in linspace(lo, hi, grid + 1); refit also tries, per
     candidate, the weighted least-squares scale of its codes, Σ c·w·l / Σ c·l² (llama.cpp's `make_qx_quants`).
     """
@@ -79,7 +80,7 @@ class ScaleSearch:
     refit: bool = True
 
     def __post_init__(self) -> None:
-        if self.weights not in (None, "plain", "hdiag", "llama"):
+        if self.weights not in (None, "plain", "hdiag", "llama", "hinv"):
             raise ValueError(f"scale search weights: {self.weights}")
 
 
@@ -126,6 +127,6 @@ def importance_for(weights: str | None, hdiag: torch.Tensor, w: torch.Tensor,
     weights, row_sigma2 (out, 1) each row's mean squared weight (for "llama")."""
     if weights in (None, "plain"):
         return None
-    if weights == "hdiag":
+    if weights in ("hdiag", "hinv"):
         return hdiag
     return hdiag * torch.sqrt(row_sigma2 + w.float().square())  # (out, k)

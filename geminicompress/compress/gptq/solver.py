@@ -89,6 +89,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
     hdiag = torch.diag(H).clone()  # (in,)
     if search is not None and not spec.sym:
         raise GeminiError("a scale search needs a symmetric grid (sym)")
+    if search is not None and search.weights == "hinv" and group_params == "upfront":
+        raise GeminiError("a scale search weighted by H⁻¹ decides each group's scale when the solver reaches it")
     sigma2 = W.square().mean(dim=1, keepdim=True) if search is not None else None  # (out, 1), llama.cpp's σ²
 
     if act_order == "none":
@@ -140,7 +142,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
                 positions = torch.nonzero(pos_group == g).flatten()
                 cur = _current(Wt, W1, Err1, Hinv, i1, j1, positions)  # (out, k)
                 if search is not None:
-                    imp = importance_for(search.weights, hdiag[perm[positions]], cur, sigma2)
+                    diag = hinv_imp[positions] if search.weights == "hinv" else hdiag[perm[positions]]
+                    imp = importance_for(search.weights, diag, cur, sigma2)
                     params[g] = search_qparams(cur, spec, search, imp)
                 else:
                     imp = None

@@ -113,7 +113,7 @@ def quantize_task(task: dict) -> dict:
             arr[i].size = data.size
         arr[len(entries)].name = None  # the list ends at a null name
         keep.append(arr)
-        params.imatrix = ctypes.cast(arr, ctypes.c_void_p)
+        params.imatrix = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
     code = llama_cpp.llama_model_quantize(task["src"].encode(), task["dst"].encode(), ctypes.byref(params))
     if code != 0:
         raise RuntimeError(f"llama_model_quantize returned {code} for {task['ftype']}")

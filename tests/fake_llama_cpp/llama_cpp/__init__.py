@@ -45,13 +45,13 @@ def llama_print_system_info():
     return b"FAKE = 1"
 
 
-class llama_model_quantize_params(ctypes.Structure):
-    _fields_ = [("nthread", ctypes.c_int32), ("ftype", ctypes.c_int), ("allow_requantize", ctypes.c_bool),
-                ("imatrix", ctypes.c_void_p)]
-
-
 class llama_model_imatrix_data(ctypes.Structure):
     _fields_ = [("name", ctypes.c_char_p), ("data", ctypes.POINTER(ctypes.c_float)), ("size", ctypes.c_size_t)]
+
+
+class llama_model_quantize_params(ctypes.Structure):
+    _fields_ = [("nthread", ctypes.c_int32), ("ftype", ctypes.c_int), ("allow_requantize", ctypes.c_bool),
+                ("imatrix", ctypes.POINTER(llama_model_imatrix_data))]
 
 
 def llama_model_quantize_default_params():
@@ -62,7 +62,7 @@ def llama_model_quantize(src, dst, params):
     p = ctypes.cast(params, ctypes.POINTER(llama_model_quantize_params)).contents
     names = []
     if p.imatrix:
-        arr = ctypes.cast(p.imatrix, ctypes.POINTER(llama_model_imatrix_data))
+        arr = p.imatrix
         i = 0
         while arr[i].name is not None:
             names.append((arr[i].name.decode(), [arr[i].data[j] for j in range(arr[i].size)]))

@@ -45,10 +45,10 @@ CALIB = ["--data", str(DATA / "enwiki-sample.txt"), "--samples", "32", "--calib-
 OURS_ROWS = {  # name -> quantize arguments (written as OUT/model.gguf by --format gguf)
     "ours-gptq-q4_0": ["--method", "gptq", "--bits", "4", "--group-size", "32", *CALIB],
     "ours-gptq-q5_0": ["--method", "gptq", "--bits", "5", "--group-size", "32", *CALIB],
-    "ours-awq-q4_1": ["--method", "awq", "--bits", "4", "--group-size", "32", "--gguf-type", "q4_1", *CALIB],
-    "ours-awq-q5_0": ["--method", "awq", "--bits", "4", "--group-size", "32", "--gguf-type", "q5_0", *CALIB],
+    "ours-awq-q4_1": ["--method", "awq", "--bits", "4", "--group-size", "32", "--gguf-asym", "q4_1", *CALIB],
+    "ours-awq-q5_0": ["--method", "awq", "--bits", "4", "--group-size", "32", "--gguf-asym", "q5_0", *CALIB],
     "ours-rtn-q4_0": ["--method", "rtn", "--bits", "4", "--group-size", "32", "--sym"],
-    "ours-int8-q8_0": ["--method", "int8"],
+    "ours-int8-q8_0": ["--method", "int8", *CALIB],
 }
 LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",

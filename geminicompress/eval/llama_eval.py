@@ -128,7 +128,7 @@ def gguf_for(spec: str, python: str, work: Path) -> Path:
         raise InputError(f"{spec}: --engine llama.cpp reads .gguf files; this build cannot export a directory to GGUF "
                          f"on the fly: quantize with --format gguf (it writes OUT/model.gguf)") from None
     dst = work / f"{Path(spec.rstrip('/')).name}.gguf"
-    gguf_export.export_dir(source.path, dst)
+    gguf_export.export(source.path, dest=dst)
     return dst
 
 

@@ -186,7 +186,7 @@ def _solve_group(job: LayerJob, group: list[str], H: torch.Tensor, *, cfg: GPTQS
 
 
 # what --scale-search weighted uses: llama.cpp's Q4_0 weighting of the importance matrix (the Hessian's diagonal,
-# the mean squared input, times sqrt(σ²_row + w²)); measured on the demo against the diagonal alone (docs/gguf.md)
+# the mean squared input, times sqrt(σ²_row + w²)); measured on the demo against the diagonal alone (docs/llama-cpp.md)
 WEIGHTED = "llama"
 
 

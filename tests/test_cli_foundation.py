@@ -90,7 +90,7 @@ def test_failed_stage_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
     [
         (["--method", "int4"], "--method 'int4' is not one of"),
         (["--method", "int8", "--act-order", "static"], "--act-order does not apply to --method int8"),
-        (["--method", "gptq", "--bits", "5"], "bits: Input should be 2, 3, 4 or 8 (got 5)"),
+        (["--method", "gptq", "--bits", "6"], "bits: Input should be 2, 3, 4, 5 or 8 (got 6)"),
         (["--method", "w8a8", "--smoothquant-alpha", "1.5"], "smoothquant_alpha"),
         (["--method", "gptq", "--data", "nope.txt"], "data file nope.txt does not exist"),
     ],

@@ -62,7 +62,7 @@ def test_rtn_error_within_half_step(bits, group_size, sym):
 
 def test_bad_spec():
     with pytest.raises(InputError, match="bits must be"):
-        QuantSpec(bits=5)
+        QuantSpec(bits=6)
     assert QuantSpec(bits=4, group_size=0).group_size == -1
 
 

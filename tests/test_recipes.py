@@ -35,7 +35,7 @@ def test_valid_recipe_validates(tiny_dir, tmp_path):
     "mutate, needle",
     [
         (lambda r: r["stages"][0].update(bitz=3), "stages.0.bitz: unknown key"),
-        (lambda r: r["stages"][0].update(bits=7), "stages.0.bits: Input should be 2, 3, 4 or 8 (got 7)"),
+        (lambda r: r["stages"][0].update(bits=7), "stages.0.bits: Input should be 2, 3, 4, 5 or 8 (got 7)"),
         (lambda r: r["stages"][0].update(damp=2.0), "stages.0.damp: Input should be less than 1"),
         (lambda r: r.update(calibration={"samples": 0}), "calibration.samples: Input should be greater than or equal to 1"),
         (lambda r: r["stages"][0].update(method="int3"), "stages.0: unknown stage"),

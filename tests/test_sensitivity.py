@@ -59,7 +59,7 @@ def test_spearman():
 @pytest.mark.parametrize("text, needle", [
     ("foo:0.5", "unknown method 'foo'"),
     ("gptq:b4", "write gptq:b<bits>g<group size>"),
-    ("gptq:b5g64", "bits must be 2, 3, 4 or 8"),
+    ("gptq:b6g64", "bits must be 2, 3, 4, 5 or 8"),
     ("gptq:b4g0", "group size must be positive"),
     ("wanda:1.5", "sparsity in (0, 1)"),
 ])

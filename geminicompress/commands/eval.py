@@ -48,8 +48,13 @@ def eval_(
     dtype_baseline: bool = typer.Option(True, "--dtype-baseline/--no-dtype-baseline", help="When a model runs in "
                                         "another activation dtype than the baseline (int4 kernels: bf16), also time "
                                         "the baseline in that dtype (default on)."),
-    engine: str = typer.Option("transformers", "--engine", help="transformers (in this process) or vllm: load and "
-                               "measure every model in vLLM, installed in its own venv (docs/serving.md)."),
+    engine: str = typer.Option("transformers", "--engine", help="transformers (in this process), vllm: load and "
+                               "measure every model in vLLM, installed in its own venv (docs/serving.md), or "
+                               "llama.cpp: every model as GGUF in llama-cpp-python (perplexity, KL over the "
+                               "baseline's top 16 + rest: a lower bound, TTFT/TPOT at batch 1)."),
+    llama_python: Optional[str] = typer.Option(None, "--llama-python", help="Python that has llama-cpp-python "
+                                               "(default: this one if it imports llama_cpp, else "
+                                               "$GEMINICOMPRESS_LLAMA_PYTHON)."),
     vllm_python: Optional[str] = typer.Option(None, "--vllm-python", help="Python of the venv that has vLLM (default: "
                                               "this one if it imports vllm, else $GEMINICOMPRESS_VLLM_PYTHON)."),
     text_column: str = c.TEXT_COLUMN,
@@ -83,7 +88,7 @@ def eval_(
     try:
         options = EvalStage(type="eval", data=data, text_column=text_column, latency=not no_latency,
                             quality=not no_quality, kernels=kernels, dtype_baseline=dtype_baseline, engine=engine,
-                            vllm_python=vllm_python, **{k: v for k, v in given.items() if v is not None})
+                            vllm_python=vllm_python, llama_python=llama_python, **{k: v for k, v in given.items() if v is not None})
     except ValidationError as exc:
         err = exc.errors()[0]
         raise InputError(f"--{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}") from exc

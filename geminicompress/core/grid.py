@@ -25,8 +25,8 @@ class QuantSpec:
     sym: bool = True
 
     def __post_init__(self) -> None:
-        if self.bits not in (2, 3, 4, 8):
-            raise InputError(f"bits must be 2, 3, 4 or 8, got {self.bits}")
+        if self.bits not in (2, 3, 4, 5, 8):
+            raise InputError(f"bits must be 2, 3, 4, 5 or 8, got {self.bits}")
         if self.group_size == 0:
             object.__setattr__(self, "group_size", -1)
         if self.group_size < -1:

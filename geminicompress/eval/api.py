@@ -105,10 +105,12 @@ def evaluate(
     progress = progress or NullProgress()
     specs = list(dict.fromkeys([baseline, *models]))
     shown = [(names or {}).get(s, n) for s, n in zip(specs, display_names(specs))]
-    if options.engine == "vllm":  # every model measured by vLLM, in its own process (vllm_eval.py)
-        from geminicompress.eval.engines.vllm_eval import evaluate_vllm
-
-        report = evaluate_vllm(specs, shown, data, options, progress, trust_remote_code)
+    if options.engine in ("vllm", "llama.cpp"):  # every model measured by that engine, in its own process
+        if options.engine == "vllm":
+            from geminicompress.eval.engines.vllm_eval import evaluate_vllm as evaluate_engine
+        else:
+            from geminicompress.eval.engines.llama_eval import evaluate_llama as evaluate_engine
+        report = evaluate_engine(specs, shown, data, options, progress, trust_remote_code)
         if out_dir is not None:
             write_report(report, out_dir)
         return report

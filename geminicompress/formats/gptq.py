@@ -42,6 +42,8 @@ def detect(qc: dict[str, Any]) -> bool:
 
 def check_shape(name: str, out_f: int, in_f: int, spec: QuantSpec) -> None:
     """The format needs whole words along both dimensions and whole groups."""
+    if spec.bits == 5:
+        raise InputError("the gptq format's kernels hold 2, 3, 4 or 8-bit codes, not 5: use --format gguf (Q5_0) or dense")
     if (in_f * spec.bits) % 32 or (out_f * spec.bits) % 32:
         raise InputError(f"{name}: gptq format packs {spec.bits}-bit codes into 32-bit words, which needs "
                          f"in/out features ({in_f}/{out_f}) to be multiples of {32 // gcd(spec.bits, 32)}; "

@@ -38,6 +38,9 @@ def detect(qc: dict[str, Any]) -> bool:
 
 
 def check_shape(name: str, out_f: int, in_f: int, spec: QuantSpec) -> None:
+    if spec.bits == 5:
+        raise InputError("compressed-tensors' kernels hold 2, 3, 4 or 8-bit codes, not 5: use --format gguf (Q5_0) "
+                         "or dense")
     if spec.group_size != -1 and in_f % spec.group_size:
         raise InputError(f"{name}: group size {spec.group_size} does not divide the {in_f} input features; "
                          f"choose a divisor of {in_f} (or -1 for per channel)")

@@ -138,10 +138,14 @@ class EvalStage(_StageBase):
         "pack-quantized, bf16 activations); reference: our dequantizing loader, latency not measured for packed formats")
     dtype_baseline: bool = Field(True, description="when a model runs in another activation dtype than the baseline "
                                  "(int4 kernels: bf16), also time the baseline in that dtype")
-    engine: Literal["transformers", "vllm"] = Field("transformers", description="vllm: load and measure every model in "
+    engine: Literal["transformers", "vllm", "llama.cpp"] = Field("transformers", description="llama.cpp: load and measure "
+                                                                "every model in llama.cpp (GGUF files or our outputs); "
+                                                                "vllm: load and measure every model in "
                                                     "vLLM (a separate install, docs/serving.md)")
     vllm_python: str | None = Field(None, description="python of the venv that has vLLM (default: this one if it "
                                     "imports vllm, else $GEMINICOMPRESS_VLLM_PYTHON)")
+    llama_python: str | None = Field(None, description="python that has llama-cpp-python (default: this one if it "
+                                     "imports llama_cpp, else $GEMINICOMPRESS_LLAMA_PYTHON)")
     serving: ServingOptions | None = Field(None, description="also build the serving table (serve-bench) with "
                                            "`engine`; its INT8 row serves the output when it is W8A8")
 

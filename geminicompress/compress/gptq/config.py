@@ -42,6 +42,8 @@ class GPTQStage(WeightQuantStage, GGUFFields):
     """GPTQ (Frantar et al., 2022): Hessian-aware rounding, layer by layer."""
 
     method: Literal["gptq"]
+    bits: Literal[2, 3, 4, 5, 8] = Field(4, description="weight bits: 2, 3, 4, 5 or 8 (5: --format gguf (Q5_0) or "
+                                         "dense only)")
     sym: bool = Field(True, description="symmetric (default) or asymmetric with zero points",
                       json_schema_extra={"cli": "--sym/--asym"})
     # defaults measured on the demo model (docs/gptq.md, "Defaults, and why")
@@ -59,6 +61,14 @@ class GPTQStage(WeightQuantStage, GGUFFields):
     first_token_weight: float = Field(16.0, ge=1.0, description="weight of each calibration window's first token "
                                       "(the attention sink) in the Hessians (default 16; 1 = every token alike)")
     block_size: int = Field(128, ge=1, description="columns per lazy-update block (default 128)")
+    scale_search: Literal["auto", "none", "plain", "weighted"] = Field(
+        "auto", description="each symmetric group's scale: none (the range's), or searched over shrink factors of it "
+        "for the least rounding error, every column alike (plain) or weighted by the input's mean square like "
+        "llama.cpp's importance matrix (weighted), decided when the solver reaches the group. auto (default): "
+        "weighted for --format gguf, none otherwise")
+    signed_scales: bool | None = Field(None, description="symmetric grids: map the largest-magnitude weight, with its "
+                                       "sign, to the lowest code so the whole range is used (llama.cpp's Q4_0; the "
+                                       "scale may be negative). Default: on for --format gguf, off otherwise")
     keep_zeros: bool = Field(False, description="on a pruned model: keep its zeros exactly (default off: GPTQ's error "
                              "feedback moves some off zero, which fits better; on the demo 68.2 vs 72.9 perplexity after "
                              "SparseGPT 50%); for a sparsity pattern a later tool needs")
@@ -83,6 +93,12 @@ class GPTQStage(WeightQuantStage, GGUFFields):
             elif act is None and static:
                 data["act_order"] = "static"
         return data
+
+    @model_validator(mode="after")
+    def _search_needs_sym(self) -> "GPTQStage":
+        if not self.sym and (self.scale_search not in ("auto", "none") or self.signed_scales):
+            raise ValueError("scale_search and signed_scales apply to symmetric grids (--sym) only")
+        return self
 
     @field_validator("overrides")
     @classmethod

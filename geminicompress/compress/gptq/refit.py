@@ -19,7 +19,7 @@ from geminicompress.core.grid import QuantizedWeight
 
 
 def refit_scales(qw: QuantizedWeight, W: torch.Tensor, H: torch.Tensor, rows: int = 4096) -> QuantizedWeight:
-    """qw with every row's scales replaced by the least-squares ones when they are all positive and lower
+    """qw with every row's scales replaced by the least-squares ones when they all keep their signs and lower
     the row's error tr(ΔW H ΔWᵀ) (else the row keeps its scales). W: (out, in) the target; H: (in, in)."""
     g = qw.g_idx.long()  # (in,)
     G = qw.scales.shape[1]
@@ -39,7 +39,7 @@ def refit_scales(qw: QuantizedWeight, W: torch.Tensor, H: torch.Tensor, rows: in
         M = M + torch.diag_embed(torch.where(diag > 0, 1e-9 * diag, torch.ones_like(diag)))
         s = torch.linalg.solve(M, b.unsqueeze(-1)).squeeze(-1)  # (n, G)
         old = scales[r]
-        ok &= (s > 0).all(dim=1) & torch.isfinite(s).all(dim=1)
+        ok &= (s * old > 0).all(dim=1) & torch.isfinite(s).all(dim=1)  # each scale keeps its sign
         e_new = _row_error(a * s[:, g] - w, H)
         e_old = _row_error(a * old[:, g] - w, H)
         ok &= e_new < e_old

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from geminicompress.compress.hessian import inverse_hessian_factor
-from geminicompress.compress.scale_search import clip_qparams
+from geminicompress.compress.scale_search import ScaleSearch, clip_qparams, importance_for, search_qparams
 from geminicompress.core.grid import QuantizedWeight, QuantSpec, qparams, quantize
 from geminicompress.errors import GeminiError
 
@@ -50,12 +50,16 @@ def zeros_to_keep(W: torch.Tensor, keep: bool, rows: int = 1024) -> torch.Tensor
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: float = 0.01, block_size: int = 128,
                   act_order: bool | str = False, static_groups: bool = False, order: str = "global",
                   group_params: str = "lazy", clip: dict | None = None, sym_range: str = "full",
-                  keep_zero: torch.Tensor | None = None, overwrite: bool = False) -> tuple[QuantizedWeight, float]:
+                  keep_zero: torch.Tensor | None = None, overwrite: bool = False,
+                  search: ScaleSearch | None = None) -> tuple[QuantizedWeight, float]:
     """Quantize W (out, in) given the layer Hessian H (in, in) = 2/N · Σ xᵀx.
 
     Returns the codes/scales/zeros/g_idx (g_idx in the original column order) and the summed
     loss Σ (w − q)² / (2 [H⁻¹]_jj²), the objective GPTQ reduces.
     keep_zero: bool (out, in), True where the result must dequantize to exactly 0 (see the module docstring).
+    search: how a symmetric group's scale is chosen (scale_search.ScaleSearch: signed scales, a weighted
+    search); it is decided from the group's weights as they are when the solver reaches the group (after the
+    error feedback of the columns before it), or from the original weights with group_params "upfront".
     overwrite: W and H (float32) are the caller's scratch: no copy of either, so the solve holds two
     Hessian-sized buffers at most (822 MB each for an 8B model's 14336-wide down_proj), and their memory is
     released once used (W after its transposed copy is made, H after the last column), even though the
@@ -83,6 +87,11 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
     hdiag = torch.diag(H).clone()  # (in,)
+    if search is not None and not spec.sym:
+        raise GeminiError("a scale search needs a symmetric grid (sym)")
+    if search is not None and search.weights == "hinv" and group_params == "upfront":
+        raise GeminiError("a scale search weighted by H⁻¹ decides each group's scale when the solver reaches it")
+    sigma2 = W.square().mean(dim=1, keepdim=True) if search is not None else None  # (out, 1), llama.cpp's σ²
 
     if act_order == "none":
         perm = torch.arange(in_f, device=W.device)
@@ -104,7 +113,9 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
             orig = perm[cols] if cols is not None else torch.arange(g * gs, min((g + 1) * gs, in_f), device=W.device)
             if spec.group_size == -1:
                 orig = torch.arange(in_f, device=W.device)
-            params[g] = _group_qparams(W[:, orig], spec, clip, hdiag[orig], sym_range)
+            params[g] = (search_qparams(W[:, orig], spec, search, importance_for(search.weights, hdiag[orig],
+                                                                                W[:, orig], sigma2))
+                         if search is not None else _group_qparams(W[:, orig], spec, clip, hdiag[orig], sym_range))
 
     Hinv = inverse_hessian_factor(H, damp, perm if act_order != "none" else None, overwrite=True)  # upper factor of H⁻¹
     del H  # its memory holds Hinv or was freed (H is this function's own copy unless overwrite)
@@ -130,12 +141,17 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, damp: fl
                 g = starts[i1 + j1]
                 positions = torch.nonzero(pos_group == g).flatten()
                 cur = _current(Wt, W1, Err1, Hinv, i1, j1, positions)  # (out, k)
-                imp = None
-                if clip is not None and clip.get("importance") == "hdiag":
-                    imp = hdiag[perm[positions]]
-                elif clip is not None and clip.get("importance") == "hinv":
-                    imp = hinv_imp[positions]
-                params[g] = _group_qparams(cur, spec, clip, imp, sym_range, given_imp=True)
+                if search is not None:
+                    diag = hinv_imp[positions] if search.weights == "hinv" else hdiag[perm[positions]]
+                    imp = importance_for(search.weights, diag, cur, sigma2)
+                    params[g] = search_qparams(cur, spec, search, imp)
+                else:
+                    imp = None
+                    if clip is not None and clip.get("importance") == "hdiag":
+                        imp = hdiag[perm[positions]]
+                    elif clip is not None and clip.get("importance") == "hinv":
+                        imp = hinv_imp[positions]
+                    params[g] = _group_qparams(cur, spec, clip, imp, sym_range, given_imp=True)
             cols = [params[group_list[i1 + i]] for i in range(j1, j2)]
             _quantize_columns(W1[j1:j2], Err1[j1:j2], Q[i1 + j1:i1 + j2], Hinv1[j1:j2, j1:j2],
                               [(s[:, 0], z[:, 0]) for s, z in cols],

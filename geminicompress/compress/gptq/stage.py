@@ -28,6 +28,7 @@ from geminicompress.compress.gptq.allocate import module_specs, write_allocation
 from geminicompress.compress.gptq.config import GPTQStage
 from geminicompress.compress.gptq.solver import gptq_quantize, zeros_to_keep
 from geminicompress.compress.hessian import HessianAccumulator
+from geminicompress.compress.scale_search import ScaleSearch
 from geminicompress.compress.targets import present_groups, weight_quant_targets
 from geminicompress.core.grid import KeptCodes, QuantSpec, keep_codes
 from geminicompress.engine.compose import OnePassFn
@@ -174,7 +175,7 @@ def _solve_group(job: LayerJob, group: list[str], H: torch.Tensor, *, cfg: GPTQS
     try:
         qw, loss = gptq_quantize(W, H, spec, damp=cfg.damp, block_size=cfg.block_size, act_order=cfg.act_order,
                                  keep_zero=zeros_to_keep(W, cfg.keep_zeros),
-                                 overwrite=overwrite)
+                                 overwrite=overwrite, search=scale_search(cfg, spec))
     except GeminiError as exc:
         raise GeminiError(f"layer {job.index} {'/'.join(group)}: {exc}") from exc
     qw.scales = qw.scales.to(scales_as).float()  # what the checkpoint will hold
@@ -182,6 +183,25 @@ def _solve_group(job: LayerJob, group: list[str], H: torch.Tensor, *, cfg: GPTQS
         job.set_weight(name, part.dequantize())
         kept.update(keep_codes(part, name))
     losses["/".join(group)] = loss
+
+
+# what --scale-search weighted uses: llama.cpp's Q4_0 weighting of the importance matrix (the Hessian's diagonal,
+# the mean squared input, times sqrt(σ²_row + w²)); measured on the demo against the diagonal alone (docs/llama-cpp.md)
+WEIGHTED = "llama"
+
+
+def scale_search(cfg: GPTQStage, spec: QuantSpec) -> ScaleSearch | None:
+    """The stage's scale choice for symmetric groups, `auto` resolved: for --format gguf, signed scales searched
+    under the weighted error (llama.cpp's own Q4_0/Q5_0 choice, here inside GPTQ's error feedback); otherwise the
+    range's scale as before (None: the checkpoints of the other formats keep their bytes)."""
+    if not spec.sym:
+        return None
+    gguf = cfg.format == "gguf"
+    mode = cfg.scale_search if cfg.scale_search != "auto" else ("weighted" if gguf else "none")
+    signed = cfg.signed_scales if cfg.signed_scales is not None else gguf
+    if mode == "none" and not signed:
+        return None
+    return ScaleSearch(signed=signed, weights={"none": None, "plain": "plain", "weighted": WEIGHTED}[mode])
 
 
 def _collect_hessians(job: LayerJob, groups: list[list[str]], first_token_weight: float = 1.0,

@@ -1,0 +1,227 @@
+"""The anchors side by side in llama.cpp: its own quantizer against ours, every row a GGUF file of the same float
+demo model scored by llama.cpp itself on the same windows, with bits per weight and file size beside it.
+
+Rows:
+- float: the demo as F32 (llama.cpp's exact dequantization of the shipped Q4_1 file, `allow_requantize`);
+- llama.cpp's quantizer (`llama_model_quantize`) on that F32 file: Q4_0, Q5_0, Q8_0; Q4_0 and Q5_0 with an
+  importance matrix (`params.imatrix`: mean x² per input channel of every linear, keyed by GGUF tensor name,
+  from our own calibration walk over the same 32 x 512 windows); Q4_K_M (on the demo most tensors fall back
+  to Q5_0/Q8_0: 576 is not a multiple of 256);
+- ours, written by `quantize --format gguf` (GPTQ -> Q4_0 and Q5_0, AWQ -> Q4_1 and Q5_0, RTN -> Q4_0,
+  int8 -> Q8_0): run only when this build's `quantize` knows `--format gguf`, else listed as not built.
+
+Caveat: the demo's float weights lie on a Q4_1 grid, so Q4_1 (and K-quant mins) re-quantize them almost
+losslessly: never rank at Q4_1 on the demo; Q4_0, Q5_0 and Q8_0 are fair.
+
+Protocol: perplexity by llama.cpp (llama-cpp-python, eval/engines/llama_driver.py) over the first 8,192 WikiText-2 test
+tokens (transformers tokenizer ids) in 16 windows of 512; KL to the F32 row over its top 16 tokens + rest (a
+lower bound). No timings (the machine is shared). Two phases, so a long build can be resumed:
+
+  python benchmarks/gguf_bench.py --build-only      # the GGUF files (and the importance matrix) in --work
+  python benchmarks/gguf_bench.py --score-only      # llama.cpp scores every file there: table + JSON
+  python benchmarks/gguf_bench.py --rows llama-q4_0-imatrix,llama-q5_0-imatrix   # a subset, both phases
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DATA, RESULTS, ROOT, calibration_ids, eval_windows  # noqa: E402
+
+LLAMA_ROWS = {  # name -> (llama.cpp ftype, with the importance matrix)
+    "llama-q8_0": ("Q8_0", False), "llama-q4_0": ("Q4_0", False), "llama-q4_0-imatrix": ("Q4_0", True),
+    "llama-q5_0": ("Q5_0", False), "llama-q5_0-imatrix": ("Q5_0", True), "llama-q4_k_m": ("Q4_K_M", False),
+}
+CALIB = ["--data", str(DATA / "enwiki-sample.txt"), "--samples", "32", "--calib-seq-len", "512"]
+OURS_ROWS = {  # name -> quantize arguments (written as OUT/model.gguf by --format gguf)
+    "ours-gptq-q4_0": ["--method", "gptq", "--bits", "4", "--group-size", "32", *CALIB],
+    "ours-gptq-q5_0": ["--method", "gptq", "--bits", "5", "--group-size", "32", *CALIB],
+    "ours-awq-q4_1": ["--method", "awq", "--bits", "4", "--group-size", "32", "--gguf-asym", "q4_1", *CALIB],
+    "ours-awq-q5_0": ["--method", "awq", "--bits", "4", "--group-size", "32", "--gguf-asym", "q5_0", *CALIB],
+    "ours-rtn-q4_0": ["--method", "rtn", "--bits", "4", "--group-size", "32", "--sym"],
+    "ours-int8-q8_0": ["--method", "int8", *CALIB],
+}
+LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+           "mlp.down_proj": "ffn_down"}
+
+
+def llama_python() -> str:
+    from geminicompress.eval.engines.llama_eval import find_python
+
+    return find_python(os.environ.get("GEMINICOMPRESS_LLAMA_PYTHON") or "/work/venv-llama/bin/python")
+
+
+def importance_matrix(calib: torch.Tensor) -> dict[str, list[float]]:
+    """Mean x² per input channel of every decoder linear over the calibration windows, keyed by GGUF tensor
+    name (blk.N.attn_q.weight ...): what llama.cpp's `llama-imatrix` computes, from our calibration walk."""
+    from geminicompress.models.loading import load_model
+
+    model = load_model("smollm2-demo").model
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        for path, short in LINEARS.items():
+            name = f"blk.{i}.{short}.weight"
+            module = layer.get_submodule(path)
+
+            def hook(mod, args, out, name=name):
+                x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+                sums[name] = sums.get(name, 0) + x.square().sum(0)
+                counts[name] = counts.get(name, 0) + x.shape[0]
+            hooks.append(module.register_forward_hook(hook))
+    with torch.no_grad():
+        for b in range(0, len(calib), 4):
+            model.model(calib[b:b + 4])  # the decoder only: the head is not a linear llama.cpp quantizes here
+    for h in hooks:
+        h.remove()
+    return {k: (v / counts[k]).tolist() for k, v in sums.items()}
+
+
+def knows_gguf() -> bool:
+    """Whether this build's `quantize` writes --format gguf (issue #37's exporter)."""
+    try:
+        from geminicompress.compress.gptq.config import GPTQStage
+
+        GPTQStage(method="gptq", format="gguf")
+        return True
+    except Exception:
+        return False
+
+
+def build(work: Path, rows: list[str], python: str) -> dict[str, str]:
+    """Write the GGUF file of every row in `rows` under `work`; returns {row: why not built}."""
+    from geminicompress.eval.engines.llama_eval import demo_f32, run_driver
+    from geminicompress.models.loading import load_model
+
+    work.mkdir(parents=True, exist_ok=True)
+    skipped: dict[str, str] = {}
+    f32 = work / "float-f32.gguf"
+    if not f32.is_file():
+        f32.write_bytes(demo_f32(python).read_bytes())
+    imatrix_path = work / "imatrix.json"
+    if any(LLAMA_ROWS.get(r, ("", False))[1] for r in rows) and not imatrix_path.is_file():
+        tok = load_model("smollm2-demo").tokenizer
+        imatrix_path.write_text(json.dumps(importance_matrix(calibration_ids(tok, 32))))
+    for row in rows:
+        dst = work / f"{row}.gguf"
+        if dst.is_file() or row == "float-f32":
+            continue
+        if row in LLAMA_ROWS:
+            ftype, imatrix = LLAMA_ROWS[row]
+            task = {"kind": "quantize", "src": str(f32), "dst": str(dst), "ftype": ftype,
+                    "imatrix": json.loads(imatrix_path.read_text()) if imatrix else None}
+            result = run_driver(python, {"model": None, "tasks": [task]})
+            if result.get("error"):
+                skipped[row] = f"llama.cpp: {result['error']}"
+        elif not knows_gguf():
+            skipped[row] = "this build's quantize has no --format gguf yet (issue #37's exporter)"
+        else:
+            out = work / f"{row}-out"
+            cmd = [sys.executable, "-m", "geminicompress", "quantize", "smollm2-demo", "-o", str(out),
+                   "--format", "gguf", "--force", "-q", *OURS_ROWS[row]]
+            done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            if done.returncode != 0 or not (out / "model.gguf").is_file():
+                skipped[row] = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
+            else:
+                (out / "model.gguf").replace(dst)
+    return skipped
+
+
+def linear_bits(path: Path) -> float:
+    """Stored bits per weight of the decoder linears (blk.*.{attn,ffn}_*.weight), block scales included."""
+    from gguf import GGUFReader
+
+    bits = elems = 0
+    for t in GGUFReader(str(path)).tensors:
+        if t.name.startswith("blk.") and any(f".{s}.weight" in t.name for s in LINEARS.values()):
+            bits += int(t.n_bytes) * 8
+            elems += int(t.n_elements)
+    return round(bits / elems, 3)
+
+
+def score(work: Path, rows: list[str], python: str, tokens: int) -> list[dict]:
+    from geminicompress.eval.engines.llama_eval import TOP_K, quality_from_llama, run_driver
+    from geminicompress.models.loading import load_model
+
+    windows = eval_windows(load_model("smollm2-demo").tokenizer, tokens // 512)
+    results, base = [], None
+    for row in ["float-f32", *[r for r in rows if r != "float-f32"]]:
+        path = work / f"{row}.gguf"
+        if not path.is_file():
+            results.append({"row": row, "error": "not built"})
+            continue
+        task = {"kind": "logprobs", "windows": windows.tolist(), "top_k": TOP_K if base is None else 0,
+                "at": None if base is None else base["topk_ids"]}
+        t0 = time.perf_counter()
+        result = run_driver(python, {"model": str(path), "threads": 2, "n_ctx": 528, "tasks": [task]})
+        if result.get("error"):
+            results.append({"row": row, "error": result["error"]})
+            continue
+        q = quality_from_llama(result["tasks"][0], windows, base)
+        if base is None:
+            base = {**result["tasks"][0], "perplexity": q["perplexity"]}
+        results.append({"row": row, "file_mb": round(path.stat().st_size / 1e6, 3), "linear_bits": linear_bits(path),
+                        "perplexity": round(q["perplexity"], 3),
+                        "drift_pct": round(100 * (q["ppl_ratio"] - 1), 2), "kl_lower_bound": q["kl_to_baseline"],
+                        "top1_agreement": q["top1_agreement"], "llama_cpp": result["llama_cpp"],
+                        "score_s_shared_machine": round(time.perf_counter() - t0, 1)})
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| row | bits/weight (linears) | file MB | perplexity | drift | KL (lower bound) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['row']} | | | {r['error']} | | |")
+        else:
+            lines.append(f"| {r['row']} | {r['linear_bits']} | {r['file_mb']} | {r['perplexity']} | "
+                         f"{r['drift_pct']:+.2f}% | {r['kl_lower_bound']:.4f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", default=str(Path.home() / ".cache" / "geminicompress" / "gguf-bench"))
+    ap.add_argument("--rows", default=",".join([*LLAMA_ROWS, *OURS_ROWS]), help="comma separated")
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--score-only", action="store_true")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--name", default="gguf_bench")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    from geminicompress.machine import machine, versions
+
+    work, rows, python = Path(args.work), [r for r in args.rows.split(",") if r], llama_python()
+    skipped = {} if args.score_only else build(work, rows, python)
+    for row, why in skipped.items():
+        print(f"not built: {row}: {why}", flush=True)
+    if args.build_only:
+        return
+    scored = score(work, rows, python, args.tokens)
+    for r in scored:
+        if r.get("error") == "not built" and r["row"] in skipped:
+            r["error"] = f"not built: {skipped[r['row']]}"
+    path = RESULTS / f"{args.name}.json"
+    path.write_text(json.dumps({"benchmark": "gguf anchors in llama.cpp", "command": "python " + " ".join(sys.argv),
+                                "perplexity": f"llama.cpp, wikitext2-test.txt, first {args.tokens} tokens, 512-token "
+                                              "windows, transformers tokenizer ids",
+                                "imatrix": "mean x^2 per input channel, 32 x 512 enwiki-sample.txt windows (seed 0)",
+                                "machine": machine(), "versions": versions(), "rows": scored}, indent=1) + "\n")
+    print(table(scored))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

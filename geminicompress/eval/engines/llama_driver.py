@@ -1,0 +1,169 @@
+"""Run one GGUF model in llama.cpp (llama-cpp-python) and write llama.cpp's own figures as JSON: the driver
+behind `eval --engine llama.cpp` and benchmarks/gguf_bench.py.
+
+This file runs under llama.cpp's python (often another venv: llama-cpp-python is built from source, docs/serving.md),
+so it imports only the standard library, numpy and llama_cpp, never geminicompress. geminicompress runs it as
+`PYTHON llama_driver.py JOB.json RESULT.json` (eval/engines/llama_eval.py builds the job and reads the result; the
+arithmetic on the figures, perplexity and KL, is done there, where it is tested).
+
+Job: {"model": FILE.gguf, "threads": n, "n_ctx": tokens, "tasks": [TASK, ...]}, TASK one of
+- {"kind": "logprobs", "windows": [[ids], ...], "top_k": k, "at": [[[ids], ...], ...] or null}: for every
+  window position i = 1..T-1, llama.cpp's log-probability of token i given the tokens before it, its most
+  likely token, its k most likely tokens with their log-probabilities, and (with `at`: per window, per
+  position, a list of ids, e.g. the baseline's top k) its log-probabilities of those ids
+  -> {"logprobs", "top1", "topk_ids", "topk_logprobs", "at_logprobs"} (lists per window);
+- {"kind": "decode", "prompt": [ids], "gen_len": n, "warmup": w, "repeats": r}: greedy decoding at batch 1,
+  timed: per run the prompt's evaluation plus the first token (TTFT) and each later token (TPOT), seconds
+  -> {"runs": [{"ttft_s": s, "token_s": [s, ...]}, ...]} (warm-up runs dropped);
+- {"kind": "quantize", "src": FILE, "dst": FILE, "ftype": "Q4_0"|..., "allow_requantize": bool,
+  "imatrix": {gguf tensor name: [mean x² per input channel]} or null}: llama.cpp's own quantizer
+  (`llama_model_quantize`) -> {"dst": FILE, "bytes": n}. `model` may then be null.
+Result: {"llama_cpp": version, "error": one line or null, "load_s": s, "threads": n, "system_info": text,
+"tasks": [one result per task, in the job's order]}.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def _load(path: str, threads: int, n_ctx: int, logits_all: bool):
+    from llama_cpp import Llama
+
+    return Llama(model_path=path, n_ctx=n_ctx, n_batch=min(n_ctx, 512), n_threads=threads, n_threads_batch=threads,
+                 logits_all=logits_all, verbose=False, seed=0)
+
+
+def _log_softmax(x):
+    import numpy as np
+
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def logprobs_task(llm, task: dict) -> dict:
+    import numpy as np
+
+    k = int(task.get("top_k", 0))
+    out = {"logprobs": [], "top1": [], "topk_ids": [], "topk_logprobs": [], "at_logprobs": []}
+    for w, window in enumerate(task["windows"]):
+        llm.reset()
+        llm.eval(window)
+        lp = _log_softmax(np.asarray(llm.scores[:len(window) - 1]))  # (T-1, vocab): position i predicts i + 1
+        nxt = np.asarray(window[1:])
+        out["logprobs"].append(lp[np.arange(len(nxt)), nxt].tolist())
+        out["top1"].append(lp.argmax(axis=-1).tolist())
+        if k:
+            ids = np.argpartition(-lp, k, axis=-1)[:, :k]
+            out["topk_ids"].append(ids.tolist())
+            out["topk_logprobs"].append(np.take_along_axis(lp, ids, axis=-1).tolist())
+        if task.get("at") is not None:
+            at = np.asarray(task["at"][w])  # (T-1, k)
+            out["at_logprobs"].append(np.take_along_axis(lp, at, axis=-1).tolist())
+    return out
+
+
+def decode_task(llm, task: dict) -> dict:
+    import numpy as np
+
+    runs = []
+    for r in range(int(task.get("warmup", 1)) + int(task["repeats"])):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(task["prompt"])
+        tok = int(np.argmax(llm.scores[len(task["prompt"]) - 1]))  # logits of the prompt's last token
+        t1 = time.perf_counter()
+        times = []
+        for _ in range(int(task["gen_len"]) - 1):
+            t = time.perf_counter()
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            times.append(time.perf_counter() - t)
+        runs.append({"ttft_s": t1 - t0, "token_s": times})
+    return {"runs": runs[int(task.get("warmup", 1)):]}
+
+
+FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K_M": 15, "Q5_K_M": 17,
+          "Q6_K": 18}  # llama_ftype
+
+
+def quantize_task(task: dict) -> dict:
+    import llama_cpp
+    import numpy as np
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[task["ftype"]]
+    params.allow_requantize = bool(task.get("allow_requantize", False))
+    params.nthread = int(task.get("threads", 0))
+    keep = []  # the imatrix arrays must live until the call returns
+    if task.get("imatrix"):
+        entries = sorted(task["imatrix"].items())
+        arr = (llama_cpp.llama_model_imatrix_data * (len(entries) + 1))()
+        for i, (name, values) in enumerate(entries):
+            data = np.ascontiguousarray(values, dtype=np.float32)
+            keep += [name.encode(), data]
+            arr[i].name = keep[-2]
+            arr[i].data = data.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            arr[i].size = data.size
+        arr[len(entries)].name = None  # the list ends at a null name
+        keep.append(arr)
+        params.imatrix = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+    code = llama_cpp.llama_model_quantize(task["src"].encode(), task["dst"].encode(), ctypes.byref(params))
+    if code != 0:
+        raise RuntimeError(f"llama_model_quantize returned {code} for {task['ftype']}")
+    return {"dst": task["dst"], "bytes": os.path.getsize(task["dst"])}
+
+
+def one_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {'; '.join(lines[:3])}"[:500] if lines else type(exc).__name__
+
+
+def run(job: dict) -> dict:
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        return {"llama_cpp": None, "error": f"llama_cpp does not import: {exc}", "tasks": []}
+    threads = int(job.get("threads") or os.cpu_count() or 1)
+    result = {"llama_cpp": getattr(llama_cpp, "__version__", "unknown"), "error": None, "load_s": None,
+              "threads": threads, "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
+              "tasks": []}
+    llm, kind = None, None  # one model at a time: with logits at every position (quality) or the last (decode)
+    try:
+        for task in job["tasks"]:
+            if task["kind"] == "quantize":
+                result["tasks"].append(quantize_task({**task, "threads": threads}))
+                continue
+            want = "logprobs" if task["kind"] == "logprobs" else "decode"
+            if kind != want:
+                del llm
+                t0 = time.perf_counter()
+                llm, kind = _load(job["model"], threads, int(job.get("n_ctx", 512)), logits_all=want == "logprobs"), want
+                result["load_s"] = result["load_s"] or round(time.perf_counter() - t0, 2)
+            result["tasks"].append(logprobs_task(llm, task) if want == "logprobs" else decode_task(llm, task))
+    except Exception as exc:  # llama.cpp refused the file or failed: its reason, in one line (traceback to the log)
+        traceback.print_exc()
+        result["error"] = one_line(exc)
+    return result
+
+
+def main(argv: list[str]) -> int:
+    with open(argv[1]) as f:
+        job = json.load(f)
+    result = run(job)
+    with open(argv[2] + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(argv[2] + ".tmp", argv[2])
+    return 0
+
+
+if __name__ == "__main__":
+    here = os.path.dirname(os.path.abspath(__file__))  # its neighbours must not shadow what llama_cpp imports
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    sys.exit(main(sys.argv))

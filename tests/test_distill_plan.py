@@ -163,3 +163,79 @@ def test_layer_counts_refused_in_one_line():
         with pytest.raises(InputError, match="keeps 1 .. 29 layers") as e:
             keep_count(30, bad)
         assert "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _invoke(*args):
+    from typer.testing import CliRunner
+
+    from geminicompress.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def teacher6(tmp_path_factory):
+    from tiny import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("teacher") / "t6", num_hidden_layers=6)
+
+
+def test_distill_train_minutes_0_stops_after_the_repair_and_writes_the_plan(teacher6, text_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "student"
+    res = _invoke("distill", "--teacher", teacher6, "--student-layers", "4", "--train-minutes", "0", "--data", text_file,
+                  "--quiet", "-o", out)
+    assert res.exit_code == 0, res.output
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["derive"] == "measured" and plan["keep"] == 4 and len(plan["kept"]) == 4
+    assert plan["chosen"]["kept"] == plan["kept"] and plan["repair"]["mode"] == "down_proj"
+    assert plan["predicted_drift"] == pytest.approx(plan["student_drift"], abs=1e-4)
+    assert {"teacher_ms_per_token", "student_ms_per_token"} <= set(plan["decode"])
+    student = AutoModelForCausalLM.from_pretrained(out)
+    assert student.config.num_hidden_layers == 4
+    result = json.loads((out / "report.json").read_text())["stages"][0]["result"]
+    assert result["steps"] == 0 and result["kept_layers"] == plan["kept"]
+
+
+def test_distill_even_without_repair_is_the_old_derivation(teacher6, text_file, tmp_path):
+    out = tmp_path / "even"
+    res = _invoke("distill", "--teacher", teacher6, "--student-layers", "0.5", "--derive", "even", "--repair", "none",
+                  "--train-tokens", "0", "--data", text_file, "--quiet", "-o", out)
+    assert res.exit_code == 0, res.output
+    assert not (out / "plan.json").exists()
+    result = json.loads((out / "report.json").read_text())["stages"][0]["result"]
+    assert result["kept_layers"] == keep_layers(6, 0.5)
+
+
+@pytest.mark.parametrize("layers, says", [("6", "keeps 1 .. 5 layers"), ("7", "keeps 1 .. 5 layers"),
+                                          ("0", "keeps 1 .. 5 layers")])
+def test_distill_refuses_a_layer_count_before_loading(teacher6, text_file, tmp_path, monkeypatch, layers, says):
+    from geminicompress.models import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the teacher"))
+    res = _invoke("distill", "--teacher", teacher6, "--student-layers", layers, "--data", text_file, "-o", tmp_path / "x")
+    assert res.exit_code == 2 and says in res.output and len(res.output.strip().splitlines()) == 1, res.output
+
+
+def test_distill_refuses_an_unmappable_architecture_before_loading(tmp_path, text_file):
+    weird = tmp_path / "weird"
+    weird.mkdir()
+    (weird / "config.json").write_text(json.dumps({"model_type": "bloom", "num_hidden_layers": 4}))
+    res = _invoke("distill", "--teacher", weird, "--student-layers", "3", "--data", text_file, "-o", tmp_path / "x")
+    assert res.exit_code == 2 and "no block map" in res.output and len(res.output.strip().splitlines()) == 1, res.output
+
+
+def test_two_budgets_are_refused():
+    from pydantic import ValidationError
+
+    from geminicompress.recipes.schema import DistillStage
+
+    with pytest.raises(ValidationError, match="one training budget"):
+        DistillStage(type="distill", train_minutes=1, train_tokens=100)
+    with pytest.raises(ValidationError, match="one training budget"):
+        DistillStage(type="distill", steps=5, train_minutes=1)
+    assert not DistillStage(type="distill", train_minutes=0).trains and DistillStage(type="distill").trains

@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--teacher-ppl", type=float, default=None,
                     help="the teacher's perplexity on the same tokens from an earlier run (saves one forward; recorded as given)")
     ap.add_argument("--skip-unrepaired", action="store_true", help="do not measure the cuts without repair")
+    ap.add_argument("--dropped", default=None, help="phase fixed: repair this cut (e.g. 12-17 or 3,9,14) without planning")
     ap.add_argument("--name", default="student_plan_bench")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -156,6 +157,23 @@ def main() -> None:
         result["measured"]["predicted_drift"] = predicted
         result["measured"]["prediction_error"] = round(abs(predicted - measured) / abs(measured), 4) if measured else None
         save()
+    if "fixed" in phases:
+        from geminicompress.distill.survey import mean_nll
+        from geminicompress.eval.perplexity import perplexity as held_ppl
+        import math
+
+        if "-" in args.dropped:
+            lo, hi = map(int, args.dropped.split("-"))
+            dropped = list(range(lo, hi + 1))
+        else:
+            dropped = [int(x) for x in args.dropped.split(",")]
+        result["fixed"] = row([i for i in range(L) if i not in dropped], "fixed")
+        t_held = math.exp(mean_nll(teacher, held.hidden[-1], heldw, device=CPU))
+        predicted = held_ppl(students["fixed"], heldw, CPU) / t_held - 1
+        measured = result["fixed"]["drift_repaired"]
+        result["fixed"].update(predicted_drift=round(predicted, 4), held_teacher_ppl=round(t_held, 4),
+                               prediction_error=round(abs(predicted - measured) / abs(measured), 4))
+        save()
     if "even" in phases:
         result["even"] = row(keep_layers(L, args.keep), "even")
         save()
@@ -191,7 +209,7 @@ def _table(result: dict) -> None:
     t = result["teacher"]["ppl"]
     print(f"\nteacher perplexity {t}  (keep {result['args']['keep']} of {result['teacher']['layers']})")
     print(f"{'derivation':<10} {'dropped':<28} {'unrepaired':>16} {'repaired':>16} {'trained':>16} {'tpot x':>7}")
-    for tag in ("measured", "even"):
+    for tag in ("measured", "fixed", "even"):
         r = result.get(tag)
         if not r:
             continue
@@ -203,9 +221,11 @@ def _table(result: dict) -> None:
         print(f"{tag:<10} {str(r['dropped']):<28} {plain:>16} "
               f"{r['ppl_repaired']:>8.2f} ({r['drift_repaired']:+.1%}) "
               f"{trained:>16} {lat_s:>7}")
-    if "measured" in result:
-        m = result["measured"]
-        print(f"plan's predicted drift {m['predicted_drift']:+.1%} vs measured {m['drift_repaired']:+.1%} "
+    for tag in ("measured", "fixed"):
+        if tag not in result:
+            continue
+        m = result[tag]
+        print(f"{tag}: predicted drift {m['predicted_drift']:+.1%} vs measured {m['drift_repaired']:+.1%} "
               f"(relative error {m['prediction_error']:.1%})")
 
 

@@ -239,3 +239,18 @@ def test_two_budgets_are_refused():
     with pytest.raises(ValidationError, match="one training budget"):
         DistillStage(type="distill", steps=5, train_minutes=1)
     assert not DistillStage(type="distill", train_minutes=0).trains and DistillStage(type="distill").trains
+
+
+def test_train_minutes_trains_until_the_budget_is_spent(tmp_path):
+    from geminicompress.distill.train import train
+    from geminicompress.recipes.schema import DistillStage
+
+    teacher = tiny_model(num_hidden_layers=4)
+    student, _ = derive_student(teacher, [0, 3])
+    windows = torch.randint(0, 384, (10, 16), generator=torch.Generator().manual_seed(0))
+    cfg = DistillStage(type="distill", train_minutes=0.003, seq_len=16, batch_size=2, warmup_steps=1,
+                       eval_every=10_000, eval_windows=2)
+    _, hist = train(student, teacher, windows[:8], windows[8:], cfg, seed=0, layer_map=None, masks=None,
+                    state_dir=tmp_path, device=CPU)
+    assert hist.step >= 1 and hist.seconds >= 0.18  # stopped only once 0.003 minutes of steps were spent
+    assert hist.tokens == hist.step * 2 * 16 and len(hist.ppl) == 2  # before, and at the last step

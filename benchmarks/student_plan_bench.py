@@ -153,7 +153,13 @@ def main() -> None:
         result["plan"] = {**plan.as_dict(), "seconds": round(time.perf_counter() - t0, 1)}
         save()
         result["measured"] = row(plan.chosen.kept, "measured")
-        predicted, measured = result["plan"]["predicted_drift"], result["measured"]["drift_repaired"]
+        from geminicompress.distill.survey import mean_nll
+        import math
+
+        t_held = math.exp(mean_nll(teacher, held.hidden[-1], heldw, device=CPU))  # as cut.planned_student
+        predicted = round(perplexity(students["measured"], heldw, CPU) / t_held - 1, 4)
+        result["plan"]["predicted_drift"] = predicted
+        measured = result["measured"]["drift_repaired"]
         result["measured"]["predicted_drift"] = predicted
         result["measured"]["prediction_error"] = round(abs(predicted - measured) / abs(measured), 4) if measured else None
         save()

@@ -9,9 +9,11 @@ Each is scored on the calibration walk (survey.py) by
 2. its measured drift without repair: the held-out calibration windows' perplexity when the student skips
    the blocks (the teacher's stream at the first dropped boundary through the kept blocks after it and
    the head), against the teacher's;
-3. for the `shortlist` best by (2): its measured drift after the closed-form repair (repair.py) fitted on
-   the calibration windows: the repaired drift is what a plan is chosen by (the best unrepaired cut is
-   not always the best repaired one). The chosen cut's repaired drift is the plan's prediction.
+3. for the `shortlist` best by (2): its measured drift after the closed-form repair at each cut (repair.py,
+   the block before each dropped run refit, fitted on the calibration windows; without `follow`, so that a
+   candidate costs one block's refit): the repaired drift is what a plan is chosen by (the best unrepaired
+   cut is not always the best repaired one). The plan's prediction is the held-out drift of the student
+   finally built (cut.planned_student, with the full repair).
 Parameters saved are counted; decode time per token is measured for the teacher and the chosen student.
 """
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -145,9 +147,10 @@ def make_plan(model: nn.Module, keep: int, fit: Walk, held: Walk, held_windows: 
     ranked = sorted(cands, key=lambda c: c.drift)
     if spec.mode != "none":
         top = ranked[:shortlist]
+        quick = replace(spec, follow=False)  # the map at each cut only: one block refit per candidate
         with progress.task("plan: drift after repair", len(top)) as bar:
             for c in top:
-                layers, _ = repaired_layers(model, c.kept, fit, spec, device=device, batch=batch)
+                layers, _ = repaired_layers(model, c.kept, fit, quick, device=device, batch=batch)
                 nll = measured_nll(model, c.kept, held, held_windows, layers=layers, device=device, batch=batch)
                 c.repaired_drift = _drift(nll, teacher_nll)
                 del layers

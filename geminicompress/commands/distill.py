@@ -11,13 +11,37 @@ from geminicompress.commands import common as c
 from geminicompress.errors import InputError
 
 
-def _parse_layers(text: str) -> float | list[int]:
+def _parse_layers(text: str) -> int | float | list[int]:
     try:
-        if "," in text or text.isdigit() and int(text) > 1:
+        if "," in text:
             return [int(x) for x in text.split(",") if x.strip()]
-        return float(text)
+        return int(text) if text.strip().isdigit() else float(text)
     except ValueError as exc:
-        raise InputError(f"--student-layers '{text}': give a fraction (0.5) or a list of layer indices (0,2,4)") from exc
+        raise InputError(f"--student-layers '{text}': give a count (24), a fraction (0.8) or a list of layer "
+                         "indices (0,2,4)") from exc
+
+
+def _check_before_load(teacher: str, layers: int | float | list[int] | None, cuts: bool) -> None:
+    """Refuse, from the teacher's config.json alone, a layer count the teacher cannot give and (when the
+    student is cut by measurement or repaired) an architecture whose blocks we cannot map."""
+    import json
+
+    from geminicompress.compress.arch import ARCHS
+    from geminicompress.distill.student import keep_count
+    from geminicompress.models.loading import resolve_model
+    from geminicompress.models.demo import demo_cache_dir
+
+    source = resolve_model(teacher)
+    path = source.path if source.kind == "dir" else demo_cache_dir() if source.kind == "demo" else None
+    if path is None or not (path / "config.json").is_file():
+        return  # a hub id or .gguf: checked once it loads
+    config = json.loads((path / "config.json").read_text())
+    n_layers, model_type = config.get("num_hidden_layers"), config.get("model_type")
+    if isinstance(layers, int) and isinstance(n_layers, int):
+        keep_count(n_layers, layers)
+    if cuts and model_type not in ARCHS:
+        raise InputError(f"teacher architecture '{model_type}' has no block map for cutting layers (supported: "
+                         f"{', '.join(sorted(ARCHS))}); use --derive even --repair none")
 
 
 def _parse_loss(text: str) -> dict[str, float]:
@@ -35,9 +59,13 @@ def distill(
     teacher: str = typer.Option(..., "--teacher", help="Teacher MODEL: hub id, directory, .gguf, or smollm2-demo."),
     output: Path = c.OUT,
     student: Optional[str] = typer.Option(None, "--student", help="An existing student MODEL sharing the teacher's tokenizer (a pruned model keeps its zeros)."),
-    student_layers: Optional[str] = typer.Option(None, "--student-layers", help="Derive the student: fraction of teacher layers (0.5) or indices (0,2,4,...)."),
+    student_layers: Optional[str] = typer.Option(None, "--student-layers", help="Derive the student: a count of teacher layers (24), a fraction (0.8) or indices (0,2,4,...)."),
     student_config: Optional[str] = typer.Option(None, "--student-config", help="A config.json for a student of the teacher's architecture."),
     mlp_ratio: Optional[float] = typer.Option(None, "--mlp-ratio", help="Keep this fraction of MLP channels in a derived student (default 1.0)."),
+    derive: Optional[str] = typer.Option(None, "--derive", help="Which layers a count/fraction keeps: measured (the cut with the least drift after repair on calibration windows; writes plan.json) or even (evenly spaced). Default measured."),
+    repair: Optional[str] = typer.Option(None, "--repair", help="Closed-form repair of the cut before training: down_proj (default), linear (a ReplaceMe map merged into down_proj) or none."),
+    train_minutes: Optional[float] = typer.Option(None, "--train-minutes", help="Train for N minutes (0: stop after the cut and repair)."),
+    train_tokens: Optional[int] = typer.Option(None, "--train-tokens", help="Train on N tokens (0: stop after the cut and repair)."),
     reconstruct: Optional[bool] = typer.Option(None, "--reconstruct/--no-reconstruct", help="For a pruned student (--student PRUNED): first refit its pruned layers to the teacher's in closed form on calibration windows, then train (sparse recovery)."),
     data: Optional[str] = typer.Option(None, "--data", help="Training text (file, hub dataset, builtin:pydoc)."),
     text_column: str = c.TEXT_COLUMN,
@@ -63,6 +91,8 @@ def distill(
 
     \b
     Examples:
+      geminicompress distill --teacher smollm2-demo --student-layers 24 \\
+          --train-minutes 0 --data wiki.txt -o student
       geminicompress distill --teacher smollm2-demo --student-layers 0.5 \\
           --data wiki.txt -o student --steps 300
       accelerate launch -m geminicompress distill --teacher big-model \\
@@ -73,11 +103,14 @@ def distill(
         "data": data, "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "grad_accum": grad_accum, "lr": lr,
         "warmup_steps": warmup_steps, "temperature": temperature, "topk_cache": topk_cache,
         "teacher_stream": teacher_stream, "precision": precision, "gradient_checkpointing": gradient_checkpointing,
-        "eval_every": eval_every, "save_every": save_every, "resume": resume,
+        "eval_every": eval_every, "save_every": save_every, "resume": resume, "derive": derive, "repair": repair,
+        "train_minutes": train_minutes, "train_tokens": train_tokens,
         "student_layers": _parse_layers(student_layers) if student_layers is not None else None,
         "loss": _parse_loss(loss) if loss is not None else None,
     }
     stage = {"type": "distill", **{k: v for k, v in given.items() if v is not None}}
+    if student is None and student_config is None:
+        _check_before_load(teacher, given["student_layers"], derive != "even" or repair not in (None, "none"))
     run = {**c.RUN_DEFAULTS, **options, "text_column": text_column, "samples": samples}
     c.run_single_stage(teacher, stage, output, run, source="distill options")
 

@@ -15,6 +15,7 @@ pruned linears are first refit to the teacher's, layer by layer, on calibration 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,9 @@ from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.distill import masks as M
 from geminicompress.distill import streamed_teacher as ST
 from geminicompress.distill.plot import plot_curve
+from geminicompress.distill.cut import planned_student
 from geminicompress.distill.reconstruct import check_same_shape, reconstruct
+from geminicompress.distill.repair import RepairSpec
 from geminicompress.distill.student import (
     check_tokenizers,
     derive_student,
@@ -42,6 +45,7 @@ from geminicompress.models.loading import load_model, load_tokenizer
 from geminicompress.recipes.schema import DistillStage
 
 CURVE = "distill_curve.png"
+PLAN = "plan.json"
 
 
 @dataclass
@@ -53,6 +57,7 @@ class Pair:
     masks: dict[str, torch.Tensor] | None
     how: str
     lazy: LazyCheckpoint | None = None  # the streamed teacher's checkpoint (`teacher` is its skeleton)
+    plan: dict[str, Any] | None = None  # plan.json of a student cut by measurement and repaired (cut.py)
 
 
 def run(cfg: DistillStage, ctx) -> dict:
@@ -66,6 +71,17 @@ def run(cfg: DistillStage, ctx) -> dict:
     if s_params >= t_params and not pair.masks:  # a pruned student is smaller by its zeros
         ctx.progress.warn(f"the student ({s_params / 1e6:.1f}M parameters) is not smaller than the teacher "
                           f"({t_params / 1e6:.1f}M): distilling anyway")
+    summary: dict[str, Any] = {"how": pair.how, "teacher_params": t_params, "student_params": s_params,
+                               "student_layers": pair.student.config.num_hidden_layers, "kept_layers": pair.kept}
+    if pair.plan is not None:
+        (ctx.out_dir / PLAN).write_text(json.dumps(pair.plan, indent=1))
+        summary.update(plan=PLAN, predicted_drift=pair.plan["predicted_drift"], repair=pair.plan["repair"]["mode"])
+    if not cfg.trains:  # a budget of 0: the cut (and repaired) student is the result
+        ctx.model, ctx.tokenizer = pair.student.to("cpu").eval(), pair.tokenizer
+        return {**summary, "steps": 0, "tokens": 0}
+    if cfg.train_tokens is not None:
+        per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
+        cfg = cfg.model_copy(update={"steps": max(1, math.ceil(cfg.train_tokens / per_step))})
     layer_map = _layer_map(cfg, pair)
     train_w, eval_w = training_windows(cfg, ctx, pair.tokenizer)
     rebuilt = _reconstruct(cfg, ctx, pair) if cfg.reconstruct else None
@@ -83,8 +99,6 @@ def run(cfg: DistillStage, ctx) -> dict:
                              device=ctx.device, progress=ctx.progress, cache=cache)
     student = student.to("cpu")
     ctx.model, ctx.tokenizer = student, pair.tokenizer
-    summary: dict[str, Any] = {"how": pair.how, "teacher_params": t_params, "student_params": s_params,
-                               "student_layers": student.config.num_hidden_layers, "kept_layers": pair.kept}
     if pair.masks:
         ctx.masks = {k: v.cpu() for k, v in pair.masks.items()}
         write_masks(ctx.masks, ctx.out_dir)
@@ -131,9 +145,30 @@ def choose_models(cfg: DistillStage, ctx) -> Pair:
         student, kept = student_from_config(teacher, config, lazy)
         return Pair(teacher, student, tokenizer, kept, None, f"into a student from {cfg.student_config}", lazy)
     spec = cfg.student_layers if cfg.student_layers is not None else 0.5
+    derive, repair_mode = cfg.derive or ("even" if lazy else "measured"), cfg.repair or ("none" if lazy else "down_proj")
+    how = f"into {{}} of {teacher.config.num_hidden_layers} layers"
+    if lazy is None and (derive == "measured" or repair_mode != "none"):
+        student, kept, plan = _planned(cfg, ctx, teacher, spec, derive, repair_mode)
+        return Pair(teacher, student, tokenizer, kept, None, how.format(len(kept)), lazy, plan)
+    if lazy is not None and (derive == "measured" or repair_mode != "none"):
+        raise InputError("derive: measured and repair need the teacher in memory, and this one streams: use "
+                         "--derive even --repair none, or --no-teacher-stream")
     student, kept = derive_student(teacher, spec, cfg.mlp_ratio, lazy)
-    return Pair(teacher, student, tokenizer, kept, None, f"into {len(kept)} of {teacher.config.num_hidden_layers} layers",
-                lazy)
+    return Pair(teacher, student, tokenizer, kept, None, how.format(len(kept)), lazy)
+
+
+def _planned(cfg: DistillStage, ctx, teacher, spec, derive: str, repair_mode: str):
+    """plan -> cut -> repair (cut.planned_student) on the stage's calibration windows."""
+    windows = ctx.calibration(cfg.data, samples=cfg.repair_windows + cfg.plan_held_windows)
+    rspec = RepairSpec(repair_mode, cfg.repair_objective, cfg.repair_ridge, cfg.repair_follow)
+    ctx.progress.info(f"cutting by {derive} derivation with {repair_mode} repair on {cfg.repair_windows} + "
+                      f"{cfg.plan_held_windows} calibration windows of {windows.shape[1]} tokens")
+    student, kept, plan = planned_student(teacher, spec, windows, derive=derive, spec=rspec,
+                                          fit_windows=cfg.repair_windows, shortlist=cfg.plan_shortlist,
+                                          mlp_ratio=cfg.mlp_ratio, device=ctx.device, progress=ctx.progress)
+    ctx.progress.info(f"kept teacher layers {kept}; drift on the held-out calibration windows "
+                      f"{plan['student_drift']:+.1%} (teacher {plan['teacher_ppl']:.2f} -> student {plan['student_ppl']:.2f})")
+    return student, kept, plan
 
 
 def _teacher(spec: str, cfg: DistillStage, ctx) -> tuple[Any, Any, LazyCheckpoint | None]:

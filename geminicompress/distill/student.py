@@ -20,8 +20,20 @@ from geminicompress.errors import InputError
 from geminicompress.models.lazy import LazyCheckpoint
 
 
-def keep_layers(n_layers: int, spec: float | list[int]) -> list[int]:
-    """Teacher layer indices the student keeps: a fraction (evenly spaced, first and last kept) or a list."""
+def keep_count(n_layers: int, spec: int | float) -> int:
+    """How many layers a count (24) or a fraction (0.8) of a teacher with n_layers keeps; a count must be
+    1 .. n_layers - 1."""
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        if not 1 <= spec < n_layers:
+            raise InputError(f"student_layers {spec}: a student of a {n_layers}-layer teacher keeps 1 .. "
+                             f"{n_layers - 1} layers (or give a fraction such as 0.8)")
+        return spec
+    return max(1, round(spec * n_layers))
+
+
+def keep_layers(n_layers: int, spec: int | float | list[int]) -> list[int]:
+    """Teacher layer indices the student keeps: a count or a fraction (evenly spaced, first and last
+    kept) or a list."""
     if isinstance(spec, list):
         bad = [i for i in spec if not -n_layers <= i < n_layers]
         if bad:
@@ -31,7 +43,7 @@ def keep_layers(n_layers: int, spec: float | list[int]) -> list[int]:
         if len(kept) != len(spec):
             raise InputError("student_layers: the list names the same layer twice (negative indices count from the end)")
         return kept
-    n_keep = max(1, round(spec * n_layers))
+    n_keep = keep_count(n_layers, spec)
     if n_keep == 1:
         return [0]
     # (n_keep,) evenly spaced positions over [0, L-1]; with L=30 and 15 kept: 0, 2, 4, ..., 27, 29
@@ -68,9 +80,11 @@ def mlp_channels(layer: nn.Module, mlp_in: tuple[str, ...], mlp_out: tuple[str, 
     return score.topk(keep).indices.sort().values
 
 
-def derive_student(teacher: nn.Module, spec: float | list[int] = 0.5, mlp_ratio: float = 1.0,
-                   ckpt: LazyCheckpoint | None = None) -> tuple[nn.Module, list[int]]:
-    """Build the student from `teacher`: kept layers copied exactly, MLP channels selected by norm.
+def derive_student(teacher: nn.Module, spec: int | float | list[int] = 0.5, mlp_ratio: float = 1.0,
+                   ckpt: LazyCheckpoint | None = None, channels: dict[int, torch.Tensor] | None = None
+                   ) -> tuple[nn.Module, list[int]]:
+    """Build the student from `teacher`: kept layers copied exactly, MLP channels selected by norm (or
+    `channels`: teacher layer -> the sorted channel indices to keep, e.g. by activation importance).
     With `ckpt` (the teacher's lazy checkpoint; `teacher` its skeleton) only the tensors the student
     keeps are read from disk, in float32 as a loaded teacher holds them."""
     from transformers import AutoModelForCausalLM
@@ -82,8 +96,9 @@ def derive_student(teacher: nn.Module, spec: float | list[int] = 0.5, mlp_ratio:
     student = AutoModelForCausalLM.from_config(config, dtype=dtype)
     mlp_in, mlp_out = arch.sequential[-2], arch.sequential[-1]
     prefix = arch.layers + "."
-    channels = {t: _layer_channels(teacher, ckpt, f"{prefix}{t}", mlp_in, mlp_out, config.intermediate_size)
-                for t in kept} if mlp_ratio < 1.0 else {}
+    if channels is None:
+        channels = {t: _layer_channels(teacher, ckpt, f"{prefix}{t}", mlp_in, mlp_out, config.intermediate_size)
+                    for t in kept} if mlp_ratio < 1.0 else {}
     source = {}  # student key -> (teacher key, teacher layer or None, name inside the layer)
     for key in student.state_dict():
         if not key.startswith(prefix):

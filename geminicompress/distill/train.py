@@ -114,9 +114,11 @@ def train(
 
     hidden = cfg.loss.hidden_mse > 0 or cfg.loss.hidden_cos > 0
     tokens_per_step = cfg.batch_size * cfg.grad_accum * train_windows.shape[1] * acc.num_processes
-    with progress.task("distill", cfg.steps) as bar:
+    budget = cfg.train_minutes * 60.0 if cfg.train_minutes else None  # seconds of optimizer steps
+    last = cfg.steps if budget is None or "steps" in cfg.model_fields_set else None  # None: until the budget ends
+    with progress.task("distill", last) as bar:
         bar.advance(history.step)
-        while history.step < cfg.steps:
+        while (last is None or history.step < last) and (budget is None or history.seconds < budget):
             t0 = time.perf_counter()
             loss, terms = _optimizer_step(acc, student, teacher, optimizer, scheduler, train_windows, cfg, seed,
                                           history.step, layer_map, masks, hidden, cache)
@@ -125,9 +127,13 @@ def train(
             history.terms.append(terms)
             history.tokens += tokens_per_step
             history.seconds += time.perf_counter() - t0
-            if history.step % cfg.eval_every == 0 or history.step == cfg.steps:
+            if budget is not None and history.step == 1:  # the schedule's horizon: the steps the budget allows
+                horizon = max(cfg.warmup_steps + 1, int(budget / max(history.seconds, 1e-9)))
+                scheduler.lr_lambdas[0] = lr_lambda(cfg.warmup_steps, horizon if last is None else min(horizon, last))
+            done = history.step == last or (budget is not None and history.seconds >= budget)
+            if history.step % cfg.eval_every == 0 or done:
                 history.ppl.append((history.step, perplexity(raw, eval_windows, acc.device)))
-            if cfg.save_every and history.step % cfg.save_every == 0 and history.step < cfg.steps:
+            if cfg.save_every and history.step % cfg.save_every == 0 and not done:
                 _save(acc, ckpt, history)
             bar.advance(1, loss=loss, tok_s=round(history.tokens / max(history.seconds, 1e-9)),
                         ppl=history.ppl[-1][1])

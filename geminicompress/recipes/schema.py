@@ -50,9 +50,29 @@ class DistillStage(_StageBase):
     type: Literal["distill"]
     teacher: str | None = Field(None, description="teacher MODEL (default: the recipe's input model)")
     student: str | None = Field(None, description="an existing student MODEL sharing the teacher's tokenizer")
-    student_layers: float | list[int] | None = Field(None, description="fraction or list of teacher layers to keep")
+    student_layers: int | float | list[int] | None = Field(
+        None, description="teacher layers the student keeps: a count (24), a fraction (0.8) or a list of indices")
     student_config: str | None = Field(None, description="a config.json for a student of the teacher's architecture")
     mlp_ratio: float = Field(1.0, gt=0.0, le=1.0, description="keep this fraction of MLP channels")
+    derive: Literal["measured", "even"] | None = Field(
+        None, description="which layers a count or fraction keeps: measured (the cut with the least drift after "
+        "repair on calibration windows, plan.json) or even (evenly spaced, first and last kept); default measured, "
+        "even when the teacher streams")
+    repair: Literal["down_proj", "linear", "none"] | None = Field(
+        None, description="closed-form repair of the cut before training, merged into the down projection of the "
+        "block before each cut: down_proj (refit it), linear (a ReplaceMe map) or none; default down_proj, none "
+        "when the teacher streams")
+    repair_objective: Literal["mse", "cosine"] = Field("mse", description="the linear map's objective (cosine: "
+                                                       "refined by Adam from the least-squares map)")
+    repair_follow: bool = Field(True, description="also refit the down projection of the kept blocks after a cut")
+    repair_ridge: float = Field(1e-3, ge=0.0, description="ridge of the repair's least squares (x mean diagonal)")
+    repair_windows: int = Field(32, ge=1, description="calibration windows the plan and the repair fit on")
+    plan_held_windows: int = Field(4, ge=1, description="further calibration windows the plan measures drift on")
+    plan_shortlist: int = Field(3, ge=1, description="cuts (least drift unrepaired) the plan repairs and measures")
+    train_minutes: float | None = Field(None, ge=0.0, description="train for this many minutes (0: stop after "
+                                        "the cut and repair)")
+    train_tokens: int | None = Field(None, ge=0, description="train on this many tokens (0: stop after the cut "
+                                     "and repair)")
     reconstruct: bool = Field(False, description="before training a pruned student, refit its pruned linears to the "
                               "teacher's in closed form, layer by layer on calibration windows (masks kept)")
     steps: int = Field(200, ge=1)
@@ -78,7 +98,9 @@ class DistillStage(_StageBase):
 
     @field_validator("student_layers")
     @classmethod
-    def _check_layers(cls, v: float | list[int] | None) -> float | list[int] | None:
+    def _check_layers(cls, v: int | float | list[int] | None) -> int | float | list[int] | None:
+        if isinstance(v, int) and not isinstance(v, bool) and v < 1:
+            raise ValueError(f"a student keeps at least 1 layer, got {v}")
         if isinstance(v, float) and not 0.0 < v <= 1.0:
             raise ValueError(f"a fraction of layers must be in (0, 1], got {v}")
         if isinstance(v, list) and (not v or len(set(v)) != len(v)):
@@ -92,7 +114,20 @@ class DistillStage(_StageBase):
             raise ValueError(f"give one of student, student_layers, student_config (got {', '.join(given)})")
         if self.topk_cache and (self.loss.hidden_mse or self.loss.hidden_cos):
             raise ValueError("topk_cache stores logits only; hidden-state losses need the teacher online (drop one)")
+        budgets = [n for n in ("train_minutes", "train_tokens") if getattr(self, n) is not None]
+        if "steps" in self.model_fields_set:
+            budgets.append("steps")
+        if len(budgets) > 1:
+            raise ValueError(f"give one training budget of steps, train_minutes, train_tokens (got {', '.join(budgets)})")
+        if self.teacher_stream and (self.derive == "measured" or self.repair not in (None, "none")):
+            raise ValueError("derive: measured and repair need the teacher in memory (its calibration walk); with "
+                             "teacher_stream use derive: even and repair: none")
         return self
+
+    @property
+    def trains(self) -> bool:
+        """False when a budget of 0 minutes or 0 tokens says: stop after the cut and repair."""
+        return self.train_minutes != 0 and self.train_tokens != 0
 
 
 # --------------------------------------------------------------------------- eval

@@ -1,0 +1,190 @@
+"""Closed-form repair of a cut student, before any training (ReplaceMe, Shopkhoev et al. 2025;
+LLM-Streamline, Chen et al. 2024).
+
+When blocks i..i+n-1 are dropped, block i-1 (the last kept one before them) writes its MLP output y into
+the residual stream: its output is mid + y, where mid is the stream after its attention. The teacher's
+stream after the dropped span is h_{i+n}. Two repairs, both merged into block i-1's down projection
+W (d, I) (y = a W^T for its input activations a (N, I)), so the student stays an ordinary checkpoint of
+the teacher's architecture with fewer layers:
+
+- `linear` (ReplaceMe): a map T (d, d) with  y T ~ h_{i+n} - mid,  least squares with a ridge term
+      T = (Y^T Y + lam I)^-1 Y^T R,   R = h_{i+n} - mid;   merged: W' = T^T W (bias b' = b T)
+  or, with the cosine objective, T minimizing mean(1 - cos(mid + y T, h_{i+n})), started from the
+  least-squares T and refined by Adam (ReplaceMe's cosine variant; no closed form).
+- `down_proj`: W itself refit on a:  W' = argmin ||a W'^T - R||^2 + lam ||W' - W||^2  (ridge towards the
+  teacher's weights), which contains every `linear` map (T^T W is one such W') and has I x d parameters.
+
+The same least squares refits the down projection of a narrower MLP on its kept channels (target: the
+teacher block's output), and, with `follow`, the kept blocks after a cut, whose inputs now differ from
+the teacher's, so that each student block's output tracks the teacher's stream at the same boundary
+(the layer-wise reconstruction of SparseGPT/GPTQ, applied to one linear per block).
+
+lam is `ridge` times the mean diagonal of the Gram matrix (scale-free), as GPTQ's damping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from geminicompress.engine.layers import layer_output
+from geminicompress.progress import NullProgress, Progress
+
+RepairMode = Literal["down_proj", "linear", "none"]
+Objective = Literal["mse", "cosine"]
+
+
+class LeastSquares:
+    """Accumulates X^T X and X^T Y batch by batch (X (N, k), Y (N, m)); `solve` gives W (k, m) minimizing
+    ||X W - Y||^2 + lam ||W - prior||^2 with lam = ridge * mean(diag(X^T X))."""
+
+    def __init__(self, k: int, m: int) -> None:
+        self.xtx = torch.zeros(k, k, dtype=torch.float64)
+        self.xty = torch.zeros(k, m, dtype=torch.float64)
+        self.rows = 0
+
+    def add_batch(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        x, y = x.reshape(-1, x.shape[-1]).float().cpu(), y.reshape(-1, y.shape[-1]).float().cpu()
+        self.xtx += (x.T @ x).double()  # a batch's products in float32, the running sums in float64
+        self.xty += (x.T @ y).double()
+        self.rows += x.shape[0]
+
+    def solve(self, ridge: float, prior: torch.Tensor | None = None) -> torch.Tensor:
+        lam = ridge * float(self.xtx.diagonal().mean().clamp_min(1e-12))
+        a = self.xtx + lam * torch.eye(self.xtx.shape[0], dtype=torch.float64)
+        b = self.xty + (lam * prior.double().cpu() if prior is not None else 0.0)
+        return torch.linalg.solve(a, b).float()  # (k, m)
+
+
+def merge_map(weight: torch.Tensor, bias: torch.Tensor | None, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fold a map T (d, d) applied after y = a W^T + b into the linear: (T^T W, b T). weight (d, I)."""
+    new_w = (t.T.double() @ weight.double()).to(weight.dtype)
+    return new_w, (bias.double() @ t.double()).to(bias.dtype) if bias is not None else None
+
+
+def cosine_map(y: torch.Tensor, mid: torch.Tensor, target: torch.Tensor, start: torch.Tensor, *, steps: int = 100,
+               lr: float = 1e-4, chunk: int = 4096) -> torch.Tensor:
+    """T (d, d) minimizing mean(1 - cos(mid + y T, target)) over tokens, from `start`, by full-batch Adam.
+    y, mid, target: (N, d)."""
+    t = start.clone().float().requires_grad_(True)
+    opt = torch.optim.Adam([t], lr=lr)
+    n = y.shape[0]
+    for _ in range(steps):
+        opt.zero_grad()
+        for s in range(0, n, chunk):
+            pred = mid[s:s + chunk] + y[s:s + chunk] @ t
+            loss = (1 - F.cosine_similarity(pred, target[s:s + chunk], dim=-1)).sum() / n
+            loss.backward()
+        opt.step()
+    return t.detach()
+
+
+@dataclass(frozen=True)
+class RepairSpec:
+    mode: RepairMode = "down_proj"
+    objective: Objective = "mse"
+    ridge: float = 1e-3
+    follow: bool = True  # also refit the kept blocks after a cut (their inputs changed)
+    cosine_steps: int = 100
+
+
+@torch.no_grad()
+def _capture(layer: nn.Module, down: str, h: torch.Tensor, kwargs: dict[str, Any], device: torch.device,
+             batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a, y, mid) of the layer on h (n, T, d): the down projection's input (n, T, I), its output (n, T, d)
+    and the stream before it (layer output - y)."""
+    seen: dict[str, torch.Tensor] = {}
+    a_parts, y_parts, mid_parts = [], [], []
+    handle = layer.get_submodule(down).register_forward_hook(
+        lambda m, args, out: seen.update(a=args[0].detach(), y=out.detach()))
+    try:
+        for b in range(0, h.shape[0], batch):
+            out = layer_output(layer, h[b:b + batch].to(device), kwargs)
+            a_parts.append(seen["a"].cpu())
+            y_parts.append(seen["y"].cpu())
+            mid_parts.append((out - seen["y"]).cpu())
+    finally:
+        handle.remove()
+    return torch.cat(a_parts), torch.cat(y_parts), torch.cat(mid_parts)
+
+
+def refit_block(layer: nn.Module, down: str, h_in: torch.Tensor, target: torch.Tensor, kwargs: dict[str, Any],
+                spec: RepairSpec, *, device: torch.device, batch: int = 4) -> tuple[torch.Tensor, dict[str, float]]:
+    """Refit the layer's down projection so that its output on h_in (n, T, d) approaches target (n, T, d);
+    writes the new weight (and bias) into the layer and returns its output on h_in and the relative errors
+    before/after."""
+    lin = layer.get_submodule(down)
+    a, y, mid = _capture(layer, down, h_in, kwargs, device, batch)  # (n, T, I), (n, T, d), (n, T, d)
+    resid = target - mid
+    bias = lin.bias.detach().cpu() if lin.bias is not None else None
+    if spec.mode == "linear":
+        ls = LeastSquares(y.shape[-1], y.shape[-1])
+        for s in range(0, y.shape[0], batch):
+            ls.add_batch(y[s:s + batch], resid[s:s + batch])
+        t = ls.solve(spec.ridge)  # (d, d)
+        if spec.objective == "cosine":
+            t = cosine_map(y.flatten(0, 1), mid.flatten(0, 1), target.flatten(0, 1), t, steps=spec.cosine_steps)
+        w, b = merge_map(lin.weight.detach().cpu(), bias, t)
+    else:
+        x = a if bias is None else torch.cat([a, torch.ones(*a.shape[:-1], 1)], dim=-1)
+        prior = lin.weight.detach().cpu().T if bias is None else torch.cat([lin.weight.detach().cpu().T, bias[None]])
+        ls = LeastSquares(x.shape[-1], resid.shape[-1])
+        for s in range(0, x.shape[0], batch):
+            ls.add_batch(x[s:s + batch], resid[s:s + batch])
+        sol = ls.solve(spec.ridge, prior)  # (I [+1], d)
+        w, b = sol[: a.shape[-1]].T.contiguous(), (sol[-1] if bias is not None else None)
+    lin.weight.data.copy_(w.to(lin.weight.dtype))
+    if b is not None:
+        lin.bias.data.copy_(b.to(lin.bias.dtype))
+    new_y = a @ w.T + (b if b is not None else 0.0)
+    out = mid + new_y
+    err = {"error_before": _rel(mid + y, target), "error_after": _rel(out, target)}
+    return out, err
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x - ref).double().norm() / ref.double().norm().clamp_min(1e-30))
+
+
+@torch.no_grad()
+def repair(layers: Sequence[nn.Module], kept: Sequence[int], hidden: Sequence[torch.Tensor], kwargs: dict[str, Any],
+           down: str, spec: RepairSpec, *, narrowed: bool = False, device: torch.device = torch.device("cpu"),
+           batch: int = 4, progress: Progress | None = None) -> list[dict[str, Any]]:
+    """Repair the student's blocks `layers` in place (student block j is the teacher's block kept[j]) on the
+    teacher's boundaries `hidden` (L + 1 of (n, T, d)). Block j's target is the teacher's stream where the
+    student's next block reads it: hidden[kept[j + 1]] (the last block: hidden[L]). Refit: every block
+    followed by a dropped run, every block when `narrowed` (its MLP lost channels), and with spec.follow
+    every block whose input differs from the teacher's. Returns one row per refit block."""
+    progress = progress or NullProgress()
+    n_layers = len(hidden) - 1
+    rows: list[dict[str, Any]] = []
+    if spec.mode == "none" and not narrowed:
+        return rows
+    h = hidden[kept[0]]
+    moved = kept[0] != 0  # the student's stream differs from the teacher's at its own boundary
+    with progress.task("repair", len(layers)) as bar:
+        for j, (layer, t) in enumerate(zip(layers, kept)):
+            nxt = kept[j + 1] if j + 1 < len(kept) else n_layers
+            cut_after = nxt != t + 1
+            fit = narrowed or (spec.mode != "none" and (cut_after or (spec.follow and moved)))
+            layer.to(device)
+            if fit:
+                mode = spec if spec.mode != "none" else RepairSpec("down_proj", ridge=spec.ridge)
+                if not cut_after and mode.mode == "linear":
+                    mode = RepairSpec("down_proj", ridge=spec.ridge)  # after a cut: the block's own refit
+                h, err = refit_block(layer, down, h, hidden[nxt], kwargs, mode, device=device, batch=batch)
+                rows.append({"student_layer": j, "teacher_layer": t, "target_boundary": nxt, "mode": mode.mode,
+                             **{k: round(v, 6) for k, v in err.items()}})
+                moved = True
+            elif moved:
+                h = torch.cat([layer_output(layer, h[b:b + batch].to(device), kwargs).cpu()
+                               for b in range(0, h.shape[0], batch)])
+            else:  # the student's stream is still the teacher's
+                h = hidden[t + 1]
+                moved = cut_after
+            bar.advance(1)
+    return rows

@@ -1,0 +1,256 @@
+"""Choosing a cut by measurement and repairing it in closed form (distill/survey, plan, repair, cut)."""
+
+import json
+
+import pytest
+import torch
+
+from geminicompress.compress.arch import decoder_layers
+from geminicompress.distill.cut import cut_student
+from geminicompress.distill.plan import candidates, block_params, make_plan
+from geminicompress.distill.repair import LeastSquares, RepairSpec, merge_map, refit_block
+from geminicompress.distill.student import derive_student, keep_count, keep_layers
+from geminicompress.distill.survey import angular_distance, run_layers, walk
+from geminicompress.errors import InputError
+from tiny import tiny_model
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    teacher = tiny_model(num_hidden_layers=8)
+    # ids from a 48-token slice of the vocabulary, so that held-out windows look like the fit ones (a random
+    # model over all 384 tokens has nothing a fit on 1,024 tokens could carry over to other windows)
+    windows = torch.randint(0, 48, (40, 32), generator=torch.Generator().manual_seed(1))
+    full = walk(teacher, windows, device=CPU)
+    return teacher, windows, full.rows(0, 32), full.rows(32, 40)  # fit on 32 windows, 8 held out
+
+
+def _final_error(student, teacher_final, walk_, kept):
+    """Relative error of the student's last hidden state (before the final norm) vs the teacher's."""
+    out = run_layers(list(decoder_layers(student)), walk_.hidden[0], walk_.kwargs, device=CPU)
+    return float((out - teacher_final).norm() / teacher_final.norm())
+
+
+def test_least_squares_recovers_a_known_map():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(400, 6, generator=g), torch.randn(6, 3, generator=g)
+    ls = LeastSquares(6, 3)
+    ls.add_batch(x[:200], x[:200] @ w)
+    ls.add_batch(x[200:], x[200:] @ w)
+    assert torch.allclose(ls.solve(1e-9), w, atol=1e-5)
+    # a large ridge pulls towards the prior
+    assert torch.allclose(ls.solve(1e6, prior=torch.zeros(6, 3)), torch.zeros(6, 3), atol=1e-3)
+
+
+def test_merged_down_proj_equals_applying_the_map():
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(16, 8, bias=True)
+    t = torch.randn(8, 8, generator=g)
+    a = torch.randn(5, 16, generator=g)
+    w, b = merge_map(lin.weight.detach(), lin.bias.detach(), t)
+    assert torch.allclose(a @ w.T + b, lin(a).detach() @ t, atol=1e-5)
+
+
+def test_walk_boundaries_are_the_model_hidden_states(setup):
+    teacher, windows, fit, _ = setup
+    ref = teacher(windows[:32], output_hidden_states=True).hidden_states
+    assert len(fit.hidden) == 9 and fit.hidden[0].shape == (32, 32, 64)
+    for i in range(8):  # transformers' last entry is after the final norm; ours before it
+        assert torch.allclose(fit.hidden[i], ref[i], atol=1e-5)
+    assert fit.channels.shape == (8, 128) and fit.heads.shape == (8, 4) and bool((fit.channels > 0).all())
+    assert angular_distance(fit.hidden[3], fit.hidden[3]) < 1e-6
+
+
+@pytest.mark.parametrize("mode", ["down_proj", "linear"])
+@pytest.mark.parametrize("kept", [[0, 1, 4, 5, 6, 7], [0, 2, 3, 5, 6, 7]])  # a span; a non-contiguous set
+def test_repair_reduces_hidden_state_error_vs_drop_only(setup, mode, kept):
+    teacher, windows, fit, held = setup
+    dropped, _ = derive_student(teacher, kept)
+    repaired, rows = cut_student(teacher, kept, fit, RepairSpec(mode))
+    assert rows and all(r["error_after"] < r["error_before"] for r in rows)
+    before = _final_error(dropped, fit.hidden[-1], fit, kept)
+    after = _final_error(repaired, fit.hidden[-1], fit, kept)
+    assert after < 0.4 * before, (mode, before, after)  # measured ~0.25-0.3 of it
+    before = _final_error(dropped, held.hidden[-1], held, kept)  # windows the fit never saw
+    after = _final_error(repaired, held.hidden[-1], held, kept)
+    assert after < 0.9 * before, (mode, before, after)  # measured ~0.8 of it
+
+
+def test_down_proj_refit_is_at_least_as_good_as_the_linear_map(setup):
+    teacher, _, fit, _ = setup
+    kept = [0, 1, 4, 5, 6, 7]
+    errs = {}
+    for mode in ("linear", "down_proj"):
+        layer = __import__("copy").deepcopy(decoder_layers(teacher)[1])
+        _, err = refit_block(layer, "mlp.down_proj", fit.hidden[1], fit.hidden[4], fit.kwargs, RepairSpec(mode, ridge=1e-6),
+                             device=CPU)
+        errs[mode] = err["error_after"]
+        assert err["error_after"] < err["error_before"]
+    assert errs["down_proj"] <= errs["linear"] + 1e-4, errs
+
+
+def test_cosine_objective_raises_cosine_similarity(setup):
+    teacher, _, fit, _ = setup
+    import copy
+
+    cos = {}
+    for objective in ("mse", "cosine"):
+        layer = copy.deepcopy(decoder_layers(teacher)[1])
+        out, _ = refit_block(layer, "mlp.down_proj", fit.hidden[1], fit.hidden[4], fit.kwargs,
+                             RepairSpec("linear", objective, cosine_steps=30), device=CPU)
+        cos[objective] = float(torch.nn.functional.cosine_similarity(out, fit.hidden[4], dim=-1).mean())
+    assert cos["cosine"] > cos["mse"], cos
+
+
+def test_narrow_mlp_by_importance_with_refit_beats_weight_norm(setup):
+    teacher, _, fit, held = setup
+    kept = list(range(8))
+    by_norm, _ = derive_student(teacher, kept, 0.5)
+    refit, rows = cut_student(teacher, kept, fit, RepairSpec("none"), mlp_ratio=0.5)
+    assert refit.config.intermediate_size == 64 and len(rows) == 8
+    assert _final_error(refit, held.hidden[-1], held, kept) < _final_error(by_norm, held.hidden[-1], held, kept)
+
+
+def test_cut_checkpoint_reloads_in_transformers_with_identical_outputs(setup, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    teacher, windows, fit, _ = setup
+    student, _ = cut_student(teacher, [0, 1, 2, 5, 6, 7], fit, RepairSpec("down_proj"))
+    student.save_pretrained(tmp_path / "s")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "s").eval()
+    assert back.config.num_hidden_layers == 6 and back.config.model_type == teacher.config.model_type
+    with torch.no_grad():
+        assert torch.equal(back(windows[:2]).logits, student(windows[:2]).logits)
+
+
+def test_plan_candidates_and_fields(setup):
+    teacher, windows, fit, held = setup
+    cands = candidates(fit, 6, block_params(decoder_layers(teacher)))
+    spans = [c for c in cands if c.kind == "span"]
+    assert [c.dropped for c in spans] == [[1, 2], [2, 3], [3, 4], [4, 5], [5, 6]]  # first and last kept
+    assert {c.kind for c in cands} <= {"span", "angular-set", "even"} and any(c.kind == "even" for c in cands)
+    plan = make_plan(teacher, 6, fit, held, windows[32:], RepairSpec("down_proj"), shortlist=2, device=CPU)
+    d = json.loads(json.dumps(plan.as_dict()))
+    assert {"n_layers", "keep", "teacher_ppl", "chosen", "predicted_drift", "candidates", "repair", "decode"} <= set(d)
+    for c in d["candidates"]:
+        assert {"dropped", "kept", "kind", "angular", "params_saved", "drift", "repaired_drift"} <= set(c)
+        assert len(c["kept"]) == 6 and c["params_saved"] == 2 * block_params(decoder_layers(teacher))[0]
+    shortlisted = [c for c in d["candidates"] if c["repaired_drift"] is not None]
+    assert len(shortlisted) == 2
+    assert d["chosen"]["repaired_drift"] == min(c["repaired_drift"] for c in shortlisted) == d["predicted_drift"]
+    # a candidate's repaired drift is that of the student cut_student builds with the map at each cut only
+    student, _ = cut_student(teacher, d["chosen"]["kept"], fit, RepairSpec("down_proj", follow=False))
+    from geminicompress.eval.perplexity import perplexity
+
+    measured = perplexity(student, windows[32:]) / perplexity(teacher, windows[32:]) - 1
+    assert measured == pytest.approx(d["predicted_drift"], abs=1e-4)
+
+
+def test_layer_counts_refused_in_one_line():
+    assert keep_count(30, 24) == 24 and keep_count(30, 0.8) == 24 and len(keep_layers(30, 24)) == 24
+    for bad in (30, 31, 0):
+        with pytest.raises(InputError, match="keeps 1 .. 29 layers") as e:
+            keep_count(30, bad)
+        assert "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _invoke(*args):
+    from typer.testing import CliRunner
+
+    from geminicompress.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def teacher6(tmp_path_factory):
+    from tiny import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("teacher") / "t6", num_hidden_layers=6)
+
+
+def test_distill_train_minutes_0_stops_after_the_repair_and_writes_the_plan(teacher6, text_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "student"
+    res = _invoke("distill", "--teacher", teacher6, "--student-layers", "4", "--train-minutes", "0", "--data", text_file,
+                  "--quiet", "-o", out)
+    assert res.exit_code == 0, res.output
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["derive"] == "measured" and plan["keep"] == 4 and len(plan["kept"]) == 4
+    assert plan["chosen"]["kept"] == plan["kept"] and plan["repair"]["mode"] == "down_proj"
+    assert plan["predicted_drift"] == pytest.approx(plan["student_drift"], abs=1e-4)
+    assert {"teacher_ms_per_token", "student_ms_per_token"} <= set(plan["decode"])
+    student = AutoModelForCausalLM.from_pretrained(out)
+    assert student.config.num_hidden_layers == 4
+    result = json.loads((out / "report.json").read_text())["stages"][0]["result"]
+    assert result["steps"] == 0 and result["kept_layers"] == plan["kept"]
+
+
+def test_distill_even_without_repair_is_the_old_derivation(teacher6, text_file, tmp_path):
+    out = tmp_path / "even"
+    res = _invoke("distill", "--teacher", teacher6, "--student-layers", "0.5", "--derive", "even", "--repair", "none",
+                  "--train-tokens", "0", "--data", text_file, "--quiet", "-o", out)
+    assert res.exit_code == 0, res.output
+    assert not (out / "plan.json").exists()
+    result = json.loads((out / "report.json").read_text())["stages"][0]["result"]
+    assert result["kept_layers"] == keep_layers(6, 0.5)
+
+
+@pytest.mark.parametrize("layers, says", [("6", "keeps 1 .. 5 layers"), ("7", "keeps 1 .. 5 layers"),
+                                          ("0", "keeps 1 .. 5 layers")])
+def test_distill_refuses_a_layer_count_before_loading(teacher6, text_file, tmp_path, monkeypatch, layers, says):
+    from geminicompress.models import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the teacher"))
+    res = _invoke("distill", "--teacher", teacher6, "--student-layers", layers, "--data", text_file, "-o", tmp_path / "x")
+    assert res.exit_code == 2 and says in res.output and len(res.output.strip().splitlines()) == 1, res.output
+
+
+def test_distill_refuses_an_unmappable_architecture_before_loading(tmp_path, text_file):
+    weird = tmp_path / "weird"
+    weird.mkdir()
+    (weird / "config.json").write_text(json.dumps({"model_type": "bloom", "num_hidden_layers": 4}))
+    res = _invoke("distill", "--teacher", weird, "--student-layers", "3", "--data", text_file, "-o", tmp_path / "x")
+    assert res.exit_code == 2 and "no block map" in res.output and len(res.output.strip().splitlines()) == 1, res.output
+
+
+def test_two_budgets_are_refused():
+    from pydantic import ValidationError
+
+    from geminicompress.recipes.schema import DistillStage
+
+    with pytest.raises(ValidationError, match="one training budget"):
+        DistillStage(type="distill", train_minutes=1, train_tokens=100)
+    with pytest.raises(ValidationError, match="one training budget"):
+        DistillStage(type="distill", steps=5, train_minutes=1)
+    assert not DistillStage(type="distill", train_minutes=0).trains and DistillStage(type="distill").trains
+
+
+def test_train_minutes_trains_until_the_budget_is_spent(tmp_path):
+    from geminicompress.distill.train import train
+    from geminicompress.recipes.schema import DistillStage
+
+    teacher = tiny_model(num_hidden_layers=4)
+    student, _ = derive_student(teacher, [0, 3])
+    windows = torch.randint(0, 384, (10, 16), generator=torch.Generator().manual_seed(0))
+    cfg = DistillStage(type="distill", train_minutes=0.003, seq_len=16, batch_size=2, warmup_steps=1,
+                       eval_every=10_000, eval_windows=2)
+    _, hist = train(student, teacher, windows[:8], windows[8:], cfg, seed=0, layer_map=None, masks=None,
+                    state_dir=tmp_path, device=CPU)
+    assert hist.step >= 1 and hist.seconds >= 0.18  # stopped only once 0.003 minutes of steps were spent
+    assert hist.tokens == hist.step * 2 * 16 and len(hist.ppl) == 2  # before, and at the last step

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import DATA, RESULTS, SEQ_LEN  # noqa: E402
+
 from geminicompress.data import pack_windows, tokenize  # noqa: E402
 from geminicompress.data.windows import calibration_windows  # noqa: E402
 from geminicompress.distill.cut import cut_student  # noqa: E402
@@ -41,7 +42,7 @@ from geminicompress.distill.plan import make_plan  # noqa: E402
 from geminicompress.distill.repair import RepairSpec  # noqa: E402
 from geminicompress.distill.student import derive_student, keep_layers, n_params  # noqa: E402
 from geminicompress.distill.survey import walk  # noqa: E402
-from geminicompress.eval.perplexity import perplexity  # noqa: E402
+from geminicompress.eval.quality.perplexity import perplexity  # noqa: E402
 from geminicompress.machine import machine, versions  # noqa: E402
 from geminicompress.models.loading import load_model  # noqa: E402
 
@@ -153,8 +154,9 @@ def main() -> None:
         result["plan"] = {**plan.as_dict(), "seconds": round(time.perf_counter() - t0, 1)}
         save()
         result["measured"] = row(plan.chosen.kept, "measured")
-        from geminicompress.distill.survey import mean_nll
         import math
+
+        from geminicompress.distill.survey import mean_nll
 
         t_held = math.exp(mean_nll(teacher, held.hidden[-1], heldw, device=CPU))  # as cut.planned_student
         predicted = round(perplexity(students["measured"], heldw, CPU) / t_held - 1, 4)
@@ -164,9 +166,10 @@ def main() -> None:
         result["measured"]["prediction_error"] = round(abs(predicted - measured) / abs(measured), 4) if measured else None
         save()
     if "fixed" in phases:
-        from geminicompress.distill.survey import mean_nll
-        from geminicompress.eval.perplexity import perplexity as held_ppl
         import math
+
+        from geminicompress.distill.survey import mean_nll
+        from geminicompress.eval.quality.perplexity import perplexity as held_ppl
 
         if "-" in args.dropped:
             lo, hi = map(int, args.dropped.split("-"))

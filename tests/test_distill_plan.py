@@ -4,15 +4,15 @@ import json
 
 import pytest
 import torch
+from tiny import tiny_model
 
-from geminicompress.compress.arch import decoder_layers
+from geminicompress.core.arch import decoder_layers
 from geminicompress.distill.cut import cut_student
-from geminicompress.distill.plan import candidates, block_params, make_plan
+from geminicompress.distill.plan import block_params, candidates, make_plan
 from geminicompress.distill.repair import LeastSquares, RepairSpec, merge_map, refit_block
 from geminicompress.distill.student import derive_student, keep_count, keep_layers
 from geminicompress.distill.survey import angular_distance, run_layers, walk
 from geminicompress.errors import InputError
-from tiny import tiny_model
 
 CPU = torch.device("cpu")
 
@@ -151,7 +151,7 @@ def test_plan_candidates_and_fields(setup):
     assert d["chosen"]["repaired_drift"] == min(c["repaired_drift"] for c in shortlisted) == d["predicted_drift"]
     # a candidate's repaired drift is that of the student cut_student builds with the map at each cut only
     student, _ = cut_student(teacher, d["chosen"]["kept"], fit, RepairSpec("down_proj", follow=False))
-    from geminicompress.eval.perplexity import perplexity
+    from geminicompress.eval.quality.perplexity import perplexity
 
     measured = perplexity(student, windows[32:]) / perplexity(teacher, windows[32:]) - 1
     assert measured == pytest.approx(d["predicted_drift"], abs=1e-4)

@@ -26,10 +26,10 @@ def _check_before_load(teacher: str, layers: int | float | list[int] | None, cut
     student is cut by measurement or repaired) an architecture whose blocks we cannot map."""
     import json
 
-    from geminicompress.compress.arch import ARCHS
+    from geminicompress.core.arch import ARCHS
     from geminicompress.distill.student import keep_count
-    from geminicompress.models.loading import resolve_model
     from geminicompress.models.demo import demo_cache_dir
+    from geminicompress.models.loading import resolve_model
 
     source = resolve_model(teacher)
     path = source.path if source.kind == "dir" else demo_cache_dir() if source.kind == "demo" else None

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import arch_for, decoder_layers
+from geminicompress.core.arch import arch_for, decoder_layers
 from geminicompress.distill.repair import RepairSpec, repair
 from geminicompress.distill.student import derive_student, n_params
 from geminicompress.distill.survey import Walk, mlp_down
@@ -56,7 +56,7 @@ def planned_student(teacher: nn.Module, layers: int | float | list[int], windows
     from geminicompress.distill.plan import Plan, make_plan
     from geminicompress.distill.student import keep_count, keep_layers
     from geminicompress.distill.survey import mean_nll, walk
-    from geminicompress.eval.perplexity import perplexity
+    from geminicompress.eval.quality.perplexity import perplexity
 
     progress = progress or NullProgress()
     n_layers = teacher.config.num_hidden_layers

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from geminicompress.compress.arch import decoder_layers
+from geminicompress.core.arch import decoder_layers
 from geminicompress.distill.repair import RepairSpec, repair
 from geminicompress.distill.student import keep_layers
 from geminicompress.distill.survey import Walk, mean_nll, mlp_down, run_layers, span_distances

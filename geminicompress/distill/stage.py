@@ -25,8 +25,8 @@ import torch
 from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.distill import masks as M
 from geminicompress.distill import streamed_teacher as ST
-from geminicompress.distill.plot import plot_curve
 from geminicompress.distill.cut import planned_student
+from geminicompress.distill.plot import plot_curve
 from geminicompress.distill.reconstruct import check_same_shape, reconstruct
 from geminicompress.distill.repair import RepairSpec
 from geminicompress.distill.student import (

@@ -26,9 +26,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from geminicompress.compress.arch import arch_for, decoder_layers
+from geminicompress.core.arch import arch_for, decoder_layers
+from geminicompress.engine.forward import embed, head_logits
 from geminicompress.engine.layers import layer_output
-from geminicompress.models.forward import embed, head_logits
 from geminicompress.progress import NullProgress, Progress
 
 

@@ -36,13 +36,13 @@ from geminicompress.eval.footprint import (
     weights_size_mb,
 )
 from geminicompress.eval.latency import measure_latency
-from geminicompress.eval.perplexity import window_logprobs
 from geminicompress.eval.quality import score_windows
 from geminicompress.eval.report import new_entry, new_report, write_report
 from geminicompress.eval.specs import display_names, stored_dtype
 from geminicompress.eval.streamed import open_streamed, params_of, stream_reason, streamed_logprobs
 from geminicompress.eval.table import describe_timing
 from geminicompress.models import demo
+from geminicompress.models.head import window_chunks
 from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.schema import EvalStage
@@ -253,7 +253,7 @@ def _in_memory(loaded, name, text, options, base, device, progress, entry, note)
     entry.update(kernel=asdict(choice), dtype=choice.activation_dtype)
     if choice.note and options.latency and choice.timed:
         note(choice.note)  # e.g. sparsity that runs dense here: the speed column is a dense model's
-    state, ids = _quality(model, lambda w: (window_logprobs(model, x, device) for x in w), loaded.tokenizer,
+    state, ids = _quality(model, lambda w: (window_chunks(model, x, device) for x in w), loaded.tokenizer,
                           name, text, options, base, progress, entry, note)
     need, context = options.prompt_len + options.gen_len, model_context(model)
     if options.latency and not choice.timed:
@@ -271,8 +271,8 @@ def _in_memory(loaded, name, text, options, base, device, progress, entry, note)
 
 
 def _quality(model, logprobs_of, tok, name, text, options, base, progress, entry, note):
-    """Perplexity (+ drift when comparable) from `logprobs_of(windows)` (each window's (T-1, V) log-probs,
-    in order); `model` gives the config (a skeleton will do). Returns (Baseline state if this is the
+    """Perplexity (+ drift when comparable) from `logprobs_of(windows)` (each window's log-probs as chunks
+    (c, V) covering its T-1 scored positions, in order); `model` gives the config (a skeleton will do). Returns (Baseline state if this is the
     baseline, ids)."""
     if not options.quality:
         ids = tokenize(tok, text, options.max_tokens)

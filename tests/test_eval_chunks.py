@@ -100,3 +100,26 @@ def test_drift_meter_sums_chunks_like_a_whole_window(windows):
     for x, y in zip(window_chunks(a, windows[0], CPU), window_chunks(b, windows[0], CPU)):
         parts.add(x, y)
     assert parts.kl == pytest.approx(whole.kl, rel=1e-5) and parts.agreement == whole.agreement
+
+
+@pytest.mark.parametrize("keep_bytes", [0, 1 << 40])  # the original's log-probs recomputed / kept
+def test_sensitivity_kl_in_chunks_equals_whole(monkeypatch, windows, keep_bytes):
+    from geminicompress.compress.arch import arch_for
+    from geminicompress.compress.sensitivity import measure
+    from geminicompress.compress.sensitivity.options import parse_options
+    from geminicompress.compress.targets import decoder_linears as quantizable
+
+    model = _big_vocab()
+    keep = {n for n in quantizable(model, arch_for(model), []) if "layers.1.mlp" in n}
+    options = parse_options("rtn:b2g16")
+
+    def table():
+        return measure.measure_sensitivity(model, windows[:2], options, keep=keep, measure="kl", kl_windows=2)
+
+    monkeypatch.setattr(measure._Tail, "KEEP_BYTES", keep_bytes)
+    chunked = table()
+    monkeypatch.setattr(head_mod.chunk_rows, "__defaults__", (1 << 40,))  # one chunk: the whole (kw·(T−1), V)
+    whole = table()
+    got, want = [u["kl"][0] for u in chunked["units"]], [u["kl"][0] for u in whole["units"]]
+    assert len(got) == 3 and min(want) > 1e-4
+    assert got == pytest.approx(want, rel=1e-5)

@@ -123,3 +123,14 @@ def test_sensitivity_kl_in_chunks_equals_whole(monkeypatch, windows, keep_bytes)
     got, want = [u["kl"][0] for u in chunked["units"]], [u["kl"][0] for u in whole["units"]]
     assert len(got) == 3 and min(want) > 1e-4
     assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_topk_cache_in_chunks_equals_the_whole_logits_top_k(windows, tmp_path):
+    from geminicompress.distill.topk_cache import build_topk_cache, top_k
+
+    model = _big_vocab()
+    cache = build_topk_cache(model, windows, 5, CPU, batch_size=2, root=tmp_path)
+    with torch.no_grad():
+        v, i = top_k(model(windows).logits, 5)  # (3, 41, 5) each
+    torch.testing.assert_close(cache.values, v, rtol=0, atol=1e-3)
+    assert torch.equal(cache.indices, i)

@@ -84,6 +84,40 @@ def test_kernel_output_equals_the_reference_path(case):
     assert float((y16.float() - exact).abs().max()) <= 2**-7 * float(exact.abs().max())
 
 
+@pytest.mark.parametrize("case", [dict(out_f=128), dict(out_f=128, act_order=True), dict(out_f=64, group=-1),
+                                  dict(out_f=128, bits=3)], ids=["g32", "act_order", "per_channel", "3bit"])
+def test_prefill_dequantizes_once_and_equals_the_kernel(case):
+    """From PREFILL_ROWS rows on the weight is read back from the packed codes and run as one bf16 GEMM: the
+    same weights as the kernel's, within bf16 rounding; fewer rows stay on the kernel."""
+    from geminicompress.eval import int4
+
+    qw = _qweight(**case)
+    layout = int4_layout(qw.q, qw.scales, qw.zeros, qw.g_idx, qw.spec.bits)
+    fast = Int4Linear(layout, qw.spec.bits, None, torch.bfloat16, CPU)
+    assert fast.block is not None  # this torch's CPU packing is read back exactly
+    assert torch.equal(int4.unpack_cpu(fast.packed, *layout.codes.shape, fast.block).t(), layout.codes.to(torch.uint8))
+    w_t = int4.dequantize_packed(fast.packed, fast.block, fast.group_size, fast.offsets, fast.scales_and_zeros[..., 0],
+                                 fast.out_features, fast.in_features)
+    if layout.perm is None:  # the kernel's weights, rounded once more to bf16
+        want = dequantize_layout(layout, torch.bfloat16)
+        assert float((w_t.float().t() - want).abs().max()) <= 2**-7 * float(want.abs().max())  # 1-2 bf16 ulps
+    x = torch.randn(int4.PREFILL_ROWS, qw.q.shape[1], generator=torch.Generator().manual_seed(2)).bfloat16()
+    calls = []
+    kernel = int4.int4_mm
+    try:
+        int4.int4_mm = lambda *a: calls.append(a[0].shape[0]) or kernel(*a)
+        prefill, decode_rows = fast(x), fast(x[:4])
+    finally:
+        int4.int4_mm = kernel
+    assert calls == [4]  # the long call went through the GEMM, the short one through the kernel
+    by_kernel = kernel(x.index_select(1, fast.perm) if fast.perm is not None else x, fast.packed, fast.group_size,
+                       fast.scales_and_zeros)
+    exact = F.linear(x.float(), dequantize_layout(layout, torch.bfloat16))
+    assert float((prefill.float() - exact).abs().max()) <= 2**-7 * float(exact.abs().max())
+    assert float((prefill.float() - by_kernel.float()).abs().max()) <= 2**-6 * float(exact.abs().max())
+    torch.testing.assert_close(decode_rows, by_kernel[:4], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("case,reason", [
     (dict(bits=8), "8-bit codes do not fit"),
     (dict(out_f=40), "40 output features: torch's int4 kernel needs a multiple of 16"),

@@ -89,8 +89,9 @@ def test_8bit_groups_have_no_kernel_and_no_made_up_latency(models, text_file):
     report = evaluate([out["rtn8"]], base, str(text_file), None, EvalStage(**FAST), device=torch.device("cpu"))
     assert [m["name"] for m in report["models"]] == ["base", "rtn8"]
     rtn8 = report["models"][1]
-    assert rtn8["latency"] is None and kernel_label(rtn8) == "no fast kernel, fp32"
-    assert any("8-bit codes do not fit torch's int4 kernel" in n for n in rtn8["notes"])
+    assert rtn8["latency"] is None and kernel_label(rtn8) == "no 8-bit kernel, dequantized once, fp32"
+    assert any("8-bit linears with groups or zero points have no kernel on cpu" in n for n in rtn8["notes"])
+    assert rtn8["quality"]["perplexity"] > 0
 
 
 def test_cli_kernels_and_dtype_baseline_flags(models, text_file, tmp_path):

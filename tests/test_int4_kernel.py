@@ -199,7 +199,9 @@ def test_model_quality_through_the_fast_path_equals_the_reference_path(packed_mo
         assert "3-bit codes run in the int4 kernel" in choice.note
 
 
-def test_8bit_model_has_no_fast_kernel_and_is_not_timed(tmp_path, text_file):
+def test_8bit_grouped_model_runs_dequantized_once_and_is_not_timed(tmp_path, text_file):
+    """8-bit codes with groups have no kernel here: their weights are dequantized once into dense linears (the
+    same logits as the reference path, which dequantizes on every call); latency is not measured."""
     from geminicompress.models.loading import load_model
     from geminicompress.pipeline import run_recipe
     from geminicompress.recipes.loader import recipe_from_stage
@@ -210,10 +212,15 @@ def test_8bit_model_has_no_fast_kernel_and_is_not_timed(tmp_path, text_file):
                                {"data": str(text_file), "samples": 2, "seq_len": 64}, "test")
     run_recipe(recipe, tmp_path / "rtn8", device=CPU, loaded=load_model(str(base)), stream=False)
     loaded = load_model(str(tmp_path / "rtn8"))
-    choice = use_fast_kernels(loaded.model, CPU)
-    assert not choice.timed and choice.kernel == "reference"
-    assert "8-bit codes do not fit torch's int4 kernel" in choice.note
-    assert any(isinstance(m, DequantLinear) for m in loaded.model.modules())  # left as it was
+    x = torch.randint(0, 300, (1, 32))
+    with torch.no_grad():
+        ref = loaded.model(x).logits
+        choice = use_fast_kernels(loaded.model, CPU)
+        got = loaded.model(x).logits
+    assert not choice.timed and choice.kernel == "dense-dequantized" and choice.modules == {"dense-dequantized": 14}
+    assert "14 8-bit linears with groups or zero points have no kernel on cpu" in choice.note
+    assert not any(isinstance(m, DequantLinear) for m in loaded.model.modules())
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 
 
 def test_dense_and_int8_models_keep_their_kernels(tiny_dir):

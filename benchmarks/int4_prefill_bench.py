@@ -2,7 +2,8 @@
 linear of the demo's shapes, 4-bit g64 codes, bf16 activations.
 
 - kernel: torch's int4 kernel (`_weight_int4pack_mm_for_cpu`), what decode runs on;
-- dequant+gemm: the bf16 weight rebuilt from uint8 codes once per call (S·(q−8)+Z), then a bf16 GEMM;
+- dequant+gemm: the bf16 weight rebuilt once per call from the packed codes (`dequantize_packed`, what
+  `Int4Linear` does from PREFILL_ROWS rows on), then a bf16 GEMM;
 - cached bf16: a bf16 GEMM on a dequantized weight kept beside the codes (+2 bytes per weight);
 - dense bf16 / fp32: the dense linear the quantized one stands for.
 
@@ -22,7 +23,7 @@ import time
 
 import torch
 
-from geminicompress.eval.int4 import CODE_OFFSET, int4_mm, pack_for
+from geminicompress.eval.int4 import CODE_OFFSET, cpu_block, dequantize_packed, int4_mm, pack_for
 
 SHAPES = {"q_proj/o_proj": (576, 576), "gate/up": (1536, 576), "down": (576, 1536)}  # (out, in)
 ROWS = (1, 8, 32, 64, 96, 128, 256, 512)
@@ -64,6 +65,8 @@ def main() -> None:
         sz = torch.stack([torch.rand(in_f // GROUP, out_f) * 0.01 + 1e-3,
                           torch.randn(in_f // GROUP, out_f) * 0.01], -1).to(torch.bfloat16)
         packed, u8 = pack_for(codes, torch.device("cpu")), codes.to(torch.uint8)
+        block = cpu_block(packed, codes)
+        offsets = (sz[..., 1].float() - CODE_OFFSET * sz[..., 0].float()).to(torch.bfloat16)
         w_bf16 = dequant(u8, sz, GROUP)
         w_fp32 = w_bf16.float()
         for m in ROWS:
@@ -71,7 +74,8 @@ def main() -> None:
             xf = x.float()
             row = {"shape": label, "out": out_f, "in": in_f, "rows": m,
                    "kernel": _time(lambda: int4_mm(x, packed, GROUP, sz), args.repeats),
-                   "dequant+gemm": _time(lambda: x @ dequant(u8, sz, GROUP).t(), args.repeats),
+                   "dequant+gemm": _time(lambda: x @ dequantize_packed(packed, block, GROUP, offsets, sz[..., 0],
+                                                                      out_f, in_f), args.repeats),
                    "cached bf16": _time(lambda: x @ w_bf16.t(), args.repeats),
                    "dense fp32": _time(lambda: xf @ w_fp32.t(), args.repeats)}
             rows.append(row)

@@ -39,7 +39,7 @@ import torch.nn as nn
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 CODE_OFFSET = 8  # the kernel's codes are centred on 8
-PREFILL_ROWS = 256  # from this many rows on, dequantize once per call and run a bf16 GEMM (the crossover measured)
+PREFILL_ROWS = 512  # from this many rows on, dequantize once per call and one bf16 GEMM (the crossover: 256-512 rows)
 CPU_BLOCKS = (64, 32, 16)  # output rows per block of torch's CPU int4 packing (64 with AVX-512), tried in order
 
 

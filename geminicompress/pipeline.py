@@ -16,7 +16,6 @@ report.json; rename onto OUT.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import os
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from geminicompress import __version__
+from geminicompress.memory import out_of_the_mapping
 from geminicompress.distill.streamed_teacher import streamable_dir, streamed_input
 from geminicompress.engine.contract import StageContext, layer_kept, stage_kept, walk_dtypes
 from geminicompress.engine.estimate import announce
@@ -156,16 +156,6 @@ def _open_streamed(recipe: Recipe, path: Path, tmp: Path, progress: Progress, de
 def _result(i: int, stage: Any, seconds: float, summary: dict) -> dict:
     return {"index": i, "stage": stage_tag(stage), "options": stage.model_dump(mode="json"),
             "seconds": round(seconds, 3), "result": summary}
-
-
-def out_of_the_mapping(model: torch.nn.Module) -> None:
-    """Copy what is left of a model loaded from safetensors (embeddings, norms, head) into memory of its own:
-    transformers keeps the weights as views of the file's mapping, and one view keeps every page of it that
-    was read resident (the whole input, 513 MB on the demo, during the check of OUT) until it goes."""
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.numel():
-            tensor.data = tensor.data.clone()
-    gc.collect()
 
 
 def _in_memory(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, max_shard: int,

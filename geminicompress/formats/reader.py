@@ -60,6 +60,7 @@ def load_with_reader(path: Path, dtype: torch.dtype, reader: ModuleReader) -> nn
     else assigned into the skeleton (parameters on the meta device until then: no float copy of the model
     is ever made), float tensors in the skeleton's dtype."""
     from geminicompress.formats.checkpoint import float_skeleton, read_tensors
+    from geminicompress.memory import out_of_the_mapping
 
     tensors = read_tensors(path)
     model = float_skeleton(path, dtype)  # every parameter is assigned (missing ones are an error)
@@ -85,6 +86,7 @@ def load_with_reader(path: Path, dtype: torch.dtype, reader: ModuleReader) -> nn
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise GeminiError(f"{path}: checkpoint does not match the architecture (missing {left[:3]})")
+    out_of_the_mapping(model)  # the file's mapping goes: its read pages would stay resident beside the modules
     if reader.after_load is not None:
         reader.after_load(model)
     return model.eval()

@@ -38,6 +38,7 @@ from geminicompress.errors import InputError
 from geminicompress.formats.shards import DEFAULT_MAX_BYTES, ShardWriter
 from geminicompress.formats.writer import LayerWriter
 from geminicompress.machine import machine, versions
+from geminicompress.memory import out_of_the_mapping
 from geminicompress.methods import runner
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import (
@@ -222,6 +223,7 @@ def _in_memory(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, ma
         for layer in ctx.layers.layers:
             for param in layer.parameters():
                 param.data = torch.empty(0, dtype=param.dtype)
+        out_of_the_mapping(ctx.model)
     export = _finish(ctx, tmp, shards, writer, result, walked, probe, head=None)
     return results, export
 

@@ -245,8 +245,8 @@ def loaded_logits(out: Path, windows: torch.Tensor, trust_remote_code: bool, str
         finally:
             hidden.close()
 
-    model = load_model(str(out), dtype=torch.float32, trust_remote_code=trust_remote_code,
-                       allow_nonfinite=True).model.to(device)  # the comparison judges its values
+    model = load_model(str(out), dtype=torch.float32, trust_remote_code=trust_remote_code, allow_nonfinite=True,
+                       tokenizer=False).model.to(device)  # the comparison judges its values
     try:
         return model_logits(model, windows)
     finally:

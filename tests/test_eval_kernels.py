@@ -28,10 +28,11 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, text_file):
+    from tiny import save_tiny
+
     from geminicompress.models.loading import load_model
     from geminicompress.pipeline import run_recipe
     from geminicompress.recipes.loader import recipe_from_stage
-    from tiny import save_tiny
 
     root = tmp_path_factory.mktemp("evalkernels")
     base = save_tiny(root / "base")
@@ -89,8 +90,9 @@ def test_8bit_groups_have_no_kernel_and_no_made_up_latency(models, text_file):
     report = evaluate([out["rtn8"]], base, str(text_file), None, EvalStage(**FAST), device=torch.device("cpu"))
     assert [m["name"] for m in report["models"]] == ["base", "rtn8"]
     rtn8 = report["models"][1]
-    assert rtn8["latency"] is None and kernel_label(rtn8) == "no fast kernel, fp32"
-    assert any("8-bit codes do not fit torch's int4 kernel" in n for n in rtn8["notes"])
+    assert rtn8["latency"] is None and kernel_label(rtn8) == "no 8-bit kernel, dequantized once, fp32"
+    assert any("8-bit linears with groups or zero points have no kernel on cpu" in n for n in rtn8["notes"])
+    assert rtn8["quality"]["perplexity"] > 0
 
 
 def test_cli_kernels_and_dtype_baseline_flags(models, text_file, tmp_path):
@@ -103,3 +105,24 @@ def test_cli_kernels_and_dtype_baseline_flags(models, text_file, tmp_path):
     assert [m["name"] for m in json.loads((tmp_path / "a" / "report.json").read_text())["models"]] == ["base", "gptq"]
     r = runner.invoke(app, ["eval", *common, "-o", str(tmp_path / "b"), "--kernels", "fastest"])
     assert r.exit_code == 2 and "--kernels" in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_a_kept_baseline_is_measured_once_and_gives_the_same_figures(models, text_file, monkeypatch):
+    """Within `baseline_kept()` (tune's rounds) the baseline is evaluated by the first call only; later calls
+    reuse its entry and cached log-probs, and every model's figures equal those of a fresh run."""
+    from geminicompress.eval import api
+
+    base, out = models
+    options = EvalStage(**{**FAST, "latency": False})
+    fresh = evaluate([out["gptq"]], base, str(text_file), None, options, device=torch.device("cpu"))
+    loaded = []
+    real = api.load_model
+    monkeypatch.setattr(api, "load_model", lambda spec, **kw: loaded.append(spec) or real(spec, **kw))
+    with api.baseline_kept():
+        first = evaluate([out["gptq"]], base, str(text_file), None, options, device=torch.device("cpu"))
+        again = evaluate([out["rtn8"], out["gptq"]], base, str(text_file), None, options, device=torch.device("cpu"))
+    assert loaded == [base, out["gptq"], out["rtn8"], out["gptq"]]  # the baseline loaded once
+    for report in (first, again):
+        assert report["models"][0]["quality"] == fresh["models"][0]["quality"]
+        assert report["models"][-1]["quality"] == fresh["models"][1]["quality"]
+    assert again["models"][1]["quality"]["kl_to_baseline"] > 0

@@ -62,9 +62,11 @@ def test_cached_logprobs_round_trip_exactly(model, windows):
     with BaselineCache(windows.shape[0], 63, model.config.vocab_size) as cache:
         logps = [window_logprobs(model, w, CPU) for w in windows]
         for i, lp in enumerate(logps):
-            cache.put(i, lp)
+            cache.put(i, 0, lp[:40])
+            cache.put(i, 40, lp[40:])
         for i in (3, 0, 5):
             assert torch.equal(cache.get(i, windows[i]), logps[i])
+            assert torch.equal(cache.get(i, windows[i], 10, 50), logps[i][10:50])
 
 
 def test_kl_and_agreement_on_known_distributions():

@@ -84,6 +84,40 @@ def test_kernel_output_equals_the_reference_path(case):
     assert float((y16.float() - exact).abs().max()) <= 2**-7 * float(exact.abs().max())
 
 
+@pytest.mark.parametrize("case", [dict(out_f=128), dict(out_f=128, act_order=True), dict(out_f=64, group=-1),
+                                  dict(out_f=128, bits=3)], ids=["g32", "act_order", "per_channel", "3bit"])
+def test_prefill_dequantizes_once_and_equals_the_kernel(case):
+    """From PREFILL_ROWS rows on the weight is read back from the packed codes and run as one bf16 GEMM: the
+    same weights as the kernel's, within bf16 rounding; fewer rows stay on the kernel."""
+    from geminicompress.kernels import int4
+
+    qw = _qweight(**case)
+    layout = int4_layout(qw.q, qw.scales, qw.zeros, qw.g_idx, qw.spec.bits)
+    fast = Int4Linear(layout, qw.spec.bits, None, torch.bfloat16, CPU)
+    assert fast.block is not None  # this torch's CPU packing is read back exactly
+    assert torch.equal(int4.unpack_cpu(fast.packed, *layout.codes.shape, fast.block).t(), layout.codes.to(torch.uint8))
+    w_t = int4.dequantize_packed(fast.packed, fast.block, fast.group_size, fast.offsets, fast.scales_and_zeros[..., 0],
+                                 fast.out_features, fast.in_features)
+    if layout.perm is None:  # the kernel's weights, rounded once more to bf16
+        want = dequantize_layout(layout, torch.bfloat16)
+        assert float((w_t.float().t() - want).abs().max()) <= 2**-7 * float(want.abs().max())  # 1-2 bf16 ulps
+    x = torch.randn(int4.PREFILL_ROWS, qw.q.shape[1], generator=torch.Generator().manual_seed(2)).bfloat16()
+    calls = []
+    kernel = int4.int4_mm
+    try:
+        int4.int4_mm = lambda *a: calls.append(a[0].shape[0]) or kernel(*a)
+        prefill, decode_rows = fast(x), fast(x[:4])
+    finally:
+        int4.int4_mm = kernel
+    assert calls == [4]  # the long call went through the GEMM, the short one through the kernel
+    by_kernel = kernel(x.index_select(1, fast.perm) if fast.perm is not None else x, fast.packed, fast.group_size,
+                       fast.scales_and_zeros)
+    exact = F.linear(x.float(), dequantize_layout(layout, torch.bfloat16))
+    assert float((prefill.float() - exact).abs().max()) <= 2**-7 * float(exact.abs().max())
+    assert float((prefill.float() - by_kernel.float()).abs().max()) <= 2**-6 * float(exact.abs().max())
+    torch.testing.assert_close(decode_rows, by_kernel[:4], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("case,reason", [
     (dict(bits=8), "8-bit codes do not fit"),
     (dict(out_f=40), "40 output features: torch's int4 kernel needs a multiple of 16"),
@@ -166,22 +200,28 @@ def test_model_quality_through_the_fast_path_equals_the_reference_path(packed_mo
         assert "3-bit codes run in the int4 kernel" in choice.note
 
 
-def test_8bit_model_has_no_fast_kernel_and_is_not_timed(tmp_path, text_file):
-    from tiny import save_tiny
-
+def test_8bit_grouped_model_runs_dequantized_once_and_is_not_timed(tmp_path, text_file):
+    """8-bit codes with groups have no kernel here: their weights are dequantized once into dense linears (the
+    same logits as the reference path, which dequantizes on every call); latency is not measured."""
     from geminicompress.models.loading import load_model
     from geminicompress.pipeline import run_recipe
     from geminicompress.recipes.loader import recipe_from_stage
+    from tiny import save_tiny
 
     base = save_tiny(tmp_path / "base")
     recipe = recipe_from_stage(str(base), {"type": "quantize", "method": "rtn", "bits": 8, "group_size": 32},
                                {"data": str(text_file), "samples": 2, "seq_len": 64}, "test")
     run_recipe(recipe, tmp_path / "rtn8", device=CPU, loaded=load_model(str(base)), stream=False)
     loaded = load_model(str(tmp_path / "rtn8"))
-    choice = use_fast_kernels(loaded.model, CPU)
-    assert not choice.timed and choice.kernel == "reference"
-    assert "8-bit codes do not fit torch's int4 kernel" in choice.note
-    assert any(isinstance(m, DequantLinear) for m in loaded.model.modules())  # left as it was
+    x = torch.randint(0, 300, (1, 32))
+    with torch.no_grad():
+        ref = loaded.model(x).logits
+        choice = use_fast_kernels(loaded.model, CPU)
+        got = loaded.model(x).logits
+    assert not choice.timed and choice.kernel == "dense-dequantized" and choice.modules == {"dense-dequantized": 14}
+    assert "14 8-bit linears with groups or zero points have no kernel on cpu" in choice.note
+    assert not any(isinstance(m, DequantLinear) for m in loaded.model.modules())
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 
 
 def test_dense_and_int8_models_keep_their_kernels(tiny_dir):

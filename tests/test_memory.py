@@ -71,3 +71,30 @@ def test_heap_reuse_serves_repeated_big_buffers_without_fresh_pages():
                                               check=True).stdout.split())
     assert outside > 100 * 1500
     assert inside < outside / 5
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_a_packed_checkpoint_loads_on_a_meta_skeleton_and_lets_its_file_mapping_go(tiny_dir, text_file, tmp_path):
+    """The loader builds the float architecture on the meta device (no float copy of the model), assigns the
+    checkpoint's tensors, rebuilds the rotary buffers, and copies what it keeps out of the file's mapping."""
+    import torch
+
+    from geminicompress.models.loading import load_model
+    from geminicompress.pipeline import run_recipe
+    from geminicompress.recipes.loader import recipe_from_stage
+
+    recipe = recipe_from_stage(str(tiny_dir), {"type": "quantize", "method": "rtn", "bits": 4, "group_size": 32},
+                               {"data": str(text_file), "samples": 2, "seq_len": 64}, "test")
+    run_recipe(recipe, tmp_path / "rtn", device=torch.device("cpu"), loaded=load_model(str(tiny_dir)), stream=False)
+    loaded = load_model(str(tmp_path / "rtn"), tokenizer=False)
+    assert loaded.tokenizer is None
+    tensors = [*loaded.model.parameters(), *loaded.model.buffers()]
+    assert tensors and not any(t.is_meta for t in tensors)
+    rotary = next(m for n, m in loaded.model.named_modules() if n.endswith("rotary_emb"))
+    fresh = type(rotary)(loaded.model.config)
+    assert torch.equal(rotary.inv_freq, fresh.inv_freq)
+    mapped = [line for line in open("/proc/self/maps") if str(tmp_path / "rtn") in line]
+    assert mapped == []
+    ids = torch.randint(0, 300, (1, 16))
+    with torch.no_grad():
+        assert torch.isfinite(loaded.model(ids).logits).all()

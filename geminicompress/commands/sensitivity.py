@@ -45,6 +45,7 @@ def sensitivity(
     trust_remote_code: bool = c.TRUST,
     allow_pickle: bool = c.PICKLE,
     quiet: bool = c.QUIET,
+    threads: Optional[int] = c.THREADS,
 ) -> None:
     """Measure how much each decoder linear suffers from each candidate setting, applied to it alone.
 
@@ -58,6 +59,7 @@ def sensitivity(
     if kl_windows < 1:
         raise InputError(f"--kl-windows must be at least 1, got {kl_windows}")
     check_output_path(output, force)
+    choice = c.use_threads(threads, None)
     dev = c.parse_device(device)
     progress = c.RichProgress(quiet)
     loaded = load_model(model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
@@ -67,10 +69,12 @@ def sensitivity(
     t0 = time.perf_counter()
     table = measure_sensitivity(loaded.model, windows, parsed, keep=keep, kl_windows=kl_windows, measure=measure,
                                 fuse=fuse, device=dev, progress=progress, seed=seed)
-    table.update(model=model, data=data or "builtin:pydoc", seconds=round(time.perf_counter() - t0, 3))
+    table.update(model=model, data=data or "builtin:pydoc", seconds=round(time.perf_counter() - t0, 3),
+                 threads=choice.threads)
     with OutputDir(output, force) as tmp:
         write_json(tmp / "sensitivity.json", table)
         write_heatmap(table, tmp / "sensitivity.png")
     if "rank_correlation" in table:
         c.console.print(f"rank correlation proxy vs kl: {table['rank_correlation']}")
-    c.console.print(f"[green]wrote[/] {output}  (sensitivity.json, sensitivity.png; {table['seconds']:.1f} s)")
+    c.console.print(f"[green]wrote[/] {output}  (sensitivity.json, sensitivity.png; {table['seconds']:.1f} s, "
+                    f"{choice.reason})")

@@ -17,6 +17,7 @@ import typer
 from geminicompress.commands import common as c
 from geminicompress.commands.quantize import parse_percent
 from geminicompress.compress.gptq.allocate import ALLOCATION_FILE
+from geminicompress.eval.api import baseline_kept
 from geminicompress.output import check_output_path
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import validate
@@ -44,6 +45,7 @@ def tune(
     trust_remote_code: bool = c.TRUST,
     allow_pickle: bool = c.PICKLE,
     quiet: bool = c.QUIET,
+    threads: Optional[int] = c.THREADS,
 ) -> None:
     """Mixed-precision GPTQ whose measured drift on --eval-data stays under --max-drift, in as few bits as found.
 
@@ -64,6 +66,7 @@ def tune(
     base = {"model": model, "seed": seed, "trust_remote_code": trust_remote_code, "allow_pickle": allow_pickle,
             "calibration": cal}
     check_output_path(output, force)
+    choice = c.use_threads(threads, None)
     progress = c.RichProgress(quiet)
     dev = c.parse_device(device)
 
@@ -76,9 +79,10 @@ def tune(
         report = run_recipe(recipe, folder, force=True, progress=progress, device=dev, command=sys.argv)
         return report, json.loads((folder / ALLOCATION_FILE).read_text())
 
-    chosen = run_tune(run_round, output, budget, opts, sensitivity, lambda line: c.console.print(line, highlight=False),
-                      measured_on=eval_data)
+    with baseline_kept():  # the input model's figures measured in round 1, reused by the later rounds
+        chosen = run_tune(run_round, output, budget, opts, sensitivity,
+                          lambda line: c.console.print(line, highlight=False), measured_on=eval_data)
     c.out_console.print(f"wrote {output}: round {chosen['round']} of {len(chosen['rounds'])}, "
                         f"{chosen['average_bits']:.3f} bits per weight; drift predicted "
                         f"{chosen['predicted_drift_pct']:.2f}%, measured {chosen['measured_drift_pct']:.2f}% on "
-                        f"{eval_data} (budget {budget:g}%)")
+                        f"{eval_data} (budget {budget:g}%; {choice.reason})")

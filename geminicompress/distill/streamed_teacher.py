@@ -31,9 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from geminicompress.distill.topk_cache import TopKCache, cache_folder, read_cache, teacher_key, top_k, write_cache
-from geminicompress.engine.forward import activations_bytes, final_hidden, head_logits
+from geminicompress.engine.forward import activations_bytes, final_hidden, head_chunks
 from geminicompress.errors import InputError
 from geminicompress.memory import available_memory, too_big
+from geminicompress.models.head import chunk_rows
 from geminicompress.models.headers import is_streamable_dir, weights_bytes
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import LoadedModel, load_tokenizer, local_dir, resolve_model
@@ -148,17 +149,17 @@ def topk_and_nll(ckpt: LazyCheckpoint, train: torch.Tensor, held_out: torch.Tens
                           progress=progress, description="teacher layers")
     try:
         with progress.task(f"teacher top-{k} logits", len(windows)) as bar:
-            for start, logits in head_logits(source, hidden, device=device, batch=1):  # (b, T, V)
-                for j in range(logits.shape[0]):
-                    i = start + j
-                    if i < n:
-                        v, ix = top_k(logits[j : j + 1], k)  # (1, T, k) each
-                        values[i], indices[i] = v[0], ix[0]
-                    else:
-                        ids = windows[i].to(logits.device)
-                        nll += float(F.cross_entropy(logits[j, :-1], ids[1:], reduction="sum"))
-                        count += T - 1
-                bar.advance(logits.shape[0])
+            rows = chunk_rows(ckpt.model.config.vocab_size)  # the head over chunks of positions (models/head.py)
+            for i, start, logits in head_chunks(source, hidden, device=device, positions=T, rows=rows):  # (c, V)
+                stop = start + logits.shape[0]
+                if i < n:
+                    values[i, start:stop], indices[i, start:stop] = top_k(logits, k)
+                elif start < T - 1:
+                    targets = windows[i, start + 1:stop + 1].to(logits.device)  # the last position has none
+                    nll += float(F.cross_entropy(logits[:targets.numel()], targets, reduction="sum"))
+                    count += targets.numel()
+                if stop == T:
+                    bar.advance(1)
     finally:
         hidden.close()
     return values, indices, nll, count

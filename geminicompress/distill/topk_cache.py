@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from geminicompress.distill.losses import SparseLogits
 from geminicompress.models.demo import cache_root
+from geminicompress.models.head import chunk_logits, final_states
 from geminicompress.progress import NullProgress, Progress
 
 DIGEST_CHUNK = 1 << 22  # values per hashed chunk (16 MiB as float32)
@@ -89,7 +90,7 @@ def write_cache(folder: Path, values: torch.Tensor, indices: torch.Tensor) -> To
 
 
 def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values float16, indices int32) of the k largest logits (b, T, V) -> (b, T, k) each, on the CPU."""
+    """(values float16, indices int32) of the k largest logits (..., V) -> (..., k) each, on the CPU."""
     top = logits.float().topk(k, dim=-1)
     return top.values.half().cpu(), top.indices.int().cpu()
 
@@ -114,8 +115,9 @@ def build_topk_cache(
     with progress.task(f"teacher top-{k} logits", len(windows)) as bar:
         for start in range(0, len(windows), batch_size):
             batch = windows[start : start + batch_size].to(device)
-            v, i = top_k(teacher(batch).logits, k)  # (b, T, k) each
-            values.append(v)
-            indices.append(i)
+            hidden = final_states(teacher, batch)  # (b, T, d); the head in chunks of positions (models/head.py)
+            parts = [top_k(logits, k) for _, logits in chunk_logits(teacher, hidden.flatten(0, 1))]  # (c, k) each
+            values.append(torch.cat([v for v, _ in parts]).view(*batch.shape, k))
+            indices.append(torch.cat([i for _, i in parts]).view(*batch.shape, k))
             bar.advance(len(batch))
     return write_cache(folder, torch.cat(values), torch.cat(indices))

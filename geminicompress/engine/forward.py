@@ -175,6 +175,27 @@ def head_logits(source: nn.Module | LayerSource, hidden: StreamedHidden, *, devi
 
 
 @torch.no_grad()
+def head_chunks(source: nn.Module | LayerSource, hidden: StreamedHidden, *, device: torch.device, positions: int,
+                rows: int, dtype: torch.dtype = torch.float32) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(window index, first position, logits (c, V) in float32) of the first `positions` positions of every
+    window of `hidden`, `rows` positions at a time, in order, through the model's own final norm and head: a
+    window's logits are never held whole (models/head.py says why)."""
+    source = source if not isinstance(source, nn.Module) else ModelLayers(source)
+    current: list[torch.Tensor] = []
+    with _head_only(source, dtype, device) as (model, norm):
+        handle = norm.register_forward_pre_hook(lambda m, args: (current[0],) + tuple(args[1:]))
+        try:
+            for w in range(hidden.tensor.shape[0]):
+                for start in range(0, positions, rows):
+                    h = hidden.tensor[w:w + 1, start:min(start + rows, positions)].to(device, dtype)  # (1, c, d)
+                    current[:] = [h]
+                    dummy = torch.zeros(h.shape, dtype=dtype, device=device)  # replaced at the final norm
+                    yield w, start, model(inputs_embeds=dummy, use_cache=False).logits[0].float()
+        finally:
+            handle.remove()
+
+
+@torch.no_grad()
 def streamed_logits(source: nn.Module | LayerSource, windows: torch.Tensor, *, device: torch.device,
                     dtype: torch.dtype = torch.float32, spill_dir: Path | None = None,
                     progress: Progress | None = None, head_batch: int = 1) -> Iterator[tuple[int, torch.Tensor]]:

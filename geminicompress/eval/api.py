@@ -13,10 +13,13 @@ decoder layer at a time read from disk (streamed.py), scored by the same meters;
 
 from __future__ import annotations
 
+import copy
 import gc
-from contextlib import closing
+from contextlib import closing, contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -37,13 +40,13 @@ from geminicompress.eval.cost.latency import measure_latency
 from geminicompress.eval.engines import torch_kernels as kernels
 from geminicompress.eval.extras import run_speculative, run_tasks, tasks_available
 from geminicompress.eval.quality.baseline_cache import BaselineCache
-from geminicompress.eval.quality.perplexity import window_logprobs
 from geminicompress.eval.quality.scoring import score_windows
 from geminicompress.eval.quality.streamed import open_streamed, params_of, stream_reason, streamed_logprobs
 from geminicompress.eval.report import new_entry, new_report, write_report
 from geminicompress.eval.specs import display_names, stored_dtype
 from geminicompress.eval.table import describe_timing
 from geminicompress.models import demo
+from geminicompress.models.head import window_chunks
 from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.schema import EvalStage
@@ -58,6 +61,38 @@ class Baseline:
     windows: torch.Tensor | None  # (n, T) or None when the text is too short
     cache: BaselineCache | None
     perplexity: float | None
+
+
+@dataclass
+class _Kept:
+    """A baseline measured once and reused by later `evaluate` calls on the same baseline, data and options."""
+
+    key: tuple | None = None
+    entry: dict | None = None
+    state: Baseline | None = None
+
+    def close(self) -> None:
+        if self.state is not None and self.state.cache is not None:
+            self.state.cache.close()
+        self.key = self.entry = self.state = None
+
+
+_KEPT: ContextVar[_Kept | None] = ContextVar("kept_baseline", default=None)
+
+
+@contextmanager
+def baseline_kept() -> Iterator[None]:
+    """Within this block, `evaluate` measures a baseline once and reuses its figures and cached log-probs
+    while the baseline, data, options and device stay the same (tune's rounds: each round's OUT against the
+    same input model). Only a baseline whose log-probs went to the disk cache (or that has none) is kept: one
+    that would have to recompute would keep its model in memory between calls."""
+    kept = _Kept()
+    token = _KEPT.set(kept)
+    try:
+        yield
+    finally:
+        _KEPT.reset(token)
+        kept.close()
 
 
 def model_context(model) -> int | None:
@@ -130,12 +165,22 @@ def evaluate(
         # the baseline again, in the dtype the int4 kernels compute in (right after it)
         same_dtype = kernels.INT4_ACTIVATION_DTYPE
         jobs.insert(1, (baseline, f"{shown[0]} @{kernels.dtype_name(same_dtype)}", same_dtype))
+    memo = _KEPT.get()
+    key = (baseline, shown[0], data, options.model_dump_json(), str(device), trust_remote_code, streamed[baseline])
+    if memo is not None and memo.key == key:  # measured by an earlier call in this block
+        base = memo.state
+        entries.append(copy.deepcopy(memo.entry))
+        jobs = jobs[1:]
+        progress.info(f"{shown[0]} (baseline): measured once in this run, reused")
     try:
         for spec, name, dtype in jobs:
             entry, kept, state = _evaluate_one(spec, name, text, options, base, device, progress, load, dtype,
                                                streamed[spec])
             if base is None:
                 base, base_model = state, kept
+                if memo is not None and kept is None and state is not None:
+                    memo.close()
+                    memo.key, memo.entry, memo.state = key, copy.deepcopy(entry), state
             entries.append(entry)
         speculative = None
         if options.draft and streamed[baseline] is not None:
@@ -145,7 +190,7 @@ def evaluate(
         elif options.draft:
             speculative = run_speculative(baseline, options, base, device, progress, load)
     finally:
-        if base is not None and base.cache is not None:
+        if base is not None and base.cache is not None and (memo is None or memo.state is not base):
             base.cache.close()
         free(base_model)
     timing_warning = describe_timing(entries)
@@ -256,7 +301,7 @@ def _in_memory(loaded, name, text, options, base, device, progress, entry, note)
     entry.update(kernel=asdict(choice), dtype=choice.activation_dtype)
     if choice.note and options.latency and choice.timed:
         note(choice.note)  # e.g. sparsity that runs dense here: the speed column is a dense model's
-    state, ids = _quality(model, lambda w: (window_logprobs(model, x, device) for x in w), loaded.tokenizer,
+    state, ids = _quality(model, lambda w: (window_chunks(model, x, device) for x in w), loaded.tokenizer,
                           name, text, options, base, progress, entry, note)
     need, context = options.prompt_len + options.gen_len, model_context(model)
     if options.latency and not choice.timed:
@@ -274,8 +319,8 @@ def _in_memory(loaded, name, text, options, base, device, progress, entry, note)
 
 
 def _quality(model, logprobs_of, tok, name, text, options, base, progress, entry, note):
-    """Perplexity (+ drift when comparable) from `logprobs_of(windows)` (each window's (T-1, V) log-probs,
-    in order); `model` gives the config (a skeleton will do). Returns (Baseline state if this is the
+    """Perplexity (+ drift when comparable) from `logprobs_of(windows)` (each window's log-probs as chunks
+    (c, V) covering its T-1 scored positions, in order); `model` gives the config (a skeleton will do). Returns (Baseline state if this is the
     baseline, ids)."""
     if not options.quality:
         ids = tokenize(tok, text, options.max_tokens)

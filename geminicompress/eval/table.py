@@ -111,7 +111,8 @@ def rows(report: dict) -> list[list[Cell]]:
 
 
 _KERNELS = {"torch-int4-cpu": "int4", "torch-int4-cuda": "int4", "fbgemm-dynamic": "w8a8 fbgemm",
-            "fbgemm-fp16-codes": "int8 fbgemm", "reference": "no fast kernel", "dense": "dense", "vllm": "vLLM"}
+            "fbgemm-fp16-codes": "int8 fbgemm", "reference": "no fast kernel", "dense": "dense", "vllm": "vLLM",
+            "dense-dequantized": "no 8-bit kernel, dequantized once"}
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 

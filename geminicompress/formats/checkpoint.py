@@ -77,15 +77,16 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def float_skeleton(path: Path, dtype: torch.dtype) -> nn.Module:
-    """The model's architecture from config.json, without its quantization_config, in `dtype` (weights left
-    uninitialised: the loader overwrites them all)."""
+    """The model's architecture from config.json, without its quantization_config, in `dtype`, its parameters
+    on the meta device (no memory: the loader assigns every one of them, or swaps its module for a quantized
+    one); buffers (rotary inv_freq) real and computed as transformers computes them."""
+    from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
 
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    with no_init_weights():
+    with init_empty_weights(include_buffers=False):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 

@@ -57,11 +57,13 @@ def check_replaces(model: nn.Module, name: str, new: nn.Module, where: Path | st
 
 def load_with_reader(path: Path, dtype: torch.dtype, reader: ModuleReader) -> nn.Module:
     """The whole checkpoint at `path` in memory: every module `reader` recognises built by it, everything
-    else loaded into the float skeleton as it is."""
+    else assigned into the skeleton (parameters on the meta device until then: no float copy of the model
+    is ever made), float tensors in the skeleton's dtype."""
     from geminicompress.formats.checkpoint import float_skeleton, read_tensors
+    from geminicompress.memory import out_of_the_mapping
 
     tensors = read_tensors(path)
-    model = float_skeleton(path, dtype)  # every tensor is overwritten (missing ones are an error)
+    model = float_skeleton(path, dtype)  # every parameter is assigned (missing ones are an error)
     modules = reader.modules(tensors)
     for name, keys in modules.items():
         new = reader.module(name, {k: tensors.pop(k) for k in keys}, dtype)
@@ -72,12 +74,19 @@ def load_with_reader(path: Path, dtype: torch.dtype, reader: ModuleReader) -> nn
         if key in expected and expected[key].is_floating_point() and not value.is_floating_point():
             raise GeminiError(f"{path}: {key} is stored as {str(value.dtype).removeprefix('torch.')} where the "
                               "architecture holds a float tensor (are the tensors that quantize it missing?)")
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
+        if key in expected and value.is_floating_point() and value.dtype != expected[key].dtype:
+            tensors[key] = value.to(expected[key].dtype)
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    del tensors
     missing = [k for k in missing if k.rpartition(".")[0] not in modules and k not in tied_output_keys(model)]
     if missing or unexpected:
         what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
         raise GeminiError(f"{path}: checkpoint does not match the architecture ({what})")
     model.tie_weights()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise GeminiError(f"{path}: checkpoint does not match the architecture (missing {left[:3]})")
+    out_of_the_mapping(model)  # the file's mapping goes: its read pages would stay resident beside the modules
     if reader.after_load is not None:
         reader.after_load(model)
     return model.eval()

@@ -21,6 +21,12 @@ What the kernel needs, and how we meet it:
   ExLlama/Marlin kernels do.
 - out features a multiple of 16 (CPU) / 8 (CUDA).
 
+The kernel is made for decode: its time grows with the rows of activations about linearly (~4.5 us a row
+for a 576x576 linear on one thread), so a long prefill is slower than a bf16 GEMM. From `PREFILL_ROWS`
+rows on (a CPU whose packed layout we can read: `unpack_cpu`), `Int4Linear` dequantizes its weight once
+per call, S·(q − 8) + Z in bf16, and runs one bf16 GEMM: no memory is kept for it, and decode stays on the
+kernel (benchmarks/int4_prefill_bench.py measures the ways, docs/eval.md has the figures).
+
 The math (`int4_layout`) is pure; `Int4Linear` is the module that runs it.
 """
 
@@ -33,6 +39,8 @@ import torch.nn as nn
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 CODE_OFFSET = 8  # the kernel's codes are centred on 8
+PREFILL_ROWS = 512  # from this many rows on, dequantize once per call and one bf16 GEMM (the crossover: 256-512 rows)
+CPU_BLOCKS = (64, 32, 16)  # output rows per block of torch's CPU int4 packing (64 with AVX-512), tried in order
 
 
 @dataclass
@@ -97,6 +105,31 @@ def pack_for(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
 
 
+def unpack_cpu(packed: torch.Tensor, out_f: int, in_f: int, block: int) -> torch.Tensor:
+    """The codes (in, out) uint8 of a CPU-packed weight (out, in/2): blocks of `block` output rows, each byte
+    holding output rows d (low nibble) and d + block/2 (high) of its block at one input column."""
+    v = packed.view(out_f // block, in_f, block // 2)  # (nb, in, block/2)
+    return torch.cat([v & 15, v >> 4], 2).permute(1, 0, 2).reshape(in_f, out_f)
+
+
+def cpu_block(packed: torch.Tensor, codes: torch.Tensor) -> int | None:
+    """The block size `unpack_cpu` reads `packed` with, checked against its codes (out, in); None when no
+    block size reads it back (another torch's layout): then prefill stays on the kernel."""
+    out_f, in_f = codes.shape
+    for block in CPU_BLOCKS:
+        if out_f % block == 0 and torch.equal(unpack_cpu(packed, out_f, in_f, block).t(), codes.to(torch.uint8)):
+            return block
+    return None
+
+
+def dequantize_packed(packed: torch.Tensor, block: int, group_size: int, offsets: torch.Tensor, scales: torch.Tensor,
+                      out_f: int, in_f: int) -> torch.Tensor:
+    """Ŵᵀ (in, out) in the scales' dtype from the CPU-packed codes: q·S + (Z − 8·S), groups of input rows.
+    scales, offsets: (in / group_size, out) = S and Z − 8·S."""
+    q = unpack_cpu(packed, out_f, in_f, block).to(scales.dtype).view(in_f // group_size, group_size, out_f)
+    return torch.addcmul(offsets.unsqueeze(1), q, scales.unsqueeze(1)).view(in_f, out_f)
+
+
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor) -> torch.Tensor:
     """x (M, in) @ the packed weight^T -> (M, out), in x's dtype (which must be sz's)."""
     if x.device.type == "cpu":
@@ -115,6 +148,10 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", pack_for(layout.codes, device))
         self.register_buffer("scales_and_zeros", layout.scales_and_zeros.to(device=device, dtype=dtype))
         self.register_buffer("perm", None if layout.perm is None else layout.perm.to(device))
+        self.block = cpu_block(self.packed, layout.codes) if device.type == "cpu" else None  # None: kernel only
+        if self.block is not None:  # the prefill path's offsets Z − 8·S (out floats: (in / group_size, out))
+            sz = self.scales_and_zeros.float()
+            self.register_buffer("offsets", (sz[..., 1] - CODE_OFFSET * sz[..., 0]).to(dtype), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(device=device, dtype=dtype),
                                                            requires_grad=False)
 
@@ -127,7 +164,12 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype)  # (M, in)
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
-        y = int4_mm(x2.contiguous(), self.packed, self.group_size, self.scales_and_zeros)  # (M, out)
+        if self.block is not None and x2.shape[0] >= PREFILL_ROWS:  # prefill: dequantize once, one bf16 GEMM
+            w_t = dequantize_packed(self.packed, self.block, self.group_size, self.offsets,
+                                    self.scales_and_zeros[..., 0], self.out_features, self.in_features)
+            y = x2 @ w_t  # (M, out)
+        else:
+            y = int4_mm(x2.contiguous(), self.packed, self.group_size, self.scales_and_zeros)  # (M, out)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)

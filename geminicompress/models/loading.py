@@ -83,9 +83,11 @@ def load_model(
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
     allow_nonfinite: bool = False,
+    tokenizer: bool = True,
 ) -> LoadedModel:
     """Load model and tokenizer from MODEL; raise a `GeminiError` with one clear line on failure, a
-    `NonFiniteError` (an input error) when a float tensor holds NaN/Inf unless `allow_nonfinite`."""
+    `NonFiniteError` (an input error) when a float tensor holds NaN/Inf unless `allow_nonfinite`.
+    `tokenizer=False`: a local directory's weights alone (LoadedModel.tokenizer None; the check of OUT)."""
     source = resolve_model(spec)
     fmt, unused = None, None
     if source.kind == "gguf":
@@ -94,7 +96,7 @@ def load_model(
         model, tok, unused = _load_hub(spec, dtype, trust_remote_code, allow_pickle)
     else:
         path = demo_dir() if source.kind == "demo" else source.path
-        model, tok, fmt, unused = _load_dir(path, dtype, trust_remote_code, allow_pickle)
+        model, tok, fmt, unused = _load_dir(path, dtype, trust_remote_code, allow_pickle, tokenizer)
     model.eval()
     return LoadedModel(model, tok, source, fmt, nonfinite=check_named(model.state_dict().items(), allow_nonfinite),
                        unused=unused)
@@ -137,11 +139,12 @@ def _check_weights(path: Path, allow_pickle: bool) -> None:
         raise GeminiError(f"{path} has a config.json but no weights (*.safetensors)")
 
 
-def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool, allow_pickle: bool):
+def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool, allow_pickle: bool, tokenizer: bool = True):
     from transformers import AutoModelForCausalLM
 
     _check_weights(path, allow_pickle)
-    check_tokenizer_files(path)  # before the weights load: said in a second, not after the model is read
+    if tokenizer:
+        check_tokenizer_files(path)  # before the weights load: said in a second, not after the model is read
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -159,7 +162,7 @@ def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool, allow_pic
             model = formats.load(path, config, dtype)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise GeminiError(f"{path} does not load as a causal language model: {_first_line(exc)}") from exc
-    return model, load_tokenizer(str(path), trust_remote_code), key, unused
+    return model, load_tokenizer(str(path), trust_remote_code) if tokenizer else None, key, unused
 
 
 def load_tokenizer(where: str, trust_remote_code: bool, **kwargs: Any):

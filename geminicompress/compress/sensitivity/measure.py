@@ -23,7 +23,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ from geminicompress.core.metrics import kl_per_token
 from geminicompress.engine.layers import LayerJob, capture_inputs, forward_layer, layer_output
 from geminicompress.engine.walk import run_layerwise
 from geminicompress.errors import InputError
+from geminicompress.models.head import chunk_logits
 from geminicompress.progress import NullProgress, Progress
 
 MEASURES = ("kl", "proxy", "both")
@@ -84,22 +85,46 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 class _Tail:
-    """Layers l.. then the final norm and head, from cached original hidden states (kw, T, d)."""
+    """Layers l.. then the final norm and the model's own head, from cached original hidden states (kw, T, d),
+    and KL to the original model's output. The head runs over chunks of positions (models/head.py), so a
+    large vocabulary never makes a (kw·(T−1), V) tensor: the original's log-probs are kept when they fit
+    `KEEP_BYTES`, else recomputed chunk by chunk from its final hidden states (exact either way)."""
+
+    KEEP_BYTES = 256 * 2**20
 
     def __init__(self, model: nn.Module, arch: Arch, kwargs: dict[str, Any]) -> None:
+        self.model = model
         self.layers = get_module(model, arch.layers)
         self.norm = get_module(model, arch.final_norm)
-        self.head = model.get_output_embeddings()
         self.kwargs = kwargs
+        self.base_states: torch.Tensor | None = None  # (kw·(T−1), d) the original's, after the final norm
+        self.base_logprobs: list[torch.Tensor] | None = None  # its (c, V) chunks, when they fit KEEP_BYTES
 
-    def logprobs(self, h: torch.Tensor, start: int) -> torch.Tensor:
+    def states(self, h: torch.Tensor, start: int) -> torch.Tensor:
+        """(kw·(T−1), d): h (kw, T, d) through layers start.. and the final norm, the scored positions."""
         for layer in self.layers[start:]:
             h = layer_output(layer, h, self.kwargs)
-        logits = self.head(self.norm(h))[:, :-1]  # (kw, T-1, V)
-        return F.log_softmax(logits.float(), dim=-1).flatten(0, 1)
+        return self.norm(h)[:, :-1].flatten(0, 1)
 
-    def kl(self, base: torch.Tensor, h: torch.Tensor, start: int) -> float:
-        return float(kl_per_token(base, self.logprobs(h, start)).mean())
+    def chunks(self, states: torch.Tensor) -> Iterator[torch.Tensor]:
+        for _, logits in chunk_logits(self.model, states):  # (c, V)
+            yield F.log_softmax(logits, dim=-1)
+
+    def set_reference(self, h: torch.Tensor, start: int) -> None:
+        """The original model's output, from its states h at the input of layer `start`."""
+        self.base_states = self.states(h, start)
+        keep = self.base_states.shape[0] * self.model.config.vocab_size * 4 <= self.KEEP_BYTES
+        self.base_logprobs = list(self.chunks(self.base_states)) if keep else None
+
+    def kl(self, h: torch.Tensor, start: int) -> float:
+        """Mean KL(original ‖ this) per scored position, h (kw, T, d) at the input of layer `start`."""
+        assert self.base_states is not None, "set_reference first"
+        base = self.base_logprobs if self.base_logprobs is not None else self.chunks(self.base_states)
+        total, count = 0.0, 0
+        for b, q in zip(base, self.chunks(self.states(h, start))):
+            total += float(kl_per_token(b, q).double().sum())
+            count += q.shape[0]
+        return total / count
 
 
 @torch.no_grad()
@@ -128,7 +153,7 @@ def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[O
     ftw = first_token_weight if "gptq" in methods and "sparsegpt" not in methods else 1.0  # one Hessian for both
     if not (want_h or want_norms):  # no statistics: only the measured windows need to run
         windows = windows[:kw]
-    tail, states, base = _reference(model, windows[:kw], device, arch)
+    tail, states = _reference(model, windows[:kw], device, arch)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     rows: list[dict[str, Any]] = []
     gains: list[float] = []
@@ -145,10 +170,10 @@ def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[O
                 stats = {n: (None, None) for u in mine for n in u.linears}
             target = states[i + 1]
             delta = torch.randn(target.shape, generator=gen).to(target) * noise * target.pow(2).mean().sqrt()
-            gain = tail.kl(base, target + delta, i + 1) / float(delta.pow(2).sum(-1).mean())
+            gain = tail.kl(target + delta, i + 1) / float(delta.pow(2).sum(-1).mean())
             gains.append(gain)
             for u in mine:
-                rows.append(_measure_unit(u, layer, options, stats, states, base, tail, gain, measure, arch, bar,
+                rows.append(_measure_unit(u, layer, options, stats, states, tail, gain, measure, arch, bar,
                                           act_order))
             return {}, {}
 
@@ -166,16 +191,17 @@ def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[O
 
 
 def _reference(model: nn.Module, windows: torch.Tensor, device: torch.device, arch: Arch
-               ) -> tuple[_Tail, list[torch.Tensor], torch.Tensor]:
-    """The original model on the measured windows: each layer's input states (kw, T, d) and the output
-    log-probs (kw·(T−1), V) every unit's KL is taken against, and the tail that runs layers l.. and the head."""
+               ) -> tuple[_Tail, list[torch.Tensor]]:
+    """The original model on the measured windows: each layer's input states (kw, T, d), and the tail that
+    runs layers l.. and the head, holding the output every unit's KL is taken against."""
     model.to(device)
     first = capture_inputs(model, windows, device)  # the measured windows, as the walk captures them
     tail = _Tail(model, arch, first.kwargs)
     states = [torch.cat([h.to(device) for h in first.hidden])]
     for layer in get_module(model, arch.layers):
         states.append(layer_output(layer, states[-1], first.kwargs))
-    return tail, states, tail.logprobs(states[-1], len(states) - 1)
+    tail.set_reference(states[-1], len(states) - 1)
+    return tail, states
 
 
 def _statistics(layer: nn.Module, inputs: Any, device: torch.device, arch: Arch, units: list[Unit],
@@ -204,7 +230,7 @@ def _statistics(layer: nn.Module, inputs: Any, device: torch.device, arch: Arch,
 
 
 def _measure_unit(u: Unit, layer: nn.Module, options: list[Option], stats: dict, states: list[torch.Tensor],
-                  base: torch.Tensor, tail: _Tail, gain: float, measure: str, arch: Arch, bar: Any,
+                  tail: _Tail, gain: float, measure: str, arch: Arch, bar: Any,
                   act_order: bool = True) -> dict[str, Any]:
     modules = [get_module(layer, n) for n in u.linears]
     originals = [m.weight.data for m in modules]
@@ -221,7 +247,7 @@ def _measure_unit(u: Unit, layer: nn.Module, options: list[Option], stats: dict,
             err = float((y - target).pow(2).sum(-1).mean())
             row["layer_error"].append(err)
             row["proxy"].append(gain * err)
-            row["kl"].append(tail.kl(base, y, u.layer + 1) if measure != "proxy" else None)
+            row["kl"].append(tail.kl(y, u.layer + 1) if measure != "proxy" else None)
         finally:
             for m, w in zip(modules, originals):
                 m.weight.data = w

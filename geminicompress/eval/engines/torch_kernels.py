@@ -8,7 +8,8 @@ every call, which is exact but says nothing about speed (issue #25: 13x "slower"
 |---|---|---|
 | GPTQ / AWQ / pack-quantized, 2-4 bit | torch's int4 kernel, bf16 activations (int4.py) | torch's int4 kernel (tinygemm), bf16 |
 | the same, 8-bit symmetric per channel | fbgemm's W8A16 kernel (the int8 module) | none: not timed |
-| the same, other 8-bit, or a shape the kernel cannot hold | none: latency not measured, the reason shown | same |
+| the same, other 8-bit | dense weights dequantized once (the rest on its kernels): quality only, latency not measured | same |
+| a 2-4 bit shape the kernel cannot hold | none: latency not measured, the reason shown | same |
 | int8 / w8a8 (compressed-tensors int-quantized) | fbgemm (kernels/int8.py, as loaded) | reference matmuls |
 | dense | torch's matmul in the stored dtype | same |
 | dense with pruned zeros | dense matmul, noted: unstructured sparsity / 2:4 has no kernel here | 2:4: sparse tensor cores, not used |
@@ -95,30 +96,49 @@ def use_fast_kernels(model: nn.Module, device: torch.device, sparsity: float | N
     if reference:
         return KernelChoice("reference", dtype_name(dtype), {"reference": len(packed)}, False,
                             "reference path (--kernels reference): packed weights are dequantized on every call")
-    plans: dict[str, object] = {}  # name -> INT8 (fbgemm W8A16) or the int4 kernel's layout
+    plans: dict[str, object] = {}  # name -> INT8 (fbgemm W8A16), DENSE, or the int4 kernel's layout
     for name, m in packed:
         plan = INT8 if _is_int8_channel(m, device) else int4_layout(m.q, m.scales, m.zeros, m.g_idx, m.bits,
                                                                    16 if device.type == "cpu" else 8)
-        if isinstance(plan, str) and plan != INT8:
+        if isinstance(plan, str) and plan != INT8 and m.bits > 4:
+            plan = DENSE  # 8-bit with groups or zero points: no kernel; its weights dequantized once
+        elif isinstance(plan, str) and plan != INT8:
             return KernelChoice("reference", dtype_name(dtype), {"reference": len(packed)}, False,
                                 f"no fast kernel on {device.type}: {name}: {plan}")
         plans[name] = plan
-    int4 = [n for n, p in plans.items() if p != INT8]
+    int4 = [n for n, p in plans.items() if p not in (INT8, DENSE)]
     act = INT4_ACTIVATION_DTYPE if int4 else dtype
     model.to(act)  # norms, embeddings, head: the kernel's activation dtype
     counts: dict[str, int] = {}
     for name, m in packed:
         plan = plans[name]
-        module = _int8_module(m, act) if plan == INT8 else Int4Linear(plan, m.bits, m.bias, act, device)
-        counts[module.kernel] = counts.get(module.kernel, 0) + 1
+        module = (_int8_module(m, act) if plan == INT8 else _dense_module(m, act) if plan == DENSE
+                  else Int4Linear(plan, m.bits, m.bias, act, device))
+        kernel = getattr(module, "kernel", DENSE)
+        counts[kernel] = counts.get(kernel, 0) + 1
         model.set_submodule(name, module)
     bits = sorted({m.bits for n, m in packed if n in int4})
     note = (f"{'/'.join(map(str, bits))}-bit codes run in the int4 kernel (4 bits per weight in memory)"
             if bits and bits != [4] else None)
+    if DENSE in counts:  # quality through the kernels (fast), speed not: the dense ones are not the format's
+        return KernelChoice(max(counts, key=counts.get), dtype_name(act), counts, False,
+                            f"{counts[DENSE]} 8-bit linears with groups or zero points have no kernel on "
+                            f"{device.type}: they run as dense {dtype_name(act)} weights dequantized once")
     return KernelChoice(max(counts, key=counts.get), dtype_name(act), counts, True, note)
 
 
 INT8 = "int8"
+DENSE = "dense-dequantized"
+
+
+def _dense_module(m: DequantLinear, dtype: torch.dtype) -> nn.Linear:
+    """A plain linear holding m's dequantized weights in `dtype` (the same weights; 8-bit codes that no kernel
+    here takes, so that a mixed model's other linears still run on theirs)."""
+    module = nn.Linear(m.in_features, m.out_features, m.bias is not None, device="meta")
+    module.weight = nn.Parameter(m.weight.to(dtype), requires_grad=False)
+    if m.bias is not None:
+        module.bias = nn.Parameter(m.bias.detach().to(dtype), requires_grad=False)
+    return module
 
 
 def _is_int8_channel(m: DequantLinear, device: torch.device) -> bool:

@@ -15,18 +15,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from geminicompress.models.head import chunk_logits, final_states
+
 
 @torch.no_grad()
 def window_logprobs(model, window: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Log-probabilities of the next token at every position but the last: (T-1, V) float32 on CPU."""
+    """Log-probabilities of the next token at every position but the last: (T-1, V) float32 on CPU, whole
+    (the scoring passes take them in chunks instead: models/head.py's `window_chunks`)."""
     ids = window.view(1, -1).to(device)  # (1, T)
     logits = model(input_ids=ids, use_cache=False).logits[0, :-1]  # (T-1, V)
     return F.log_softmax(logits.float(), dim=-1).cpu()
 
 
-def token_nll(logprobs: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
-    """-log p(x_{t+1}) for each scored position: logprobs (T-1, V), window (T,) -> (T-1,)."""
-    targets = window[1:].view(-1, 1).to(logprobs.device)
+def token_nll(logprobs: torch.Tensor, window: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """-log p(x_{t+1}) for each scored position: logprobs (c, V) of positions start..start+c-1 of window (T,)
+    (all T-1 of them by default) -> (c,)."""
+    targets = window[start + 1 : start + 1 + logprobs.shape[0]].view(-1, 1).to(logprobs.device)
     return -logprobs.gather(-1, targets).squeeze(-1)
 
 
@@ -38,10 +42,11 @@ class PerplexityMeter:
     tokens: int = 0
     windows: int = 0
 
-    def add(self, nll: torch.Tensor) -> None:
+    def add(self, nll: torch.Tensor, window: bool = True) -> None:
+        """Add token NLLs; `window=False` for a chunk of a window that is not its first."""
         self.nll_sum += float(nll.double().sum())
         self.tokens += nll.numel()
-        self.windows += 1
+        self.windows += int(window)
 
     @property
     def mean_nll(self) -> float:
@@ -54,15 +59,18 @@ class PerplexityMeter:
 
 @torch.no_grad()
 def perplexity(model, windows: torch.Tensor, device: torch.device | str = "cpu", batch_size: int = 4) -> float:
-    """exp(mean next-token NLL) over windows (n, T), `batch_size` windows per forward (the same value as
-    the per-window meter up to float rounding). Used by training evaluations and the benchmarks."""
+    """exp(mean next-token NLL) over windows (n, T), `batch_size` windows per decoder forward, the head over
+    chunks of positions (models/head.py; the same value as the per-window meter up to float rounding). Used by
+    training evaluations, the serving table and the benchmarks."""
     was_training = model.training
     model.eval()
     nll, count = 0.0, 0
     for start in range(0, len(windows), batch_size):
         ids = windows[start : start + batch_size].to(device)
-        logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()  # (b, T-1, V)
-        nll += float(F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum"))
-        count += ids[:, 1:].numel()
+        hidden = final_states(model, ids)[:, :-1].flatten(0, 1)  # (b·(T-1), d)
+        targets = ids[:, 1:].flatten()
+        for first, logits in chunk_logits(model, hidden):  # (c, V) each
+            nll += float(F.cross_entropy(logits, targets[first : first + logits.shape[0]], reduction="sum"))
+        count += targets.numel()
     model.train(was_training)
     return math.exp(nll / count)

@@ -12,16 +12,18 @@ disk per token is not a serving figure), and the report says so.
 from __future__ import annotations
 
 import tempfile
+from itertools import groupby
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 
-from geminicompress.engine.forward import activations_bytes, streamed_logits
+from geminicompress.engine.forward import activations_bytes, final_hidden, head_chunks
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.eval.cost.footprint import count_params
 from geminicompress.memory import available_memory, too_big
+from geminicompress.models.head import chunk_rows
 from geminicompress.models.headers import is_readable_dir, loaded_bytes
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import local_dir
@@ -60,16 +62,23 @@ def open_streamed(spec: str, trust_remote_code: bool) -> tuple[LazyCheckpoint, P
 
 
 def streamed_logprobs(ckpt: LazyCheckpoint, windows: torch.Tensor, device: torch.device, dtype: torch.dtype,
-                      progress: Progress | None = None) -> Iterator[torch.Tensor]:
-    """Log-probabilities of the next token at every position but the last, (T-1, V) float32 on the CPU, for
-    each window of `windows` (n, T) in order: what `perplexity.window_logprobs` gives for a model in memory."""
-    hidden = ckpt.model.config.hidden_size
-    spill = 2 * activations_bytes(windows, hidden, dtype) > SPILL_FRACTION * available_memory()
+                      progress: Progress | None = None) -> Iterator[Iterable[torch.Tensor]]:
+    """Log-probabilities of the next token at every position but the last, for each window of `windows`
+    (n, T) in order, as consecutive chunks (c, V) float32 on the CPU: what `models.head.window_chunks` gives
+    for a model in memory. Each window's chunks must be consumed before the next window's."""
+    hidden_size, (n, T) = ckpt.model.config.hidden_size, windows.shape
+    spill = 2 * activations_bytes(windows, hidden_size, dtype) > SPILL_FRACTION * available_memory()
+    source = LazyLayers(ckpt, dtype)
     with tempfile.TemporaryDirectory(prefix="geminicompress-activations-") as folder:
-        for _, logits in streamed_logits(LazyLayers(ckpt, dtype), windows, device=device, dtype=dtype,
-                                         spill_dir=Path(folder) if spill else None, progress=progress):
-            for row in logits:  # (T, V)
-                yield F.log_softmax(row[:-1].float(), dim=-1).cpu()
+        hidden = final_hidden(source, windows, device=device, dtype=dtype,
+                              spill_dir=Path(folder) if spill else None, progress=progress)
+        try:
+            chunks = head_chunks(source, hidden, device=device, dtype=dtype, positions=T - 1,
+                                 rows=chunk_rows(ckpt.model.config.vocab_size))
+            for _, part in groupby(chunks, key=lambda c: c[0]):
+                yield (F.log_softmax(logits, dim=-1).cpu() for _, _, logits in part)
+        finally:
+            hidden.close()
 
 
 def params_of(ckpt: LazyCheckpoint) -> int:

@@ -86,7 +86,7 @@ def _serve_loop(model, requests, flags, max_len, prefix_len, shared: bool) -> li
         kwargs = dict(extra)
         if flags.prefix_cache and prefix_len > 0:
             if prefix_kv is None:  # the first request pays for the prefix; the rest of its batch reuses it
-                out = model(input_ids=prompts[:1, :prefix_len], use_cache=True)
+                out = model(input_ids=prompts[:1, :prefix_len], use_cache=True, **extra)  # last logits only
                 prefix_kv = cache_of(out)
                 hits = [0] + [prefix_len] * (len(batch) - 1)
             else:

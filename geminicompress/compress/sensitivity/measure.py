@@ -86,15 +86,15 @@ def spearman(a: list[float], b: list[float]) -> float:
 class _Tail:
     """Layers l.. then the final norm and head, from cached original hidden states (kw, T, d)."""
 
-    def __init__(self, model: nn.Module, arch: Arch, kwargs: dict[str, Any]) -> None:
+    def __init__(self, model: nn.Module, arch: Arch, layer_kwargs: list[dict[str, Any]]) -> None:
         self.layers = get_module(model, arch.layers)
         self.norm = get_module(model, arch.final_norm)
         self.head = model.get_output_embeddings()
-        self.kwargs = kwargs
+        self.layer_kwargs = layer_kwargs  # what the model hands each decoder layer
 
     def logprobs(self, h: torch.Tensor, start: int) -> torch.Tensor:
-        for layer in self.layers[start:]:
-            h = layer_output(layer, h, self.kwargs)
+        for i in range(start, len(self.layers)):
+            h = layer_output(self.layers[i], h, self.layer_kwargs[i])
         logits = self.head(self.norm(h))[:, :-1]  # (kw, T-1, V)
         return F.log_softmax(logits.float(), dim=-1).flatten(0, 1)
 
@@ -171,10 +171,10 @@ def _reference(model: nn.Module, windows: torch.Tensor, device: torch.device, ar
     log-probs (kw·(T−1), V) every unit's KL is taken against, and the tail that runs layers l.. and the head."""
     model.to(device)
     first = capture_inputs(model, windows, device)  # the measured windows, as the walk captures them
-    tail = _Tail(model, arch, first.kwargs)
+    tail = _Tail(model, arch, first.layer_kwargs)
     states = [torch.cat([h.to(device) for h in first.hidden])]
-    for layer in get_module(model, arch.layers):
-        states.append(layer_output(layer, states[-1], first.kwargs))
+    for i, layer in enumerate(get_module(model, arch.layers)):
+        states.append(layer_output(layer, states[-1], first.layer_kwargs[i]))
     return tail, states, tail.logprobs(states[-1], len(states) - 1)
 
 
@@ -217,7 +217,7 @@ def _measure_unit(u: Unit, layer: nn.Module, options: list[Option], stats: dict,
         for n, m, w in zip(u.linears, modules, originals):
             m.weight.data = apply_option(w, o, *stats[n], act_order=act_order).to(w.dtype)
         try:
-            y = layer_output(layer, states[u.layer], tail.kwargs)
+            y = layer_output(layer, states[u.layer], tail.layer_kwargs[u.layer])
             err = float((y - target).pow(2).sum(-1).mean())
             row["layer_error"].append(err)
             row["proxy"].append(gain * err)

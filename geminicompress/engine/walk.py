@@ -241,7 +241,8 @@ def _one_layer(i: int, layer: nn.Module, inputs: LayerInputs | None, process: La
                into: torch.Tensor | None = None, check: bool = True
                ) -> tuple[dict[str, Any], dict[str, torch.Tensor], LayerInputs | None]:
     """Process (or restore) one layer; return its summary, kept tensors and the next layer's inputs."""
-    with computing_in(layer, calib_dtype or next(layer.parameters()).dtype) as master:
+    # a layer may hold no parameters (OLMo's norms have none; its linears made INT8 hold buffers)
+    with computing_in(layer, calib_dtype or next((p.dtype for p in layer.parameters()), torch.float32)) as master:
         job = None
         if done is not None:
             summary, tensors = done

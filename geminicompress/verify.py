@@ -148,8 +148,8 @@ class Probe:
         self.resumed: list[int] = []
 
     @torch.no_grad()
-    def advance(self, layer: nn.Module, exact: dict[str, Callable[[], torch.Tensor]]) -> None:
-        """Run the probe through a finished layer as it is stored: floats rounded to the output dtype, the
+    def advance(self, i: int, layer: nn.Module, exact: dict[str, Callable[[], torch.Tensor]]) -> None:
+        """Run the probe through finished layer i as it is stored (with the arguments the model gives layer i): floats rounded to the output dtype, the
         linears `exact` names ({name relative to the layer: a function making its weight}) with those weights,
         made one at a time and copied into the module's own float32 weight (one extra weight alive at most:
         all of an 8B layer's at once were +0.87 GB, the streamed GPTQ run's peak). Copied, not swapped in: a
@@ -159,7 +159,7 @@ class Probe:
             as_stored(layer, self.out_dtype, [f"{n}.weight" for n in exact])
             for name, make in exact.items():
                 get_module(layer, name).weight.data.copy_(make())
-            through_layer(layer, self.hidden.tensor, self.hidden.tensor, self.hidden.kwargs, device=self.device,
+            through_layer(layer, self.hidden.tensor, self.hidden.tensor, self.hidden.layer_kwargs[i], device=self.device,
                           dtype=torch.float32, batch=1)  # one window at a time, as the loaded side
 
     def check(self, out: Path, head: HeadModule | None = None, state: Path | None = None, *,

@@ -56,11 +56,15 @@ def test_modifications_feed_the_next_layer_and_resume(tmp_path):
     assert torch.allclose(b.model.layers[0].mlp.up_proj.weight, 0.5 * ref.model.layers[0].mlp.up_proj.weight)
 
 
-def test_unsupported_architecture_names_supported_ones():
-    model = tiny_model()
-    model.config.model_type = "bloom"
-    with pytest.raises(InputError, match="supported: .*llama"):
-        arch_for(model)
+def test_a_model_without_decoder_layers_is_refused_in_one_line():
+    class NoLayers(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = tiny_model().config
+            self.proj = torch.nn.Linear(4, 4)
+
+    with pytest.raises(InputError, match="no decoder layers found"):
+        arch_for(NoLayers())
 
 
 def test_computing_in_runs_bf16_and_hands_back_the_float32_masters():

@@ -1,25 +1,32 @@
 """Architectures as data: where the decoder layers are, which linears run in which order, which op feeds which.
 
-One `Arch` per `model_type`. Used by every layer-by-layer method:
+Found by looking at the model (trace.py: `_no_split_modules` and one traced forward of a copy of layer 0),
+cached per model class and config; `OVERRIDES` keeps only what a trace cannot tell, per `model_type`.
+Used by every layer-by-layer method:
 - `layers`: attribute path from the *CausalLM* to the decoder-layer `ModuleList`.
 - `sequential`: the linears of one decoder layer in execution order, grouped so that linears reading
   the same input are together (GPTQ's true-sequential order; SparseGPT and Wanda reuse it).
 - `smooth`: AWQ/SmoothQuant groups: an op (`prev`, a norm or a linear) whose output feeds `linears`;
-  `inspect` is the module whose output AWQ compares before/after scaling (relative to the layer).
-  A group whose shapes do not allow folding (e.g. v_proj -> o_proj under grouped-query attention)
-  is skipped at run time by the caller, as llm-awq does.
+  `inspect` is the module whose output AWQ compares before/after scaling (relative to the layer; "" is
+  the layer itself). A group whose shapes do not allow folding (e.g. v_proj -> o_proj under grouped-query
+  attention) is skipped at run time by the caller, as llm-awq does.
+- `unfed`: groups of linears whose input no norm or linear produces (nothing to fold a scale into: the
+  layer's own input in a post-norm block such as OLMo 2's).
 - `norm_offset`: 1.0 where the norm multiplies by (1 + weight) (Gemma), else 0.0.
 - `final_norm`: path from the CausalLM to the norm applied after the last decoder layer (a layer-streamed
   forward hands its final hidden states to that module: engine/forward.py).
+- `output_tuple`: 0 when a decoder layer returns its hidden states, else the length of the tuple it returns.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch.nn as nn
 
-from geminicompress.errors import InputError
+from geminicompress.core.trace import trace
 
 
 @dataclass(frozen=True)
@@ -36,59 +43,40 @@ class Arch:
     smooth: tuple[SmoothGroup, ...]
     norm_offset: float = 0.0
     final_norm: str = "model.norm"
+    unfed: tuple[tuple[str, ...], ...] = ()
+    output_tuple: int = 0
 
     @property
     def linears(self) -> tuple[str, ...]:
         return tuple(name for group in self.sequential for name in group)
 
 
-_LLAMA_SEQ = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("self_attn.o_proj",),
-    ("mlp.gate_proj", "mlp.up_proj"),
-    ("mlp.down_proj",),
-)
-_LLAMA_SMOOTH = (
-    SmoothGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
-    SmoothGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
-    SmoothGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
-    SmoothGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
-)
-LLAMA = Arch("model.layers", _LLAMA_SEQ, _LLAMA_SMOOTH)
-GEMMA = Arch("model.layers", _LLAMA_SEQ, _LLAMA_SMOOTH, norm_offset=1.0)
-GPT_NEOX = Arch(
-    "gpt_neox.layers",
-    (("attention.query_key_value",), ("attention.dense",), ("mlp.dense_h_to_4h",), ("mlp.dense_4h_to_h",)),
-    (
-        SmoothGroup("input_layernorm", ("attention.query_key_value",), "attention"),
-        SmoothGroup("post_attention_layernorm", ("mlp.dense_h_to_4h",), "mlp"),
-    ),
-    final_norm="gpt_neox.final_layer_norm",
-)
+# What a trace cannot tell, per model_type: {field of Arch: value}. Empty while every tested architecture
+# traces right (docs/architectures.md: how a row is added).
+OVERRIDES: dict[str, dict[str, Any]] = {}
 
-ARCHS: dict[str, Arch] = {
-    "llama": LLAMA,  # also SmolLM / SmolLM2
-    "mistral": LLAMA,
-    "qwen2": LLAMA,
-    "qwen3": LLAMA,
-    "gemma": GEMMA,
-    "gpt_neox": GPT_NEOX,
-}
+_TRACED: dict[tuple[type, str], Arch] = {}
+
+
+def traced_arch(model: nn.Module) -> Arch:
+    """The structure the trace finds, before overrides."""
+    t = trace(model)
+    return Arch(t.layers, t.sequential, tuple(SmoothGroup(p, lin, ins) for p, lin, ins in t.feeds), t.norm_offset,
+                t.final_norm, t.unfed, t.output_tuple)
 
 
 def arch_for(model: nn.Module) -> Arch:
-    model_type = getattr(model.config, "model_type", "?")
-    if model_type not in ARCHS:
-        raise InputError(
-            f"architecture '{model_type}' is not supported by layer-by-layer methods yet "
-            f"(supported: {', '.join(sorted(ARCHS))})"
-        )
-    return ARCHS[model_type]
+    """The model's structure: traced once per model class and config, with the `OVERRIDES` row applied."""
+    key = (type(model), model.config.to_json_string(use_diff=False))
+    if key not in _TRACED:
+        arch = traced_arch(model)
+        _TRACED[key] = dataclasses.replace(arch, **OVERRIDES.get(getattr(model.config, "model_type", ""), {}))
+    return _TRACED[key]
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:
     module = root
-    for part in path.split("."):
+    for part in path.split(".") if path else ():
         module = getattr(module, part)
     return module
 

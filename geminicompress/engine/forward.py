@@ -57,11 +57,12 @@ def activations_bytes(windows: torch.Tensor, hidden: int, dtype: torch.dtype) ->
 
 
 class StreamedHidden:
-    """The final hidden states of every window (after the last decoder layer, before the final norm)
-    and the keyword arguments the model passes its decoder layers (rotary embeddings, mask)."""
+    """The hidden states of every window at one depth (after the last decoder layer, before the final norm;
+    or layer 0's inputs) and the keyword arguments the model passes each decoder layer (rotary embeddings,
+    mask: `layer_kwargs[i]` is layer i's, captured in a real forward)."""
 
-    def __init__(self, store: ActivationStore, kwargs: dict[str, Any]) -> None:
-        self.store, self.kwargs = store, kwargs
+    def __init__(self, store: ActivationStore, layer_kwargs: list[dict[str, Any]]) -> None:
+        self.store, self.layer_kwargs = store, layer_kwargs
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -87,7 +88,7 @@ def final_hidden(source: nn.Module | LayerSource, windows: torch.Tensor, *, devi
                            stores=(stores[0].tensor, stores[1].tensor), check_activations=False)
     last = len(source) % 2  # the store the last layer wrote (layer i writes into store (i + 1) % 2)
     stores[1 - last].close()
-    return StreamedHidden(stores[last], walked.inputs.kwargs)
+    return StreamedHidden(stores[last], walked.inputs.layer_kwargs)
 
 
 @torch.no_grad()
@@ -109,7 +110,7 @@ def embed(source: nn.Module | LayerSource, windows: torch.Tensor, *, device: tor
     source = source if not isinstance(source, nn.Module) else ModelLayers(source)
     shape = (windows.shape[0], windows.shape[1], source.model.config.hidden_size)
     store = ActivationStore(shape, dtype)
-    return StreamedHidden(store, capture_into(source, windows, store.tensor, device, dtype, stored).kwargs)
+    return StreamedHidden(store, capture_into(source, windows, store.tensor, device, dtype, stored).layer_kwargs)
 
 
 @contextmanager

@@ -35,23 +35,34 @@ class LayerInputs:
     """Inputs of one decoder layer for every calibration window.
 
     hidden: list of (1, T, d) tensors (kept on `storage`, the CPU unless asked otherwise);
-    kwargs: the keyword arguments the model passes to every decoder layer (rotary embeddings,
-    mask, position ids), already on the compute device; the same for all windows of equal length.
+    kwargs: the keyword arguments the model passes *this* decoder layer (rotary embeddings, mask, position
+    ids), already on the compute device; the same for all windows of equal length;
+    layer_kwargs: those of every decoder layer, captured during one real forward (Gemma 2 and 3 hand their
+    sliding-window and global layers different masks and rotary embeddings): `at(i)` is layer i's.
     """
 
     hidden: list[torch.Tensor]
     kwargs: dict[str, Any]
     batches: list[torch.Tensor] | None = None  # (b, T, d) tensors that `hidden` are views of, when known
+    layer_kwargs: list[dict[str, Any]] | None = None
 
     @classmethod
-    def of_batches(cls, batches: list[torch.Tensor], kwargs: dict[str, Any]) -> LayerInputs:
+    def of_batches(cls, batches: list[torch.Tensor], kwargs: dict[str, Any],
+                   layer_kwargs: list[dict[str, Any]] | None = None) -> LayerInputs:
         """Inputs kept as (b, T, d) batch tensors, with every window a (1, T, d) view of them (no copy)."""
-        return cls([y.unsqueeze(0) for b in batches for y in b], kwargs, batches)
+        return cls([y.unsqueeze(0) for b in batches for y in b], kwargs, batches, layer_kwargs)
 
     @classmethod
-    def of_store(cls, store: torch.Tensor, kwargs: dict[str, Any], batch: int = BATCH_WINDOWS) -> LayerInputs:
+    def of_store(cls, store: torch.Tensor, kwargs: dict[str, Any], batch: int = BATCH_WINDOWS,
+                 layer_kwargs: list[dict[str, Any]] | None = None) -> LayerInputs:
         """Inputs held in one (n, T, d) tensor (possibly a memory-mapped file), as views of it."""
-        return cls.of_batches([store[b:b + batch] for b in range(0, store.shape[0], batch)], kwargs)
+        return cls.of_batches([store[b:b + batch] for b in range(0, store.shape[0], batch)], kwargs, layer_kwargs)
+
+    def at(self, i: int) -> LayerInputs:
+        """The same windows as decoder layer i's inputs (with the keyword arguments the model gives layer i)."""
+        if self.layer_kwargs is None or i >= len(self.layer_kwargs):
+            return self
+        return LayerInputs(self.hidden, self.layer_kwargs[i], self.batches, self.layer_kwargs)
 
     def batched(self, size: int, device: torch.device) -> list[torch.Tensor]:
         """The windows as (size, T, d) batches on the device: the stored batch tensors themselves when they
@@ -106,38 +117,71 @@ def move_outside_layers(model: nn.Module, layers: nn.ModuleList, device: torch.d
             module._buffers[name] = buf.to(device)
 
 
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "use_cache")
+
+
+@contextmanager
+def recording_layers(layers: nn.ModuleList, output_tuple: int, record: Callable[[int, tuple, dict], bool]
+                     ) -> Iterator[None]:
+    """Every decoder layer replaced (its `forward`, on the instance: the model still sees the layer's own
+    attributes) by a stub that hands its arguments to `record(i, args, kwargs)` and passes the hidden states
+    on unchanged; a stub whose `record` returns True ends the model's forward (StopForward)."""
+
+    def stub(i: int) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if record(i, args, kwargs):
+                raise StopForward
+            h = args[0] if args else kwargs["hidden_states"]
+            return h if not output_tuple else (h,) + (None,) * (output_tuple - 1)
+        return forward
+
+    for i, layer in enumerate(layers):
+        layer.forward = stub(i)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
 @torch.no_grad()
 def capture_inputs(model: nn.Module, windows: torch.Tensor, device: torch.device,
                    storage: torch.device = torch.device("cpu"), dtype: torch.dtype | None = None) -> LayerInputs:
     """Run each window (n, T) up to decoder layer 0 and record that layer's inputs (floating tensors cast
-    to `dtype` when given: the dtype the layers will compute in)."""
-    layers = get_module(model, arch_for(model).layers)
+    to `dtype` when given: the dtype the layers will compute in), and, on the first window, the keyword
+    arguments the model hands every decoder layer (`LayerInputs.layer_kwargs`)."""
+    arch = arch_for(model)
+    layers = get_module(model, arch.layers)
     move_outside_layers(model, layers, device)
     hidden: list[torch.Tensor] = []
-    captured: dict[str, Any] = {}
+    per_layer: list[dict[str, Any]] = []
 
-    def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        h = args[0] if args else kwargs["hidden_states"]
-        hidden.append(h.detach().to(storage, dtype or h.dtype))
-        if not captured:
-            captured.update({k: v for k, v in kwargs.items() if k != "hidden_states"})
-        raise StopForward
+    def record(i: int, args: tuple, kwargs: dict) -> bool:
+        if i == 0:
+            h = args[0] if args else kwargs["hidden_states"]
+            hidden.append(h.detach().to(storage, dtype or h.dtype))
+            if len(hidden) > 1:  # the other windows: layer 0's inputs only
+                return True
+        per_layer.append({k: v for k, v in kwargs.items() if k != "hidden_states" and k not in _CACHE_KWARGS})
+        return i == len(layers) - 1
 
-    handle = layers[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
-    try:
+    with recording_layers(layers, arch.output_tuple, record):
         for row in windows:
             try:
                 model(row.unsqueeze(0).to(device), use_cache=False)
             except StopForward:
                 pass
-    finally:
-        handle.remove()
-    for key in ("cache", "past_key_values", "past_key_value", "use_cache"):
-        captured.pop(key, None)
-    kwargs = {k: _to(v, device, dtype) for k, v in captured.items()}
-    batches = LayerInputs(hidden, kwargs).batched(BATCH_WINDOWS, storage)
+    moved: dict[int, Any] = {}  # one copy per tensor the layers share (layers of one type get the same mask)
+
+    def to(value: Any) -> Any:
+        if id(value) not in moved:
+            moved[id(value)] = (value, _to(value, device, dtype))
+        return moved[id(value)][1]
+
+    layer_kwargs = [{k: to(v) for k, v in kw.items()} for kw in per_layer]
+    batches = LayerInputs(hidden, layer_kwargs[0]).batched(BATCH_WINDOWS, storage)
     hidden.clear()  # the per-window copies; the windows become views of the batches
-    return LayerInputs.of_batches(batches, kwargs)
+    return LayerInputs.of_batches(batches, layer_kwargs[0], layer_kwargs)
 
 
 def layer_output(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:

@@ -134,7 +134,7 @@ class ShardSink:
         if self.probe is not None:
             # the probe first: rounding a float32 layer to the output dtype in place changes nothing it writes
             # (the writer casts to that dtype; packed linears are written from the kept codes)
-            self.probe.advance(layer, self.layer_writer.exact_weights(i, mine))
+            self.probe.advance(i, layer, self.layer_writer.exact_weights(i, mine))
         retained = self.retain(kept) if self.retain is not None else {}
         if self.kept_writer is not None and retained:  # before the layer: a layer written is a layer finished
             self.kept_writer.write(f"layer.{i}", {f"{i}.{k}": v.contiguous() for k, v in retained.items()})

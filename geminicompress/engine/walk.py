@@ -176,6 +176,7 @@ def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, 
                     inputs = kept_inputs
             else:
                 t0 = time.perf_counter()
+                inputs = inputs.at(i) if inputs is not None else None  # with the arguments the model gives layer i
                 layer = source.load(i).to(device)
                 done = sink.restore(i, layer) if finished else None
                 into = None if stores is None else stores[(i + 1) % 2]
@@ -240,7 +241,8 @@ def _one_layer(i: int, layer: nn.Module, inputs: LayerInputs | None, process: La
                into: torch.Tensor | None = None, check: bool = True
                ) -> tuple[dict[str, Any], dict[str, torch.Tensor], LayerInputs | None]:
     """Process (or restore) one layer; return its summary, kept tensors and the next layer's inputs."""
-    with computing_in(layer, calib_dtype or next(layer.parameters()).dtype) as master:
+    # a layer may hold no parameters (OLMo's norms have none; its linears made INT8 hold buffers)
+    with computing_in(layer, calib_dtype or next((p.dtype for p in layer.parameters()), torch.float32)) as master:
         job = None
         if done is not None:
             summary, tensors = done
@@ -259,7 +261,7 @@ def _one_layer(i: int, layer: nn.Module, inputs: LayerInputs | None, process: La
                     batches = [into[s:s + b.shape[0]].copy_(b) for s, b in zip(starts, batches)]
             next_inputs = LayerInputs.of_batches(batches if batches is not None else
                                                  forward_layer(layer, inputs, device, batch=batch, into=into),
-                                                 inputs.kwargs)
+                                                 inputs.kwargs, inputs.layer_kwargs)
             if check:
                 check_activations_of(next_inputs, f"decoder layer {i}")
     if job is not None:
@@ -280,7 +282,7 @@ def _kept_inputs(sink: Any, n: int, inputs: LayerInputs | None) -> tuple[int, La
     while k < n and sink.finished(k):
         k += 1
     batches = sink.kept_inputs(k) if k else None
-    return (k, LayerInputs.of_batches(batches, inputs.kwargs)) if batches is not None else (0, None)
+    return (k, LayerInputs.of_batches(batches, inputs.kwargs, inputs.layer_kwargs)) if batches is not None else (0, None)
 
 
 def check_activations_of(inputs: LayerInputs, after: str) -> None:
@@ -302,16 +304,16 @@ def capture_into(source: LayerSource, windows: torch.Tensor, into: torch.Tensor,
     ckpt = getattr(source, "ckpt", None)
     for name in loaded:
         ckpt.materialise(name, stored).float()
-    kwargs: dict[str, Any] = {}
+    first: LayerInputs | None = None
     try:
         for b in range(0, windows.shape[0], chunk):
             captured = capture_inputs(source.model, windows[b:b + chunk], device, dtype=dtype)
             into[b:b + chunk].copy_(torch.cat([h.to("cpu") for h in captured.hidden]))
-            kwargs = kwargs or captured.kwargs
+            first = first or captured
     finally:
         for name in loaded:
             ckpt.release(name)
-    return LayerInputs.of_store(into, kwargs)
+    return LayerInputs.of_store(into, first.kwargs, layer_kwargs=first.layer_kwargs)
 
 
 def walk_outside(source: LayerSource, hooks: list[Callable[[str, nn.Module], Any]], sink: Any) -> list[dict]:

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from geminicompress.core.arch import ARCHS, get_module
+from geminicompress.core.arch import arch_for, get_module
+from geminicompress.errors import InputError
 from geminicompress.kernels.int8 import Int8Base
 
 
@@ -73,9 +74,12 @@ class SharedInput:
 
 def share_inputs(model: nn.Module) -> int:
     """Group the INT8 linears of `model` that read one input (from the architecture table's groups fed
-    by a norm). Returns the number of groups made; 0 for architectures not in the table."""
-    arch = ARCHS.get(getattr(getattr(model, "config", None), "model_type", None))
-    if arch is None:
+    by a norm). Returns the number of groups made; 0 for a model without decoder layers found."""
+    if getattr(model, "config", None) is None:
+        return 0
+    try:
+        arch = arch_for(model)
+    except InputError:  # no decoder layers found
         return 0
     try:
         layers = get_module(model, arch.layers)

@@ -50,6 +50,27 @@ def skeleton(path: Path, trust_remote_code: bool) -> nn.Module:
     return model.eval()
 
 
+def _renamed_keys(model: nn.Module, stored: dict) -> dict[str, str]:
+    """{name in the model: name stored} for the checkpoint keys transformers renames when it loads this class
+    (its conversion mapping's plain renamings: GPT-NeoX stores its head as `embed_out`, the model calls it
+    `lm_head`)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:  # an older transformers: names are stored as the model uses them
+        return {}
+    renamings = [r for r in get_model_conversion_mapping(model) if type(r) is WeightRenaming]
+    names = set(model.state_dict(keep_vars=True))
+    out: dict[str, str] = {}
+    for key in stored:
+        new = key
+        for r in renamings:
+            new = r.rename_source_key(new)[0]
+        if new != key and new in names and new not in stored:
+            out[new] = key
+    return out
+
+
 def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
     owner_path, _, leaf = name.rpartition(".")
     owner = module.get_submodule(owner_path) if owner_path else module
@@ -77,6 +98,7 @@ class LazyCheckpoint:
         self.model = skeleton(self.path, trust_remote_code)
         self.arch: Arch = arch_for(self.model)
         self.layers: nn.ModuleList = get_module(self.model, self.arch.layers)
+        self._renamed = _renamed_keys(self.model, self.tensors)
         self._tied = self._tied_names()
         self._check_against_config()
 
@@ -98,7 +120,7 @@ class LazyCheckpoint:
 
     def stored_name(self, name: str) -> str:
         """The tensor `name` reads from: itself, or the input embedding for a tied output head."""
-        return self._tied.get(name, name)
+        return self._tied.get(name) or self._renamed.get(name, name)
 
     def nbytes(self, prefix: str = "", dtype: torch.dtype | None = None) -> int:
         """Bytes of the tensors under `prefix` (each as stored, or in `dtype` when it is floating)."""
@@ -201,7 +223,7 @@ class LazyCheckpoint:
         inp = self.model.get_input_embeddings()
         names = {m: n for n, m in self.model.named_modules()}
         return {head: f"{names[inp]}.weight" for head in tied_output_keys(self.model)
-                if inp is not None and head not in self.tensors}
+                if inp is not None and head not in self.tensors and head not in self._renamed}
 
     def _check_against_config(self) -> None:
         """Every tensor the skeleton needs is on disk with the shape config.json implies (a quantized

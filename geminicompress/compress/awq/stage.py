@@ -30,16 +30,27 @@ from geminicompress.compress.fold import fold_problem, fold_scales
 from geminicompress.compress.gptq.solver import gptq_quantize, zeros_to_keep
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.targets import weight_quant_targets
-from geminicompress.core.arch import SmoothGroup, get_module
+from geminicompress.core.arch import Arch, SmoothGroup, get_module
 from geminicompress.core.grid import KeptCodes, QuantSpec, keep_codes, rtn_quantize
 from geminicompress.engine.contract import Done, LayerStage, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
-from geminicompress.errors import GeminiError
+from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats import writer_for
 from geminicompress.formats.checkpoint import scale_dtype
 
 CLIP_TOKENS = 512
 NO_CLIP = ("q_proj", "k_proj", "query_key_value")  # their outputs meet in q·kᵀ (llm-awq skips them too)
+
+
+def refuse_unfed(arch: Arch, model_type: str) -> None:
+    """AWQ folds its scales into the op in front of each group; a block whose first linears read the layer's
+    input with no norm in front (post-norm blocks, OLMo 2's) has nowhere to fold them: refuse, in one line."""
+    first = arch.sequential[0]
+    if first in arch.unfed:
+        names = ", ".join(first)
+        raise InputError(f"awq: in a '{model_type}' decoder layer {names} read the layer's input with no norm in front "
+                         f"to fold AWQ's scales into (missing feed: norm -> {first[0]}); rtn, gptq, int8 and w8a8 "
+                         "quantization and every pruning method still work")
 
 
 class AWQ(LayerStage):
@@ -54,6 +65,7 @@ class AWQ(LayerStage):
 
     def __init__(self, cfg: AWQStage, ctx: StageContext) -> None:
         found = weight_quant_targets(ctx.model, cfg, ctx.progress, sym=not cfg.zero_point, fmt=cfg.format)
+        refuse_unfed(found.arch, ctx.model.config.model_type)
         self.cfg, self.ctx, self.spec, self.targets = cfg, ctx, found.spec, found.names
         self.num_layers = len(get_module(ctx.model, found.arch.layers))
         self.model_type = ctx.model.config.model_type

@@ -92,18 +92,18 @@ class _Tail:
 
     KEEP_BYTES = 256 * 2**20
 
-    def __init__(self, model: nn.Module, arch: Arch, kwargs: dict[str, Any]) -> None:
+    def __init__(self, model: nn.Module, arch: Arch, layer_kwargs: list[dict[str, Any]]) -> None:
         self.model = model
         self.layers = get_module(model, arch.layers)
         self.norm = get_module(model, arch.final_norm)
-        self.kwargs = kwargs
+        self.layer_kwargs = layer_kwargs  # what the model hands each decoder layer
         self.base_states: torch.Tensor | None = None  # (kw·(T−1), d) the original's, after the final norm
         self.base_logprobs: list[torch.Tensor] | None = None  # its (c, V) chunks, when they fit KEEP_BYTES
 
     def states(self, h: torch.Tensor, start: int) -> torch.Tensor:
         """(kw·(T−1), d): h (kw, T, d) through layers start.. and the final norm, the scored positions."""
-        for layer in self.layers[start:]:
-            h = layer_output(layer, h, self.kwargs)
+        for i in range(start, len(self.layers)):
+            h = layer_output(self.layers[i], h, self.layer_kwargs[i])
         return self.norm(h)[:, :-1].flatten(0, 1)
 
     def chunks(self, states: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -196,10 +196,10 @@ def _reference(model: nn.Module, windows: torch.Tensor, device: torch.device, ar
     runs layers l.. and the head, holding the output every unit's KL is taken against."""
     model.to(device)
     first = capture_inputs(model, windows, device)  # the measured windows, as the walk captures them
-    tail = _Tail(model, arch, first.kwargs)
+    tail = _Tail(model, arch, first.layer_kwargs)
     states = [torch.cat([h.to(device) for h in first.hidden])]
-    for layer in get_module(model, arch.layers):
-        states.append(layer_output(layer, states[-1], first.kwargs))
+    for i, layer in enumerate(get_module(model, arch.layers)):
+        states.append(layer_output(layer, states[-1], first.layer_kwargs[i]))
     tail.set_reference(states[-1], len(states) - 1)
     return tail, states
 
@@ -243,7 +243,7 @@ def _measure_unit(u: Unit, layer: nn.Module, options: list[Option], stats: dict,
         for n, m, w in zip(u.linears, modules, originals):
             m.weight.data = apply_option(w, o, *stats[n], act_order=act_order).to(w.dtype)
         try:
-            y = layer_output(layer, states[u.layer], tail.kwargs)
+            y = layer_output(layer, states[u.layer], tail.layer_kwargs[u.layer])
             err = float((y - target).pow(2).sum(-1).mean())
             row["layer_error"].append(err)
             row["proxy"].append(gain * err)

@@ -243,6 +243,41 @@ def test_tokenizer_built_from_tokenizer_json_round_trips(tiny_dir, tmp_path):
     assert fields["tokenizer.ggml.eos_token_id"].contents() == tok.eos_token_id
 
 
+def save_sentencepiece_tiny(path: Path) -> Path:
+    """A tiny Llama with a SentencePiece-style BPE tokenizer (▁ for spaces, byte fallback), as Llama 2 ships."""
+    from pydoc_data.topics import topics
+
+    from tiny import tiny_model
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace("\u2581", prepend_scheme="first")  # for training: no merge across ▁
+    special = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
+    tok.train_from_iterator([topics[k] for k in sorted(topics)][:40],
+                            trainers.BpeTrainer(vocab_size=384, special_tokens=special, show_progress=False))
+    tok.pre_tokenizer = None  # as Llama 2's tokenizer.json: spaces become ▁ in the normalizer
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tiny_model("llama", bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    return path
+
+
+def test_sentencepiece_style_tokenizer_is_written_as_llama(tmp_path):
+    model_dir = save_sentencepiece_tiny(tmp_path / "sp")
+    info = export(model_dir, dest=tmp_path / "m.gguf")
+    fields = GGUFReader(tmp_path / "m.gguf").fields
+    assert info["tokenizer"] == "built (llama)"
+    assert (fields["tokenizer.ggml.model"].contents(), fields["tokenizer.ggml.pre"].contents()) == ("llama", "default")
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == 384 and tokens[:3] == ["<unk>", "<s>", "</s>"]
+    types = fields["tokenizer.ggml.token_type"].contents()
+    assert types[1] == 3 and types[3] == 6  # <s>: control; <0x00>: byte
+    assert fields["tokenizer.ggml.bos_token_id"].contents() == 1 and len(fields["tokenizer.ggml.scores"].contents()) == 384
+
+
 def test_tokenizer_copied_from_the_source_gguf(tiny_dir, tmp_path):
     source = tmp_path / "source.gguf"
     w = GGUFWriter(source, "llama")
@@ -313,6 +348,13 @@ def _llama_python() -> str | None:
     return None
 
 
+_TOKENIZE = """
+import json, sys
+from llama_cpp import Llama
+llm = Llama(sys.argv[1], vocab_only=True, verbose=False)
+print(json.dumps(llm.tokenize(sys.argv[2].encode(), add_bos=False, special=False)))
+"""
+
 _SCORE = """
 import json, sys
 import numpy as np
@@ -349,3 +391,31 @@ def test_llama_cpp_loads_the_files_and_agrees_with_our_logits(tiny_dir, tmp_path
         ours = load_model(str(out)).model(torch.tensor([ids])).logits[0]
     theirs = _llama_logits(python, out / "model.gguf", ids)
     assert (theirs - ours).abs().max() <= 0.05 * ours.abs().max()
+
+
+@pytest.mark.slow
+def test_llama_cpp_tokenizes_as_transformers_with_the_metadata_we_build(tiny_dir, tmp_path):
+    python = _llama_python()
+    if python is None:
+        pytest.skip("llama-cpp-python is not installed (set GEMINICOMPRESS_LLAMA_PYTHON to a python that has it)")
+    from pydoc_data.topics import topics
+
+    from transformers import AutoTokenizer
+
+    text = topics[sorted(topics)[50]][:3000]
+    for model_dir in (tiny_dir, save_sentencepiece_tiny(tmp_path / "sp")):  # byte-level BPE; SentencePiece-style
+        path = tmp_path / f"{model_dir.name}.gguf"
+        export(model_dir, dest=path)
+        res = subprocess.run([python, "-c", _TOKENIZE, str(path), text], capture_output=True, text=True, check=False)
+        assert res.returncode == 0, res.stderr[-2000:]
+        ids = AutoTokenizer.from_pretrained(str(model_dir))(text, add_special_tokens=False)["input_ids"]
+        assert json.loads(res.stdout) == ids, model_dir.name
+
+
+def test_streamed_run_writes_the_same_file(tiny_dir, tmp_path):
+    """`--stream` (layer by layer from disk) writes the same checkpoint, so the same GGUF bytes."""
+    for stream in (False, True):
+        recipe = recipe_from_stage(str(tiny_dir), {"type": "quantize", "method": "rtn", "bits": 4, "format": "gguf"},
+                                   {}, "test")
+        run_recipe(recipe, tmp_path / f"out{stream}", device=CPU, stream=stream)
+    assert (tmp_path / "outTrue" / "model.gguf").read_bytes() == (tmp_path / "outFalse" / "model.gguf").read_bytes()

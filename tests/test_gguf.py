@@ -149,7 +149,6 @@ def _run(model_dir: Path, out: Path, text: Path | None = None, **stage) -> dict:
 
 @pytest.mark.parametrize("stage,qtype", [
     ({"method": "rtn", "bits": 4}, Q.Q4_0),
-    ({"method": "rtn", "bits": 3, "group_size": 64}, Q.Q4_0),
     ({"method": "rtn", "bits": 4, "sym": False}, Q.Q5_0),
     ({"method": "rtn", "bits": 8, "group_size": -1}, Q.Q8_0),
     ({"method": "int8"}, Q.Q8_0),
@@ -195,6 +194,22 @@ def test_other_architectures_qwen2_biases_unpermuted_mistral_as_llama(tmp_path, 
     arch = GGUFReader(tmp_path / "out" / "model.gguf").fields["general.architecture"].contents()
     assert arch == {"qwen2": "qwen2", "mistral": "llama"}[kind]
     assert_gguf_equals_ours(tmp_path / "out", Q.Q4_0)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def test_llama3_rope_scaling_writes_the_factors_transformers_applies(tmp_path):
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import _compute_llama3_parameters
+
+    model_dir = save_tiny(tmp_path / "l3", rope_parameters=LLAMA3_ROPE)
+    export(model_dir, dest=tmp_path / "m.gguf")
+    found = {t.name: np.asarray(t.data) for t in GGUFReader(tmp_path / "m.gguf").tensors}
+    scaled, _ = _compute_llama3_parameters(AutoConfig.from_pretrained(model_dir))
+    plain = 1.0 / (500000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))  # head_dim 16
+    np.testing.assert_allclose(found["rope_freqs.weight"], (plain / scaled).numpy(), rtol=1e-5)
 
 
 def test_dense_checkpoint_exports_as_f32_and_f16(tiny_dir, tmp_path):
@@ -380,11 +395,12 @@ def test_llama_cpp_loads_the_files_and_agrees_with_our_logits(tiny_dir, tmp_path
     if python is None:
         pytest.skip("llama-cpp-python is not installed (set GEMINICOMPRESS_LLAMA_PYTHON to a python that has it)")
     ids = tiny_tokenizer()("The object is returned by the function when it is called.")["input_ids"]
-    path = tmp_path / "f32.gguf"
-    export(tiny_dir, GGUFOptions(embeddings="f32", floats="f32"), dest=path)
-    with torch.no_grad():
-        ours = load_model(str(tiny_dir)).model(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_llama_logits(python, path, ids), ours, atol=2e-3, rtol=1e-3)
+    for model_dir in (tiny_dir, save_tiny(tmp_path / "l3", rope_parameters=LLAMA3_ROPE)):  # + Llama 3.1 rope
+        path = tmp_path / f"{model_dir.name}.gguf"
+        export(model_dir, GGUFOptions(embeddings="f32", floats="f32"), dest=path)
+        with torch.no_grad():
+            ours = load_model(str(model_dir)).model(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(_llama_logits(python, path, ids), ours, atol=2e-3, rtol=1e-3)
     out = tmp_path / "q4"
     _run(tiny_dir, out, method="rtn", bits=4, format="gguf", gguf_embeddings="f32")
     with torch.no_grad():

@@ -48,6 +48,18 @@ def test_exact_types_dequantize_to_our_weights_bit_for_bit(bits, group, sym, asy
     assert back.shape == (48, 128) and np.array_equal(back, qw.dequantize().numpy())
 
 
+def test_symmetric_5_bit_is_q5_0_bit_for_bit():
+    try:
+        spec = QuantSpec(5, 32, True)
+    except Exception:  # noqa: BLE001  (5-bit grids come with GPTQ's Q5_0 support)
+        pytest.skip("this build has no 5-bit grid")
+    torch.manual_seed(5)
+    qw = rtn_quantize(torch.randn(48, 128), spec)
+    qw.scales = qw.scales.half().float()
+    enc = blocks.encode_quantized(qw)
+    assert enc.qtype == Q.Q5_0 and np.array_equal(quants.dequantize(enc.data, Q.Q5_0), qw.dequantize().numpy())
+
+
 def test_q4_1_offset_is_rounded_within_its_bound():
     torch.manual_seed(0)
     qw = rtn_quantize(torch.randn(64, 256) * 0.05, QuantSpec(4, 32, False))

@@ -48,6 +48,18 @@ def test_exact_types_dequantize_to_our_weights_bit_for_bit(bits, group, sym, asy
     assert back.shape == (48, 128) and np.array_equal(back, qw.dequantize().numpy())
 
 
+def test_symmetric_5_bit_is_q5_0_bit_for_bit():
+    try:
+        spec = QuantSpec(5, 32, True)
+    except Exception:  # noqa: BLE001  (5-bit grids come with GPTQ's Q5_0 support)
+        pytest.skip("this build has no 5-bit grid")
+    torch.manual_seed(5)
+    qw = rtn_quantize(torch.randn(48, 128), spec)
+    qw.scales = qw.scales.half().float()
+    enc = blocks.encode_quantized(qw)
+    assert enc.qtype == Q.Q5_0 and np.array_equal(quants.dequantize(enc.data, Q.Q5_0), qw.dequantize().numpy())
+
+
 def test_q4_1_offset_is_rounded_within_its_bound():
     torch.manual_seed(0)
     qw = rtn_quantize(torch.randn(64, 256) * 0.05, QuantSpec(4, 32, False))
@@ -149,7 +161,6 @@ def _run(model_dir: Path, out: Path, text: Path | None = None, **stage) -> dict:
 
 @pytest.mark.parametrize("stage,qtype", [
     ({"method": "rtn", "bits": 4}, Q.Q4_0),
-    ({"method": "rtn", "bits": 3, "group_size": 64}, Q.Q4_0),
     ({"method": "rtn", "bits": 4, "sym": False}, Q.Q5_0),
     ({"method": "rtn", "bits": 8, "group_size": -1}, Q.Q8_0),
     ({"method": "int8"}, Q.Q8_0),
@@ -197,6 +208,22 @@ def test_other_architectures_qwen2_biases_unpermuted_mistral_as_llama(tmp_path, 
     assert_gguf_equals_ours(tmp_path / "out", Q.Q4_0)
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def test_llama3_rope_scaling_writes_the_factors_transformers_applies(tmp_path):
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import _compute_llama3_parameters
+
+    model_dir = save_tiny(tmp_path / "l3", rope_parameters=LLAMA3_ROPE)
+    export(model_dir, dest=tmp_path / "m.gguf")
+    found = {t.name: np.asarray(t.data) for t in GGUFReader(tmp_path / "m.gguf").tensors}
+    scaled, _ = _compute_llama3_parameters(AutoConfig.from_pretrained(model_dir))
+    plain = 1.0 / (500000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))  # head_dim 16
+    np.testing.assert_allclose(found["rope_freqs.weight"], (plain / scaled).numpy(), rtol=1e-5)
+
+
 def test_dense_checkpoint_exports_as_f32_and_f16(tiny_dir, tmp_path):
     path = tmp_path / "f32.gguf"
     export(tiny_dir, GGUFOptions(embeddings="f32", floats="f32"), dest=path)
@@ -241,6 +268,41 @@ def test_tokenizer_built_from_tokenizer_json_round_trips(tiny_dir, tmp_path):
     merges = json.loads((tiny_dir / "tokenizer.json").read_text())["model"]["merges"]
     assert len(fields["tokenizer.ggml.merges"].contents()) == len(merges)
     assert fields["tokenizer.ggml.eos_token_id"].contents() == tok.eos_token_id
+
+
+def save_sentencepiece_tiny(path: Path) -> Path:
+    """A tiny Llama with a SentencePiece-style BPE tokenizer (▁ for spaces, byte fallback), as Llama 2 ships."""
+    from pydoc_data.topics import topics
+
+    from tiny import tiny_model
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace("\u2581", prepend_scheme="first")  # for training: no merge across ▁
+    special = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
+    tok.train_from_iterator([topics[k] for k in sorted(topics)][:40],
+                            trainers.BpeTrainer(vocab_size=384, special_tokens=special, show_progress=False))
+    tok.pre_tokenizer = None  # as Llama 2's tokenizer.json: spaces become ▁ in the normalizer
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tiny_model("llama", bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    return path
+
+
+def test_sentencepiece_style_tokenizer_is_written_as_llama(tmp_path):
+    model_dir = save_sentencepiece_tiny(tmp_path / "sp")
+    info = export(model_dir, dest=tmp_path / "m.gguf")
+    fields = GGUFReader(tmp_path / "m.gguf").fields
+    assert info["tokenizer"] == "built (llama)"
+    assert (fields["tokenizer.ggml.model"].contents(), fields["tokenizer.ggml.pre"].contents()) == ("llama", "default")
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == 384 and tokens[:3] == ["<unk>", "<s>", "</s>"]
+    types = fields["tokenizer.ggml.token_type"].contents()
+    assert types[1] == 3 and types[3] == 6  # <s>: control; <0x00>: byte
+    assert fields["tokenizer.ggml.bos_token_id"].contents() == 1 and len(fields["tokenizer.ggml.scores"].contents()) == 384
 
 
 def test_tokenizer_copied_from_the_source_gguf(tiny_dir, tmp_path):
@@ -313,6 +375,13 @@ def _llama_python() -> str | None:
     return None
 
 
+_TOKENIZE = """
+import json, sys
+from llama_cpp import Llama
+llm = Llama(sys.argv[1], vocab_only=True, verbose=False)
+print(json.dumps(llm.tokenize(sys.argv[2].encode(), add_bos=False, special=False)))
+"""
+
 _SCORE = """
 import json, sys
 import numpy as np
@@ -338,14 +407,43 @@ def test_llama_cpp_loads_the_files_and_agrees_with_our_logits(tiny_dir, tmp_path
     if python is None:
         pytest.skip("llama-cpp-python is not installed (set GEMINICOMPRESS_LLAMA_PYTHON to a python that has it)")
     ids = tiny_tokenizer()("The object is returned by the function when it is called.")["input_ids"]
-    path = tmp_path / "f32.gguf"
-    export(tiny_dir, GGUFOptions(embeddings="f32", floats="f32"), dest=path)
-    with torch.no_grad():
-        ours = load_model(str(tiny_dir)).model(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_llama_logits(python, path, ids), ours, atol=2e-3, rtol=1e-3)
+    for model_dir in (tiny_dir, save_tiny(tmp_path / "l3", rope_parameters=LLAMA3_ROPE)):  # + Llama 3.1 rope
+        path = tmp_path / f"{model_dir.name}.gguf"
+        export(model_dir, GGUFOptions(embeddings="f32", floats="f32"), dest=path)
+        with torch.no_grad():
+            ours = load_model(str(model_dir)).model(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(_llama_logits(python, path, ids), ours, atol=2e-3, rtol=1e-3)
     out = tmp_path / "q4"
     _run(tiny_dir, out, method="rtn", bits=4, format="gguf", gguf_embeddings="f32")
     with torch.no_grad():
         ours = load_model(str(out)).model(torch.tensor([ids])).logits[0]
     theirs = _llama_logits(python, out / "model.gguf", ids)
     assert (theirs - ours).abs().max() <= 0.05 * ours.abs().max()
+
+
+@pytest.mark.slow
+def test_llama_cpp_tokenizes_as_transformers_with_the_metadata_we_build(tiny_dir, tmp_path):
+    python = _llama_python()
+    if python is None:
+        pytest.skip("llama-cpp-python is not installed (set GEMINICOMPRESS_LLAMA_PYTHON to a python that has it)")
+    from pydoc_data.topics import topics
+
+    from transformers import AutoTokenizer
+
+    text = topics[sorted(topics)[50]][:3000]
+    for model_dir in (tiny_dir, save_sentencepiece_tiny(tmp_path / "sp")):  # byte-level BPE; SentencePiece-style
+        path = tmp_path / f"{model_dir.name}.gguf"
+        export(model_dir, dest=path)
+        res = subprocess.run([python, "-c", _TOKENIZE, str(path), text], capture_output=True, text=True, check=False)
+        assert res.returncode == 0, res.stderr[-2000:]
+        ids = AutoTokenizer.from_pretrained(str(model_dir))(text, add_special_tokens=False)["input_ids"]
+        assert json.loads(res.stdout) == ids, model_dir.name
+
+
+def test_streamed_run_writes_the_same_file(tiny_dir, tmp_path):
+    """`--stream` (layer by layer from disk) writes the same checkpoint, so the same GGUF bytes."""
+    for stream in (False, True):
+        recipe = recipe_from_stage(str(tiny_dir), {"type": "quantize", "method": "rtn", "bits": 4, "format": "gguf"},
+                                   {}, "test")
+        run_recipe(recipe, tmp_path / f"out{stream}", device=CPU, stream=stream)
+    assert (tmp_path / "outTrue" / "model.gguf").read_bytes() == (tmp_path / "outFalse" / "model.gguf").read_bytes()

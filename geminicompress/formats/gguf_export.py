@@ -19,6 +19,7 @@ takes) and marks it for the export that follows verification (pipeline.py).
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import Counter
 from contextlib import ExitStack
@@ -72,8 +73,9 @@ def gguf_arch(config: dict[str, Any]) -> GGUFArch:
         raise InputError(f"--format gguf writes the architectures {', '.join(ARCHS)}; this model is "
                          f"'{model_type}' (use another --format)")
     scaling = _rope(config).get("rope_type", "default")
-    if scaling not in ("default", "linear"):
-        raise InputError(f"--format gguf: rope scaling '{scaling}' is not written to GGUF here (default and linear are)")
+    if scaling not in ("default", "linear", "llama3") or (scaling == "llama3" and not ARCHS[model_type].permute_qk):
+        raise InputError(f"--format gguf: rope scaling '{scaling}' is not written to GGUF here "
+                         "(default, linear, and llama3 for the llama architecture are)")
     return ARCHS[model_type]
 
 
@@ -173,6 +175,29 @@ def _metadata(w: gguf.GGUFWriter, config: dict[str, Any], arch: GGUFArch) -> Non
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
+def llama3_rope_factors(config: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's per-frequency rope divisors (head_dim / 2,), as llama.cpp's converter writes them in
+    `rope_freqs.weight`: 1 for short wavelengths, `factor` for long ones, a smooth blend between."""
+    rope = _rope(config)
+    base = float(rope.get("rope_theta", 10000.0))
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = float(rope.get("factor", 8.0)), float(rope.get("low_freq_factor", 1.0)), \
+        float(rope.get("high_freq_factor", 4.0))
+    old = float(rope.get("original_max_position_embeddings", 8192))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)
+
+
 def _tensors(w: gguf.GGUFWriter, out: Path, config: dict[str, Any], arch: GGUFArch,
              options: GGUFOptions) -> dict[str, Any]:
     """Every tensor of OUT into `w`, one module at a time."""
@@ -212,6 +237,9 @@ def _tensors(w: gguf.GGUFWriter, out: Path, config: dict[str, Any], arch: GGUFAr
             add(f"{module}.weight", blocks.encode_quantized(qw, options.asym))
             if bias is not None:
                 add(f"{module}.bias", blocks.encode_float(bias, Q.F32))
+        if _rope(config).get("rope_type") == "llama3":
+            w.add_tensor("rope_freqs.weight", llama3_rope_factors(config).numpy())
+            stats["types"][Q.F32] += 1
         for key, handle in files.items():
             if key in owned or (tied and key == "lm_head.weight"):
                 continue

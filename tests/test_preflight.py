@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from geminicompress import pipeline
 from geminicompress.cli import app
-from geminicompress.engine import preflight as preflight_mod
+from geminicompress import preflight as preflight_mod
 from geminicompress.errors import InputError
 from geminicompress.output import partial_dir
 

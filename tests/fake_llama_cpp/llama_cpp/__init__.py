@@ -6,7 +6,6 @@ baseline and the figures of any other are computable in the test (`fake_logits`)
 
 import ctypes
 import json
-import shutil
 
 import numpy as np
 

@@ -153,8 +153,8 @@ def _stage_not_streamable(stage: Any, first: bool) -> str | None:
 
     if stage.type == "distill":
         return "distill trains the whole model and is not streamed; run it with --no-stream"
-    cls, _ = runner(stage_tag(stage))
-    return cls.cannot_stream(stage, first)
+    cls, kind = runner(stage_tag(stage))
+    return cls.cannot_stream(stage, first) if kind == "layers" else None
 
 
 def should_stream(recipe: Any, stream: bool | None, source_dir: Path | None) -> bool:

@@ -76,3 +76,17 @@ def test_a_finished_layer_damaged_on_disk_fails_the_check_of_a_resumed_run(shard
 
     with pytest.raises(GeminiError, match="verification failed"):
         _killed_then_resumed(recipe, tmp_path / "out", False, monkeypatch, between=damage)
+
+
+def test_an_in_memory_w8a8_run_killed_while_writing_resumes_to_the_same_bytes(sharded, tmp_path, monkeypatch):
+    """Its finished layers' saved state holds INT8 modules (weight_scale) that a float layer cannot take: the walk
+    computes them again (sinks.ResidentSink.restore), which gives the same bytes."""
+    from geminicompress.formats.checkpoint import read_tensors
+
+    recipe = recipe_from_stage(str(sharded), {"type": "quantize", "method": "w8a8"}, {"samples": 4, "seq_len": 32},
+                               "test")
+    run_recipe(recipe, tmp_path / "straight", device=CPU, stream=False)
+    report = _killed_then_resumed(recipe, tmp_path / "out", False, monkeypatch, kill_at=1)
+    assert "skipped" not in report["export"]["verified"]
+    a, b = read_tensors(tmp_path / "straight"), read_tensors(tmp_path / "out")
+    assert set(a) == set(b) and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)

@@ -42,13 +42,20 @@ class ResidentSink:
         return self.writer is not None and self.writer.finished(f"layer.{i}")
 
     @torch.no_grad()
-    def restore(self, i: int, layer: nn.Module | None) -> tuple[dict, dict[str, torch.Tensor]]:
+    def restore(self, i: int, layer: nn.Module | None) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        """The finished layer's summary and kept tensors, its state put back into `layer`; None when the saved
+        state does not fit the layer as read (a stage that replaces modules, e.g. int8/w8a8's INT8 linears with
+        their `weight_scale`): the walk then computes the layer again, which gives the same result (the
+        stages are deterministic) and leaves the saved unit as it is."""
         unit = f"layer.{i}"
         saved = self.writer.read(unit)  # "<i>.state.<name>", "<i>.kept.<name>": names unique in the writer
         state, kept = f"{i}.state.", f"{i}.kept."
         if layer is not None:
+            values = {k[len(state):]: v for k, v in saved.items() if k.startswith(state)}
+            if set(values) != set(layer.state_dict()):
+                return None
             device = next(layer.parameters()).device
-            layer.load_state_dict({k[len(state):]: v for k, v in saved.items() if k.startswith(state)})
+            layer.load_state_dict(values)
             layer.to(device)
         return self.writer.summary(unit), {k[len(kept):]: v for k, v in saved.items() if k.startswith(kept)}
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from pathlib import Path
 
@@ -121,9 +120,3 @@ def loaded_bytes(path: Path, dtype: torch.dtype) -> int:
     packed integer codes at twice their stored bytes (a 4-bit code unpacks to one byte), int8 codes as stored."""
     return sum(i.numel * dtype.itemsize if i.dtype.is_floating_point
                else i.nbytes * (2 if i.dtype == torch.int32 else 1) for i in read_headers(path).values())
-
-
-def free_disk(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-

@@ -150,7 +150,9 @@ def linear_bits(path: Path) -> float:
     return round(bits / elems, 3)
 
 
-def score(work: Path, rows: list[str], python: str, tokens: int) -> list[dict]:
+def score(work: Path, rows: list[str], python: str, tokens: int, save=lambda rows: None) -> list[dict]:
+    """Score every row's file in llama.cpp, the F32 row first (the baseline of the KL); `save(rows so far)` after
+    each row, so that an interrupted run keeps what it measured."""
     from geminicompress.eval.engines.llama_eval import TOP_K, quality_from_llama, run_driver
     from geminicompress.models.loading import load_model
 
@@ -177,6 +179,7 @@ def score(work: Path, rows: list[str], python: str, tokens: int) -> list[dict]:
                         "top1_agreement": q["top1_agreement"], "llama_cpp": result["llama_cpp"],
                         "score_s_shared_machine": round(time.perf_counter() - t0, 1)})
         print(json.dumps(results[-1]), flush=True)
+        save(results)
     return results
 
 
@@ -209,16 +212,20 @@ def main() -> None:
         print(f"not built: {row}: {why}", flush=True)
     if args.build_only:
         return
-    scored = score(work, rows, python, args.tokens)
-    for r in scored:
-        if r.get("error") == "not built" and r["row"] in skipped:
-            r["error"] = f"not built: {skipped[r['row']]}"
     path = RESULTS / f"{args.name}.json"
-    path.write_text(json.dumps({"benchmark": "gguf anchors in llama.cpp", "command": "python " + " ".join(sys.argv),
-                                "perplexity": f"llama.cpp, wikitext2-test.txt, first {args.tokens} tokens, 512-token "
-                                              "windows, transformers tokenizer ids",
-                                "imatrix": "mean x^2 per input channel, 32 x 512 enwiki-sample.txt windows (seed 0)",
-                                "machine": machine(), "versions": versions(), "rows": scored}, indent=1) + "\n")
+    meta = {"benchmark": "gguf anchors in llama.cpp", "command": "python " + " ".join(sys.argv),
+            "perplexity": f"llama.cpp, wikitext2-test.txt, first {args.tokens} tokens, 512-token windows, transformers "
+                          "tokenizer ids",
+            "imatrix": "mean x^2 per input channel, 32 x 512 enwiki-sample.txt windows (seed 0)",
+            "machine": machine(), "versions": versions()}
+
+    def save(rows: list[dict]) -> None:
+        for r in rows:
+            if r.get("error") == "not built" and r["row"] in skipped:
+                r["error"] = f"not built: {skipped[r['row']]}"
+        path.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+
+    scored = score(work, rows, python, args.tokens, save)
     print(table(scored))
     print(f"wrote {path}")
 

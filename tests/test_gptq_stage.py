@@ -153,7 +153,7 @@ def _cli(*args):
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--bits", "5"], "bits"),
+    (["--bits", "6"], "bits"),
     (["--group-size", "48"], "group size 48 does not divide"),
     (["--samples", "1", "--calib-seq-len", "16"], "calibration tokens"),
     (["--ignore", ".*"], "no linear layer left"),

@@ -93,7 +93,8 @@ def main() -> None:
     ap.add_argument("--shortlist", type=int, default=3)
     ap.add_argument("--repair", default="down_proj", choices=["down_proj", "linear", "none"])
     ap.add_argument("--objective", default="mse", choices=["mse", "cosine"])
-    ap.add_argument("--no-follow", action="store_true", help="repair only the block before each cut")
+    ap.add_argument("--follow", action="store_true", help="also refit the kept blocks after each cut")
+    ap.add_argument("--no-follow", action="store_true", help="(the default) repair only the block before each cut")
     ap.add_argument("--ridge", type=float, default=1e-3)
     ap.add_argument("--teacher-ppl", type=float, default=None,
                     help="the teacher's perplexity on the same tokens from an earlier run (saves one forward; recorded as given)")
@@ -105,7 +106,7 @@ def main() -> None:
     log = Log()
     phases = args.phases.split(",")
     out_path = RESULTS / f"{args.name}.json"
-    spec = RepairSpec(args.repair, args.objective, args.ridge, follow=not args.no_follow)
+    spec = RepairSpec(args.repair, args.objective, args.ridge, follow=args.follow and not args.no_follow)
     result: dict = {"args": vars(args), "machine": machine(), "versions": versions(), "repair": asdict(spec)}
 
     def save() -> None:

@@ -72,12 +72,22 @@ def test_walk_boundaries_are_the_model_hidden_states(setup):
     assert angular_distance(fit.hidden[3], fit.hidden[3]) < 1e-6
 
 
+def test_without_follow_only_the_blocks_before_a_cut_are_refit(setup):
+    teacher, _, fit, held = setup
+    kept = [0, 2, 3, 5, 6, 7]  # two dropped runs: blocks 0 and 3 carry the maps
+    dropped, _ = derive_student(teacher, kept)
+    repaired, rows = cut_student(teacher, kept, fit, RepairSpec("down_proj"))
+    assert [r["teacher_layer"] for r in rows] == [0, 3] and all(r["error_after"] < r["error_before"] for r in rows)
+    for w in (fit, held):
+        assert _final_error(repaired, w.hidden[-1], w, kept) < _final_error(dropped, w.hidden[-1], w, kept)
+
+
 @pytest.mark.parametrize("mode", ["down_proj", "linear"])
 @pytest.mark.parametrize("kept", [[0, 1, 4, 5, 6, 7], [0, 2, 3, 5, 6, 7]])  # a span; a non-contiguous set
 def test_repair_reduces_hidden_state_error_vs_drop_only(setup, mode, kept):
     teacher, windows, fit, held = setup
     dropped, _ = derive_student(teacher, kept)
-    repaired, rows = cut_student(teacher, kept, fit, RepairSpec(mode))
+    repaired, rows = cut_student(teacher, kept, fit, RepairSpec(mode, follow=True))
     assert rows and all(r["error_after"] < r["error_before"] for r in rows)
     before = _final_error(dropped, fit.hidden[-1], fit, kept)
     after = _final_error(repaired, fit.hidden[-1], fit, kept)
@@ -150,7 +160,7 @@ def test_plan_candidates_and_fields(setup):
     assert len(shortlisted) == 2
     assert d["chosen"]["repaired_drift"] == min(c["repaired_drift"] for c in shortlisted) == d["predicted_drift"]
     # a candidate's repaired drift is that of the student cut_student builds with the map at each cut only
-    student, _ = cut_student(teacher, d["chosen"]["kept"], fit, RepairSpec("down_proj", follow=False))
+    student, _ = cut_student(teacher, d["chosen"]["kept"], fit, RepairSpec("down_proj"))
     from geminicompress.eval.quality.perplexity import perplexity
 
     measured = perplexity(student, windows[32:]) / perplexity(teacher, windows[32:]) - 1

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import save_sharded
 
 from geminicompress.engine.sinks import ShardSink
 from geminicompress.errors import GeminiError
 from geminicompress.output import partial_dir
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage
-from tiny import save_sharded
 
 CPU = torch.device("cpu")
 STAGES = {

@@ -88,7 +88,7 @@ class RepairSpec:
     mode: RepairMode = "down_proj"
     objective: Objective = "mse"
     ridge: float = 1e-3
-    follow: bool = True  # also refit the kept blocks after a cut (their inputs changed)
+    follow: bool = False  # also refit the kept blocks after a cut (measured worse on the demo: docs/distill.md)
     cosine_steps: int = 100
 
 

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-CHUNK_BYTES = 128 * 2**20  # one chunk's float32 (rows, V) logits
+CHUNK_BYTES = 32 * 2**20  # one chunk's float32 (rows, V) logits: each of the few temporaries per chunk
 
 
 def chunk_rows(vocab: int, budget: int = CHUNK_BYTES) -> int:

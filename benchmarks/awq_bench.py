@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA, RESULTS, ROOT, calibration_ids, ensure_llmc_venv, eval_windows, perplexity, round_to_nearest  # noqa: E402
 
 
-
 def rtn_model(model_dir: Path, bits: int, group: int, layers: int | None):
     from geminicompress.models.loading import load_model
 

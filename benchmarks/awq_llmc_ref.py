@@ -28,10 +28,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="keep only the first N decoder layers (timing runs)")
     args = ap.parse_args()
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, forward_quantize
+    from llmc_common import load, timed_oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
     from transformers import AutoModelForCausalLM
-    from llmc_common import load, timed_oneshot
 
     model, tok, data, ids = load(args.model, args.ids, args.threads, args.layers)
     weights = QuantizationArgs(num_bits=args.bits, type="int", symmetric=False, strategy="group",

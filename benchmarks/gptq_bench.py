@@ -34,7 +34,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, RESULTS, ROOT, calibration_ids, ensure_llmc_venv, eval_windows, perplexity, round_to_nearest, run_child  # noqa: E402
+from common import (  # noqa: E402
+    DATA,
+    RESULTS,
+    ROOT,
+    calibration_ids,
+    ensure_llmc_venv,
+    eval_windows,
+    perplexity,
+    round_to_nearest,
+    run_child,
+)
 
 SETTINGS = {"w4-pc": (4, -1), "w3-g64": (3, 64), "w4-g64": (4, 64)}
 OURS = {"float32": "ours GPTQ", "bfloat16": "ours GPTQ, bf16 calibration"}

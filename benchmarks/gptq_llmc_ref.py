@@ -27,8 +27,8 @@ def main() -> None:
                     help="the dtype the model is loaded in: llm-compressor calibrates in the model's dtype")
     args = ap.parse_args()
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    from llmcompressor.modifiers.gptq import GPTQModifier
     from llmc_common import load, timed_oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
 
     model, tok, data, ids = load(args.model, args.ids, args.threads, dtype=args.dtype)
     if args.group_size in (-1, 0):

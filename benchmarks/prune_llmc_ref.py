@@ -26,8 +26,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    from llmcompressor.modifiers.pruning.sparsegpt import SparseGPTModifier
     from llmc_common import load, timed_oneshot
+    from llmcompressor.modifiers.pruning.sparsegpt import SparseGPTModifier
 
     model, tok, data, ids = load(args.model, args.ids, args.threads)
     recipe = SparseGPTModifier(sparsity=args.sparsity, mask_structure=args.mask, block_size=128,

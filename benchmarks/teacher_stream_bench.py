@@ -58,8 +58,8 @@ class LayerClock:
 
 def worker(args: argparse.Namespace) -> None:
     import torch
-
     from common import eval_windows
+
     from geminicompress.distill import streamed_teacher as ST
     from geminicompress.models.loading import load_model
 

@@ -7,8 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from geminicompress.compress.allocation import (allocate, allocate_greedy, allocate_within_drift, frontier,
-                                                reachable)
+from geminicompress.compress.allocation import allocate, allocate_greedy, allocate_within_drift, frontier, reachable
 from geminicompress.errors import InputError
 
 

@@ -12,13 +12,13 @@ import os
 from pathlib import Path
 
 import pytest
+from tiny import save_sharded
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
 from geminicompress.diskerrors import DiskError, disk_errno, disk_error
 from geminicompress.formats import shards as shards_mod
 from geminicompress.output import partial_dir
-from tiny import save_sharded
 
 runner = CliRunner()
 

@@ -4,14 +4,14 @@ import copy
 
 import pytest
 import torch
+from tiny import prune_in_place, tiny_model
 
 from geminicompress.distill.masks import apply_masks, check_masks, masks_from_zeros
-from geminicompress.formats.masks import read_masks, write_masks
 from geminicompress.distill.student import derive_student, keep_layers, student_config
 from geminicompress.distill.train import batch_indices, train
 from geminicompress.errors import InputError
+from geminicompress.formats.masks import read_masks, write_masks
 from geminicompress.recipes.schema import DistillStage
-from tiny import prune_in_place, tiny_model
 
 CPU = torch.device("cpu")
 

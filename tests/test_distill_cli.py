@@ -6,21 +6,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import save_tiny, tiny_model, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
 from geminicompress.distill import stage as distill_stage
-from geminicompress.formats.masks import MASKS_FILE, read_masks
 from geminicompress.distill.student import derive_student
 from geminicompress.distill.topk_cache import build_topk_cache
 from geminicompress.distill.train import train
-from geminicompress.eval.speculative import measure_speculative
-from geminicompress.models.loading import load_model
 from geminicompress.engine.contract import StageContext
+from geminicompress.eval.speculative import measure_speculative
+from geminicompress.formats.masks import MASKS_FILE, read_masks
+from geminicompress.models.loading import load_model
 from geminicompress.progress import NullProgress
 from geminicompress.recipes.schema import Recipe
-from tiny import save_tiny, tiny_model, tiny_tokenizer
 
 runner = CliRunner()
 CPU = torch.device("cpu")

@@ -5,8 +5,16 @@ import math
 import pytest
 import torch
 
-from geminicompress.distill.losses import (SparseLogits, cross_entropy, distill_loss, forward_kl, hidden_cos,
-                                           hidden_mse, jsd, reverse_kl)
+from geminicompress.distill.losses import (
+    SparseLogits,
+    cross_entropy,
+    distill_loss,
+    forward_kl,
+    hidden_cos,
+    hidden_mse,
+    jsd,
+    reverse_kl,
+)
 from geminicompress.recipes.schema import LossWeights
 
 

@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import DATA
+
 from geminicompress.eval.api import evaluate
 from geminicompress.recipes.schema import EvalStage
 

@@ -203,10 +203,11 @@ def test_model_quality_through_the_fast_path_equals_the_reference_path(packed_mo
 def test_8bit_grouped_model_runs_dequantized_once_and_is_not_timed(tmp_path, text_file):
     """8-bit codes with groups have no kernel here: their weights are dequantized once into dense linears (the
     same logits as the reference path, which dequantizes on every call); latency is not measured."""
+    from tiny import save_tiny
+
     from geminicompress.models.loading import load_model
     from geminicompress.pipeline import run_recipe
     from geminicompress.recipes.loader import recipe_from_stage
-    from tiny import save_tiny
 
     base = save_tiny(tmp_path / "base")
     recipe = recipe_from_stage(str(base), {"type": "quantize", "method": "rtn", "bits": 8, "group_size": 32},

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from geminicompress.errors import GeminiError, InputError
-from geminicompress.models import load_model, resolve_model
 from geminicompress.formats import detect as format_key
+from geminicompress.models import load_model, resolve_model
 
 
 def test_resolve_kinds(tiny_dir, tmp_path):

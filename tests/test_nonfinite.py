@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import tiny_model, tiny_tokenizer
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
 from geminicompress.models.finite import NonFiniteError, check, nonfinite
-from tiny import tiny_model, tiny_tokenizer
 
 runner = CliRunner()
 V = "model.layers.1.self_attn.v_proj.weight"

@@ -7,8 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 from geminicompress import pipeline
-from geminicompress.cli import app
 from geminicompress import preflight as preflight_mod
+from geminicompress.cli import app
 from geminicompress.errors import InputError
 from geminicompress.output import partial_dir
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from geminicompress.compress.hessian import HessianAccumulator
-from geminicompress.formats.sparse_bitmask import compress, decompress, pack_bits, unpack_bits
 from geminicompress.compress.prune.masks import nm_mask, row_mask, tensor_mask
 from geminicompress.compress.prune.sparsegpt import sparsegpt_prune
 from geminicompress.compress.prune.threshold import global_threshold, kth_smallest, smallest_masks
 from geminicompress.compress.prune.wanda import InputNorms, wanda_mask
+from geminicompress.formats.sparse_bitmask import compress, decompress, pack_bits, unpack_bits
 
 
 def brute_force_masks(tensors, k):

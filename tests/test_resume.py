@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import save_sharded
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
@@ -18,7 +19,6 @@ from geminicompress.engine.sinks import ShardSink
 from geminicompress.formats.checkpoint import read_tensors
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage
-from tiny import save_sharded
 
 CPU = torch.device("cpu")
 runner = CliRunner()

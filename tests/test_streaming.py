@@ -12,19 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny import save_sharded, tiny_model
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
+from geminicompress.engine.sinks import ShardSink
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats import shards as shards_mod
 from geminicompress.formats.bits import unpack_bits
 from geminicompress.formats.checkpoint import read_tensors
 from geminicompress.formats.shards import DiskFullError, ShardWriter
 from geminicompress.models.lazy import LazyCheckpoint, LazyTensors
-from geminicompress.recipes.loader import recipe_from_stage
-from geminicompress.engine.sinks import ShardSink
 from geminicompress.pipeline import run_recipe
-from tiny import save_sharded, tiny_model
+from geminicompress.recipes.loader import recipe_from_stage
 
 runner = CliRunner()
 

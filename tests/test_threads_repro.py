@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import tiny_model, tiny_tokenizer
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
 from geminicompress.formats.checkpoint import read_tensors
-from tiny import tiny_model, tiny_tokenizer
 
 runner = CliRunner()
 CAL = ["--samples", "8", "--calib-seq-len", "64"]

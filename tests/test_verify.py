@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import save_sharded
 from typer.testing import CliRunner
 
 from geminicompress import verify
@@ -18,7 +19,6 @@ from geminicompress.formats import gptq as gptq_format
 from geminicompress.models.loading import load_model
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage
-from tiny import save_sharded
 
 runner = CliRunner()
 CPU = torch.device("cpu")

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from tiny import save_sharded
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
 from geminicompress.formats.checkpoint import read_tensors
 from geminicompress.output import partial_dir
-from tiny import save_sharded
 
 runner = CliRunner()
 COMMANDS = {"int8": ["quantize", "--method", "int8"], "gptq": ["quantize", "--method", "gptq", "--group-size", "32"],

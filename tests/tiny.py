@@ -18,6 +18,7 @@ VOCAB = 384
 @functools.lru_cache(maxsize=1)
 def _tokenizer_json() -> str:
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))

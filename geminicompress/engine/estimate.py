@@ -9,8 +9,8 @@ from typing import Any, Iterable
 import torch
 
 from geminicompress.core.arch import get_module
-from geminicompress.engine.contract import walk_dtypes
 from geminicompress.diskerrors import free_bytes, size_text, tree_bytes
+from geminicompress.engine.contract import walk_dtypes
 from geminicompress.errors import InputError
 from geminicompress.models.lazy import LazyCheckpoint
 from geminicompress.output import final_name

@@ -2,8 +2,10 @@
 import json, sys, time
 from pathlib import Path; sys.path.insert(0, str(Path(__file__).resolve().parent)); sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import eval_windows
-from geminicompress.eval.llama_eval import quality_from_llama, run_driver
+
+from geminicompress.eval.engines.llama_eval import quality_from_llama, run_driver
 from geminicompress.models.loading import load_model
+
 w = eval_windows(load_model("smollm2-demo").tokenizer, 16)
 t0 = time.time()
 r = run_driver(__import__("os").environ.get("GEMINICOMPRESS_LLAMA_PYTHON", "/work/venv-llama/bin/python"), {"model": sys.argv[1], "threads": 2, "n_ctx": 528,

@@ -234,7 +234,7 @@ def test_distill_refuses_a_layer_count_before_loading(teacher6, text_file, tmp_p
 def test_distill_refuses_an_unmappable_architecture_before_loading(tmp_path, text_file):
     weird = tmp_path / "weird"
     weird.mkdir()
-    (weird / "config.json").write_text(json.dumps({"model_type": "bloom", "num_hidden_layers": 4}))
+    (weird / "config.json").write_text(json.dumps({"model_type": "not_a_model", "num_hidden_layers": 4}))
     res = _invoke("distill", "--teacher", weird, "--student-layers", "3", "--data", text_file, "-o", tmp_path / "x")
     assert res.exit_code == 2 and "no block map" in res.output and len(res.output.strip().splitlines()) == 1, res.output
 

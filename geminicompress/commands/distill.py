@@ -26,9 +26,10 @@ def _check_before_load(teacher: str, layers: int | float | list[int] | None, cut
     student is cut by measurement or repaired) an architecture whose blocks we cannot map."""
     import json
 
-    from geminicompress.core.arch import ARCHS
+    from geminicompress.core.arch import arch_for
     from geminicompress.distill.student import keep_count
     from geminicompress.models.demo import demo_cache_dir
+    from geminicompress.models.lazy import skeleton
     from geminicompress.models.loading import resolve_model
 
     source = resolve_model(teacher)
@@ -39,9 +40,13 @@ def _check_before_load(teacher: str, layers: int | float | list[int] | None, cut
     n_layers, model_type = config.get("num_hidden_layers"), config.get("model_type")
     if isinstance(layers, int) and isinstance(n_layers, int):
         keep_count(n_layers, layers)
-    if cuts and model_type not in ARCHS:
-        raise InputError(f"teacher architecture '{model_type}' has no block map for cutting layers (supported: "
-                         f"{', '.join(sorted(ARCHS))}); use --derive even --repair none")
+    if cuts:  # the decoder blocks and their MLP output, traced on the config's skeleton (no weight read)
+        try:
+            arch_for(skeleton(path, False))
+        except Exception as exc:  # transformers does not know the type, or tracing finds no decoder layers
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InputError(f"teacher architecture '{model_type}' has no block map for cutting layers ({why}); "
+                             "use --derive even --repair none") from exc
 
 
 def _parse_loss(text: str) -> dict[str, float]:

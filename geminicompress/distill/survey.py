@@ -68,12 +68,12 @@ def walk(model: nn.Module, windows: torch.Tensor, *, device: torch.device, batch
     progress = progress or NullProgress()
     layers = decoder_layers(model)
     first = embed(model, windows, device=device)
-    hidden, kwargs = [first.tensor], first.kwargs
+    hidden, layer_kwargs = [first.tensor], first.layer_kwargs  # what the model hands each layer
     down, o_proj = mlp_down(model), attn_out(model)
     n_heads = model.config.num_attention_heads
     channels, heads = [], []
     with progress.task("survey", len(layers)) as bar:
-        for layer in layers:
+        for i, layer in enumerate(layers):
             sums = {"down": 0.0, "heads": 0.0, "tokens": 0}
 
             def see_down(m, args, sums=sums):
@@ -90,14 +90,16 @@ def walk(model: nn.Module, windows: torch.Tensor, *, device: torch.device, batch
                        layer.get_submodule(o_proj).register_forward_pre_hook(see_heads)]
             try:
                 layer.to(device)
-                hidden.append(run_layers([layer], hidden[-1], kwargs, device=device, batch=batch))
+                hidden.append(run_layers([layer], hidden[-1], layer_kwargs[i], device=device, batch=batch))
             finally:
                 for h in handles:
                     h.remove()
             channels.append(sums["down"] / max(1, sums["tokens"]))
             heads.append(sums["heads"] / max(1, sums["tokens"]))
             bar.advance(1)
-    return Walk(hidden, kwargs, torch.stack(channels).float(), torch.stack(heads).float())
+    # the repair replays the kept layers with the first layer's arguments: exact for models whose layers all
+    # attend alike (Llama, Qwen, Mistral); Gemma 2/3's sliding layers would need theirs (not handled yet)
+    return Walk(hidden, layer_kwargs[0], torch.stack(channels).float(), torch.stack(heads).float())
 
 
 @torch.no_grad()

@@ -86,6 +86,8 @@ def check_disk(out_dir: Path, need: int) -> None:
 def check_disk_in_memory(ctx: Any, stages: list[Any], max_shard: int) -> int:
     """Before the stages of a run in memory: OUT's estimated size (from the model's tensors) against the free
     disk (check_disk). Returns the estimate."""
+    if ctx.model is None:  # a distill stage with a streamed teacher builds its student itself: no estimate
+        return 0
     quantized = any(s.type == "quantize" for s in stages)
     state = ctx.model.state_dict()
     need = out_bytes(((n, t.numel(), t.dtype) for n, t in state.items()), ctx.out_dtype, quantized, max_shard)

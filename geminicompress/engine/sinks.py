@@ -119,7 +119,7 @@ class ShardSink:
         re-checked (Probe.resumed)."""
         source = self.probe.source
         if self.computed:
-            self.probe.advance(source.load(i), self.layer_writer.exact_weights(i, self.kept_of(i, kept)))
+            self.probe.advance(i, source.load(i), self.layer_writer.exact_weights(i, self.kept_of(i, kept)))
             return
         if self.rebuild is None:
             self.probe.resumed.append(i)
@@ -131,7 +131,7 @@ class ShardSink:
         try:
             layer.float()  # float32, so that the dequantized weights put back stay exact
             self.rebuild(i, layer, written if written is not None else self.writer.read(f"layer.{i}"))
-            self.probe.advance(layer, self.layer_writer.as_written_exact(i, layer))
+            self.probe.advance(i, layer, self.layer_writer.as_written_exact(i, layer))
         finally:
             if own:
                 source.release(i)

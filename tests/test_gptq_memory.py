@@ -36,8 +36,11 @@ def _reference_factor(H: torch.Tensor, damp: float, perm: torch.Tensor | None) -
     if perm is not None:
         A = A[perm][:, perm]
     A.diagonal().add_(damp * torch.mean(torch.diag(A)))
-    L = torch.linalg.cholesky(A)  # reads the lower triangle
-    return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
+    from geminicompress.compress.hessian import one_thread
+
+    with one_thread():  # as the package factors (issue #34: LAPACK's blocks follow the thread count)
+        L = torch.linalg.cholesky(A)  # reads the lower triangle
+        return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
 
 
 @pytest.mark.parametrize("act_order", [True, False])

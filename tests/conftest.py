@@ -38,3 +38,18 @@ def tok():
 @pytest.fixture
 def model():
     return tiny_model()
+
+
+def _single_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls run faster on one thread, and the test machine is shared
+    yield
+    torch.set_num_threads(before)
+
+
+# A test module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")` (each test on one torch
+# thread) or "one_thread_module" (the whole module, its module-scoped fixtures included).
+one_thread = pytest.fixture(_single_thread, name="one_thread")
+one_thread_module = pytest.fixture(_single_thread, scope="module", name="one_thread_module")

@@ -27,12 +27,7 @@ CPU = torch.device("cpu")
 FAST = ["--steps", "3", "--seq-len", "32", "--batch-size", "2", "--eval-every", "2", "--warmup-steps", "1", "--quiet"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,7 @@ FAST = dict(type="eval", seq_len=64, max_tokens=640, prompt_len=8, gen_len=3, ba
 runner = CliRunner()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls run faster on one thread, and the test machine is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 class Lines:

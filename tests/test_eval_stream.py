@@ -26,12 +26,7 @@ QUALITY = ("perplexity", "mean_nll", "kl_to_baseline", "top1_agreement", "ppl_ra
 runner = CliRunner()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,7 @@ CPU = torch.device("cpu")
 runner = CliRunner()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def fake_reader(other_cores: float, own_cores: float = 1.0):

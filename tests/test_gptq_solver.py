@@ -8,13 +8,7 @@ from geminicompress.core.grid import QuantSpec, rtn_quantize
 from geminicompress.errors import GeminiError
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Column-by-column loops of tiny ops: a second thread only adds synchronisation."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def _correlated(n: int = 1024, d: int = 64, seed: int = 0) -> torch.Tensor:

@@ -17,12 +17,7 @@ from geminicompress.kernels.int4 import Int4Linear, dequantize_layout, int4_layo
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def _qweight(out_f=48, in_f=128, bits=4, group=32, act_order=False, seed=0) -> QuantizedWeight:

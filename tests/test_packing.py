@@ -12,13 +12,7 @@ from geminicompress.formats.gptq import pack_gptq, unpack_gptq
 from geminicompress.formats.pack_quantized import pack_ct, unpack_ct
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Hundreds of tiny ops: a second thread only adds synchronisation on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

@@ -25,12 +25,7 @@ FAKE = Path(__file__).parent / "fake_vllm"
 SMALL = WorkloadSpec(requests=6, prefix_len=32, question_len=16, answer_len=4, rate=0.0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def test_workload_shares_the_prefix_and_cuts_distinct_questions():

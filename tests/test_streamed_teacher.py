@@ -28,12 +28,7 @@ runner = CliRunner()
 FAST = ["--steps", "2", "--seq-len", "32", "--batch-size", "2", "--eval-every", "2", "--warmup-steps", "1", "--quiet"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])

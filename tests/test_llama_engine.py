@@ -5,6 +5,7 @@ real llama.cpp where /work/venv-llama (or $GEMINICOMPRESS_LLAMA_PYTHON) has it."
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -43,7 +44,7 @@ def _model(tmp_path: Path, name: str, noise: float, vocab: int = 40) -> str:
 
 def test_no_llama_cpp_names_the_install_command(monkeypatch):
     monkeypatch.delenv(llama_eval.ENV_PYTHON, raising=False)
-    if llama_eval.importlib.util.find_spec("llama_cpp") is not None:
+    if importlib.util.find_spec("llama_cpp") is not None:
         pytest.skip("llama_cpp is importable in this python")
     with pytest.raises(InputError, match='CMAKE_ARGS="-DGGML_NATIVE=OFF .*pip install llama-cpp-python'):
         llama_eval.find_python(None)

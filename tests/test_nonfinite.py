@@ -154,3 +154,32 @@ def test_the_check_finds_count_and_first_index_without_a_full_temporary():
     assert found[0]["count"] == 2
     big = torch.full((4,), 3e38)  # finite, but the sum overflows: the exact pass says all is well
     assert nonfinite(big) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_check_from_the_files_finds_what_the_check_of_the_model_finds(tmp_path, dtype):
+    """A model loaded in its stored dtype is checked from its files (models/finite.check_stored), in blocks
+    that here split tensors across reads: the same tensors, counts, first indices and line as the check of
+    the loaded state dict, and the loaded model in that dtype takes that path."""
+    from geminicompress.models.finite import check_named, check_stored
+    from geminicompress.models.headers import read_headers
+    from geminicompress.models.loading import load_model
+
+    path = tmp_path / "model"
+    model = tiny_model(num_hidden_layers=3).to(dtype)
+    with torch.no_grad():
+        model.get_parameter(V).view(-1)[[7, 300, 301]] = float("nan")
+        model.get_parameter("model.layers.2.mlp.down_proj.weight").view(-1)[-1] = float("-inf")
+    model.save_pretrained(path, max_shard_size="60KB")
+    tiny_tokenizer().save_pretrained(path)
+    headers = read_headers(path)
+    assert len({i.file for i in headers.values()}) > 1  # several shards
+    want = check_named(model.state_dict().items(), allow=True)
+    got = check_stored(headers, allow=True, block_bytes=96)  # 96 bytes: many reads per tensor
+    assert sorted((f["tensor"], f["count"], f["first_index"], f["what"]) for f in got) == \
+        sorted((f["tensor"], f["count"], f["first_index"], f["what"]) for f in want)
+    assert len(got) == 2
+    with pytest.raises(NonFiniteError, match=r"holds 3 non-finite values \(the first, NaN, at \[0, 7\]\)"):
+        check_stored(headers, allow=False)
+    loaded = load_model(str(path), dtype=dtype, allow_nonfinite=True)
+    assert sorted(f["tensor"] for f in loaded.nonfinite) == sorted(f["tensor"] for f in want)

@@ -26,7 +26,8 @@ import torch
 from geminicompress import formats
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.models import demo
-from geminicompress.models.finite import check_named
+from geminicompress.models.finite import check_named, check_stored
+from geminicompress.models.headers import read_headers
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def load_model(
     `NonFiniteError` (an input error) when a float tensor holds NaN/Inf unless `allow_nonfinite`.
     `tokenizer=False`: a local directory's weights alone (LoadedModel.tokenizer None; the check of OUT)."""
     source = resolve_model(spec)
-    fmt, unused = None, None
+    fmt, unused, path = None, None, None
     if source.kind == "gguf":
         model, tok = _load_gguf(source.path, source.gguf_file, dtype)
     elif source.kind == "hub":
@@ -98,8 +99,21 @@ def load_model(
         path = demo_dir() if source.kind == "demo" else source.path
         model, tok, fmt, unused = _load_dir(path, dtype, trust_remote_code, allow_pickle, tokenizer)
     model.eval()
-    return LoadedModel(model, tok, source, fmt, nonfinite=check_named(model.state_dict().items(), allow_nonfinite),
+    stored = path if fmt is None else None  # a local dense directory's weights
+    return LoadedModel(model, tok, source, fmt, nonfinite=_check_finite(model, stored, dtype, unused, allow_nonfinite),
                        unused=unused)
+
+
+def _check_finite(model: torch.nn.Module, stored: Path | None, dtype: torch.dtype, unused: list[str] | None,
+                  allow: bool) -> list[dict]:
+    """models/finite.py's check of every float weight: from the files when the model holds them as stored
+    (a dense directory loaded in its own dtype, whose tensors are views of the mapped files: reading them would
+    bring the whole file into this process), else from the model's state dict."""
+    if stored is not None:
+        tensors = {k: v for k, v in read_headers(stored).items() if k not in set(unused or ())}
+        if all(i.dtype == dtype for i in tensors.values() if i.dtype.is_floating_point):
+            return check_stored(tensors, allow)
+    return check_named(model.state_dict().items(), allow)
 
 
 def check_loading_info(where: str, info: dict[str, Any]) -> list[str]:

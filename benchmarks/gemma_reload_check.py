@@ -74,6 +74,26 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> dict:
             "argmax_agreement": round(float((got.argmax(-1) == ref.argmax(-1)).float().mean()), 4)}
 
 
+def float_activations(model) -> bool:
+    """Our W8A8 modules replaced, in place, by float linears of their dequantized weights (activations no longer
+    quantized: what transformers runs a compressed-tensors int-quantized checkpoint as on a CPU). False when the
+    model has none."""
+    import torch.nn as nn
+
+    from geminicompress.core.arch import set_module
+    from geminicompress.kernels.int8 import W8A8Linear
+
+    names = [n for n, m in model.named_modules() if isinstance(m, W8A8Linear)]
+    for name in names:
+        m = model.get_submodule(name)
+        linear = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+        linear.weight.data = m.dequantized_weight()
+        if m.bias is not None:
+            linear.bias.data = m.bias.detach().float()
+        set_module(model, name, linear)
+    return bool(names)
+
+
 def hf_load(out: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
@@ -97,6 +117,7 @@ def check(name: str, out: Path, ids: torch.Tensor, float_logits: torch.Tensor, d
                  "verified": report["export"].get("verified")}
     ours = load_model(str(out), dtype=torch.float32, tokenizer=False).model.eval()
     a = logits(ours, ids)
+    a_float_act = logits(ours, ids) if float_activations(ours) else None
     del ours
     gc.collect()
     row["ours_vs_float"] = compare(float_logits, a)
@@ -117,6 +138,8 @@ def check(name: str, out: Path, ids: torch.Tensor, float_logits: torch.Tensor, d
     row["transformers"] = {"loads": True, "runs": True, "dtype": str(dtype).removeprefix("torch."),
                            "q_proj_class": f"{type(linear).__module__}.{type(linear).__name__}",
                            "load_seconds_busy_machine": round(load_s, 1), **compare(a, b)}
+    if a_float_act is not None:  # W8A8: transformers decompresses the weights and runs float activations
+        row["transformers"]["vs_ours_float_activations"] = compare(a_float_act, b)
     del theirs
     gc.collect()
     return row
@@ -183,6 +206,10 @@ def table(rows: list[dict]) -> str:
         fmt = r["format"] or "dense"
         if t.get("runs"):
             hf = f"{t['max_abs_diff']:.3g}, {t['rel_error']:.2e}, {100 * t['argmax_agreement']:.1f} %"
+            if "vs_ours_float_activations" in t:
+                f = t["vs_ours_float_activations"]
+                hf += (f"; vs ours with float activations: {f['max_abs_diff']:.3g}, {f['rel_error']:.2e}, "
+                       f"{100 * f['argmax_agreement']:.1f} %")
             loads = f"yes ({t['q_proj_class'].rsplit('.', 1)[1]})"
         else:
             hf, loads = "", f"no: {t['error']}"

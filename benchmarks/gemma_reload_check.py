@@ -94,6 +94,26 @@ def float_activations(model) -> bool:
     return bool(names)
 
 
+@torch.no_grad()
+def activation_grid(model, name: str, weight: torch.Tensor, ids: torch.Tensor) -> dict:
+    """Linear `name` of the transformers model, its input and output captured during a forward, against our
+    dequantized weight with the input fake-quantized per token on two symmetric grids: [-127, 127] with scale
+    max|x|/127 and [-128, 127] with scale max|x|/127.5 (relative output error of each; 0: that grid exactly)."""
+    got: dict = {}
+    handle = model.get_submodule(name).register_forward_hook(lambda m, i, o: got.update(x=i[0].float(), y=o.float()))
+    model(ids, use_cache=False)
+    handle.remove()
+    x, y = got["x"], got["y"]
+    top = x.abs().amax(-1, keepdim=True)
+    out = {"linear": name, "float_activations": float((x @ weight.T - y).norm() / y.norm())}
+    for label, levels, lo in (("sym127", 127.0, -127), ("sym127.5", 127.5, -128)):
+        scale = top / levels
+        xq = (x / scale).round().clamp(lo, 127) * scale
+        out[label] = float(f"{float((xq @ weight.T - y).norm() / y.norm()):.3g}")
+    out["float_activations"] = float(f"{out['float_activations']:.3g}")
+    return out
+
+
 def hf_load(out: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
@@ -117,6 +137,9 @@ def check(name: str, out: Path, ids: torch.Tensor, float_logits: torch.Tensor, d
                  "verified": report["export"].get("verified")}
     ours = load_model(str(out), dtype=torch.float32, tokenizer=False).model.eval()
     a = logits(ours, ids)
+    probe = "model.layers.3.mlp.down_proj"
+    w8a8_weight = ours.get_submodule(probe).dequantized_weight() if hasattr(ours.get_submodule(probe), "weight_scale") \
+        and "int-quantized" == qc.get("format") else None
     a_float_act = logits(ours, ids) if float_activations(ours) else None
     del ours
     gc.collect()
@@ -137,9 +160,11 @@ def check(name: str, out: Path, ids: torch.Tensor, float_logits: torch.Tensor, d
         return row
     row["transformers"] = {"loads": True, "runs": True, "dtype": str(dtype).removeprefix("torch."),
                            "q_proj_class": f"{type(linear).__module__}.{type(linear).__name__}",
-                           "load_seconds_busy_machine": round(load_s, 1), **compare(a, b)}
-    if a_float_act is not None:  # W8A8: transformers decompresses the weights and runs float activations
+                           "load_seconds_busy_machine": round(load_s, 1), **compare(a, b),
+                           "vs_float": compare(float_logits, b)}
+    if a_float_act is not None:  # W8A8: how transformers quantizes the activations
         row["transformers"]["vs_ours_float_activations"] = compare(a_float_act, b)
+        row["transformers"]["one_linear"] = activation_grid(theirs, probe, w8a8_weight, ids)
     del theirs
     gc.collect()
     return row
@@ -186,6 +211,11 @@ def main() -> int:
         row = check(name, out, ids, float_logits, getattr(torch, args.dtype))
         rows.append(row)
         print(json.dumps(row), flush=True)
+    if args.only and args.json.exists():  # a partial rerun replaces its rows of the earlier result
+        mine = {r["name"] for r in rows}
+        rows = [r if r["name"] not in mine else next(x for x in rows if x["name"] == r["name"])
+                for r in json.loads(args.json.read_text())["rows"]] + \
+            [r for r in rows if r["name"] not in {x["name"] for x in json.loads(args.json.read_text())["rows"]}]
     result = {"model": args.model, "tokens": int(ids.shape[1]), "text": "wikitext2-test.txt (first tokens)",
               "transformers": transformers.__version__, "packages": packages, "versions": versions(), "rows": rows}
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -206,6 +236,8 @@ def table(rows: list[dict]) -> str:
         fmt = r["format"] or "dense"
         if t.get("runs"):
             hf = f"{t['max_abs_diff']:.3g}, {t['rel_error']:.2e}, {100 * t['argmax_agreement']:.1f} %"
+            if "vs_float" in t:
+                hf += f"; vs float: {t['vs_float']['rel_error']:.3g}, {100 * t['vs_float']['argmax_agreement']:.1f} %"
             if "vs_ours_float_activations" in t:
                 f = t["vs_ours_float_activations"]
                 hf += (f"; vs ours with float activations: {f['max_abs_diff']:.3g}, {f['rel_error']:.2e}, "

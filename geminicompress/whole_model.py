@@ -123,8 +123,8 @@ def run_whole_model(recipe: Recipe, out: Path, *, force: bool = False, progress:
         loaded = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code, allow_pickle=recipe.allow_pickle,
                             allow_nonfinite=recipe.allow_nonfinite)
     model = loaded.model
-    progress.info(f"'{_model_type(recipe, model)}': no decoder layers found; {stage_tag(stage)} runs on the whole "
-                  "model in memory")
+    what = "magnitude pruning" if stage.type == "prune" else stage.method
+    progress.info(f"'{_model_type(recipe, model)}': no decoder layers found; {what} runs on the whole model in memory")
     dtype = getattr(torch, recipe.output.dtype)
     with OutputDir(out, force) as tmp:
         t0 = time.perf_counter()

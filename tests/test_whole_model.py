@@ -105,7 +105,7 @@ def test_magnitude_prunes_exactly_the_global_smallest(flat_dir, tmp_path):
     out = tmp_path / "mag"
     res = _run(flat_dir, out, "prune", "--sparsity", "0.5")
     assert res.exit_code == 0, res.output
-    assert "no decoder layers found; prune runs on the whole model in memory" in res.output
+    assert "no decoder layers found; magnitude pruning runs on the whole model in memory" in res.output
     base, got = _weights(flat_dir), _weights(out)
     # exactly half of the two MLP linears' weights (default ignore: lm_head, embed_tokens), the smallest |w|
     both = torch.cat([base[n].abs().flatten() for n in LINEARS])

@@ -56,6 +56,7 @@ from geminicompress.recipes.loader import recipe_yaml
 from geminicompress.recipes.schema import Recipe, stage_tag
 from geminicompress.stages import Walked, load_back_of, make_stage, retain_of, run_stage, should_stream, walk
 from geminicompress.verify import Probe
+from geminicompress.whole_model import run_whole_model, without_layers
 
 
 def fingerprint(recipe: Recipe) -> str:
@@ -96,6 +97,9 @@ def _run_recipe(recipe: Recipe, out: Path, *, force: bool, progress: Progress | 
     device = device or default_device()
     for stage in recipe.stages:
         runner(stage_tag(stage))  # fail before loading anything if a stage does not import
+    if without_layers(recipe, loaded):  # no decoder layers to walk: what needs none runs on the whole model
+        return run_whole_model(recipe, out, force=force, progress=progress, command=command, loaded=loaded,
+                               stream=stream, verify=verify)
     if loaded is None:
         preflight(recipe, local_dir(recipe.model))  # what config.json alone refuses, before any weight is read
     helper = _helper_rank()

@@ -72,7 +72,7 @@ def main() -> None:
     import geminicompress.formats.shards as shards
     import geminicompress.formats.writer as writer
     import geminicompress.pipeline as pipeline
-    import geminicompress.verify as verify
+    import geminicompress.engine.verify as verify
     from geminicompress.cli import main as cli
     from geminicompress.engine.sinks import ResidentSink, ShardSink
 

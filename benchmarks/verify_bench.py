@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--name", default="")
     args = parser.parse_args()
 
-    from geminicompress import verify
+    from geminicompress.engine import verify
 
     if args.measure_only:
         verify.TOLERANCE = float("inf")

@@ -12,7 +12,7 @@ import torch
 from tiny import save_sharded
 from typer.testing import CliRunner
 
-from geminicompress import verify
+from geminicompress.engine import verify
 from geminicompress.cli import app
 from geminicompress.errors import GeminiError
 from geminicompress.formats import gptq as gptq_format

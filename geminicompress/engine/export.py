@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from geminicompress.engine.contract import LayerStage, StageContext, layer_kept, stage_kept, walk_dtypes
-from geminicompress.engine.sinks import InputsKeeper, ShardSink
+from geminicompress.engine.sinks import InputsKeeper, Resume, ShardSink
 from geminicompress.engine.verify import Probe
 from geminicompress.formats.shards import ShardWriter
 from geminicompress.formats.writer import LayerWriter
@@ -69,11 +69,11 @@ def open_export(ctx: StageContext, stages: list[LayerStage], verify: bool, max_s
     # in a lower dtype than they were computed in: then the exact inputs are kept with the resume state
     inexact = dtypes is not None and dtypes[1] != ctx.out_dtype and any(s.rounds_floats for s in stages)
     load_back = load_back_of(stages, writer)
+    resume = Resume(load_back=load_back, retain=retain, rebuild=load_back if load_back == writer.load_back else None,
+                    kept_writer=ShardWriter(ctx.state_dir / "kept") if retain is not None else None,
+                    inputs=InputsKeeper(ctx.state_dir / "inputs") if inexact else None)
     sink = ShardSink(shards, writer, (lambda i, kept: stage_kept(kept, owner, n)) if owner is not None else
-                     (lambda i, kept: {}), load_back=load_back, probe=probe, retain=retain,
-                     rebuild=load_back if load_back == writer.load_back else None,
-                     kept_writer=ShardWriter(ctx.state_dir / "kept") if retain is not None else None,
-                     inputs=InputsKeeper(ctx.state_dir / "inputs") if inexact else None)
+                     (lambda i, kept: {}), probe=probe, resume=resume)
     return Export(writer, probe, shards, sink)
 
 

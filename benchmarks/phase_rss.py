@@ -68,11 +68,11 @@ def wrap(owner: object, name: str, label: str) -> None:
 def main() -> None:
     import geminicompress.compress.gptq.solver as solver
     import geminicompress.compress.gptq.stage as gstage
+    import geminicompress.engine.verify as verify
     import geminicompress.engine.walk as walk
     import geminicompress.formats.shards as shards
     import geminicompress.formats.writer as writer
     import geminicompress.pipeline as pipeline
-    import geminicompress.verify as verify
     from geminicompress.cli import main as cli
     from geminicompress.engine.sinks import ResidentSink, ShardSink
 

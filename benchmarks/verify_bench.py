@@ -1,4 +1,4 @@
-"""The check of OUT on the way out (geminicompress/verify.py) on the demo model: for each method/format and
+"""The check of OUT on the way out (geminicompress/engine/verify.py) on the demo model: for each method/format and
 output dtype, in memory and streamed, the largest logit difference between OUT loaded back and the
 in-process result as stored (what is checked, against 1e-4 of the largest logit), and what rounding the
 in-process model to the stored dtype moved (`storage_rounding_diff`, recorded, not checked).
@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--name", default="")
     args = parser.parse_args()
 
-    from geminicompress import verify
+    from geminicompress.engine import verify
 
     if args.measure_only:
         verify.TOLERANCE = float("inf")

@@ -1,4 +1,4 @@
-"""What the check of OUT (geminicompress/verify.py) costs: the same command with and without `--no-verify`,
+"""What the check of OUT (geminicompress/engine/verify.py) costs: the same command with and without `--no-verify`,
 alternating (A B A B ...), each a whole process under /usr/bin/time -v; medians per side and their
 difference. Time only inside a quiet window (/work/logs/quiet.sh): the result records the load average.
 

@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +31,12 @@ import torch
 from geminicompress import __version__
 from geminicompress.diskerrors import disk_errno, disk_error
 from geminicompress.distill.streamed_teacher import streamable_dir, streamed_input
-from geminicompress.engine.contract import StageContext, layer_kept, stage_kept, walk_dtypes
+from geminicompress.engine.contract import StageContext
 from geminicompress.engine.estimate import announce, check_disk_in_memory
-from geminicompress.engine.sinks import InputsKeeper, ShardSink
+from geminicompress.engine.export import check_gguf, finish_export, open_export, outside_head, writing_stage
 from geminicompress.engine.walk import ModelLayers
 from geminicompress.errors import InputError
-from geminicompress.formats.shards import DEFAULT_MAX_BYTES, ShardWriter
-from geminicompress.formats.writer import LayerWriter
+from geminicompress.formats.shards import DEFAULT_MAX_BYTES
 from geminicompress.machine import machine, versions
 from geminicompress.memory import out_of_the_mapping
 from geminicompress.methods import runner
@@ -54,8 +54,7 @@ from geminicompress.preflight import preflight
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.loader import recipe_yaml
 from geminicompress.recipes.schema import Recipe, stage_tag
-from geminicompress.stages import Walked, load_back_of, make_stage, retain_of, run_stage, should_stream, walk
-from geminicompress.verify import Probe
+from geminicompress.stages import make_stage, run_stage, should_stream, walk
 from geminicompress.whole_model import run_whole_model, without_layers
 
 
@@ -73,38 +72,54 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def run_recipe(recipe: Recipe, out: Path, *, force: bool = False, progress: Progress | None = None,
-               device: torch.device | None = None, command: list[str] | None = None, loaded: LoadedModel | None = None,
-               stream: bool | None = None, verify: bool = True, max_shard_bytes: int = DEFAULT_MAX_BYTES) -> dict:
+@dataclass(frozen=True)
+class RunOptions:
+    """How a run goes. stream: run layer by layer from disk: True, False, or None to decide from the model's
+    size and whether every stage can stream. verify: compare OUT, loaded back, with what the run computed
+    (engine/verify.py). command: what report.json records as the command (default: sys.argv)."""
+
+    force: bool = False
+    progress: Progress | None = None
+    device: torch.device | None = None
+    command: list[str] | None = None
+    stream: bool | None = None
+    verify: bool = True
+    max_shard_bytes: int = DEFAULT_MAX_BYTES
+
+
+def run_recipe(recipe: Recipe, out: Path, options: RunOptions | None = None, *, loaded: LoadedModel | None = None,
+               **fields: Any) -> dict:
     """Run every stage of `recipe` and write OUT; return the report (also written to OUT/report.json).
 
-    stream: run layer by layer from disk: True, False, or None to decide from the model's size and whether
-    every stage can stream. verify: compare OUT, loaded back, with what the run computed (verify.py).
-    A disk that refuses a write of OUT (full, read-only, no permission) is one line (diskerrors.py)."""
+    options: how the run goes (`RunOptions`); `fields` are its fields by name, a shorthand for
+    `options=RunOptions(...)` (`run_recipe(recipe, out, stream=True)`). loaded: a model already in memory,
+    run as it is (the stages change it). A disk that refuses a write of OUT (full, read-only, no permission)
+    is one line (diskerrors.py)."""
+    if options is not None and fields:
+        raise TypeError("run_recipe takes options or RunOptions's fields by name, not both")
+    opts = options if options is not None else RunOptions(**fields)
     try:
-        return _run_recipe(recipe, out, force=force, progress=progress, device=device, command=command,
-                           loaded=loaded, stream=stream, verify=verify, max_shard_bytes=max_shard_bytes)
+        return _run_recipe(recipe, out, opts, loaded)
     except Exception as exc:
         if isinstance(exc, InputError) or disk_errno(exc) is None:  # an InputError: already said, before the work
             raise
         raise disk_error(exc, str(partial_dir(out)), partial=partial_dir(out)) from exc
 
 
-def _run_recipe(recipe: Recipe, out: Path, *, force: bool, progress: Progress | None, device: torch.device | None,
-                command: list[str] | None, loaded: LoadedModel | None, stream: bool | None, verify: bool,
-                max_shard_bytes: int) -> dict:
-    progress = progress or NullProgress()
-    device = device or default_device()
+def _run_recipe(recipe: Recipe, out: Path, opts: RunOptions, loaded: LoadedModel | None) -> dict:
+    progress = opts.progress or NullProgress()
+    device = opts.device or default_device()
+    force = opts.force
     for stage in recipe.stages:
         runner(stage_tag(stage))  # fail before loading anything if a stage does not import
     if without_layers(recipe, loaded):  # no decoder layers to walk: what needs none runs on the whole model
-        return run_whole_model(recipe, out, force=force, progress=progress, command=command, loaded=loaded,
-                               stream=stream, verify=verify)
+        return run_whole_model(recipe, out, force=force, progress=progress, command=opts.command, loaded=loaded,
+                               stream=opts.stream, verify=opts.verify)
     if loaded is None:
         preflight(recipe, local_dir(recipe.model))  # what config.json alone refuses, before any weight is read
     helper = _helper_rank()
     source_dir = streamable_dir(recipe.model) if loaded is None and not helper else None
-    streamed = source_dir is not None and should_stream(recipe, stream, source_dir)
+    streamed = source_dir is not None and should_stream(recipe, opts.stream, source_dir)
     started = time.perf_counter()
     if helper:  # another process of `accelerate launch`/torchrun: it trains along, rank 0 writes OUT
         out, force = out.with_name(f".{out.name}.rank{helper}"), True
@@ -114,19 +129,19 @@ def _run_recipe(recipe: Recipe, out: Path, *, force: bool, progress: Progress | 
         ctx = _open_streamed(recipe, source_dir, tmp, progress, device) if streamed else \
             _open_in_memory(recipe, loaded, tmp, progress, device)
         load_s = time.perf_counter() - t0
-        _check_gguf(ctx)
+        check_gguf(ctx)
         layers = [s for s in recipe.stages if s.type != "eval"]
         if streamed:
-            results, export = _streamed(ctx, layers, tmp, verify, max_shard_bytes)
+            results, export = _streamed(ctx, layers, tmp, opts.verify, opts.max_shard_bytes)
         else:
-            results, export = _in_memory(ctx, layers, tmp, verify, max_shard_bytes, owned=loaded is None)
+            results, export = _in_memory(ctx, layers, tmp, opts, owned=loaded is None)
         for i, stage in enumerate(recipe.stages):
             if stage.type == "eval":  # after OUT is written: it loads OUT back from disk
                 t0 = _start(ctx, tmp, i, stage)
                 summary = runner(stage_tag(stage))[0](stage, ctx)
                 results.append(_result(i, stage, time.perf_counter() - t0, summary))
         found = ctx.layers.ckpt.nonfinite if streamed else (ctx.input_nonfinite or [])
-        report = {"geminicompress": __version__, "command": command or sys.argv, "model": recipe.model,
+        report = {"geminicompress": __version__, "command": opts.command or sys.argv, "model": recipe.model,
                   "output": str(out), "load_seconds": round(load_s, 3), "threads": threads,
                   **({"input_nonfinite": found} if found else {}),
                   "total_seconds": round(time.perf_counter() - started, 3), "export": export, "stages": results,
@@ -192,14 +207,15 @@ def _result(i: int, stage: Any, seconds: float, summary: dict) -> dict:
             "seconds": round(seconds, 3), "result": summary}
 
 
-def _in_memory(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, max_shard: int,
+def _in_memory(ctx: StageContext, stages: list[Any], tmp: Path, opts: RunOptions,
                owned: bool = True) -> tuple[list, dict]:
     """Each stage on the model in memory (a layer stage walks it), then the walk that writes OUT. `owned`: the
     run loaded the model itself, so once OUT holds its layers (and the probe has been through them) their
     weights and the stage's kept codes are freed before OUT is loaded back for the check: on the demo's 4-bit
     GPTQ that check was the peak, with the model and OUT both in float32 (1.88 GiB). A caller's model is left
     as the stages made it."""
-    check_disk_in_memory(ctx, stages, max_shard)  # before the work: OUT's estimated size against the free disk
+    # before the work: OUT's estimated size against the free disk
+    check_disk_in_memory(ctx, stages, opts.max_shard_bytes)
     results: list[dict] = []
     owner: tuple[Any, dict, dict] | None = None  # (the stage whose format OUT takes, its result, its kept tensors)
     for i, stage in enumerate(stages):
@@ -216,115 +232,35 @@ def _in_memory(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, ma
     ctx.state_dir = tmp / "state" / "out"
     ctx.state_dir.mkdir(parents=True, exist_ok=True)
     writer_stage, result, kept = owner or (None, {}, {})
-    writer = writer_stage.writer() if writer_stage is not None else LayerWriter(ctx.model, ctx.out_dtype)
-    probe = Probe(ctx.layers, ctx.tokenizer, ctx.out_dtype, ctx.device, unrounded=True) if verify else None
-    shards = ShardWriter(ctx.state_dir / "shards", max_shard)
-    sink = ShardSink(shards, writer, lambda i, _: layer_kept(kept, i), probe=probe, computed=True)
+    export = open_export(ctx, [writer_stage] if writer_stage is not None else [], opts.verify, opts.max_shard_bytes,
+                         kept=kept)
     ctx.progress.info(f"writing {final_name(tmp)}")
-    walked = walk(ctx, [], sink, "writing")
+    walked = walk(ctx, [], export.sink, "writing")
     if owned:
         kept.clear()
         for layer in ctx.layers.layers:
             for param in layer.parameters():
                 param.data = torch.empty(0, dtype=param.dtype)
         out_of_the_mapping(ctx.model)
-    export = _finish(ctx, tmp, shards, writer, result, walked, probe, head=None)
-    return results, export
+    return results, finish_export(ctx, tmp, export, result, walked.seconds)
 
 
 def _streamed(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, max_shard: int) -> tuple[list, dict]:
     """Every stage applied to layer i, and layer i written, before layer i+1 is read."""
     layer_stages = [make_stage(s, ctx) for s in stages]
     need = announce(ctx, layer_stages, max_shard)  # estimated memory and disk; refuses when the disk is short
-    n = len(layer_stages)
-    owner = max((k for k, s in enumerate(layer_stages) if s.writer() is not None), default=None)
-    writer = layer_stages[owner].writer() if owner is not None else LayerWriter(ctx.model, ctx.out_dtype)
-    probe = Probe(ctx.layers, ctx.tokenizer, ctx.out_dtype, ctx.device) if verify else None  # before any layer is read
-    shards = ShardWriter(ctx.state_dir / "shards", max_shard)
-    retain = retain_of(layer_stages)
-    dtypes = walk_dtypes(layer_stages)
-    # the written layers give the next inputs back exactly unless a stage changed float weights that are written
-    # in a lower dtype than they were computed in: then the exact inputs are kept with the resume state
-    inexact = dtypes is not None and dtypes[1] != ctx.out_dtype and any(s.rounds_floats for s in layer_stages)
-    load_back = load_back_of(layer_stages, writer)
-    sink = ShardSink(shards, writer, (lambda i, kept: stage_kept(kept, owner, n)) if owner is not None else
-                     (lambda i, kept: {}), load_back=load_back, probe=probe, retain=retain,
-                     rebuild=load_back if load_back == writer.load_back else None,
-                     kept_writer=ShardWriter(ctx.state_dir / "kept") if retain is not None else None,
-                     inputs=InputsKeeper(ctx.state_dir / "inputs") if inexact else None)
-    walked = walk(ctx, layer_stages, sink, "streamed layers")
+    export = open_export(ctx, layer_stages, verify, max_shard)  # the probe before any layer is read
+    walked = walk(ctx, layer_stages, export.sink, "streamed layers")
     results = [_result(k, stage, walked.seconds, s.summary(walked.summaries[k], walked.done(k, ctx)))
                for k, (stage, s) in enumerate(zip(stages, layer_stages))]
+    owner = writing_stage(layer_stages)
     hooks = [s.outside for s in layer_stages]
-    export = _finish(ctx, tmp, shards, writer, results[owner]["result"] if owner is not None else {}, walked, probe,
-                     head=_head(hooks) if hooks else None)
-    export.update(streamed=True, estimated=need)
+    out = finish_export(ctx, tmp, export, results[owner]["result"] if owner is not None else {}, walked.seconds,
+                        head=outside_head(hooks) if hooks else None)
+    out.update(streamed=True, estimated=need)
     if ctx.device.type == "cuda":
-        export["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
-    return results, export
-
-
-def _finish(ctx: StageContext, tmp: Path, shards: ShardWriter, writer: Any, result: dict, walked: Walked,
-            probe: Any, head: Any) -> dict:
-    """OUT's shards into place, config.json, the tokenizer; then the check of OUT."""
-    files = shards.finish(tmp)
-    info = writer.write_config(tmp, result)
-    ctx.tokenizer.save_pretrained(tmp)
-    export = {**info, "dtype": str(ctx.out_dtype).removeprefix("torch."), **files, "seconds": round(walked.seconds, 3),
-              "device": str(ctx.device)}
-    if probe is not None:
-        export["verified"] = probe.check(tmp, head, ctx.state_dir, trust_remote_code=ctx.recipe.trust_remote_code,
-                                         progress=ctx.progress, streamed=True if ctx.streamed else None,
-                                         input_model=ctx.recipe.model, allow_nonfinite=ctx.recipe.allow_nonfinite)
-    if getattr(writer, "gguf", False):
-        export["gguf"] = _export_gguf(ctx, tmp)
-    return export
-
-
-def _gguf_stage(recipe: Recipe) -> Any:
-    """The last stage that asks for `format: gguf` (None when none does)."""
-    return next((s for s in reversed(recipe.stages) if getattr(s, "format", None) == "gguf"), None)
-
-
-def _check_gguf(ctx: StageContext) -> None:
-    """Refuse before any work a model whose architecture GGUF cannot name, or whose tokenizer (when not copied
-    from the input's GGUF file) llama.cpp would split differently (formats/gguf_export.py, gguf_vocab.py)."""
-    if _gguf_stage(ctx.recipe) is not None and ctx.model is not None:
-        from geminicompress.formats.gguf_export import gguf_arch
-        from geminicompress.formats.gguf_vocab import tokenizer_pre
-
-        gguf_arch(ctx.model.config.to_dict())
-        if _source_gguf(ctx.recipe.model) is None:
-            tokenizer_pre(ctx.tokenizer)
-
-
-def _source_gguf(model: str) -> Path | None:
-    """The GGUF file MODEL was read from (the demo's included), else None."""
-    source = resolve_model(model)
-    if source.kind == "demo":
-        return source.path
-    if source.kind == "gguf" and source.path is not None and source.gguf_file:
-        return source.path / source.gguf_file
-    return None
-
-
-def _export_gguf(ctx: StageContext, tmp: Path) -> dict:
-    """OUT/model.gguf from OUT as written; the tokenizer copied from the input's GGUF file when it came from one."""
-    from geminicompress.formats.gguf_export import GGUFOptions, export
-
-    ctx.progress.info(f"writing {final_name(tmp)}/model.gguf")
-    return export(tmp, GGUFOptions(**_gguf_stage(ctx.recipe).gguf_options()), source_gguf=_source_gguf(ctx.recipe.model))
-
-
-def _head(hooks: list) -> Any:
-    """What a streamed run writes for a module outside the layers (the stages' `outside` hooks in order)."""
-    def module(name: str, read: Any) -> Any:
-        for hook in hooks:
-            changed = hook(name, read)
-            if changed is not None:
-                read = changed[0]
-        return read
-    return module
+        out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
+    return results, out
 
 
 def _start(ctx: StageContext, tmp: Path, i: int, stage: Any) -> float:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -103,33 +103,6 @@ def _stage_kept_all(kept: dict[str, torch.Tensor], k: int, n: int) -> dict[str, 
         return kept
     parts = ((key.split(".", 2), value) for key, value in kept.items())
     return {f"{layer}.{name}": value for (layer, stage, name), value in parts if stage == str(k)}
-
-
-def retain_of(stages: list[LayerStage]) -> Callable[[dict], dict] | None:
-    """What a streamed walk must hold of each finished layer's kept tensors until the summaries."""
-    if not any(s.retains for s in stages):
-        return None
-    n = len(stages)
-
-    def retain(kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for k, s in enumerate(stages):
-            if s.retains:
-                mine = s.retain(stage_kept(kept, k, n))
-                out.update({(f"{k}.{name}" if n > 1 else name): v for name, v in mine.items()})
-        return out
-
-    return retain
-
-
-def load_back_of(stages: list[LayerStage], layer_writer: Any) -> Callable | None:
-    """How a resumed streamed walk puts a finished layer back to compute the next layer's inputs: the written
-    tensors (dequantized, decompressed), except for a stage whose next inputs are the layer *as read* (int8
-    with SmoothQuant feeds the next layer the float layer's outputs): nothing to put back when it is alone,
-    not resumable through a finished layer when other stages changed the layer too."""
-    if any(s.resume_from_input for s in stages):
-        return (lambda i, layer, tensors: None) if len(stages) == 1 else None
-    return layer_writer.load_back
 
 
 def not_streamable(recipe: Any, source_dir: Path | None) -> str | None:

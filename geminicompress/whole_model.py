@@ -37,6 +37,7 @@ from geminicompress.compress.targets import check_patterns_match, compile_patter
 from geminicompress.core.arch import get_module, tied_output
 from geminicompress.core.grid import QuantizedWeight, QuantSpec
 from geminicompress.core.trace import find_layers
+from geminicompress.engine.verify import as_stored, compare, loaded_logits, model_logits, probe_windows, stored_dtype
 from geminicompress.errors import InputError
 from geminicompress.formats import check_shapes, gptq, int_quantized, pack_quantized, sparse_bitmask
 from geminicompress.formats.checkpoint import WEIGHTS, float_linears, module_tensors, scale_dtype, write_config
@@ -48,7 +49,6 @@ from geminicompress.output import OutputDir, write_json
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.loader import recipe_yaml
 from geminicompress.recipes.schema import Recipe, stage_tag
-from geminicompress.verify import as_stored, compare, loaded_logits, model_logits, probe_windows, stored_dtype
 
 WORKS = "global magnitude pruning, rtn and int8 (and w8a8 with --smoothquant-alpha 0) run on the whole model in memory"
 # what a method needs that a model without decoder layers does not give

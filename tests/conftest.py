@@ -9,7 +9,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import save_tiny, tiny_model, tiny_tokenizer  # noqa: E402
+from tiny import save_sharded, save_tiny, tiny_model, tiny_tokenizer  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -18,6 +18,13 @@ DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 def tiny_dir(tmp_path_factory) -> Path:
     """A tiny Llama checkpoint on disk (random weights, trained BPE tokenizer)."""
     return save_tiny(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def sharded(tmp_path_factory) -> Path:
+    """A tiny Llama saved in bf16 in ~60 KB shards, 3 layers: every layer straddles two shards (tiny.save_sharded).
+    Shared by the session: read it, never write into it."""
+    return save_sharded(tmp_path_factory.mktemp("sharded") / "tiny-bf16", num_hidden_layers=3)
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +60,47 @@ def _single_thread():
 # thread) or "one_thread_module" (the whole module, its module-scoped fixtures included).
 one_thread = pytest.fixture(_single_thread, name="one_thread")
 one_thread_module = pytest.fixture(_single_thread, scope="module", name="one_thread_module")
+
+
+class CrashAndResume:
+    """The crash-and-resume harness: `kill(run)` runs `run()` with the sink failing as it finishes layer `at`
+    (OUT's hidden partial folder then holds the resume state); `resume(run)` runs it again and returns its
+    result with the layers the rerun finished (the others came back from the resume state)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from geminicompress.engine.sinks import ShardSink
+
+        self.monkeypatch, self.sink, self.finish = monkeypatch, ShardSink, ShardSink.finish
+
+    def kill(self, run, at: int = 2, error: BaseException = RuntimeError("killed")) -> None:
+        finish = self.finish
+
+        def crashing(sink, i, *rest):
+            if i == at:
+                raise error
+            return finish(sink, i, *rest)
+
+        self.monkeypatch.setattr(self.sink, "finish", crashing)
+        try:
+            with pytest.raises(type(error)):
+                run()
+        finally:
+            self.monkeypatch.setattr(self.sink, "finish", finish)
+
+    def resume(self, run) -> tuple[object, list[int]]:
+        finish, seen = self.finish, []
+
+        def recording(sink, i, *rest):
+            seen.append(i)
+            return finish(sink, i, *rest)
+
+        self.monkeypatch.setattr(self.sink, "finish", recording)
+        try:
+            return run(), seen
+        finally:
+            self.monkeypatch.setattr(self.sink, "finish", finish)
+
+
+@pytest.fixture
+def crash_and_resume(monkeypatch) -> CrashAndResume:
+    return CrashAndResume(monkeypatch)

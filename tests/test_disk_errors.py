@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import errno
 import os
-from pathlib import Path
 
 import pytest
-from tiny import save_sharded
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
@@ -21,11 +19,6 @@ from geminicompress.formats import shards as shards_mod
 from geminicompress.output import partial_dir
 
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory) -> Path:
-    return save_sharded(tmp_path_factory.mktemp("disk") / "tiny-bf16", num_hidden_layers=3)
 
 
 def _one_line(result) -> str:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from geminicompress.core.metrics import DriftMeter, kl_per_token, top1_agreement
 from geminicompress.data import pack_windows, tokenize
 from geminicompress.eval.cost.footprint import count_params, weight_sparsity, weights_size_mb
-from geminicompress.eval.cost.latency import greedy_run, measure_latency, percentile, prompt_batch
+from geminicompress.eval.cost.latency import LatencyOptions, greedy_run, measure_latency, percentile, prompt_batch
 from geminicompress.eval.quality.baseline_cache import BaselineCache
 from geminicompress.eval.quality.scoring import measure_quality
 
@@ -105,7 +105,8 @@ def test_greedy_run_equals_transformers_generate(model, tok, text_file):
 
 def test_measure_latency_reports_every_batch_size(model, tok, text_file):
     ids = tokenize(tok, text_file.read_text(), 100)
-    got = measure_latency(model, ids, prompt_len=8, gen_len=3, batch_sizes=[2, 3], repeats=2, warmup=0, device=CPU)
+    options = LatencyOptions(prompt_len=8, gen_len=3, batch_sizes=(2, 3), repeats=2, warmup=0)
+    got = measure_latency(model, ids, options, device=CPU)
     assert set(got["throughput_tok_s"]) == {"2", "3"}
     assert got["ttft_ms"]["p90"] >= got["ttft_ms"]["median"] > 0
     assert got["tpot_ms"]["median"] > 0 and got["threads"] == torch.get_num_threads()

@@ -74,8 +74,8 @@ def test_measure_latency_records_the_load_of_every_timed_section(monkeypatch, mo
     monkeypatch.setattr(contention, "read", fake_reader(other_cores=1.0))
     monkeypatch.setattr(latency, "usable_cores", lambda: 2)
     ids = tokenize(tok, text_file.read_text(), 100)
-    got = latency.measure_latency(model, ids, prompt_len=8, gen_len=3, batch_sizes=[1, 2], repeats=2, warmup=1,
-                                  device=CPU)
+    got = latency.measure_latency(model, ids, latency.LatencyOptions(prompt_len=8, gen_len=3, batch_sizes=(1, 2),
+                                                                     repeats=2, warmup=1), device=CPU)
     load = got["load"]
     assert set(load["sections"]) == {"batch 1", "batch 2"}
     assert load["sections"]["batch 1"]["other_cores"] == pytest.approx(1.0)

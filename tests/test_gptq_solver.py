@@ -7,7 +7,6 @@ from geminicompress.compress.gptq.solver import gptq_quantize
 from geminicompress.core.grid import QuantSpec, rtn_quantize
 from geminicompress.errors import GeminiError
 
-
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 

@@ -11,7 +11,6 @@ from geminicompress.formats.bits import pack_bits, packed_width, unpack_bits
 from geminicompress.formats.gptq import pack_gptq, unpack_gptq
 from geminicompress.formats.pack_quantized import pack_ct, unpack_ct
 
-
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 

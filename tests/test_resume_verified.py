@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import save_sharded
 
-from geminicompress.engine.sinks import ShardSink
 from geminicompress.errors import GeminiError
 from geminicompress.output import partial_dir
 from geminicompress.pipeline import run_recipe
@@ -26,23 +24,9 @@ STAGES = {
 }
 
 
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory) -> Path:
-    return save_sharded(tmp_path_factory.mktemp("rv") / "tiny-bf16", num_hidden_layers=3)
-
-
-def _killed_then_resumed(recipe, out: Path, stream: bool, monkeypatch, kill_at: int = 2, between=None) -> dict:
-    finish = ShardSink.finish
-
-    def killed(self, i, layer, summary, kept):
-        if i == kill_at:
-            raise KeyboardInterrupt
-        return finish(self, i, layer, summary, kept)
-
-    monkeypatch.setattr(ShardSink, "finish", killed)
-    with pytest.raises(KeyboardInterrupt):
-        run_recipe(recipe, out, device=CPU, stream=stream)
-    monkeypatch.setattr(ShardSink, "finish", finish)
+def _killed_then_resumed(recipe, out: Path, stream: bool, crash_and_resume, kill_at: int = 2, between=None) -> dict:
+    crash_and_resume.kill(lambda: run_recipe(recipe, out, device=CPU, stream=stream), at=kill_at,
+                          error=KeyboardInterrupt())
     assert partial_dir(out).is_dir()
     if between is not None:
         between(partial_dir(out))
@@ -51,15 +35,15 @@ def _killed_then_resumed(recipe, out: Path, stream: bool, monkeypatch, kill_at: 
 
 @pytest.mark.parametrize("name, stream", [("gptq", False), ("int8", False), ("gptq", True), ("rtn", True),
                                           ("sparsegpt", True)])
-def test_a_resumed_run_is_verified(sharded, tmp_path, monkeypatch, name, stream):
+def test_a_resumed_run_is_verified(sharded, tmp_path, crash_and_resume, name, stream):
     recipe = recipe_from_stage(str(sharded), STAGES[name], {"samples": 8, "seq_len": 32}, "test")
-    report = _killed_then_resumed(recipe, tmp_path / "out", stream, monkeypatch)
+    report = _killed_then_resumed(recipe, tmp_path / "out", stream, crash_and_resume)
     verified = report["export"]["verified"]
     assert "skipped" not in verified, verified
     assert verified["max_abs_logit_diff"] <= verified["tolerance"]
 
 
-def test_a_finished_layer_damaged_on_disk_fails_the_check_of_a_resumed_run(sharded, tmp_path, monkeypatch):
+def test_a_finished_layer_damaged_on_disk_fails_the_check_of_a_resumed_run(sharded, tmp_path, crash_and_resume):
     recipe = recipe_from_stage(str(sharded), STAGES["rtn"], {}, "test")
 
     def damage(partial: Path) -> None:
@@ -75,10 +59,10 @@ def test_a_finished_layer_damaged_on_disk_fails_the_check_of_a_resumed_run(shard
         data.write_bytes(bytes(raw))
 
     with pytest.raises(GeminiError, match="verification failed"):
-        _killed_then_resumed(recipe, tmp_path / "out", False, monkeypatch, between=damage)
+        _killed_then_resumed(recipe, tmp_path / "out", False, crash_and_resume, between=damage)
 
 
-def test_an_in_memory_w8a8_run_killed_while_writing_resumes_to_the_same_bytes(sharded, tmp_path, monkeypatch):
+def test_an_in_memory_w8a8_run_killed_while_writing_resumes_to_the_same_bytes(sharded, tmp_path, crash_and_resume):
     """Its finished layers' saved state holds INT8 modules (weight_scale) that a float layer cannot take: the walk
     computes them again (sinks.ResidentSink.restore), which gives the same bytes."""
     from geminicompress.formats.checkpoint import read_tensors
@@ -86,7 +70,7 @@ def test_an_in_memory_w8a8_run_killed_while_writing_resumes_to_the_same_bytes(sh
     recipe = recipe_from_stage(str(sharded), {"type": "quantize", "method": "w8a8"}, {"samples": 4, "seq_len": 32},
                                "test")
     run_recipe(recipe, tmp_path / "straight", device=CPU, stream=False)
-    report = _killed_then_resumed(recipe, tmp_path / "out", False, monkeypatch, kill_at=1)
+    report = _killed_then_resumed(recipe, tmp_path / "out", False, crash_and_resume, kill_at=1)
     assert "skipped" not in report["export"]["verified"]
     a, b = read_tensors(tmp_path / "straight"), read_tensors(tmp_path / "out")
     assert set(a) == set(b) and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)

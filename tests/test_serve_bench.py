@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from geminicompress.cli import app
 from geminicompress.errors import InputError
 from geminicompress.eval.serving import table as serve_table
-from geminicompress.eval.serving.bench import ROWS, hf_rows, serve_bench, vllm_job, vllm_rows
+from geminicompress.eval.serving.bench import ROWS, ServeOptions, hf_rows, serve_bench, vllm_job, vllm_rows
 from geminicompress.eval.serving.hf import HFFlags, serve
 from geminicompress.eval.serving.workload import WorkloadSpec, arrivals, build_workload, check_spec
 
@@ -115,7 +115,7 @@ def test_vllm_job_of_a_row():
 
 def test_serve_bench_end_to_end_in_process(tiny_dir, text_file, tmp_path):
     spec = WorkloadSpec(requests=4, prefix_len=32, question_len=16, answer_len=3, rate=0.0)
-    report = serve_bench(str(tiny_dir), None, str(text_file), spec, max_batch=2, ppl_tokens=1024)
+    report = serve_bench(str(tiny_dir), None, str(text_file), spec, ServeOptions(max_batch=2, ppl_tokens=1024))
     assert [r["row"] for r in report["rows"]] == list(ROWS)
     measured = [r for r in report["rows"] if r["metrics"]]
     assert len(measured) == 6 and report["rows"][-1]["metrics"] is None
@@ -133,8 +133,8 @@ def test_serve_bench_vllm_rows_on_the_stand_in(tiny_dir, text_file, monkeypatch,
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE), os.environ.get("PYTHONPATH", "")]))
     spec = WorkloadSpec(requests=3, prefix_len=32, question_len=16, answer_len=3, rate=0.0)
     refused = shutil.copytree(tiny_dir, tmp_path / "refuse-int8")
-    report = serve_bench(str(tiny_dir), str(refused), str(text_file), spec, engine="vllm",
-                         max_batch=2, ppl_tokens=512, vllm_python=sys.executable)
+    report = serve_bench(str(tiny_dir), str(refused), str(text_file), spec,
+                         ServeOptions(engine="vllm", max_batch=2, ppl_tokens=512, vllm_python=sys.executable))
     rows = {r["row"]: r for r in report["rows"]}
     assert rows["original configuration"]["metrics"]["ttft_ms"]["median"] == 250.0
     assert rows["original configuration"]["perplexity"] > 1

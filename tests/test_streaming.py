@@ -29,11 +29,6 @@ from geminicompress.recipes.loader import recipe_from_stage
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory) -> Path:
-    return save_sharded(tmp_path_factory.mktemp("sharded") / "tiny-bf16")
-
-
 def _layer_files(path: Path) -> dict[str, set[str]]:
     files: dict[str, set[str]] = defaultdict(set)
     for name, file in json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].items():
@@ -303,7 +298,7 @@ def _recipe(path: Path, stage: dict):
     return recipe_from_stage(str(path), stage, {}, "test")
 
 
-def test_multishard_output_index_and_resume_after_crash(sharded, tmp_path, monkeypatch):
+def test_multishard_output_index_and_resume_after_crash(sharded, tmp_path, crash_and_resume):
     recipe = _recipe(sharded, {"type": "prune", "sparsity": 0.4})
     straight = run_streamed(recipe, tmp_path / "straight", max_shard_bytes=50_000)
     index = json.loads((tmp_path / "straight" / "model.safetensors.index.json").read_text())
@@ -311,28 +306,10 @@ def test_multishard_output_index_and_resume_after_crash(sharded, tmp_path, monke
     assert len(files) > 3 and all((tmp_path / "straight" / f).stat().st_size < 50_000 + 4096 for f in files)
     assert set(index["weight_map"]) == set(read_tensors(sharded))  # every tensor, once
 
-    crash_at = 2
-    finish = ShardSink.finish
-
-    def crashing(self, i, layer, summary, kept):
-        if i == crash_at:
-            raise RuntimeError("killed")
-        return finish(self, i, layer, summary, kept)
-
-    monkeypatch.setattr(ShardSink, "finish", crashing)
     out = tmp_path / "resumed"
-    with pytest.raises(RuntimeError, match="killed"):
-        run_streamed(recipe, out, max_shard_bytes=50_000)
+    crash_and_resume.kill(lambda: run_streamed(recipe, out, max_shard_bytes=50_000), at=2)
     assert not out.exists() and (tmp_path / ".resumed.partial" / "state").is_dir()  # OUT untouched, state kept
-    monkeypatch.undo()
-    seen = []
-
-    def recording(self, i, layer, summary, kept):
-        seen.append(i)
-        return finish(self, i, layer, summary, kept)
-
-    monkeypatch.setattr(ShardSink, "finish", recording)
-    report = run_streamed(recipe, out, max_shard_bytes=50_000)
+    report, seen = crash_and_resume.resume(lambda: run_streamed(recipe, out, max_shard_bytes=50_000))
     assert seen == [2]  # layers 0 and 1 came from the shards written before the crash
     _same_tensors(tmp_path / "straight", out)
     assert sorted(p.name for p in out.iterdir() if "safetensors" in p.name) == sorted(
@@ -419,23 +396,13 @@ def test_whole_model_decisions_stream_as_pre_passes(sharded, tmp_path, args):
     _same_tensors(tmp_path / "mem", tmp_path / "str")
 
 
-def test_gptq_resumes_through_finished_layers_bitwise(sharded, tmp_path, monkeypatch):
+def test_gptq_resumes_through_finished_layers_bitwise(sharded, tmp_path, crash_and_resume):
     """A calibrated run killed at layer 2 resumes: layers 0-1 are read back from the written shards
     (GPTQ codes dequantized) to compute layer 2's inputs, and the result equals an uninterrupted run."""
     stage = {"type": "quantize", "method": "gptq", "group_size": 32}
     recipe = recipe_from_stage(str(sharded), stage, {"samples": 4, "seq_len": 48}, "test")
     run_streamed(recipe, tmp_path / "straight", max_shard_bytes=40_000)
-    finish = ShardSink.finish
-
-    def crashing(self, i, layer, summary, kept):
-        if i == 2:
-            raise RuntimeError("killed")
-        return finish(self, i, layer, summary, kept)
-
-    monkeypatch.setattr(ShardSink, "finish", crashing)
-    with pytest.raises(RuntimeError, match="killed"):
-        run_streamed(recipe, tmp_path / "resumed", max_shard_bytes=40_000)
-    monkeypatch.undo()
+    crash_and_resume.kill(lambda: run_streamed(recipe, tmp_path / "resumed", max_shard_bytes=40_000), at=2)
     report = run_streamed(recipe, tmp_path / "resumed", max_shard_bytes=40_000)
     assert [bool(r.get("resumed")) for r in report["stages"][0]["result"]["layers"]] == [True, True, False]
     _same_tensors(tmp_path / "straight", tmp_path / "resumed")

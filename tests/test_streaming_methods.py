@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import save_sharded, tiny_model
+from tiny import tiny_model
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
 from geminicompress.engine import layers as layerwise
 from geminicompress.engine.compose import OnePassFn, compose
-from geminicompress.engine.sinks import ShardSink
 from geminicompress.formats.checkpoint import read_tensors
 from geminicompress.pipeline import run_recipe
 from geminicompress.recipes.loader import recipe_from_stage
@@ -36,12 +35,6 @@ def run_streamed(recipe, out, **kwargs) -> dict:
 
 def invoke(*args):
     return runner.invoke(app, [str(a) for a in args])
-
-
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory) -> Path:
-    """A tiny Llama saved in bf16 in ~60 KB shards, 3 layers."""
-    return save_sharded(tmp_path_factory.mktemp("sharded") / "tiny-bf16", num_hidden_layers=3)
 
 
 def _same_tensors(a: Path, b: Path, files: tuple[str, ...] = ()) -> None:
@@ -114,31 +107,15 @@ def test_streamed_quantize_equals_in_memory_bitwise(sharded, tmp_path, args):
     {"type": "prune", "method": "wanda", "sparsity": 0.5, "format": "compressed-tensors"},
     {"type": "quantize", "method": "w8a8"},  # SmoothQuant: the next inputs come from the float layers
 ])
-def test_calibrated_run_resumes_after_a_crash_bitwise(sharded, tmp_path, monkeypatch, stage):
+def test_calibrated_run_resumes_after_a_crash_bitwise(sharded, tmp_path, crash_and_resume, stage):
     """Killed at layer 2: the next layer's inputs come back through layers 0-1 as written (Wanda only zeroes
     bf16 weights: exactly what the run computed with) or as read from the input (SmoothQuant's float
     layers), and the result equals an uninterrupted run."""
     recipe = recipe_from_stage(str(sharded), stage, {"samples": 4, "seq_len": 48}, "test")
     run_streamed(recipe, tmp_path / "straight", max_shard_bytes=40_000)
-    finish = ShardSink.finish
-
-    def crashing(self, i, layer, summary, kept):
-        if i == 2:
-            raise RuntimeError("killed")
-        return finish(self, i, layer, summary, kept)
-
-    monkeypatch.setattr(ShardSink, "finish", crashing)
-    with pytest.raises(RuntimeError, match="killed"):
-        run_streamed(recipe, tmp_path / "resumed", max_shard_bytes=40_000)
-    monkeypatch.undo()
-    seen = []
-
-    def recording(self, i, layer, summary, kept):
-        seen.append(i)
-        return finish(self, i, layer, summary, kept)
-
-    monkeypatch.setattr(ShardSink, "finish", recording)
-    run_streamed(recipe, tmp_path / "resumed", max_shard_bytes=40_000)
+    resumed = lambda: run_streamed(recipe, tmp_path / "resumed", max_shard_bytes=40_000)  # noqa: E731
+    crash_and_resume.kill(resumed, at=2)
+    _, seen = crash_and_resume.resume(resumed)
     assert seen == [2]  # layers 0 and 1 were read back, not recomputed
     _same_tensors(tmp_path / "straight", tmp_path / "resumed")
 

@@ -12,8 +12,8 @@ import torch
 from tiny import save_sharded
 from typer.testing import CliRunner
 
-from geminicompress import verify
 from geminicompress.cli import app
+from geminicompress.engine import verify
 from geminicompress.errors import GeminiError
 from geminicompress.formats import gptq as gptq_format
 from geminicompress.models.loading import load_model

@@ -54,6 +54,7 @@ def serve_bench(
     from geminicompress.data import check_data_spec
     from geminicompress.errors import InputError
     from geminicompress.eval.serving import table as serve_table
+    from geminicompress.eval.serving.bench import ServeOptions
     from geminicompress.eval.serving.bench import serve_bench as run
     from geminicompress.eval.serving.workload import WorkloadSpec
     from geminicompress.output import OutputDir, check_output_path
@@ -66,9 +67,9 @@ def serve_bench(
     check_output_path(output, force)
     spec = WorkloadSpec(requests, prefix_len, question_len, answer_len, rate, max_prompt_len, seed)
     choice = c.use_threads(threads, None)
-    report = run(model, int8, data, spec, engine=engine, max_batch=max_batch, ppl_tokens=ppl_tokens,
-                 text_column=text_column, vllm_python=vllm_python, dtype=dtype, progress=c.RichProgress(quiet),
-                 trust_remote_code=trust)
+    options = ServeOptions(engine=engine, max_batch=max_batch, ppl_tokens=ppl_tokens, text_column=text_column,
+                           vllm_python=vllm_python, dtype=dtype, trust_remote_code=trust)
+    report = run(model, int8, data, spec, options, c.RichProgress(quiet))
     with OutputDir(output, force) as tmp:
         serve_table.write(report, tmp)
     c.out_console.print(serve_table.rich_table(report, c.out_console.width))

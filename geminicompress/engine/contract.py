@@ -87,7 +87,7 @@ class LayerStage:
     squares: int = 0  # float32 (in)^2 buffers at its peak (estimate.py)
     one_pass_memory: bool = False  # holds a layer's activations for every window (estimate.py)
     rounds_floats: bool = False  # changes float weights that a lower output dtype rounds (resume: pipeline.py)
-    resume_from_input: bool = False  # the next layer's inputs are the float layer's outputs (stages.load_back_of)
+    resume_from_input: bool = False  # the next layer's inputs are the float layer's outputs (engine/export.py load_back_of)
     retains: bool = False  # has a `retain` that keeps tensors until the summary
 
     @staticmethod

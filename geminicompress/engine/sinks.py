@@ -15,6 +15,7 @@ replaced (an INT8 head) into the model, the shard sink writes each one.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -75,23 +76,36 @@ class ResidentSink:
             set_module(self.model, name, module)
 
 
+@dataclass(frozen=True)
+class Resume:
+    """What a streamed `ShardSink` holds so that a resumed run goes on through its finished layers.
+    `load_back(i, layer, tensors)` puts what was written back into a layer, for a resumed calibrated run that
+    computes the next layer's inputs through it (None: such a run cannot resume). `retain(kept)`: the kept
+    tensors to hold until the summaries, saved in `kept_writer`. `inputs`: the exact inputs of each layer,
+    kept when the written layers do not give them back exactly. `rebuild`: how the probe rebuilds a finished
+    layer from what was written (None: it cannot)."""
+
+    load_back: Callable[[int, nn.Module, dict[str, torch.Tensor]], None] | None = None
+    retain: Callable[[dict], dict] | None = None
+    kept_writer: ShardWriter | None = None
+    inputs: InputsKeeper | None = None
+    rebuild: Callable[[int, nn.Module, dict], None] | None = None
+
+
 class ShardSink:
     """Finished layers go into OUT's shards as `layer_writer.layer_tensors(i, layer, kept_of(i, kept))` and
-    leave memory. `load_back(i, layer, tensors)` puts what was written back into a layer, for a resumed
-    calibrated run that computes the next layer's inputs through it (None: such a run cannot resume).
-    `probe`: run through each finished layer, as it is stored, before it is written (verify.Probe).
-    `retain(kept)`: the kept tensors to hold until the summaries, saved in `kept_writer` for a resumed run."""
+    leave memory. `probe`: run through each finished layer, as it is stored, before it is written
+    (verify.Probe). `computed`: the layers were computed before this walk (in memory): a finished layer's
+    probe goes through the layer as computed. `resume`: what a streamed run keeps for resuming (`Resume`)."""
 
     restores_weights = False
 
-    def __init__(self, writer: ShardWriter, layer_writer: Any, kept_of: KeptOf,
-                 load_back: Callable[[int, nn.Module, dict[str, torch.Tensor]], None] | None = None,
-                 probe: Any = None, retain: Callable[[dict], dict] | None = None,
-                 kept_writer: ShardWriter | None = None, inputs: InputsKeeper | None = None,
-                 computed: bool = False, rebuild: Callable[[int, nn.Module, dict], None] | None = None) -> None:
-        self.writer, self.layer_writer, self.kept_of, self.load_back = writer, layer_writer, kept_of, load_back
-        self.probe, self.retain, self.kept_writer, self.inputs = probe, retain, kept_writer, inputs
-        self.computed, self.rebuild = computed, rebuild
+    def __init__(self, writer: ShardWriter, layer_writer: Any, kept_of: KeptOf, probe: Any = None,
+                 computed: bool = False, resume: Resume = Resume()) -> None:
+        self.writer, self.layer_writer, self.kept_of, self.probe, self.computed = \
+            writer, layer_writer, kept_of, probe, computed
+        self.load_back, self.retain, self.kept_writer = resume.load_back, resume.retain, resume.kept_writer
+        self.inputs, self.rebuild = resume.inputs, resume.rebuild
 
     def finished(self, i: int) -> bool:
         return self.writer.finished(f"layer.{i}")

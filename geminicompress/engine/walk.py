@@ -132,18 +132,13 @@ class Walk:
     inputs: LayerInputs | None
 
 
-def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, process: LayerFn, *,
-                  device: torch.device, progress: Progress | None = None, state_dir: Path | None = None,
-                  description: str = "layers", calib_dtype: torch.dtype | None = None,
-                  sink: LayerSink | None = None, batch: int = 1,
-                  stores: tuple[torch.Tensor, torch.Tensor] | None = None, check_activations: bool = True) -> Walk:
-    """Apply `process` to every decoder layer in order, feeding each layer the modified previous one.
+@dataclass(frozen=True)
+class WalkOptions:
+    """How `run_layerwise` walks the layers.
 
-    model: a model in memory, or a `LayerSource` (e.g. layers read from disk one at a time).
-    windows: calibration windows (n, T); None for a method that needs no activations (the layers are
-    then not run at all, and `LayerJob.inputs` is None).
+    device: where each layer computes. state_dir: where the default sink keeps finished layers for resuming.
     calib_dtype: the dtype the layers compute in during calibration (None: their own). With a lower one,
-    `process` must read and write weights through `LayerJob.weight`/`set_weight`.
+    the per-layer function must read and write weights through `LayerJob.weight`/`set_weight`.
     sink: where finished layers go (default: they stay in the model, saved in `state_dir` for resuming:
     sinks.ResidentSink).
     batch: windows per call when a layer runs its inputs into the next layer's (1: one window at a time,
@@ -153,39 +148,61 @@ def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, 
     check_activations: stop in one line naming the layer and the window when a layer's outputs on a
     calibration window hold NaN/Inf (statistics of them would be NaN; a forward that only measures, off).
     """
-    progress = progress or NullProgress()
+
+    device: torch.device
+    progress: Progress | None = None
+    state_dir: Path | None = None
+    description: str = "layers"
+    calib_dtype: torch.dtype | None = None
+    sink: LayerSink | None = None
+    batch: int = 1
+    stores: tuple[torch.Tensor, torch.Tensor] | None = None
+    check_activations: bool = True
+
+
+@dataclass(frozen=True)
+class _Walker:
+    """What every layer of one walk shares."""
+
+    process: LayerFn
+    arch: Arch
+    sink: LayerSink
+    opts: WalkOptions
+
+
+def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, process: LayerFn,
+                  options: WalkOptions | None = None, **fields: Any) -> Walk:
+    """Apply `process` to every decoder layer in order, feeding each layer the modified previous one.
+
+    model: a model in memory, or a `LayerSource` (e.g. layers read from disk one at a time).
+    windows: calibration windows (n, T); None for a method that needs no activations (the layers are
+    then not run at all, and `LayerJob.inputs` is None).
+    options: how the walk goes (`WalkOptions`); `fields` are its fields by name, a shorthand for
+    `options=WalkOptions(...)` (`run_layerwise(model, windows, fn, device=cpu)`).
+    """
+    if options is not None and fields:
+        raise TypeError("run_layerwise takes options or WalkOptions's fields by name, not both")
+    opts = options if options is not None else WalkOptions(**fields)
+    progress = opts.progress or NullProgress()
     source = model if not isinstance(model, nn.Module) else ModelLayers(model)
-    sink = sink or ResidentSink(source.model, ShardWriter(state_dir) if state_dir is not None else None)
-    arch = arch_for(source.model)
-    layers = get_module(source.model, arch.layers)
-    inputs = _first_inputs(source, windows, device, calib_dtype, stores, check_activations)
+    sink = opts.sink or ResidentSink(source.model, ShardWriter(opts.state_dir) if opts.state_dir is not None else None)
+    walker = _Walker(process, arch_for(source.model), sink, opts)
+    layers = get_module(source.model, walker.arch.layers)
+    inputs = _first_inputs(source, windows, opts.device, opts.calib_dtype, opts.stores, opts.check_activations)
     # a resumed run whose sink kept the exact inputs of its first unfinished layer starts from them
     skip, kept_inputs = _kept_inputs(sink, len(source), inputs)
     if inputs is not None and skip == 0 and hasattr(sink, "keep_inputs") and not sink.finished(0):
         sink.keep_inputs(0, inputs)
     summaries: list[dict[str, Any]] = []
     kept: dict[str, torch.Tensor] = {}
-    with progress.task(description, total=len(source)) as bar, heap_reuse():
+    with progress.task(opts.description, total=len(source)) as bar, heap_reuse():
         for i in range(len(source)):
-            finished = sink.finished(i)
-            if finished and ((inputs is None and not sink.restores_weights) or i < skip):  # nothing to run it for
-                summary, tensors = sink.restore(i, None)
-                summary = {**summary, "resumed": True}
-                summary.pop("forward_batch", None)
+            if sink.finished(i) and ((inputs is None and not sink.restores_weights) or i < skip):
+                summary, tensors = _skipped(sink, i)  # nothing to run it for
                 if i == skip - 1:
                     inputs = kept_inputs
             else:
-                t0 = time.perf_counter()
-                inputs = inputs.at(i) if inputs is not None else None  # with the arguments the model gives layer i
-                layer = source.load(i).to(device)
-                done = sink.restore(i, layer) if finished else None
-                into = None if stores is None else stores[(i + 1) % 2]
-                summary, tensors, inputs = _one_layer(i, layer, inputs, process, device, arch, calib_dtype, done, sink,
-                                                      batch, into, check_activations)
-                layer.to("cpu" if device.type != "cpu" else device)
-                source.release(i)
-                if done is None:
-                    summary = {**summary, "layer_seconds": round(time.perf_counter() - t0, 3)}
+                summary, tensors, inputs = _through(walker, source, i, inputs)
             kept.update({f"{i}.{k}": v for k, v in tensors.items()})
             summaries.append({"layer": i, **summary})
             release_free_heap()  # the layer's freed small buffers leave resident memory (memory.py)
@@ -193,6 +210,31 @@ def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, 
                               if isinstance(v, (int, float)) and k not in ("layer", "layer_seconds")})
     move_outside_layers(source.model, layers, torch.device("cpu"))
     return Walk(summaries, kept, inputs)
+
+
+def _skipped(sink: LayerSink, i: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A finished layer that need not run: its summary and kept tensors, as the finished run left them."""
+    summary, tensors = sink.restore(i, None)
+    summary = {**summary, "resumed": True}
+    summary.pop("forward_batch", None)
+    return summary, tensors
+
+
+def _through(walker: _Walker, source: LayerSource, i: int, inputs: LayerInputs | None
+             ) -> tuple[dict[str, Any], dict[str, torch.Tensor], LayerInputs | None]:
+    """Layer i loaded onto the device, processed (or restored when finished), run over its inputs, released."""
+    device, stores = walker.opts.device, walker.opts.stores
+    t0 = time.perf_counter()
+    inputs = inputs.at(i) if inputs is not None else None  # with the arguments the model gives layer i
+    layer = source.load(i).to(device)
+    done = walker.sink.restore(i, layer) if walker.sink.finished(i) else None
+    into = None if stores is None else stores[(i + 1) % 2]
+    summary, tensors, inputs = _one_layer(walker, i, layer, inputs, done, into)
+    layer.to("cpu" if device.type != "cpu" else device)
+    source.release(i)
+    if done is None:
+        summary = {**summary, "layer_seconds": round(time.perf_counter() - t0, 3)}
+    return summary, tensors, inputs
 
 
 def _first_inputs(source: LayerSource, windows: torch.Tensor | None, device: torch.device,
@@ -236,21 +278,20 @@ def activation_storage(windows: torch.Tensor, hidden: int, dtype: torch.dtype, d
     return device if need <= share * free else torch.device("cpu")
 
 
-def _one_layer(i: int, layer: nn.Module, inputs: LayerInputs | None, process: LayerFn, device: torch.device,
-               arch: Arch, calib_dtype: torch.dtype | None, done: tuple | None, sink: LayerSink, batch: int = 1,
-               into: torch.Tensor | None = None, check: bool = True
-               ) -> tuple[dict[str, Any], dict[str, torch.Tensor], LayerInputs | None]:
+def _one_layer(walker: _Walker, i: int, layer: nn.Module, inputs: LayerInputs | None, done: tuple | None,
+               into: torch.Tensor | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor], LayerInputs | None]:
     """Process (or restore) one layer; return its summary, kept tensors and the next layer's inputs."""
+    opts, sink, batch = walker.opts, walker.sink, walker.opts.batch
     # a layer may hold no parameters (OLMo's norms have none; its linears made INT8 hold buffers)
-    with computing_in(layer, calib_dtype or next((p.dtype for p in layer.parameters()), torch.float32)) as master:
+    with computing_in(layer, opts.calib_dtype or next((p.dtype for p in layer.parameters()), torch.float32)) as master:
         job = None
         if done is not None:
             summary, tensors = done
             summary = {**summary, "resumed": True}
             batch = summary.pop("forward_batch", batch)  # recomputed as the finished run computed them: bitwise
         else:
-            job = LayerJob(i, layer, inputs, device, arch, master=master)
-            summary, tensors = process(job)
+            job = LayerJob(i, layer, inputs, opts.device, walker.arch, master=master)
+            summary, tensors = walker.process(job)
         next_inputs = None
         if inputs is not None:
             batches = job.output_batches if job is not None else None  # a one-pass method already ran the layer
@@ -260,9 +301,9 @@ def _one_layer(i: int, layer: nn.Module, inputs: LayerInputs | None, process: La
                     starts = accumulate((b.shape[0] for b in batches), initial=0)
                     batches = [into[s:s + b.shape[0]].copy_(b) for s, b in zip(starts, batches)]
             next_inputs = LayerInputs.of_batches(batches if batches is not None else
-                                                 forward_layer(layer, inputs, device, batch=batch, into=into),
+                                                 forward_layer(layer, inputs, opts.device, batch=batch, into=into),
                                                  inputs.kwargs, inputs.layer_kwargs)
-            if check:
+            if opts.check_activations:
                 check_activations_of(next_inputs, f"decoder layer {i}")
     if job is not None:
         if next_inputs is not None and hasattr(sink, "keep_inputs"):

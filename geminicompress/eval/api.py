@@ -19,7 +19,7 @@ from contextlib import closing, contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -36,13 +36,13 @@ from geminicompress.eval.cost.footprint import (
     weight_sparsity,
     weights_size_mb,
 )
-from geminicompress.eval.cost.latency import measure_latency
+from geminicompress.eval.cost.latency import LatencyOptions, measure_latency
 from geminicompress.eval.engines import torch_kernels as kernels
 from geminicompress.eval.extras import run_speculative, run_tasks, tasks_available
 from geminicompress.eval.quality.baseline_cache import BaselineCache
 from geminicompress.eval.quality.scoring import score_windows
 from geminicompress.eval.quality.streamed import open_streamed, params_of, stream_reason, streamed_logprobs
-from geminicompress.eval.report import new_entry, new_report, write_report
+from geminicompress.eval.report import ReportMachine, new_entry, new_report, write_report
 from geminicompress.eval.specs import display_names, stored_dtype
 from geminicompress.eval.table import describe_timing
 from geminicompress.models import demo
@@ -120,62 +120,106 @@ def free(model) -> None:
         torch.cuda.empty_cache()
 
 
-def evaluate(
-    models: list[str],
-    baseline: str,
-    data: str,
-    out_dir: Path | None,
-    options: EvalStage,
-    progress: Progress | None = None,
-    *,
-    device: torch.device | None = None,
-    names: dict[str, str] | None = None,
-    trust_remote_code: bool = False,
-    allow_pickle: bool = False,
-    stream: bool | None = None,
-) -> dict:
+@dataclass(frozen=True)
+class EvalSetup:
+    """Where and how `evaluate` loads the models. device: None for the GPU when there is one. names: the name
+    shown for a spec (default: display_names). stream: evaluate one decoder layer at a time from disk: True,
+    False, or None for the models whose weights exceed half of the available memory (streamed.py)."""
+
+    device: torch.device | None = None
+    names: dict[str, str] | None = None
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+    stream: bool | None = None
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every model of one `evaluate` call is measured with."""
+
+    text: str
+    options: EvalStage
+    device: torch.device
+    progress: Progress
+    load: dict  # load_model's trust_remote_code and allow_pickle
+
+
+def evaluate(models: list[str], baseline: str, data: str, out_dir: Path | None, options: EvalStage,
+             progress: Progress | None = None, setup: EvalSetup | None = None, **fields: Any) -> dict:
     """Evaluate `baseline` and `models`; return the report (and write it to `out_dir` when given).
-    stream: evaluate one decoder layer at a time from disk: True, False, or None for the models whose
-    weights exceed half of the available memory (streamed.py)."""
+    setup: where and how the models are loaded (`EvalSetup`); `fields` are its fields by name, a shorthand
+    for `setup=EvalSetup(...)` (`evaluate(..., stream=True)`)."""
+    if setup is not None and fields:
+        raise TypeError("evaluate takes setup or EvalSetup's fields by name, not both")
+    setup = setup if setup is not None else EvalSetup(**fields)
     progress = progress or NullProgress()
     specs = list(dict.fromkeys([baseline, *models]))
-    shown = [(names or {}).get(s, n) for s, n in zip(specs, display_names(specs))]
+    shown = [(setup.names or {}).get(s, n) for s, n in zip(specs, display_names(specs))]
     if options.engine in ("vllm", "llama.cpp"):  # every model measured by that engine, in its own process
-        if options.engine == "vllm":
-            from geminicompress.eval.engines.vllm_eval import evaluate_vllm as evaluate_engine
-        else:
-            from geminicompress.eval.engines.llama_eval import evaluate_llama as evaluate_engine
-        report = evaluate_engine(specs, shown, data, options, progress, trust_remote_code)
-        if out_dir is not None:
-            write_report(report, out_dir)
-        return report
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        report = _in_engine(specs, shown, data, options, progress, setup.trust_remote_code)
+    else:
+        report = _in_torch(specs, shown, data, options, progress, setup)
+    if out_dir is not None:
+        write_report(report, out_dir)
+    return report
+
+
+def _in_engine(specs: list[str], shown: list[str], data: str, options: EvalStage, progress: Progress,
+               trust_remote_code: bool) -> dict:
+    """Every model measured by vLLM or llama.cpp, each in its own process (eval/engines/)."""
+    if options.engine == "vllm":
+        from geminicompress.eval.engines.vllm_eval import evaluate_vllm as evaluate_engine
+    else:
+        from geminicompress.eval.engines.llama_eval import evaluate_llama as evaluate_engine
+    return evaluate_engine(specs, shown, data, options, progress, trust_remote_code)
+
+
+def _in_torch(specs: list[str], shown: list[str], data: str, options: EvalStage, progress: Progress,
+              setup: EvalSetup) -> dict:
+    """Every model measured in this process, the baseline first (its figures are what the others compare with)."""
+    baseline = specs[0]
+    device = setup.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     options = plan.with_device_defaults(options, device)
     text = read_text(data, options.text_column)
-    load = dict(trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
-    streamed = {spec: stream_reason(spec, stream, stored_dtype(spec)) for spec in specs}  # refuses --stream early
-    progress.info(_plan_line(baseline, len(specs), text, data, options, device, trust_remote_code))
+    load = dict(trust_remote_code=setup.trust_remote_code, allow_pickle=setup.allow_pickle)
+    # refuses --stream early
+    streamed = {spec: stream_reason(spec, setup.stream, stored_dtype(spec)) for spec in specs}
+    progress.info(_plan_line(baseline, len(specs), text, data, options, device, setup.trust_remote_code))
     if options.tasks and not tasks_available():
         progress.warn("--tasks needs lm-eval-harness (pip install 'geminicompress[lm-eval]'): downstream tasks skipped")
         options = options.model_copy(update={"tasks": []})
-    entries: list[dict] = []
-    base_model, base = None, None
+    run = _Run(text, options, device, progress, load)
     jobs: list[tuple[str, str, torch.dtype | None]] = [(spec, name, None) for spec, name in zip(specs, shown)]
     if streamed[baseline] is None and _dtype_baseline(specs, options):
         # the baseline again, in the dtype the int4 kernels compute in (right after it)
         same_dtype = kernels.INT4_ACTIVATION_DTYPE
         jobs.insert(1, (baseline, f"{shown[0]} @{kernels.dtype_name(same_dtype)}", same_dtype))
+    key = (baseline, shown[0], data, options.model_dump_json(), str(device), setup.trust_remote_code,
+           streamed[baseline])
+    entries, speculative = _measure_all(run, jobs, streamed, key)
+    timing_warning = describe_timing(entries)
+    if timing_warning:
+        progress.warn(timing_warning)
+    return new_report(shown[0], data, options, entries, ReportMachine(str(device), torch.get_num_threads()),
+                      timing_warning, speculative)
+
+
+def _measure_all(run: _Run, jobs: list[tuple[str, str, torch.dtype | None]], streamed: dict[str, str | None],
+                 key: tuple) -> tuple[list[dict], dict | None]:
+    """Each job's entry (the baseline first; one measured by an earlier call in a `baseline_kept` block, with the
+    same `key`, is reused), and the speculative-decoding figures when --draft asks for them."""
+    progress, baseline, shown = run.progress, jobs[0][0], jobs[0][1]
+    entries: list[dict] = []
+    base_model, base = None, None
     memo = _KEPT.get()
-    key = (baseline, shown[0], data, options.model_dump_json(), str(device), trust_remote_code, streamed[baseline])
     if memo is not None and memo.key == key:  # measured by an earlier call in this block
         base = memo.state
         entries.append(copy.deepcopy(memo.entry))
         jobs = jobs[1:]
-        progress.info(f"{shown[0]} (baseline): measured once in this run, reused")
+        progress.info(f"{shown} (baseline): measured once in this run, reused")
     try:
         for spec, name, dtype in jobs:
-            entry, kept, state = _evaluate_one(spec, name, text, options, base, device, progress, load, dtype,
-                                               streamed[spec])
+            entry, kept, state = _evaluate_one(run, spec, name, base, dtype, streamed[spec])
             if base is None:
                 base, base_model = state, kept
                 if memo is not None and kept is None and state is not None:
@@ -183,24 +227,17 @@ def evaluate(
                     memo.key, memo.entry, memo.state = key, copy.deepcopy(entry), state
             entries.append(entry)
         speculative = None
-        if options.draft and streamed[baseline] is not None:
+        if run.options.draft and streamed[baseline] is not None:
             progress.warn("--draft: the baseline is evaluated streamed (it does not fit in memory): speculative "
                           "decoding skipped")
             speculative = {"available": False, "reason": "the baseline is evaluated streamed"}
-        elif options.draft:
-            speculative = run_speculative(baseline, options, base, device, progress, load)
+        elif run.options.draft:
+            speculative = run_speculative(baseline, run.options, base, run.device, progress, run.load)
     finally:
         if base is not None and base.cache is not None and (memo is None or memo.state is not base):
             base.cache.close()
         free(base_model)
-    timing_warning = describe_timing(entries)
-    if timing_warning:
-        progress.warn(timing_warning)
-    report = new_report(shown[0], data, options, entries, str(device), torch.get_num_threads(), timing_warning,
-                        speculative)
-    if out_dir is not None:
-        write_report(report, out_dir)
-    return report
+    return entries, speculative
 
 
 def _plan_line(baseline: str, n_models: int, text: str, data: str, options: EvalStage, device: torch.device,
@@ -238,10 +275,12 @@ def _dtype_baseline(specs: list[str], options: EvalStage) -> bool:
             and any(kernels.expects_int4(plan.peek_config(s)) for s in specs[1:]))
 
 
-def _evaluate_one(spec, name, text, options, base, device, progress, load, dtype=None, streamed=None):
+def _evaluate_one(run: _Run, spec: str, name: str, base: Baseline | None, dtype: torch.dtype | None = None,
+                  streamed: str | None = None) -> tuple[dict, object, Baseline | None]:
     """Measure one model: loaded into memory (in `dtype` instead of its stored dtype when given), or one decoder
     layer at a time from disk when `streamed` says why (no latency then); returns (entry, model kept for
     recomputing or None, Baseline if this is it)."""
+    options, device, progress, load = run.options, run.device, run.progress, run.load
     is_base = base is None
     entry = new_entry(spec, name, is_base)
     entry["dtype_baseline"] = dtype is not None
@@ -269,10 +308,10 @@ def _evaluate_one(spec, name, text, options, base, device, progress, load, dtype
             stored = stored_dtype(spec)
             entry.update(format=ckpt.format or "dense", dtype=kernels.dtype_name(stored), streamed=streamed,
                          size_mb=weights_size_mb(path), masks_mb=masks_size_mb(path), params=params_of(ckpt))
-            state, _ = _quality(ckpt.model, lambda w: streamed_logprobs(ckpt, w, device, stored, progress), tok, name,
-                                text, options, base, progress, entry, note)
+            state, _ = _quality(run, ckpt.model, lambda w: streamed_logprobs(ckpt, w, device, stored, progress), tok,
+                                base, entry, note)
         else:
-            model, state = _in_memory(loaded, name, text, options, base, device, progress, entry, note)
+            model, state = _in_memory(run, loaded, base, entry, note)
     entry["peak_memory_mb"] = peak.peak_mb
     if streamed:
         skipped = [what for what, asked in (("latency and throughput", options.latency),
@@ -289,9 +328,11 @@ def _evaluate_one(spec, name, text, options, base, device, progress, load, dtype
     return entry, (model if keep else None), state
 
 
-def _in_memory(loaded, name, text, options, base, device, progress, entry, note):
+def _in_memory(run: _Run, loaded: LoadedModel, base: Baseline | None, entry: dict,
+               note: Callable[[str], None]) -> tuple[object, Baseline | None]:
     """The figures of a model loaded into memory: footprint, the kernel that runs it, quality, latency and
     tasks; returns (the model on `device`, Baseline if this is it)."""
+    options, device = run.options, run.device
     model, path = loaded.model.to(device), weights_path(loaded)
     entry.update(format=loaded.format or "dense", dtype=kernels.dtype_name(next(model.parameters()).dtype),
                  size_mb=weights_size_mb(path), masks_mb=masks_size_mb(path), tensors_mb=tensor_mb(model),
@@ -301,8 +342,8 @@ def _in_memory(loaded, name, text, options, base, device, progress, entry, note)
     entry.update(kernel=asdict(choice), dtype=choice.activation_dtype)
     if choice.note and options.latency and choice.timed:
         note(choice.note)  # e.g. sparsity that runs dense here: the speed column is a dense model's
-    state, ids = _quality(model, lambda w: (window_chunks(model, x, device) for x in w), loaded.tokenizer,
-                          name, text, options, base, progress, entry, note)
+    state, ids = _quality(run, model, lambda w: (window_chunks(model, x, device) for x in w), loaded.tokenizer,
+                          base, entry, note)
     need, context = options.prompt_len + options.gen_len, model_context(model)
     if options.latency and not choice.timed:
         note(f"latency not measured: {choice.note}; our dequantizing loader's timings would say nothing "
@@ -310,18 +351,19 @@ def _in_memory(loaded, name, text, options, base, device, progress, entry, note)
     elif options.latency and context is not None and need > context:
         note(f"--prompt-len + --gen-len = {need} is above its context of {context} tokens: latency skipped")
     elif options.latency:
-        entry["latency"] = measure_latency(model, ids, prompt_len=options.prompt_len, gen_len=options.gen_len,
-                                           batch_sizes=options.batch_sizes, repeats=options.repeats,
-                                           warmup=options.warmup, device=device, progress=progress)
+        entry["latency"] = measure_latency(model, ids, LatencyOptions.of(options), device=device,
+                                           progress=run.progress)
     if options.tasks:
         entry["tasks"] = run_tasks(model, loaded.tokenizer, options.tasks, device, note)
     return model, state
 
 
-def _quality(model, logprobs_of, tok, name, text, options, base, progress, entry, note):
+def _quality(run: _Run, model: Any, logprobs_of: Callable, tok: Any, base: Baseline | None, entry: dict,
+             note: Callable[[str], None]) -> tuple[Baseline | None, torch.Tensor]:
     """Perplexity (+ drift when comparable) from `logprobs_of(windows)` (each window's log-probs as chunks
-    (c, V) covering its T-1 scored positions, in order); `model` gives the config (a skeleton will do). Returns (Baseline state if this is the
-    baseline, ids)."""
+    (c, V) covering its T-1 scored positions, in order); `model` gives the config (a skeleton will do). Returns
+    (Baseline state if this is the baseline, ids)."""
+    options, text, name = run.options, run.text, entry["name"]
     if not options.quality:
         ids = tokenize(tok, text, options.max_tokens)
         return (Baseline(tok, ids, None, None, None) if base is None else None), ids
@@ -355,6 +397,6 @@ def _quality(model, logprobs_of, tok, name, text, options, base, progress, entry
         with closing(iter(logprobs_of(windows))) as logprobs:
             entry["quality"] = score_windows(
                 logprobs, windows, label=name, store=cache, against=base.cache if comparable else None,
-                base_ppl=base.perplexity if base is not None else None, progress=progress)
+                base_ppl=base.perplexity if base is not None else None, progress=run.progress)
     state = Baseline(tok, ids, windows, cache, (entry["quality"] or {}).get("perplexity")) if base is None else None
     return state, ids

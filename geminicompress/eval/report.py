@@ -7,6 +7,7 @@ Each point carries its own label, so the chart reads without a legend: up is wor
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from geminicompress import __version__
@@ -24,12 +25,20 @@ def new_entry(spec: str, name: str, is_base: bool) -> dict:
             "streamed": None, "notes": []}
 
 
-def new_report(baseline: str, data: str, options: EvalStage, models: list[dict], device: str, threads: int,
+@dataclass(frozen=True)
+class ReportMachine:
+    """What a report says of where the models ran: the device ("cpu", "cuda", "vllm") and the thread count."""
+
+    device: str
+    threads: int
+
+
+def new_report(baseline: str, data: str, options: EvalStage, models: list[dict], where: ReportMachine,
                timing_warning: str | None = None, speculative: dict | None = None, **engine) -> dict:
     """The report of `evaluate` (keys in report.json order; vllm_eval.py puts its `engine` keys after the version)."""
     return {"geminicompress": __version__, **engine, "baseline": baseline, "timing_warning": timing_warning,
             "data": data, "options": options.model_dump(mode="json", exclude={"type", "data"}),
-            "machine": {**machine(), "device": device, "torch_threads": threads}, "versions": versions(),
+            "machine": {**machine(), "device": where.device, "torch_threads": where.threads}, "versions": versions(),
             "models": models, "speculative": speculative}
 
 

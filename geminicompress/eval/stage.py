@@ -60,15 +60,16 @@ def is_w8a8(folder) -> bool:
 def _serving(cfg: EvalStage, ctx) -> dict:
     """The serving table of the recipe's model into OUT/eval/serving/; its INT8 row serves OUT when W8A8."""
     from geminicompress.eval.serving import table as serve_table
-    from geminicompress.eval.serving.bench import serve_bench
+    from geminicompress.eval.serving.bench import ServeOptions, serve_bench
     from geminicompress.eval.serving.workload import WorkloadSpec
 
     s, recipe = cfg.serving, ctx.recipe
     spec = WorkloadSpec(s.requests, s.prefix_len, s.question_len, s.answer_len, s.rate, s.max_prompt_len, s.seed)
+    options = ServeOptions(engine=cfg.engine, max_batch=s.max_batch, ppl_tokens=s.ppl_tokens,
+                           text_column=cfg.text_column, vllm_python=cfg.vllm_python, dtype=s.dtype,
+                           trust_remote_code=recipe.trust_remote_code)
     report = serve_bench(recipe.model, str(ctx.out_dir) if is_w8a8(ctx.out_dir) else None,
-                         cfg.data or recipe.calibration.data, spec, engine=cfg.engine, max_batch=s.max_batch,
-                         ppl_tokens=s.ppl_tokens, text_column=cfg.text_column, vllm_python=cfg.vllm_python,
-                         dtype=s.dtype, progress=ctx.progress, trust_remote_code=recipe.trust_remote_code)
+                         cfg.data or recipe.calibration.data, spec, options, ctx.progress)
     if report["int8"] is not None:
         report["int8"] = str(ctx.out_dir.with_name(final_name(ctx.out_dir)))
     serve_table.write(report, ctx.out_dir / REPORT_FOLDER / "serving")

@@ -22,7 +22,7 @@ from geminicompress.core.grid import QuantizedWeight, QuantSpec, group_index
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.dequant import dequant_reader
 from geminicompress.formats.reader import ModuleReader
-from geminicompress.formats.writer import PackedWriter, QWeights
+from geminicompress.formats.writer import PackedLayout, PackedWriter, QWeights
 
 KEY = "awq"
 
@@ -99,8 +99,8 @@ def writer(model: nn.Module, dtype: torch.dtype, specs: dict[str, QuantSpec], me
     """The per-layer writer of the AWQ GEMM layout (one spec per checkpoint)."""
     if len(set(specs.values())) != 1:
         raise InputError(f"one AWQ checkpoint holds one quantization spec, got {len(set(specs.values()))}")
-    return PackedWriter(model, dtype, KEY, specs, qweights, pack_awq, unpack_awq, SUFFIXES,
-                        lambda base, all_specs, nq: quantization_config(base, meta, nq))
+    return PackedWriter(model, dtype, specs, qweights, PackedLayout(
+        KEY, pack_awq, unpack_awq, SUFFIXES, lambda base, all_specs, nq: quantization_config(base, meta, nq)))
 
 
 def reader(path: Path, config: dict) -> ModuleReader:

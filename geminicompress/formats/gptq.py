@@ -30,7 +30,7 @@ from geminicompress.formats.bits import pack_bits, unpack_bits
 from geminicompress.formats.dequant import dequant_reader
 from geminicompress.formats.mixed import dynamic_spec, gptq_dynamic
 from geminicompress.formats.reader import ModuleReader
-from geminicompress.formats.writer import PackedWriter, QWeights
+from geminicompress.formats.writer import PackedLayout, PackedWriter, QWeights
 
 KEY = "gptq"
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
@@ -112,9 +112,9 @@ def writer(model: nn.Module, dtype: torch.dtype, specs: dict[str, QuantSpec], me
            qweights: QWeights) -> PackedWriter:
     """The per-layer writer of GPTQ v1 (+ quantize_config.json); mixed precision as `dynamic` overrides."""
     layers = arch_for(model).layers + "."
-    return PackedWriter(model, dtype, KEY, specs, qweights, pack_gptq, unpack_gptq, SUFFIXES,
-                        lambda spec, all_specs, nq: quantization_config(spec, all_specs, meta, layers, nq),
-                        write_quantize_config)
+    return PackedWriter(model, dtype, specs, qweights, PackedLayout(
+        KEY, pack_gptq, unpack_gptq, SUFFIXES,
+        lambda spec, all_specs, nq: quantization_config(spec, all_specs, meta, layers, nq), write_quantize_config))
 
 
 def reader(path: Path, config: dict) -> ModuleReader:

@@ -26,7 +26,7 @@ from geminicompress.formats.checkpoint import compressed_tensors_format, scale_d
 from geminicompress.formats.dequant import dequant_reader
 from geminicompress.formats.mixed import ct_config_groups, ct_spec_of
 from geminicompress.formats.reader import ModuleReader
-from geminicompress.formats.writer import PackedWriter, QWeights
+from geminicompress.formats.writer import PackedLayout, PackedWriter, QWeights
 
 KEY = "compressed-tensors:pack-quantized"
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
@@ -120,8 +120,9 @@ def packer(meta: dict[str, Any]) -> Callable[[QuantizedWeight], dict[str, torch.
 def writer(model: nn.Module, dtype: torch.dtype, specs: dict[str, QuantSpec], meta: dict[str, Any],
            qweights: QWeights) -> PackedWriter:
     """The per-layer writer of pack-quantized; mixed precision as one config group per spec."""
-    return PackedWriter(model, dtype, KEY, specs, qweights, packer(meta), unpack_ct, SUFFIXES,
-                        lambda spec, all_specs, ignore: ct_config(spec, meta, ignore, all_specs))
+    return PackedWriter(model, dtype, specs, qweights, PackedLayout(
+        KEY, packer(meta), unpack_ct, SUFFIXES,
+        lambda spec, all_specs, ignore: ct_config(spec, meta, ignore, all_specs)))
 
 
 def reader(path: Path, config: dict) -> ModuleReader:

@@ -10,6 +10,7 @@ modules outside them and config.json), whether the model is in memory or read fr
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -73,20 +74,31 @@ class LayerWriter:
         return {"format": self.format}
 
 
+@dataclass(frozen=True)
+class PackedLayout:
+    """A b-bit format's layout: its key (config.json's quant_method), `pack(qw)` -> the tensors stored for one
+    quantized linear (with these `suffixes`), `unpack(parts, spec)` back, `qconfig(base, specs, not_quantized)`
+    -> its quantization_config, and `extra(out, config)` writing its side files (None: none)."""
+
+    key: str
+    pack: Callable[[QuantizedWeight], dict[str, torch.Tensor]]
+    unpack: Callable[[dict[str, torch.Tensor], QuantSpec], QuantizedWeight]
+    suffixes: tuple[str, ...]
+    qconfig: Callable[[QuantSpec, dict[str, QuantSpec], list[str]], dict[str, Any]]
+    extra: Callable[[Path, dict[str, Any]], None] | None = None
+
+
 class PackedWriter(LayerWriter):
     """A b-bit format: each quantized linear's weight replaced by `pack(qw)` of the codes the stage kept
-    (`qweights(i, kept)`: {full module name: QuantizedWeight} of layer i), read back by `unpack(parts, spec)`.
-    `specs`: every quantized module's spec (mixed precision: several); `qconfig(base, specs, not_quantized)`
-    makes the format's quantization_config; `extra(out, config)` writes its side files."""
+    (`qweights(i, kept)`: {full module name: QuantizedWeight} of layer i), read back by `unpack(parts, spec)`
+    (the format's `PackedLayout`). `specs`: every quantized module's spec (mixed precision: several)."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, key: str, specs: dict[str, QuantSpec],
-                 qweights: QWeights, pack: Callable[[QuantizedWeight], dict[str, torch.Tensor]],
-                 unpack: Callable[[dict[str, torch.Tensor], QuantSpec], QuantizedWeight], suffixes: tuple[str, ...],
-                 qconfig: Callable[[QuantSpec, dict[str, QuantSpec], list[str]], dict[str, Any]],
-                 extra: Callable[[Path, dict[str, Any]], None] | None = None) -> None:
+    def __init__(self, model: nn.Module, dtype: torch.dtype, specs: dict[str, QuantSpec], qweights: QWeights,
+                 layout: PackedLayout) -> None:
         super().__init__(model, dtype)
-        self.format, self.specs, self.qweights = key, specs, qweights
-        self.pack, self.unpack, self.suffixes, self._qconfig, self.extra = pack, unpack, suffixes, qconfig, extra
+        self.format, self.specs, self.qweights = layout.key, specs, qweights
+        self.pack, self.unpack, self.suffixes = layout.pack, layout.unpack, layout.suffixes
+        self._qconfig, self.extra = layout.qconfig, layout.extra
 
     def layer_tensors(self, i: int, layer: nn.Module, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         qweights = self.qweights(i, kept)

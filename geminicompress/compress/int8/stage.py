@@ -36,7 +36,7 @@ from geminicompress.kernels.int8_quant import quantize
 class Int8(LayerStage):
     """int8 / w8a8 as the engine runs it."""
 
-    resume_from_input = True  # the next layer's inputs are the float layer's outputs (stages.py load_back_of)
+    resume_from_input = True  # the next layer's inputs are the float layer's outputs (engine/export.py load_back_of)
 
     def __init__(self, cfg: Int8Stage, ctx: StageContext) -> None:
         self.cfg, self.ctx = cfg, ctx

@@ -127,37 +127,73 @@ class _Tail:
         return total / count
 
 
-@torch.no_grad()
-def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[Option], *, keep: set[str],
-                        kl_windows: int = 2, measure: str = "proxy", fuse: bool = False, noise: float = 0.02,
-                        device: torch.device = torch.device("cpu"), progress: Progress | None = None,
-                        seed: int = 0, act_order: bool = True, first_token_weight: float = 16.0) -> dict[str, Any]:
-    """The table (sensitivity.json's content): one row per unit, one column per option. `act_order` and
+@dataclass(frozen=True)
+class SensitivitySettings:
+    """How `measure_sensitivity` measures. keep: the linears to measure. kl_windows: the windows the drift is
+    measured on. measure: "proxy", "kl" or "both". fuse: a unit is a group of linears reading one input.
+    noise: the relative size of the perturbation that measures each layer's propagation gain. `act_order` and
     `first_token_weight` (the weight of each window's first token in the Hessians) are the gptq options'
     solver settings: the gptq stage's defaults, so that the table measures what the stage will apply
     (sparsegpt options always use the unweighted Hessian, as the prune stage does)."""
+
+    keep: set[str]
+    kl_windows: int = 2
+    measure: str = "proxy"
+    fuse: bool = False
+    noise: float = 0.02
+    device: torch.device = torch.device("cpu")
+    progress: Progress | None = None
+    seed: int = 0
+    act_order: bool = True
+    first_token_weight: float = 16.0
+
+
+@dataclass(frozen=True)
+class _Measuring:
+    """What every unit of one table is measured with."""
+
+    options: list[Option]
+    states: list[torch.Tensor]
+    tail: _Tail
+    measure: str
+    arch: Arch
+    bar: Any
+    act_order: bool
+
+
+@torch.no_grad()
+def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[Option],
+                        settings: SensitivitySettings | None = None, **fields: Any) -> dict[str, Any]:
+    """The table (sensitivity.json's content): one row per unit, one column per option. settings: how it
+    measures (`SensitivitySettings`); `fields` are its fields by name, a shorthand for
+    `settings=SensitivitySettings(...)` (`measure_sensitivity(model, windows, options, keep=keep)`)."""
+    if settings is not None and fields:
+        raise TypeError("measure_sensitivity takes settings or SensitivitySettings's fields by name, not both")
+    st = settings if settings is not None else SensitivitySettings(**fields)
+    measure, device = st.measure, st.device
     if measure not in MEASURES:
         raise InputError(f"measure '{measure}' is not one of {', '.join(MEASURES)}")
-    progress = progress or NullProgress()
+    progress = st.progress or NullProgress()
     arch = arch_for(model)
     layers = get_module(model, arch.layers)
-    units = units_of(arch, len(layers), keep, fuse)
+    units = units_of(arch, len(layers), st.keep, st.fuse)
     if not units:
         raise InputError("no decoder linear left to measure (check --ignore)")
     in_features = {f"{arch.layers}.{u.layer}.{n}": get_module(layers[u.layer], n).in_features for u in units for n in u.linears}
     check_applicable(options, in_features)
-    kw = max(1, min(kl_windows, windows.shape[0]))
+    kw = max(1, min(st.kl_windows, windows.shape[0]))
     want_h = any(o.needs_hessian for o in options)
     methods = {o.method for o in options}
     want_norms = "wanda" in methods
-    ftw = first_token_weight if "gptq" in methods and "sparsegpt" not in methods else 1.0  # one Hessian for both
+    ftw = st.first_token_weight if "gptq" in methods and "sparsegpt" not in methods else 1.0  # one Hessian for both
     if not (want_h or want_norms):  # no statistics: only the measured windows need to run
         windows = windows[:kw]
     tail, states = _reference(model, windows[:kw], device, arch)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device="cpu").manual_seed(st.seed)
     rows: list[dict[str, Any]] = []
     gains: list[float] = []
     with progress.task(f"sensitivity ({measure})", total=len(units) * len(options)) as bar:
+        run = _Measuring(options, states, tail, measure, arch, bar, st.act_order)
 
         def measure_layer(job: LayerJob) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             """Layer i's statistics from every window through the original model (its outputs: the next
@@ -169,23 +205,27 @@ def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[O
             else:
                 stats = {n: (None, None) for u in mine for n in u.linears}
             target = states[i + 1]
-            delta = torch.randn(target.shape, generator=gen).to(target) * noise * target.pow(2).mean().sqrt()
+            delta = torch.randn(target.shape, generator=gen).to(target) * st.noise * target.pow(2).mean().sqrt()
             gain = tail.kl(target + delta, i + 1) / float(delta.pow(2).sum(-1).mean())
             gains.append(gain)
-            for u in mine:
-                rows.append(_measure_unit(u, layer, options, stats, states, tail, gain, measure, arch, bar,
-                                          act_order))
+            rows.extend(_measure_unit(run, u, layer, stats, gain) for u in mine)
             return {}, {}
 
         # the engine's walk: statistics need every window layer by layer (none: the layers are only visited)
         run_layerwise(model, windows if (want_h or want_norms) else None, measure_layer, device=device,
                       description="sensitivity layers")
-    result = {"measure": measure, "options": [o.label for o in options], "fuse": fuse,
+    return _table(st, options, windows, kw, ftw, gains, rows)
+
+
+def _table(st: SensitivitySettings, options: list[Option], windows: torch.Tensor, kw: int, ftw: float,
+           gains: list[float], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """sensitivity.json's content from the measured rows."""
+    result = {"measure": st.measure, "options": [o.label for o in options], "fuse": st.fuse,
               "drift_unit": "KL(original || modified) at the model output, nats per token",
               "kl_windows": kw, "calibration_windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]),
-              "noise": noise, "gptq_act_order": act_order, "first_token_weight": ftw,
+              "noise": st.noise, "gptq_act_order": st.act_order, "first_token_weight": ftw,
               "propagation_gain": gains, "units": rows}
-    if measure == "both":
+    if st.measure == "both":
         result["rank_correlation"] = _correlations(rows, options)
     return result
 
@@ -229,9 +269,9 @@ def _statistics(layer: nn.Module, inputs: Any, device: torch.device, arch: Arch,
     return out, outputs
 
 
-def _measure_unit(u: Unit, layer: nn.Module, options: list[Option], stats: dict, states: list[torch.Tensor],
-                  tail: _Tail, gain: float, measure: str, arch: Arch, bar: Any,
-                  act_order: bool = True) -> dict[str, Any]:
+def _measure_unit(run: _Measuring, u: Unit, layer: nn.Module, stats: dict, gain: float) -> dict[str, Any]:
+    """Unit u's row: each option applied to its linears in turn, the layer's output error, the drift."""
+    options, states, tail, measure, arch = run.options, run.states, run.tail, run.measure, run.arch
     modules = [get_module(layer, n) for n in u.linears]
     originals = [m.weight.data for m in modules]
     params = sum(w.numel() for w in originals)
@@ -241,7 +281,7 @@ def _measure_unit(u: Unit, layer: nn.Module, options: list[Option], stats: dict,
     target = states[u.layer + 1]
     for o in options:
         for n, m, w in zip(u.linears, modules, originals):
-            m.weight.data = apply_option(w, o, *stats[n], act_order=act_order).to(w.dtype)
+            m.weight.data = apply_option(w, o, *stats[n], act_order=run.act_order).to(w.dtype)
         try:
             y = layer_output(layer, states[u.layer], tail.layer_kwargs[u.layer])
             err = float((y - target).pow(2).sum(-1).mean())
@@ -254,7 +294,7 @@ def _measure_unit(u: Unit, layer: nn.Module, options: list[Option], stats: dict,
         row["bits_per_weight"].append(sum(o.bits_per_weight(w.shape[1]) * w.numel() for w in originals) / params
                                       if o.quantizes else None)
         row["kept"].append(o.kept())
-        bar.advance(1)
+        run.bar.advance(1)
     row["drift"] = row["proxy"] if measure == "proxy" else row["kl"]
     return row
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -97,20 +98,29 @@ def prompt_batch(ids: torch.Tensor, batch: int, prompt_len: int) -> torch.Tensor
     return ids[:need].view(batch, prompt_len)
 
 
-def measure_latency(
-    model,
-    ids: torch.Tensor,
-    *,
-    prompt_len: int,
-    gen_len: int,
-    batch_sizes: list[int],
-    repeats: int,
-    warmup: int,
-    device: torch.device,
-    progress: Progress | None = None,
-) -> dict:
+@dataclass(frozen=True)
+class LatencyOptions:
+    """What `measure_latency` times: prompts of `prompt_len` tokens, `gen_len` new tokens, each batch size
+    (batch 1 always), `warmup` untimed runs then `repeats` timed ones."""
+
+    prompt_len: int
+    gen_len: int
+    batch_sizes: tuple[int, ...]
+    repeats: int
+    warmup: int
+
+    @classmethod
+    def of(cls, options: Any) -> "LatencyOptions":
+        """From an eval stage's options (recipes/schema.py: EvalStage)."""
+        return cls(options.prompt_len, options.gen_len, tuple(options.batch_sizes), options.repeats, options.warmup)
+
+
+def measure_latency(model, ids: torch.Tensor, options: LatencyOptions, *, device: torch.device,
+                    progress: Progress | None = None) -> dict:
     """TTFT and TPOT (batch 1) and throughput per batch size; prompts are cut from the token ids `ids`."""
     progress = progress or NullProgress()
+    prompt_len, gen_len, batch_sizes = options.prompt_len, options.gen_len, options.batch_sizes
+    repeats, warmup = options.repeats, options.warmup
     sizes = sorted(set(batch_sizes) | {1})
     runs: dict[int, list[RunTiming]] = {}
     sections: dict[str, dict] = {}

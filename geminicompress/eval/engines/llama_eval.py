@@ -20,6 +20,7 @@ import json
 import math
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from geminicompress.errors import GeminiError, InputError
 from geminicompress.eval.cost import plan as plan
 from geminicompress.eval.cost.latency import prompt_batch, summarize_ms
 from geminicompress.eval.engines.python import engine_python
-from geminicompress.eval.report import new_entry, new_report
+from geminicompress.eval.report import ReportMachine, new_entry, new_report
 from geminicompress.models import demo
 from geminicompress.models.loading import resolve_model
 from geminicompress.progress import Progress
@@ -204,16 +205,31 @@ def evaluate_llama(specs: list[str], shown: list[str], data: str, options: EvalS
                       + (f"; perplexity on {windows.numel():,} tokens" if windows is not None else ""))
         entries, base = [], None
         for spec, name in zip(specs, shown):
-            entry, scored = _run_one(spec, name, files[spec], python, ids, windows, options, base, threads, progress,
-                                     is_base=not entries)
+            run = _LlamaRun(python, ids, windows, options, threads, progress)
+            entry, scored = _run_one(run, spec, name, files[spec], base, is_base=not entries)
             base = base if entries else scored
             entries.append(entry)
-    return new_report(shown[0], data, options, entries, "cpu", threads, engine="llama.cpp", llama_cpp=version,
-                      llama_python=python)
+    return new_report(shown[0], data, options, entries, ReportMachine("cpu", threads), engine="llama.cpp",
+                      llama_cpp=version, llama_python=python)
 
 
-def _run_one(spec, name, path, python, ids, windows, options, base, threads, progress, *, is_base) -> tuple:
+@dataclass(frozen=True)
+class _LlamaRun:
+    """What every model of one llama.cpp evaluation shares: the python that runs llama.cpp, the text's token ids,
+    the perplexity windows (None: no perplexity), the options, the thread count and the progress."""
+
+    python: str
+    ids: torch.Tensor
+    windows: torch.Tensor | None
+    options: EvalStage
+    threads: int
+    progress: Progress
+
+
+def _run_one(run: _LlamaRun, spec: str, name: str, path: Path, base: dict | None, *, is_base: bool) -> tuple:
     """One model's run in llama.cpp: its report entry, and (the baseline) what later models are compared with."""
+    python, ids, windows, options, threads, progress = (run.python, run.ids, run.windows, run.options, run.threads,
+                                                        run.progress)
     entry = new_entry(spec, name, is_base)
     entry.update(format="gguf", dtype=None, size_mb=round(path.stat().st_size / 1e6, 3), gguf=str(path))
     tasks = []

@@ -15,6 +15,7 @@ models are still measured (a refused baseline stops the run: nothing to compare 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from geminicompress.eval.cost.footprint import weights_size_mb
 from geminicompress.eval.cost.latency import percentile, prompt_batch, summarize_ms
 from geminicompress.eval.engines import torch_kernels as kernels
 from geminicompress.eval.engines.vllm_engine import check_vllm, find_python, run_driver
-from geminicompress.eval.report import new_entry, new_report
+from geminicompress.eval.report import ReportMachine, new_entry, new_report
 from geminicompress.eval.serving.metrics import from_vllm, summarize
 from geminicompress.eval.specs import stored_dtype
 from geminicompress.models import demo
@@ -131,17 +132,31 @@ def evaluate_vllm(specs: list[str], shown: list[str], data: str, options: EvalSt
                   + (f"; perplexity on {windows.numel():,} tokens" if windows is not None else ""))
     entries, base = [], None
     for spec, name, dtype in jobs:
-        entry, top1 = _run_one(spec, name, dtype, paths[spec], python, ids, windows, options, base, progress,
-                               is_base=not entries)
+        run = _VllmRun(python, ids, windows, options, progress)
+        entry, top1 = _run_one(run, spec, name, dtype, paths[spec], base, is_base=not entries)
         base = base if entries else top1
         entries.append(entry)
-    return new_report(shown[0], data, options, entries, "vllm", usable_cores(), engine="vllm", vllm=version,
-                      vllm_python=python)
+    return new_report(shown[0], data, options, entries, ReportMachine("vllm", usable_cores()), engine="vllm",
+                      vllm=version, vllm_python=python)
 
 
-def _run_one(spec, name, dtype, path, python, ids, windows, options, base, progress, *, is_base) -> tuple:
+@dataclass(frozen=True)
+class _VllmRun:
+    """What every model of one vLLM evaluation shares: the python that runs vLLM, the text's token ids, the
+    perplexity windows (None: no perplexity), the options and the progress."""
+
+    python: str
+    ids: torch.Tensor
+    windows: torch.Tensor | None
+    options: EvalStage
+    progress: Progress
+
+
+def _run_one(run: _VllmRun, spec: str, name: str, dtype: str, path: str, base: dict | None, *,
+             is_base: bool) -> tuple:
     """One model's run in vLLM: its report entry, and what a later model is compared with (its top-1 ids,
     perplexity and spec; None without perplexity windows). A baseline vLLM refuses stops the run."""
+    python, ids, windows, options, progress = run.python, run.ids, run.windows, run.options, run.progress
     entry, top1 = new_entry(spec, name, is_base), None
     qc = (plan.peek_config(spec) or {}).get("quantization_config") or {}
     entry.update(format=formats.detect({"quantization_config": qc}) or "dense", dtype=dtype,

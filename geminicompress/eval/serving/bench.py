@@ -93,11 +93,40 @@ def vllm_rows(max_batch: int, int8: str | None, on_cuda: bool) -> list[Row]:
     return rows
 
 
-def serve_bench(model: str, int8: str | None, data: str, spec: WorkloadSpec, *, engine: str = "transformers",
-                max_batch: int = 8, ppl_tokens: int = 4096, text_column: str = "text", vllm_python: str | None = None,
-                dtype: str = "auto", progress: Progress | None = None, trust_remote_code: bool = False) -> dict:
+@dataclass(frozen=True)
+class ServeOptions:
+    """How serve-bench serves its workload: the engine (transformers or vllm), the largest batch of the dynamic
+    batching row, how many tokens of DATA the perplexity windows take, DATA's text column, the python that
+    runs vLLM, the dtype the models are loaded in ("auto": as stored), and whether loading may run the
+    model's own code."""
+
+    engine: str = "transformers"
+    max_batch: int = 8
+    ppl_tokens: int = 4096
+    text_column: str = "text"
+    vllm_python: str | None = None
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class _Served:
+    """One serve-bench run's model, INT8 model, workload and perplexity windows, which every row serves."""
+
+    model: str
+    int8: str | None
+    requests: list
+    spec: WorkloadSpec
+    windows: torch.Tensor | None
+    dtype: str
+
+
+def serve_bench(model: str, int8: str | None, data: str, spec: WorkloadSpec, options: ServeOptions = ServeOptions(),
+                progress: Progress | None = None) -> dict:
     """Measure every row on one workload; the report (serve_table.py renders it)."""
     progress = progress or NullProgress()
+    engine, max_batch, ppl_tokens = options.engine, options.max_batch, options.ppl_tokens
+    trust_remote_code = options.trust_remote_code
     config = plan.peek_config(model) or {}
     check_spec(spec, plan.config_context(config))  # before any model loads
     if int8 is not None:
@@ -109,18 +138,20 @@ def serve_bench(model: str, int8: str | None, data: str, spec: WorkloadSpec, *, 
     tok = plan.peek_tokenizer(model, trust_remote_code)
     if tok is None:
         raise InputError(f"{model}: serve-bench needs a local model (directory or smollm2-demo)")
-    text = read_text(data, text_column)
+    text = read_text(data, options.text_column)
     ids = tokenize(tok, text, None)
     requests, repeated = build_workload(ids, spec)
-    windows = pack_windows(ids[:ppl_tokens], PPL_SEQ_LEN) if ppl_tokens >= PPL_SEQ_LEN and ids.numel() >= PPL_SEQ_LEN else None
+    windows = pack_windows(ids[:ppl_tokens], PPL_SEQ_LEN) if ppl_tokens >= PPL_SEQ_LEN and ids.numel() >= PPL_SEQ_LEN \
+        else None
+    served = _Served(model, int8, requests, spec, windows, options.dtype)
     if engine == "vllm":
-        python = find_python(vllm_python)
+        python = find_python(options.vllm_python)
         check_vllm(python)  # absent / too old: one line, exit 2, before any model loads
         rows = vllm_rows(max_batch, int8, torch.cuda.is_available())
-        measured = run_vllm_rows(rows, model, int8, requests, spec, windows, python, dtype, progress)
+        measured = run_vllm_rows(rows, served, python, progress)
     else:
         rows = hf_rows(max_batch, int8)
-        measured = run_hf_rows(rows, model, int8, requests, spec, windows, dtype, progress, trust_remote_code)
+        measured = run_hf_rows(rows, served, progress, trust_remote_code)
     notes = [f"the text held {spec.requests - repeated} distinct questions; {repeated} repeat earlier text"] if repeated else []
     return {"geminicompress": __version__, "command": "serve-bench", "engine": engine, "model": model, "int8": int8,
             "data": data, "workload": {**asdict(spec), "truncated_len": spec.truncated_len}, "max_batch": max_batch,
@@ -159,9 +190,10 @@ def measure_rows(rows: list[Row], title: str, progress: Progress, serve_row) -> 
 # --------------------------------------------------------------------------- transformers engine
 
 
-def run_hf_rows(rows: list[Row], model: str, int8: str | None, requests, spec: WorkloadSpec,
-                windows: torch.Tensor | None, dtype: str, progress: Progress, trust_remote_code: bool) -> list[dict]:
+def run_hf_rows(rows: list[Row], served: _Served, progress: Progress, trust_remote_code: bool) -> list[dict]:
     """Every row in this process: the base model loaded once (and the INT8 model for its row)."""
+    model, int8, requests, spec, windows, dtype = (served.model, served.int8, served.requests, served.spec,
+                                                   served.windows, served.dtype)
     from geminicompress.eval.api import free
     from geminicompress.models.loading import load_model
 
@@ -204,10 +236,11 @@ def vllm_job(row: Row, path: str, requests, spec: WorkloadSpec, windows: torch.T
     return {"model": path, "engine": engine, "tasks": tasks}
 
 
-def run_vllm_rows(rows: list[Row], model: str, int8: str | None, requests, spec: WorkloadSpec,
-                  windows: torch.Tensor | None, python: str, dtype: str, progress: Progress) -> list[dict]:
+def run_vllm_rows(rows: list[Row], served: _Served, python: str, progress: Progress) -> list[dict]:
     """Every row as its own vLLM engine (flags are engine arguments); the first and the INT8 row also
     score the perplexity windows through prompt_logprobs."""
+    model, int8, requests, spec, windows, dtype = (served.model, served.int8, served.requests, served.spec,
+                                                   served.windows, served.dtype)
     from geminicompress.eval.engines.vllm_eval import model_path
 
     def serve_row(row: Row, entry: dict, with_ppl: bool):

@@ -145,7 +145,7 @@ def test_plan_candidates_and_fields(setup):
     spans = [c for c in cands if c.kind == "span"]
     assert [c.dropped for c in spans] == [[1, 2], [2, 3], [3, 4], [4, 5], [5, 6]]  # first and last kept
     assert {c.kind for c in cands} <= {"span", "angular-set", "even"} and any(c.kind == "even" for c in cands)
-    plan = make_plan(teacher, 6, fit, held, windows[32:], RepairSpec("down_proj"), shortlist=2, device=CPU)
+    plan = make_plan(teacher, 6, fit, held, windows[32:], RepairSpec("down_proj"), shortlist=2)
     d = json.loads(json.dumps(plan.as_dict()))
     assert {"n_layers", "keep", "teacher_ppl", "chosen", "predicted_drift", "candidates", "repair", "decode"} <= set(d)
     for c in d["candidates"]:
@@ -247,7 +247,7 @@ def test_two_budgets_are_refused():
 
 
 def test_train_minutes_trains_until_the_budget_is_spent(tmp_path):
-    from geminicompress.distill.train import train
+    from geminicompress.distill.train import TrainRun, train
     from geminicompress.recipes.schema import DistillStage
 
     teacher = tiny_model(num_hidden_layers=4)
@@ -255,7 +255,6 @@ def test_train_minutes_trains_until_the_budget_is_spent(tmp_path):
     windows = torch.randint(0, 384, (10, 16), generator=torch.Generator().manual_seed(0))
     cfg = DistillStage(type="distill", train_minutes=0.003, seq_len=16, batch_size=2, warmup_steps=1,
                        eval_every=10_000, eval_windows=2)
-    _, hist = train(student, teacher, windows[:8], windows[8:], cfg, seed=0, layer_map=None, masks=None,
-                    state_dir=tmp_path, device=CPU)
+    _, hist = train(student, teacher, windows[:8], windows[8:], cfg, TrainRun(0, tmp_path, CPU))
     assert hist.step >= 1 and hist.seconds >= 0.18  # stopped only once 0.003 minutes of steps were spent
     assert hist.tokens == hist.step * 2 * 16 and len(hist.ppl) == 2  # before, and at the last step

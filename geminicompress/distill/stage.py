@@ -25,7 +25,7 @@ import torch
 from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.distill import masks as M
 from geminicompress.distill import streamed_teacher as ST
-from geminicompress.distill.cut import planned_student
+from geminicompress.distill.cut import CutSpec, planned_student
 from geminicompress.distill.plot import plot_curve
 from geminicompress.distill.reconstruct import check_same_shape, reconstruct
 from geminicompress.distill.repair import RepairSpec
@@ -37,7 +37,7 @@ from geminicompress.distill.student import (
     student_from_config,
 )
 from geminicompress.distill.topk_cache import build_topk_cache
-from geminicompress.distill.train import train
+from geminicompress.distill.train import Guides, TrainRun, train
 from geminicompress.errors import InputError
 from geminicompress.formats.masks import read_masks, write_masks
 from geminicompress.models.lazy import LazyCheckpoint
@@ -95,8 +95,8 @@ def run(cfg: DistillStage, ctx) -> dict:
     ctx.progress.info(f"distilling {pair.how}: teacher {t_params / 1e6:.1f}M -> student {s_params / 1e6:.1f}M "
                       f"parameters, {len(train_w)} training windows of {cfg.seq_len}")
     student, history = train(pair.student, None if cache and not layer_map else pair.teacher, train_w, eval_w, cfg,
-                             seed=ctx.recipe.seed, layer_map=layer_map, masks=pair.masks, state_dir=ctx.state_dir,
-                             device=ctx.device, progress=ctx.progress, cache=cache)
+                             TrainRun(ctx.recipe.seed, ctx.state_dir, ctx.device, ctx.progress),
+                             Guides(layer_map, pair.masks, cache))
     student = student.to("cpu")
     ctx.model, ctx.tokenizer = student, pair.tokenizer
     if pair.masks:
@@ -163,9 +163,8 @@ def _planned(cfg: DistillStage, ctx, teacher, spec, derive: str, repair_mode: st
     rspec = RepairSpec(repair_mode, cfg.repair_objective, cfg.repair_ridge, cfg.repair_follow)
     ctx.progress.info(f"cutting by {derive} derivation with {repair_mode} repair on {cfg.repair_windows} + "
                       f"{cfg.plan_held_windows} calibration windows of {windows.shape[1]} tokens")
-    student, kept, plan = planned_student(teacher, spec, windows, derive=derive, spec=rspec,
-                                          fit_windows=cfg.repair_windows, shortlist=cfg.plan_shortlist,
-                                          mlp_ratio=cfg.mlp_ratio, device=ctx.device, progress=ctx.progress)
+    cut = CutSpec(derive, rspec, cfg.repair_windows, cfg.plan_shortlist, cfg.mlp_ratio)
+    student, kept, plan = planned_student(teacher, spec, windows, cut, device=ctx.device, progress=ctx.progress)
     ctx.progress.info(f"kept teacher layers {kept}; drift on the held-out calibration windows "
                       f"{plan['student_drift']:+.1%} (teacher {plan['teacher_ppl']:.2f} -> student {plan['student_ppl']:.2f})")
     return student, kept, plan

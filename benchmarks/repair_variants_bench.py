@@ -38,7 +38,7 @@ from geminicompress.core.arch import decoder_layers  # noqa: E402
 from geminicompress.data import pack_windows, tokenize  # noqa: E402
 from geminicompress.data.windows import calibration_windows  # noqa: E402
 from geminicompress.distill.repair import RepairSpec, refit_block  # noqa: E402
-from geminicompress.distill.survey import mean_nll, mlp_down, run_layers, walk  # noqa: E402
+from geminicompress.distill.survey import mean_nll, mlp_down, run_layers  # noqa: E402
 from geminicompress.engine.forward import embed  # noqa: E402
 from geminicompress.machine import machine, versions  # noqa: E402
 from geminicompress.models.loading import load_model  # noqa: E402
@@ -51,6 +51,26 @@ def parse_cut(text: str) -> list[int]:
         lo, hi = map(int, text.split("-"))
         return list(range(lo, hi + 1))
     return [int(x) for x in text.split(",")]
+
+
+class _Boundaries:
+    """The teacher's stream at the boundaries a variant reads (a Walk keeping only those, to fit many windows)."""
+
+    def __init__(self, hidden: dict[int, torch.Tensor], kwargs) -> None:
+        self.hidden, self.kwargs = hidden, kwargs
+
+
+def light_walk(teacher, windows: torch.Tensor, keep: set[int]) -> _Boundaries:
+    first = embed(teacher, windows, device=CPU)
+    kwargs = first.layer_kwargs[0] if isinstance(first.layer_kwargs, list) else first.layer_kwargs
+    h, kept = first.tensor, {}
+    for i, layer in enumerate(decoder_layers(teacher)):
+        if i in keep:
+            kept[i] = h
+        if i >= max(keep):
+            break
+        h = run_layers([layer], h, kwargs, device=CPU)
+    return _Boundaries(kept, kwargs)
 
 
 def main() -> None:
@@ -77,7 +97,7 @@ def main() -> None:
     fitw = calibration_windows(tok, str(DATA / "enwiki-sample.txt"), args.fit_windows, SEQ_LEN, 0)
     layers = decoder_layers(teacher)
     down = mlp_down(teacher)
-    fit = walk(teacher, fitw, device=CPU)
+    fit = light_walk(teacher, fitw, {lo - 1, hi + 1, hi + 2})
     first = embed(teacher, evalw, device=CPU)
     kwargs = first.layer_kwargs[0] if isinstance(first.layer_kwargs, list) else first.layer_kwargs
     h_eval = run_layers(list(layers[: lo - 1]), first.tensor, kwargs, device=CPU)  # input of block lo-1
@@ -98,7 +118,8 @@ def main() -> None:
         rows = [err]
         if name in ("down+next", "down+follow"):
             rest = [copy.deepcopy(b) for b in rest]
-            n_follow = 1 if name == "down+next" else len(rest)
+            n_follow = 1
+            assert name == "down+next", "down+follow needs every boundary: use the plan bench's --follow"
             for j in range(n_follow):
                 t = after[j]
                 h, err = refit_block(rest[j], down, h, fit.hidden[t + 1], fit.kwargs,

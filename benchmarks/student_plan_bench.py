@@ -105,6 +105,7 @@ def main() -> None:
     ap.add_argument("--held-data", default="enwiki", choices=["enwiki", "wikitext"],
                     help="where the plan's held-out windows come from: more enwiki windows, or WikiText-2 windows "
                          "drawn after the evaluation's tokens (the same kind of text as the evaluation, disjoint)")
+    ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate of the train phase")
     ap.add_argument("--name", default="student_plan_bench")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -206,7 +207,7 @@ def main() -> None:
         windows = pack_windows(train_text, SEQ_LEN)
         for tag, student in students.items():
             cfg = DistillStage(type="distill", train_minutes=args.train_minutes, seq_len=SEQ_LEN, batch_size=2,
-                               lr=1e-4, warmup_steps=5, temperature=1.0, eval_every=10_000, eval_windows=2)
+                               lr=args.lr, warmup_steps=5, temperature=1.0, eval_every=10_000, eval_windows=2)
             trained, hist = train(student, teacher, windows[:-2], windows[-2:], cfg, TrainRun(0, RESULTS / f".{args.name}-{tag}", CPU, log))
             result[tag]["train"] = {"minutes": args.train_minutes, "steps": hist.step, "tokens": hist.tokens,
                                     "ppl": ppl(trained), "loss_curve": hist.loss[:: max(1, len(hist.loss) // 50)]}
@@ -216,7 +217,10 @@ def main() -> None:
         from geminicompress.eval.speculative import generation_speed
 
         prompt = evalw[:1, :128]
-        result["latency"] = {"teacher_s_per_token": generation_speed(teacher, prompt, 64, repeats=5)["s_per_token"]}
+        result["latency"] = {"teacher_s_per_token": generation_speed(teacher, prompt, 64, repeats=5)["s_per_token"],
+                             "load_average_before": list(__import__("os").getloadavg()),
+                             "note": "greedy, 128-token prompt, 64 new tokens, median of 5, in this process; the "
+                                     "load average says whether other jobs shared the cores (then it is noise)"}
         for tag, student in students.items():
             tpot = generation_speed(student, prompt, 64, repeats=5)["s_per_token"]
             result["latency"][f"{tag}_s_per_token"] = tpot

@@ -264,7 +264,8 @@ def test_train_minutes_trains_until_the_budget_is_spent(tmp_path):
 
 
 def test_latency_target_is_the_parameter_share_read_per_token():
-    from geminicompress.distill.latency_target import keep_for_latency, parse_latency, read_shares
+    from geminicompress.distill.latency_target import keep_for_latency, read_shares
+    from geminicompress.recipes.schema import parse_latency
 
     teacher = tiny_model(num_hidden_layers=6)
     head, block, n = read_shares(teacher)
@@ -277,7 +278,7 @@ def test_latency_target_is_the_parameter_share_read_per_token():
         keep_for_latency(teacher, 0.1)
     assert "\n" not in str(e.value)
     for bad in ("1x", "1.5x", "0x", "fast", "nan"):
-        with pytest.raises(InputError, match="target-latency"):
+        with pytest.raises(ValueError, match="target_latency"):
             parse_latency(bad)
 
 

@@ -111,8 +111,12 @@ def distill(
       accelerate launch -m geminicompress distill --teacher big-model \\
           --student small-model --data train.jsonl -o out
     """
-    from geminicompress.distill.latency_target import parse_latency
+    from geminicompress.recipes.schema import parse_latency
 
+    try:
+        latency = parse_latency(target_latency) if target_latency is not None else None
+    except ValueError as exc:
+        raise InputError(f"--{exc}".replace("target_latency", "target-latency", 1)) from exc
     given = {
         "student": student, "student_config": student_config, "mlp_ratio": mlp_ratio, "reconstruct": reconstruct,
         "data": data, "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "grad_accum": grad_accum, "lr": lr,
@@ -120,7 +124,7 @@ def distill(
         "teacher_stream": teacher_stream, "precision": precision, "gradient_checkpointing": gradient_checkpointing,
         "eval_every": eval_every, "save_every": save_every, "resume": resume, "derive": derive, "repair": repair,
         "train_minutes": train_minutes, "train_tokens": train_tokens, "plan_data": plan_data,
-        "target_latency": parse_latency(target_latency) if target_latency is not None else None,
+        "target_latency": latency,
         "student_layers": _parse_layers(student_layers) if student_layers is not None else None,
         "loss": _parse_loss(loss) if loss is not None else None,
     }

@@ -23,19 +23,6 @@ from geminicompress.core.arch import decoder_layers
 from geminicompress.errors import InputError
 
 
-def parse_latency(text: str | float) -> float:
-    """'0.8x', '0.8' or 0.8 -> 0.8 (a fraction of the teacher's time per output token)."""
-    raw = str(text).strip().lower().removesuffix("x")
-    try:
-        value = float(raw)
-    except ValueError as exc:
-        raise InputError(f"--target-latency '{text}': give a fraction of the teacher's time per token, e.g. 0.8x") from exc
-    if not 0.0 < value < 1.0:  # NaN fails too
-        raise InputError(f"--target-latency {text}: a student must decode faster than its teacher; give a fraction "
-                         "in (0, 1), e.g. 0.8x")
-    return value
-
-
 def read_shares(model: nn.Module) -> tuple[int, float, int]:
     """(head parameters, mean parameters of a decoder block, number of blocks) read per decoded token."""
     blocks = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]

@@ -44,6 +44,18 @@ class LossWeights(Strict):
         return self
 
 
+def parse_latency(text: str | float) -> float:
+    """'0.8x', '0.8' or 0.8 -> 0.8: a fraction of the teacher's time per output token, in (0, 1)."""
+    try:
+        value = float(str(text).strip().lower().removesuffix("x"))
+    except ValueError as exc:
+        raise ValueError(f"target_latency '{text}': give a fraction of the teacher's time per token, e.g. 0.8x") from exc
+    if not 0.0 < value < 1.0:  # NaN fails too
+        raise ValueError(f"target_latency {text}: a student must decode faster than its teacher; give a fraction in "
+                         "(0, 1), e.g. 0.8x")
+    return value
+
+
 class DistillStage(_StageBase):
     """Knowledge distillation of the pipeline's model (or `teacher`) into a smaller student."""
 
@@ -117,13 +129,7 @@ class DistillStage(_StageBase):
     @field_validator("target_latency", mode="before")
     @classmethod
     def _parse_latency(cls, v: Any) -> Any:
-        from geminicompress.distill.latency_target import parse_latency
-        from geminicompress.errors import InputError
-
-        try:
-            return None if v is None else parse_latency(v)
-        except InputError as exc:
-            raise ValueError(str(exc).removeprefix("--target-latency ").replace("'", "", 2)) from exc
+        return None if v is None else parse_latency(v)
 
     @model_validator(mode="after")
     def _one_student(self) -> "DistillStage":

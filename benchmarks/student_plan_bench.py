@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--objective", default="mse", choices=["mse", "cosine"])
     ap.add_argument("--follow", action="store_true", help="also refit the kept blocks after each cut")
     ap.add_argument("--no-follow", action="store_true", help="(the default) repair only the block before each cut")
-    ap.add_argument("--ridge", type=float, default=1e-3)
+    ap.add_argument("--ridge", type=float, default=0.1)
     ap.add_argument("--teacher-ppl", type=float, default=None,
                     help="the teacher's perplexity on the same tokens from an earlier run (saves one forward; recorded as given)")
     ap.add_argument("--skip-unrepaired", action="store_true", help="do not measure the cuts without repair")

@@ -82,7 +82,7 @@ class DistillStage(_StageBase):
     repair_follow: bool = Field(False, description="also refit the down projection of the kept blocks after a cut "
                                 "towards the teacher's stream (lower hidden-state error, but measured worse perplexity "
                                 "on the demo)")
-    repair_ridge: float = Field(1e-3, ge=0.0, description="ridge of the repair's least squares (x mean diagonal)")
+    repair_ridge: float = Field(0.1, ge=0.0, description="ridge of the repair's least squares (x mean diagonal)")
     repair_windows: int = Field(32, ge=1, description="calibration windows the plan and the repair fit on")
     plan_held_windows: int = Field(4, ge=1, description="further calibration windows the plan measures drift on")
     plan_data: str | None = Field(None, description="text the plan's held-out windows come from: the kind of text "

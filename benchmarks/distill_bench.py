@@ -39,7 +39,7 @@ from geminicompress.distill.masks import sparsity  # noqa: E402
 from geminicompress.distill.plot import plot_curve  # noqa: E402
 from geminicompress.distill.reconstruct import reconstruct  # noqa: E402
 from geminicompress.distill.student import derive_student, n_params  # noqa: E402
-from geminicompress.distill.train import train  # noqa: E402
+from geminicompress.distill.train import Guides, TrainRun, train  # noqa: E402
 from geminicompress.eval.quality.perplexity import perplexity  # noqa: E402
 from geminicompress.eval.speculative import generation_speed, measure_speculative  # noqa: E402
 from geminicompress.machine import machine, versions  # noqa: E402
@@ -159,8 +159,8 @@ def main() -> None:
 
         log.info(f"training {label}: {loss}")
         with tempfile.TemporaryDirectory() as state:
-            trained, h = train(student, teacher, train_w, held_out, cfg(lr, **loss), seed=0, layer_map=layer_map, masks=masks,
-                               state_dir=Path(state), device=CPU, progress=log)
+            trained, h = train(student, teacher, train_w, held_out, cfg(lr, **loss), TrainRun(0, Path(state), CPU, log),
+                               Guides(layer_map=layer_map, masks=masks))
         return trained, {"loss": h.loss, "held_out_ppl": h.ppl, "tokens": h.tokens, "train_seconds": h.seconds,
                          "tokens_per_s": h.tokens / h.seconds}
 

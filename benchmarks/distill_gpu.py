@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from geminicompress.data import pack_windows, tokenize  # noqa: E402
 from geminicompress.distill.student import derive_student, n_params  # noqa: E402
-from geminicompress.distill.train import train  # noqa: E402
+from geminicompress.distill.train import TrainRun, train  # noqa: E402
 from geminicompress.eval.quality.perplexity import perplexity  # noqa: E402
 from geminicompress.machine import machine, versions  # noqa: E402
 from geminicompress.models.loading import load_model  # noqa: E402
@@ -67,8 +67,7 @@ def main() -> None:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as state:
-        student, h = train(student, teacher, train_w, held, cfg, seed=0, layer_map=None, masks=None,
-                           state_dir=Path(state), device=dev)
+        student, h = train(student, teacher, train_w, held, cfg, TrainRun(0, Path(state), dev))
     torch.cuda.synchronize()
     res.update({"wall_s": time.perf_counter() - t0, "train_s": h.seconds, "tokens": h.tokens,
                 "tokens_per_s": h.tokens / h.seconds, "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,

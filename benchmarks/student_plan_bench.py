@@ -24,7 +24,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -36,12 +36,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import DATA, RESULTS, SEQ_LEN  # noqa: E402
 
 from geminicompress.data import pack_windows, tokenize  # noqa: E402
-from geminicompress.data.windows import calibration_windows  # noqa: E402
+from geminicompress.data.windows import calibration_windows, sample_windows  # noqa: E402
 from geminicompress.distill.cut import cut_student  # noqa: E402
 from geminicompress.distill.plan import make_plan  # noqa: E402
 from geminicompress.distill.repair import RepairSpec  # noqa: E402
 from geminicompress.distill.student import derive_student, keep_layers, n_params  # noqa: E402
-from geminicompress.distill.survey import walk  # noqa: E402
+from geminicompress.distill.survey import Compute, walk  # noqa: E402
 from geminicompress.eval.quality.perplexity import perplexity  # noqa: E402
 from geminicompress.machine import machine, versions  # noqa: E402
 from geminicompress.models.loading import load_model  # noqa: E402
@@ -95,11 +95,17 @@ def main() -> None:
     ap.add_argument("--objective", default="mse", choices=["mse", "cosine"])
     ap.add_argument("--follow", action="store_true", help="also refit the kept blocks after each cut")
     ap.add_argument("--no-follow", action="store_true", help="(the default) repair only the block before each cut")
-    ap.add_argument("--ridge", type=float, default=1e-3)
+    ap.add_argument("--ridge", type=float, default=0.1)
     ap.add_argument("--teacher-ppl", type=float, default=None,
                     help="the teacher's perplexity on the same tokens from an earlier run (saves one forward; recorded as given)")
     ap.add_argument("--skip-unrepaired", action="store_true", help="do not measure the cuts without repair")
     ap.add_argument("--dropped", default=None, help="phase fixed: repair this cut (e.g. 12-17 or 3,9,14) without planning")
+    ap.add_argument("--even-repair", default=None, choices=["down_proj", "linear", "none"],
+                    help="the even derivation's repair (default: --repair); none is today's derivation")
+    ap.add_argument("--held-data", default="enwiki", choices=["enwiki", "wikitext"],
+                    help="where the plan's held-out windows come from: more enwiki windows, or WikiText-2 windows "
+                         "drawn after the evaluation's tokens (the same kind of text as the evaluation, disjoint)")
+    ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate of the train phase")
     ap.add_argument("--name", default="student_plan_bench")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -119,6 +125,10 @@ def main() -> None:
     evalw = pack_windows(ids, SEQ_LEN)
     calib = calibration_windows(tok, str(DATA / "enwiki-sample.txt"), args.fit_windows + args.held_windows, SEQ_LEN, 0)
     fitw, heldw = calib[: args.fit_windows], calib[args.fit_windows:]
+    if args.held_data == "wikitext":  # disjoint from the evaluation's tokens: drawn from those after them
+        rest = tokenize(tok, (DATA / "wikitext2-test.txt").read_text())[args.eval_tokens:]
+        heldw = sample_windows(rest, args.held_windows, SEQ_LEN, 0)
+        calib = torch.cat([fitw, heldw])
 
     def ppl(model) -> float:
         t0 = time.perf_counter()
@@ -134,13 +144,13 @@ def main() -> None:
     fit, held = full.rows(0, args.fit_windows), full.rows(args.fit_windows, len(calib))
     students: dict[str, torch.nn.Module] = {}
 
-    def row(kept: list[int], tag: str) -> dict:
+    def row(kept: list[int], tag: str, spec: RepairSpec = spec) -> dict:
         unrepaired = None
         if not args.skip_unrepaired:
             plain, _ = derive_student(teacher, kept)
             unrepaired = ppl(plain)
             del plain
-        student, rows = cut_student(teacher, kept, fit, spec, progress=log)
+        student, rows = cut_student(teacher, kept, fit, spec, on=Compute(progress=log))
         students[tag] = student
         repaired = ppl(student)
         t_ppl = result["teacher"]["ppl"]
@@ -151,7 +161,7 @@ def main() -> None:
 
     if "plan" in phases:
         t0 = time.perf_counter()
-        plan = make_plan(teacher, args.keep, fit, held, heldw, spec, shortlist=args.shortlist, device=CPU, progress=log)
+        plan = make_plan(teacher, args.keep, fit, held, heldw, spec, shortlist=args.shortlist, on=Compute(progress=log))
         result["plan"] = {**plan.as_dict(), "seconds": round(time.perf_counter() - t0, 1)}
         save()
         result["measured"] = row(plan.chosen.kept, "measured")
@@ -185,19 +195,20 @@ def main() -> None:
                                prediction_error=round(abs(predicted - measured) / abs(measured), 4))
         save()
     if "even" in phases:
-        result["even"] = row(keep_layers(L, args.keep), "even")
+        even_spec = replace(spec, mode=args.even_repair) if args.even_repair else spec
+        result["even"] = row(keep_layers(L, args.keep), "even", even_spec)
+        result["even"]["repair"] = asdict(even_spec)
         save()
     if "train" in phases:
-        from geminicompress.distill.train import train
+        from geminicompress.distill.train import TrainRun, train
         from geminicompress.recipes.schema import DistillStage
 
         train_text = tokenize(tok, (DATA / "enwiki-sample.txt").read_text())
         windows = pack_windows(train_text, SEQ_LEN)
         for tag, student in students.items():
             cfg = DistillStage(type="distill", train_minutes=args.train_minutes, seq_len=SEQ_LEN, batch_size=2,
-                               lr=1e-4, warmup_steps=5, temperature=1.0, eval_every=10_000, eval_windows=2)
-            trained, hist = train(student, teacher, windows[:-2], windows[-2:], cfg, seed=0, layer_map=None, masks=None,
-                                  state_dir=RESULTS / f".{args.name}-{tag}", device=CPU, progress=log)
+                               lr=args.lr, warmup_steps=5, temperature=1.0, eval_every=10_000, eval_windows=2)
+            trained, hist = train(student, teacher, windows[:-2], windows[-2:], cfg, TrainRun(0, RESULTS / f".{args.name}-{tag}", CPU, log))
             result[tag]["train"] = {"minutes": args.train_minutes, "steps": hist.step, "tokens": hist.tokens,
                                     "ppl": ppl(trained), "loss_curve": hist.loss[:: max(1, len(hist.loss) // 50)]}
             result[tag]["train"]["drift"] = round(result[tag]["train"]["ppl"] / result["teacher"]["ppl"] - 1, 4)
@@ -206,7 +217,10 @@ def main() -> None:
         from geminicompress.eval.speculative import generation_speed
 
         prompt = evalw[:1, :128]
-        result["latency"] = {"teacher_s_per_token": generation_speed(teacher, prompt, 64, repeats=5)["s_per_token"]}
+        result["latency"] = {"teacher_s_per_token": generation_speed(teacher, prompt, 64, repeats=5)["s_per_token"],
+                             "load_average_before": list(__import__("os").getloadavg()),
+                             "note": "greedy, 128-token prompt, 64 new tokens, median of 5, in this process; the "
+                                     "load average says whether other jobs shared the cores (then it is noise)"}
         for tag, student in students.items():
             tpot = generation_speed(student, prompt, 64, repeats=5)["s_per_token"]
             result["latency"][f"{tag}_s_per_token"] = tpot

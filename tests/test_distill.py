@@ -8,7 +8,7 @@ from tiny import prune_in_place, tiny_model
 
 from geminicompress.distill.masks import apply_masks, check_masks, masks_from_zeros
 from geminicompress.distill.student import derive_student, keep_layers, student_config
-from geminicompress.distill.train import batch_indices, train
+from geminicompress.distill.train import Guides, TrainRun, batch_indices, train
 from geminicompress.errors import InputError
 from geminicompress.formats.masks import read_masks, write_masks
 from geminicompress.recipes.schema import DistillStage
@@ -107,8 +107,7 @@ def test_a_few_steps_reduce_the_loss(tmp_path):
     teacher = tiny_model(num_hidden_layers=4)
     student, _ = derive_student(teacher, 0.5)
     w = _windows()
-    _, h = train(student, teacher, w[:4], w[16:], _cfg(steps=12, eval_every=12), seed=0, layer_map=None,
-                 masks=None, state_dir=tmp_path, device=CPU)
+    _, h = train(student, teacher, w[:4], w[16:], _cfg(steps=12, eval_every=12), TrainRun(0, tmp_path, CPU))
     assert h.step == 12 and h.tokens == 12 * 2 * 32
     assert sum(h.loss[-3:]) / 3 < 0.7 * sum(h.loss[:3]) / 3
 
@@ -118,8 +117,8 @@ def test_ce_and_hidden_losses_train(tmp_path):
     student, kept = derive_student(teacher, 0.5)
     cfg = _cfg(steps=8, loss={"kl": 1.0, "ce": 0.5, "hidden_mse": 1.0, "hidden_cos": 1.0})
     w = _windows()
-    _, h = train(student, teacher, w[:4], w[16:], cfg, seed=0, layer_map=dict(enumerate(kept)), masks=None,
-                 state_dir=tmp_path, device=CPU)
+    _, h = train(student, teacher, w[:4], w[16:], cfg, TrainRun(0, tmp_path, CPU),
+                 Guides(layer_map=dict(enumerate(kept))))
     assert set(h.terms[0]) == {"kl", "ce", "hidden_mse", "hidden_cos"}
     assert h.loss[-1] < h.loss[0]
 
@@ -160,15 +159,13 @@ def test_resume_continues_the_same_loss_trajectory(tmp_path):
     w = _windows()
     cfg = _cfg(steps=6, save_every=3, grad_accum=2)
     ref_student = copy.deepcopy(student)
-    _, ref = train(ref_student, teacher, w[:10], w[16:], cfg, seed=0, layer_map=None, masks=None,
-                   state_dir=tmp_path / "a", device=CPU)
+    _, ref = train(ref_student, teacher, w[:10], w[16:], cfg, TrainRun(0, tmp_path / "a", CPU))
 
     first = copy.deepcopy(student)
     with pytest.raises(KeyboardInterrupt):
-        train(first, teacher, w[:10], w[16:], cfg, seed=0, layer_map=None, masks=None, state_dir=tmp_path / "b",
-              device=CPU, progress=_StopAt(4))  # dies during step 4, after the step-3 checkpoint
+        train(first, teacher, w[:10], w[16:], cfg, TrainRun(0, tmp_path / "b", CPU, _StopAt(4)))  # dies during step 4, after the step-3 checkpoint
     resumed_student, resumed = train(copy.deepcopy(student), teacher, w[:10], w[16:], cfg.model_copy(update={"resume": True}),
-                                     seed=0, layer_map=None, masks=None, state_dir=tmp_path / "b", device=CPU)
+                                     TrainRun(0, tmp_path / "b", CPU))
     assert resumed.step == 6 and len(resumed.loss) == 6
     torch.testing.assert_close(torch.tensor(resumed.loss), torch.tensor(ref.loss), rtol=1e-6, atol=1e-7)
     assert [step for step, _ in resumed.ppl] == [step for step, _ in ref.ppl]
@@ -187,7 +184,7 @@ def test_masks_survive_training(tmp_path):
     student, masks = _pruned_tiny()
     before = {n: p.detach().clone() for n, p in student.named_parameters()}
     trained, h = train(student, teacher, _windows()[:8], _windows()[16:], _cfg(steps=5, weight_decay=0.1),
-                       seed=0, layer_map=None, masks=masks, state_dir=tmp_path, device=CPU)
+                       TrainRun(0, tmp_path, CPU), Guides(masks=masks))
     params = dict(trained.named_parameters())
     for name, mask in masks.items():
         assert torch.all(params[name][~mask] == 0), name

@@ -14,7 +14,7 @@ from geminicompress.cli import app
 from geminicompress.distill import stage as distill_stage
 from geminicompress.distill.student import derive_student
 from geminicompress.distill.topk_cache import build_topk_cache
-from geminicompress.distill.train import train
+from geminicompress.distill.train import Guides, TrainRun, train
 from geminicompress.engine.contract import StageContext
 from geminicompress.eval.speculative import measure_speculative
 from geminicompress.formats.masks import MASKS_FILE, read_masks
@@ -130,8 +130,8 @@ def test_topk_cache_is_reused_and_matches_online_kl_when_k_is_the_vocabulary(tmp
     runs = []
     for cache in (None, again):
         student, _ = derive_student(teacher, 0.5)
-        _, h = train(student, teacher, w[:8], w[8:], cfg, seed=0, layer_map=None, masks=None,
-                     state_dir=tmp_path / str(len(runs)), device=CPU, cache=cache)
+        _, h = train(student, teacher, w[:8], w[8:], cfg, TrainRun(0, tmp_path / str(len(runs)), CPU),
+                     Guides(cache=cache))
         runs.append(h.loss)
     # fp16 storage of the cached logits is the only difference
     torch.testing.assert_close(torch.tensor(runs[0]), torch.tensor(runs[1]), rtol=2e-3, atol=1e-3)

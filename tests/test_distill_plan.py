@@ -145,7 +145,7 @@ def test_plan_candidates_and_fields(setup):
     spans = [c for c in cands if c.kind == "span"]
     assert [c.dropped for c in spans] == [[1, 2], [2, 3], [3, 4], [4, 5], [5, 6]]  # first and last kept
     assert {c.kind for c in cands} <= {"span", "angular-set", "even"} and any(c.kind == "even" for c in cands)
-    plan = make_plan(teacher, 6, fit, held, windows[32:], RepairSpec("down_proj"), shortlist=2, device=CPU)
+    plan = make_plan(teacher, 6, fit, held, windows[32:], RepairSpec("down_proj"), shortlist=2)
     d = json.loads(json.dumps(plan.as_dict()))
     assert {"n_layers", "keep", "teacher_ppl", "chosen", "predicted_drift", "candidates", "repair", "decode"} <= set(d)
     for c in d["candidates"]:
@@ -247,7 +247,7 @@ def test_two_budgets_are_refused():
 
 
 def test_train_minutes_trains_until_the_budget_is_spent(tmp_path):
-    from geminicompress.distill.train import train
+    from geminicompress.distill.train import TrainRun, train
     from geminicompress.recipes.schema import DistillStage
 
     teacher = tiny_model(num_hidden_layers=4)
@@ -255,7 +255,66 @@ def test_train_minutes_trains_until_the_budget_is_spent(tmp_path):
     windows = torch.randint(0, 384, (10, 16), generator=torch.Generator().manual_seed(0))
     cfg = DistillStage(type="distill", train_minutes=0.003, seq_len=16, batch_size=2, warmup_steps=1,
                        eval_every=10_000, eval_windows=2)
-    _, hist = train(student, teacher, windows[:8], windows[8:], cfg, seed=0, layer_map=None, masks=None,
-                    state_dir=tmp_path, device=CPU)
+    _, hist = train(student, teacher, windows[:8], windows[8:], cfg, TrainRun(0, tmp_path, CPU))
     assert hist.step >= 1 and hist.seconds >= 0.18  # stopped only once 0.003 minutes of steps were spent
     assert hist.tokens == hist.step * 2 * 16 and len(hist.ppl) == 2  # before, and at the last step
+
+
+# --------------------------------------------------------------------------- --target-latency
+
+
+def test_latency_target_is_the_parameter_share_read_per_token():
+    from geminicompress.distill.latency_target import keep_for_latency, read_shares
+    from geminicompress.recipes.schema import parse_latency
+
+    teacher = tiny_model(num_hidden_layers=6)
+    head, block, n = read_shares(teacher)
+    assert (head, block, n) == (384 * 64, 36992.0, 6)  # the head (vocab x hidden); a block's mean parameters
+    total = head + n * block
+    assert keep_for_latency(teacher, 0.9) == (5, round((head + 5 * block) / total, 4))  # 5 blocks: 0.85x
+    assert keep_for_latency(teacher, 0.5)[0] == 2  # 3 blocks would read 0.55x
+    assert parse_latency("0.8x") == parse_latency(" 0.8 ") == 0.8
+    with pytest.raises(InputError, match=r"even a 1-layer student reads 0.25x .* ask for at least 0.25x") as e:
+        keep_for_latency(teacher, 0.1)
+    assert "\n" not in str(e.value)
+    for bad in ("1x", "1.5x", "0x", "fast", "nan"):
+        with pytest.raises(ValueError, match="target_latency"):
+            parse_latency(bad)
+
+
+@pytest.mark.parametrize("target, says", [("0.1x", "ask for at least 0.25x"), ("1.2x", "decode faster than its teacher"),
+                                          ("quick", "give a fraction")])
+def test_distill_refuses_a_latency_target_before_loading(teacher6, text_file, tmp_path, monkeypatch, target, says):
+    from geminicompress.models import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the teacher"))
+    res = _invoke("distill", "--teacher", teacher6, "--target-latency", target, "--data", text_file, "-o", tmp_path / "x")
+    assert res.exit_code == 2 and says in res.output and len(res.output.strip().splitlines()) == 1, res.output
+
+
+def test_distill_target_latency_chooses_the_layer_count(teacher6, text_file, tmp_path):
+    out = tmp_path / "fast"
+    res = _invoke("distill", "--teacher", teacher6, "--target-latency", "0.5x", "--train-minutes", "0", "--data",
+                  text_file, "--quiet", "-o", out)
+    assert res.exit_code == 0, res.output
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["keep"] == 2 and len(plan["kept"]) == 2
+    assert plan["target_latency"] == {"target": 0.5, "keep": 2, "predicted_ratio": 0.3998, "basis": "parameter share"}
+    res = _invoke("distill", "--teacher", teacher6, "--target-latency", "0.5x", "--student-layers", "3", "--data",
+                  text_file, "-o", tmp_path / "both")
+    assert res.exit_code == 2 and "give one of" in res.output and len(res.output.strip().splitlines()) == 1, res.output
+
+
+def test_plan_data_gives_the_held_out_windows(teacher6, text_file, tmp_path):
+    other = tmp_path / "other.txt"
+    other.write_text(" ".join(reversed(text_file.read_text().split())))  # the same words, another text
+    plans = []
+    for extra in ([], ["--plan-data", other]):
+        out = tmp_path / f"held{len(extra)}"
+        res = _invoke("distill", "--teacher", teacher6, "--student-layers", "4", "--train-minutes", "0", "--data",
+                      text_file, *extra, "--quiet", "-o", out)
+        assert res.exit_code == 0, res.output
+        plans.append(json.loads((out / "plan.json").read_text()))
+    assert plans[0]["held_data"] == str(text_file) and plans[1]["held_data"] == str(other)
+    assert plans[1]["teacher_ppl"] != pytest.approx(plans[0]["teacher_ppl"], rel=1e-3)  # other windows
+    assert plans[1]["predicted_drift"] == pytest.approx(plans[1]["student_drift"], abs=1e-4)

@@ -21,12 +21,15 @@ def _parse_layers(text: str) -> int | float | list[int]:
                          "indices (0,2,4)") from exc
 
 
-def _check_before_load(teacher: str, layers: int | float | list[int] | None, cuts: bool) -> None:
-    """Refuse, from the teacher's config.json alone, a layer count the teacher cannot give and (when the
-    student is cut by measurement or repaired) an architecture whose blocks we cannot map."""
+def _check_before_load(teacher: str, layers: int | float | list[int] | None, cuts: bool,
+                       target_latency: float | None = None) -> None:
+    """Refuse, from the teacher's config.json alone, a layer count the teacher cannot give, a latency target
+    no layer count can give and (when the student is cut by measurement or repaired) an architecture whose
+    blocks we cannot map."""
     import json
 
     from geminicompress.core.arch import arch_for
+    from geminicompress.distill.latency_target import keep_for_latency
     from geminicompress.distill.student import keep_count
     from geminicompress.models.demo import demo_cache_dir
     from geminicompress.models.lazy import skeleton
@@ -40,13 +43,16 @@ def _check_before_load(teacher: str, layers: int | float | list[int] | None, cut
     n_layers, model_type = config.get("num_hidden_layers"), config.get("model_type")
     if isinstance(layers, int) and isinstance(n_layers, int):
         keep_count(n_layers, layers)
-    if cuts:  # the decoder blocks and their MLP output, traced on the config's skeleton (no weight read)
+    if cuts or target_latency is not None:  # the decoder blocks, traced on the config's skeleton (no weight read)
         try:
-            arch_for(skeleton(path, False))
+            model = skeleton(path, False)
+            arch_for(model)
         except Exception as exc:  # transformers does not know the type, or tracing finds no decoder layers
             why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise InputError(f"teacher architecture '{model_type}' has no block map for cutting layers ({why}); "
                              "use --derive even --repair none") from exc
+        if target_latency is not None:
+            keep_for_latency(model, target_latency)
 
 
 def _parse_loss(text: str) -> dict[str, float]:
@@ -66,6 +72,8 @@ def distill(
     student: Optional[str] = typer.Option(None, "--student", help="An existing student MODEL sharing the teacher's tokenizer (a pruned model keeps its zeros)."),
     student_layers: Optional[str] = typer.Option(None, "--student-layers", help="Derive the student: a count of teacher layers (24), a fraction (0.8) or indices (0,2,4,...)."),
     student_config: Optional[str] = typer.Option(None, "--student-config", help="A config.json for a student of the teacher's architecture."),
+    target_latency: Optional[str] = typer.Option(None, "--target-latency", help="Derive a student decoding in at most this fraction of the teacher's time per token, e.g. 0.8x (the layer count from the parameter share read per token)."),
+    plan_data: Optional[str] = typer.Option(None, "--plan-data", help="Text the plan measures each cut's drift on (the kind of text the student will serve; default DATA)."),
     mlp_ratio: Optional[float] = typer.Option(None, "--mlp-ratio", help="Keep this fraction of MLP channels in a derived student (default 1.0)."),
     derive: Optional[str] = typer.Option(None, "--derive", help="Which layers a count/fraction keeps: measured (the cut with the least drift after repair on calibration windows; writes plan.json) or even (evenly spaced). Default measured."),
     repair: Optional[str] = typer.Option(None, "--repair", help="Closed-form repair of the cut before training: down_proj (default), linear (a ReplaceMe map merged into down_proj) or none."),
@@ -103,19 +111,27 @@ def distill(
       accelerate launch -m geminicompress distill --teacher big-model \\
           --student small-model --data train.jsonl -o out
     """
+    from geminicompress.recipes.schema import parse_latency
+
+    try:
+        latency = parse_latency(target_latency) if target_latency is not None else None
+    except ValueError as exc:
+        raise InputError(f"--{exc}".replace("target_latency", "target-latency", 1)) from exc
     given = {
         "student": student, "student_config": student_config, "mlp_ratio": mlp_ratio, "reconstruct": reconstruct,
         "data": data, "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "grad_accum": grad_accum, "lr": lr,
         "warmup_steps": warmup_steps, "temperature": temperature, "topk_cache": topk_cache,
         "teacher_stream": teacher_stream, "precision": precision, "gradient_checkpointing": gradient_checkpointing,
         "eval_every": eval_every, "save_every": save_every, "resume": resume, "derive": derive, "repair": repair,
-        "train_minutes": train_minutes, "train_tokens": train_tokens,
+        "train_minutes": train_minutes, "train_tokens": train_tokens, "plan_data": plan_data,
+        "target_latency": latency,
         "student_layers": _parse_layers(student_layers) if student_layers is not None else None,
         "loss": _parse_loss(loss) if loss is not None else None,
     }
     stage = {"type": "distill", **{k: v for k, v in given.items() if v is not None}}
     if student is None and student_config is None:
-        _check_before_load(teacher, given["student_layers"], derive != "even" or repair not in (None, "none"))
+        _check_before_load(teacher, given["student_layers"], derive != "even" or repair not in (None, "none"),
+                           given["target_latency"])
     run = {**c.RUN_DEFAULTS, **options, "text_column": text_column, "samples": samples}
     c.run_single_stage(teacher, stage, output, run, source="distill options")
 

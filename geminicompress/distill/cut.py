@@ -11,7 +11,7 @@ serves or exports like the teacher.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ import torch.nn as nn
 from geminicompress.core.arch import arch_for, decoder_layers
 from geminicompress.distill.repair import RepairSpec, repair
 from geminicompress.distill.student import derive_student, n_params
-from geminicompress.distill.survey import Walk, mlp_down
+from geminicompress.distill.survey import Compute, Walk, mlp_down
 from geminicompress.progress import NullProgress, Progress
 
 
@@ -29,9 +29,20 @@ def important_channels(importance: torch.Tensor, kept: list[int], keep: int) -> 
     return {t: importance[t].topk(keep).indices.sort().values for t in kept}
 
 
+@dataclass(frozen=True)
+class CutSpec:
+    """How a student is cut from its teacher: which blocks (`derive`: measured by the plan, or even), the
+    repair, how many calibration windows fit it (the rest measure drift), the plan's shortlist, MLP width."""
+
+    derive: str = "measured"  # "measured" | "even"
+    repair: RepairSpec = RepairSpec()
+    fit_windows: int = 32
+    shortlist: int = 3
+    mlp_ratio: float = 1.0
+
+
 def cut_student(teacher: nn.Module, kept: list[int], fit: Walk, spec: RepairSpec, *, mlp_ratio: float = 1.0,
-                device: torch.device = torch.device("cpu"), batch: int = 4,
-                progress: Progress | None = None) -> tuple[nn.Module, list[dict[str, Any]]]:
+                on: Compute = Compute()) -> tuple[nn.Module, list[dict[str, Any]]]:
     """The student keeping teacher blocks `kept` (and `mlp_ratio` of each MLP's channels), repaired on the
     calibration walk `fit`; returns it and the repair's rows (one per refit block)."""
     channels = None
@@ -41,24 +52,23 @@ def cut_student(teacher: nn.Module, kept: list[int], fit: Walk, spec: RepairSpec
         width = max(1, round(teacher.config.intermediate_size * mlp_ratio))
         channels = important_channels(fit.channels, kept, width)
     student, _ = derive_student(teacher, list(kept), mlp_ratio, channels=channels)
-    rows = repair(list(decoder_layers(student)), kept, fit.hidden, fit.kwargs, mlp_down(teacher), spec,
-                  narrowed=mlp_ratio < 1.0, device=device, batch=batch, progress=progress)
+    rows = repair(list(decoder_layers(student)), kept, fit, mlp_down(teacher), spec, narrowed=mlp_ratio < 1.0, on=on)
     return student.to("cpu").eval(), rows
 
 
-def planned_student(teacher: nn.Module, layers: int | float | list[int], windows: torch.Tensor, *, derive: str,
-                    spec: RepairSpec, fit_windows: int, shortlist: int = 3, mlp_ratio: float = 1.0,
+def planned_student(teacher: nn.Module, layers: int | float | list[int], windows: torch.Tensor, cut: CutSpec, *,
                     device: torch.device = torch.device("cpu"), progress: Progress | None = None
                     ) -> tuple[nn.Module, list[int], dict[str, Any]]:
-    """plan -> cut -> repair on calibration windows (n, T): the first `fit_windows` fit the repair, the rest
-    measure drift. `layers`: a count or fraction (kept blocks chosen by `derive`: measured or even) or a list.
-    Returns the student, the teacher blocks it keeps and the plan table (plan.json)."""
+    """plan -> cut -> repair on calibration windows (n, T): the first `cut.fit_windows` fit the repair, the rest
+    measure drift. `layers`: a count or fraction (kept blocks chosen by `cut.derive`: measured or even) or a
+    list. Returns the student, the teacher blocks it keeps and the plan table (plan.json)."""
     from geminicompress.distill.plan import Plan, make_plan
     from geminicompress.distill.student import keep_count, keep_layers
     from geminicompress.distill.survey import mean_nll, walk
     from geminicompress.eval.quality.perplexity import perplexity
 
     progress = progress or NullProgress()
+    derive, spec, fit_windows, mlp_ratio = cut.derive, cut.repair, cut.fit_windows, cut.mlp_ratio
     n_layers = teacher.config.num_hidden_layers
     arch_for(teacher)  # an architecture whose blocks we cannot map is refused before the walk
     full = walk(teacher, windows, device=device, progress=progress)
@@ -68,10 +78,10 @@ def planned_student(teacher: nn.Module, layers: int | float | list[int], windows
     if isinstance(layers, list) or derive == "even" or keep_count(n_layers, layers) == n_layers:
         kept = keep_layers(n_layers, layers)
     else:
-        plan = make_plan(teacher, keep_count(n_layers, layers), fit, held, held_ids, spec, shortlist=shortlist,
-                         device=device, progress=progress)
+        plan = make_plan(teacher, keep_count(n_layers, layers), fit, held, held_ids, spec, shortlist=cut.shortlist,
+                         on=Compute(device, progress=progress))
         kept = plan.chosen.kept
-    student, rows = cut_student(teacher, kept, fit, spec, mlp_ratio=mlp_ratio, device=device, progress=progress)
+    student, rows = cut_student(teacher, kept, fit, spec, mlp_ratio=mlp_ratio, on=Compute(device, progress=progress))
     teacher_ppl = math.exp(mean_nll(teacher, held.hidden[-1], held_ids, device=device))
     student_ppl = perplexity(student, held_ids, device)
     table = plan.as_dict() if plan is not None else {"n_layers": n_layers, "keep": len(kept), "candidates": []}

@@ -30,8 +30,8 @@ import torch.nn as nn
 from geminicompress.core.arch import decoder_layers
 from geminicompress.distill.repair import RepairSpec, repair
 from geminicompress.distill.student import keep_layers
-from geminicompress.distill.survey import Walk, mean_nll, mlp_down, run_layers, span_distances
-from geminicompress.progress import NullProgress, Progress
+from geminicompress.distill.survey import Compute, Walk, mean_nll, mlp_down, run_layers, span_distances
+from geminicompress.progress import NullProgress
 
 
 @dataclass
@@ -121,22 +121,22 @@ def measured_nll(model: nn.Module, kept: list[int], held: Walk, windows: torch.T
     return mean_nll(model, out, windows, device=device)
 
 
-def repaired_layers(model: nn.Module, kept: list[int], fit: Walk, spec: RepairSpec, *, device: torch.device,
-                    batch: int = 4) -> tuple[list[nn.Module], list[dict]]:
+def repaired_layers(model: nn.Module, kept: list[int], fit: Walk, spec: RepairSpec, *,
+                    on: Compute = Compute()) -> tuple[list[nn.Module], list[dict]]:
     """The student's blocks after the repair: copies of the teacher's blocks that the repair changes
     (from the first cut on), the teacher's own before it."""
     teacher_layers = decoder_layers(model)
     first = next((j for j, t in enumerate(kept) if t != j), len(kept))
     first_fit = max(0, first - 1)  # the block before the first cut carries its map
     layers = [teacher_layers[t] if j < first_fit else copy.deepcopy(teacher_layers[t]) for j, t in enumerate(kept)]
-    rows = repair(layers, kept, fit.hidden, fit.kwargs, mlp_down(model), spec, device=device, batch=batch)
+    rows = repair(layers, kept, fit, mlp_down(model), spec, on=Compute(on.device, on.batch))
     return layers, rows
 
 
 def make_plan(model: nn.Module, keep: int, fit: Walk, held: Walk, held_windows: torch.Tensor, spec: RepairSpec, *,
-              shortlist: int = 3, device: torch.device, batch: int = 4, progress: Progress | None = None) -> Plan:
+              shortlist: int = 3, on: Compute = Compute()) -> Plan:
     """Score every candidate cut (module docstring) and choose the one with the smallest repaired drift."""
-    progress = progress or NullProgress()
+    progress, device, batch = on.progress or NullProgress(), on.device, on.batch
     L = fit.n_layers
     teacher_nll = mean_nll(model, held.hidden[-1], held_windows, device=device)
     cands = candidates(fit, keep, block_params(decoder_layers(model)))
@@ -150,7 +150,7 @@ def make_plan(model: nn.Module, keep: int, fit: Walk, held: Walk, held_windows: 
         quick = replace(spec, follow=False)  # the map at each cut only: one block refit per candidate
         with progress.task("plan: drift after repair", len(top)) as bar:
             for c in top:
-                layers, _ = repaired_layers(model, c.kept, fit, quick, device=device, batch=batch)
+                layers, _ = repaired_layers(model, c.kept, fit, quick, on=on)
                 nll = measured_nll(model, c.kept, held, held_windows, layers=layers, device=device, batch=batch)
                 c.repaired_drift = _drift(nll, teacher_nll)
                 del layers

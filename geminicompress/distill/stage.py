@@ -25,7 +25,8 @@ import torch
 from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.distill import masks as M
 from geminicompress.distill import streamed_teacher as ST
-from geminicompress.distill.cut import planned_student
+from geminicompress.distill.cut import CutSpec, planned_student
+from geminicompress.distill.latency_target import keep_for_latency
 from geminicompress.distill.plot import plot_curve
 from geminicompress.distill.reconstruct import check_same_shape, reconstruct
 from geminicompress.distill.repair import RepairSpec
@@ -37,7 +38,7 @@ from geminicompress.distill.student import (
     student_from_config,
 )
 from geminicompress.distill.topk_cache import build_topk_cache
-from geminicompress.distill.train import train
+from geminicompress.distill.train import Guides, TrainRun, train
 from geminicompress.errors import InputError
 from geminicompress.formats.masks import read_masks, write_masks
 from geminicompress.models.lazy import LazyCheckpoint
@@ -95,8 +96,8 @@ def run(cfg: DistillStage, ctx) -> dict:
     ctx.progress.info(f"distilling {pair.how}: teacher {t_params / 1e6:.1f}M -> student {s_params / 1e6:.1f}M "
                       f"parameters, {len(train_w)} training windows of {cfg.seq_len}")
     student, history = train(pair.student, None if cache and not layer_map else pair.teacher, train_w, eval_w, cfg,
-                             seed=ctx.recipe.seed, layer_map=layer_map, masks=pair.masks, state_dir=ctx.state_dir,
-                             device=ctx.device, progress=ctx.progress, cache=cache)
+                             TrainRun(ctx.recipe.seed, ctx.state_dir, ctx.device, ctx.progress),
+                             Guides(layer_map, pair.masks, cache))
     student = student.to("cpu")
     ctx.model, ctx.tokenizer = student, pair.tokenizer
     if pair.masks:
@@ -116,7 +117,7 @@ def run(cfg: DistillStage, ctx) -> dict:
 
 def choose_models(cfg: DistillStage, ctx) -> Pair:
     """Teacher, student, tokenizer and masks following the rules in the module docstring."""
-    explicit = cfg.student is not None or cfg.student_layers is not None or cfg.student_config is not None
+    explicit = any(getattr(cfg, k) is not None for k in ("student", "student_layers", "student_config", "target_latency"))
     first = next((i for i, s in enumerate(ctx.recipe.stages) if s is cfg), 0) == 0
     if not explicit and not first:
         spec = cfg.teacher or ctx.recipe.model
@@ -144,11 +145,18 @@ def choose_models(cfg: DistillStage, ctx) -> Pair:
         config = AutoConfig.from_pretrained(cfg.student_config)
         student, kept = student_from_config(teacher, config, lazy)
         return Pair(teacher, student, tokenizer, kept, None, f"into a student from {cfg.student_config}", lazy)
-    spec = cfg.student_layers if cfg.student_layers is not None else 0.5
+    spec, target = cfg.student_layers if cfg.student_layers is not None else 0.5, None
+    if cfg.target_latency is not None:  # the layer count from the parameter share read per token
+        spec, ratio = keep_for_latency(teacher, cfg.target_latency)
+        target = {"target": cfg.target_latency, "keep": spec, "predicted_ratio": ratio, "basis": "parameter share"}
+        ctx.progress.info(f"--target-latency {cfg.target_latency:g}x: {spec} of {teacher.config.num_hidden_layers} "
+                          f"layers (predicted {ratio:.3f}x of the teacher's weights read per token)")
     derive, repair_mode = cfg.derive or ("even" if lazy else "measured"), cfg.repair or ("none" if lazy else "down_proj")
     how = f"into {{}} of {teacher.config.num_hidden_layers} layers"
     if lazy is None and (derive == "measured" or repair_mode != "none"):
         student, kept, plan = _planned(cfg, ctx, teacher, spec, derive, repair_mode)
+        if target is not None:
+            plan["target_latency"] = target
         return Pair(teacher, student, tokenizer, kept, None, how.format(len(kept)), lazy, plan)
     if lazy is not None and (derive == "measured" or repair_mode != "none"):
         raise InputError("derive: measured and repair need the teacher in memory, and this one streams: use "
@@ -160,12 +168,16 @@ def choose_models(cfg: DistillStage, ctx) -> Pair:
 def _planned(cfg: DistillStage, ctx, teacher, spec, derive: str, repair_mode: str):
     """plan -> cut -> repair (cut.planned_student) on the stage's calibration windows."""
     windows = ctx.calibration(cfg.data, samples=cfg.repair_windows + cfg.plan_held_windows)
+    if cfg.plan_data:  # the held-out windows from the text the student will serve (same count, same seed)
+        held = ctx.calibration(cfg.plan_data, samples=cfg.plan_held_windows, seq_len=windows.shape[1])
+        windows = torch.cat([windows[: cfg.repair_windows], held])
     rspec = RepairSpec(repair_mode, cfg.repair_objective, cfg.repair_ridge, cfg.repair_follow)
     ctx.progress.info(f"cutting by {derive} derivation with {repair_mode} repair on {cfg.repair_windows} + "
-                      f"{cfg.plan_held_windows} calibration windows of {windows.shape[1]} tokens")
-    student, kept, plan = planned_student(teacher, spec, windows, derive=derive, spec=rspec,
-                                          fit_windows=cfg.repair_windows, shortlist=cfg.plan_shortlist,
-                                          mlp_ratio=cfg.mlp_ratio, device=ctx.device, progress=ctx.progress)
+                      f"{cfg.plan_held_windows} calibration windows of {windows.shape[1]} tokens"
+                      + (f" (held-out ones from {cfg.plan_data})" if cfg.plan_data else ""))
+    cut = CutSpec(derive, rspec, cfg.repair_windows, cfg.plan_shortlist, cfg.mlp_ratio)
+    student, kept, plan = planned_student(teacher, spec, windows, cut, device=ctx.device, progress=ctx.progress)
+    plan["held_data"] = cfg.plan_data or cfg.data or ctx.recipe.calibration.data
     ctx.progress.info(f"kept teacher layers {kept}; drift on the held-out calibration windows "
                       f"{plan['student_drift']:+.1%} (teacher {plan['teacher_ppl']:.2f} -> student {plan['student_ppl']:.2f})")
     return student, kept, plan

@@ -32,6 +32,15 @@ from geminicompress.engine.layers import layer_output
 from geminicompress.progress import NullProgress, Progress
 
 
+@dataclass(frozen=True)
+class Compute:
+    """Where the walk's replays run: the device, windows per forward, and the progress they report to."""
+
+    device: torch.device = torch.device("cpu")
+    batch: int = 4
+    progress: Progress | None = None
+
+
 @dataclass
 class Walk:
     """The teacher's residual stream on calibration windows and its activation importance."""

@@ -15,8 +15,9 @@ import math
 import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -66,44 +67,58 @@ def lr_lambda(warmup: int, total: int):
     return f
 
 
-def train(
-    student: nn.Module,
-    teacher: nn.Module | None,
-    train_windows: torch.Tensor,
-    eval_windows: torch.Tensor,
-    cfg: DistillStage,
-    *,
-    seed: int,
-    layer_map: dict[int, int] | None,
-    masks: dict[str, torch.Tensor] | None,
-    state_dir: Path,
-    device: torch.device,
-    progress: Progress | None = None,
-    cache: TopKCache | None = None,
-) -> tuple[nn.Module, History]:
-    """Train `student` towards `teacher` for cfg.steps optimizer steps; return the unwrapped student."""
+@dataclass(frozen=True)
+class TrainRun:
+    """Where a run computes and keeps its checkpoints, its seed, and what it reports progress to."""
+
+    seed: int
+    state_dir: Path
+    device: torch.device
+    progress: Progress | None = None
+
+
+@dataclass(frozen=True)
+class Guides:
+    """What holds the student besides the teacher's logits: the hidden-state layer map (student layer ->
+    teacher layer), the pruning masks that keep its zeros, the teacher's top-k logit cache."""
+
+    layer_map: dict[int, int] | None = None
+    masks: dict[str, torch.Tensor] | None = None
+    cache: TopKCache | None = None
+
+
+@dataclass(frozen=True)
+class _Loop:
+    """What every optimizer step reads (the prepared objects of one run)."""
+
+    acc: Any
+    student: nn.Module  # as prepared by accelerate (maybe wrapped)
+    teacher: nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    windows: torch.Tensor  # (n, T) training windows
+    cfg: DistillStage
+    seed: int
+    guides: Guides  # masks on the accelerator's device
+
+    @property
+    def hidden(self) -> bool:
+        return self.cfg.loss.hidden_mse > 0 or self.cfg.loss.hidden_cos > 0
+
+
+def train(student: nn.Module, teacher: nn.Module | None, train_windows: torch.Tensor, eval_windows: torch.Tensor,
+          cfg: DistillStage, run: TrainRun, guides: Guides = Guides()) -> tuple[nn.Module, History]:
+    """Train `student` towards `teacher` for cfg.steps optimizer steps (or cfg.train_minutes); return the
+    unwrapped student and what the run did."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    progress = progress or NullProgress()
-    acc = Accelerator(mixed_precision=cfg.precision, cpu=device.type == "cpu")
-    set_seed(seed)
-    if cfg.gradient_checkpointing:
-        student.config.use_cache = False
-        student.gradient_checkpointing_enable()
-    student.train()
-    optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.steps))
-    student, optimizer = acc.prepare(student, optimizer)
-    acc.register_for_checkpointing(scheduler)
-    raw = acc.unwrap_model(student)
-    if teacher is not None:
-        teacher.to(acc.device).eval().requires_grad_(False)
-    if masks:
-        masks = {k: v.to(acc.device) for k, v in masks.items()}
-        apply_masks(raw, masks)
-
-    ckpt = _shared_path(acc, Path(state_dir) / CKPT)
+    progress = run.progress or NullProgress()
+    acc = Accelerator(mixed_precision=cfg.precision, cpu=run.device.type == "cpu")
+    set_seed(run.seed)
+    loop = _prepare(acc, student, teacher, train_windows, cfg, run.seed, guides)
+    raw = acc.unwrap_model(loop.student)
+    ckpt = _shared_path(acc, Path(run.state_dir) / CKPT)
     if cfg.resume and (ckpt / "history.json").is_file():
         acc.load_state(str(ckpt))
         history = History(**json.loads((ckpt / "history.json").read_text()))
@@ -111,32 +126,7 @@ def train(
         progress.info(f"resumed distillation at step {history.step} of {cfg.steps}")
     else:
         history = History(ppl=[(0, perplexity(raw, eval_windows, acc.device))])
-
-    hidden = cfg.loss.hidden_mse > 0 or cfg.loss.hidden_cos > 0
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * train_windows.shape[1] * acc.num_processes
-    budget = cfg.train_minutes * 60.0 if cfg.train_minutes else None  # seconds of optimizer steps
-    last = cfg.steps if budget is None or "steps" in cfg.model_fields_set else None  # None: until the budget ends
-    with progress.task("distill", last) as bar:
-        bar.advance(history.step)
-        while (last is None or history.step < last) and (budget is None or history.seconds < budget):
-            t0 = time.perf_counter()
-            loss, terms = _optimizer_step(acc, student, teacher, optimizer, scheduler, train_windows, cfg, seed,
-                                          history.step, layer_map, masks, hidden, cache)
-            history.step += 1
-            history.loss.append(loss)
-            history.terms.append(terms)
-            history.tokens += tokens_per_step
-            history.seconds += time.perf_counter() - t0
-            if budget is not None and history.step == 1:  # the schedule's horizon: the steps the budget allows
-                horizon = max(cfg.warmup_steps + 1, int(budget / max(history.seconds, 1e-9)))
-                scheduler.lr_lambdas[0] = lr_lambda(cfg.warmup_steps, horizon if last is None else min(horizon, last))
-            done = history.step == last or (budget is not None and history.seconds >= budget)
-            if history.step % cfg.eval_every == 0 or done:
-                history.ppl.append((history.step, perplexity(raw, eval_windows, acc.device)))
-            if cfg.save_every and history.step % cfg.save_every == 0 and not done:
-                _save(acc, ckpt, history)
-            bar.advance(1, loss=loss, tok_s=round(history.tokens / max(history.seconds, 1e-9)),
-                        ppl=history.ppl[-1][1])
+    _steps(loop, history, eval_windows, ckpt, progress)
     acc.wait_for_everyone()
     if cfg.gradient_checkpointing:
         raw.gradient_checkpointing_disable()
@@ -145,15 +135,66 @@ def train(
     return raw.eval(), history
 
 
-def _optimizer_step(acc, student, teacher, optimizer, scheduler, windows, cfg, seed, step, layer_map, masks,
-                    hidden, cache) -> tuple[float, dict[str, float]]:
+def _prepare(acc, student: nn.Module, teacher: nn.Module | None, windows: torch.Tensor, cfg: DistillStage, seed: int,
+             guides: Guides) -> _Loop:
+    """The student in training mode with its optimizer and schedule, prepared by accelerate; the teacher on
+    the device, frozen; the masks on the device and applied."""
+    if cfg.gradient_checkpointing:
+        student.config.use_cache = False
+        student.gradient_checkpointing_enable()
+    student.train()
+    optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.steps))
+    student, optimizer = acc.prepare(student, optimizer)
+    acc.register_for_checkpointing(scheduler)
+    if teacher is not None:
+        teacher.to(acc.device).eval().requires_grad_(False)
+    if guides.masks:
+        guides = replace(guides, masks={k: v.to(acc.device) for k, v in guides.masks.items()})
+        apply_masks(acc.unwrap_model(student), guides.masks)
+    return _Loop(acc, student, teacher, optimizer, scheduler, windows, cfg, seed, guides)
+
+
+def _steps(loop: _Loop, history: History, eval_windows: torch.Tensor, ckpt: Path, progress: Progress) -> None:
+    """Optimizer steps until cfg.steps or the minutes budget; held-out perplexity every eval_every steps."""
+    cfg, acc = loop.cfg, loop.acc
+    raw = acc.unwrap_model(loop.student)
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * loop.windows.shape[1] * acc.num_processes
+    budget = cfg.train_minutes * 60.0 if cfg.train_minutes else None  # seconds of optimizer steps
+    last = cfg.steps if budget is None or "steps" in cfg.model_fields_set else None  # None: until the budget ends
+    with progress.task("distill", last) as bar:
+        bar.advance(history.step)
+        while (last is None or history.step < last) and (budget is None or history.seconds < budget):
+            t0 = time.perf_counter()
+            loss, terms = _optimizer_step(loop, history.step)
+            history.step += 1
+            history.loss.append(loss)
+            history.terms.append(terms)
+            history.tokens += tokens_per_step
+            history.seconds += time.perf_counter() - t0
+            if budget is not None and history.step == 1:  # the schedule's horizon: the steps the budget allows
+                horizon = max(cfg.warmup_steps + 1, int(budget / max(history.seconds, 1e-9)))
+                loop.scheduler.lr_lambdas[0] = lr_lambda(cfg.warmup_steps,
+                                                         horizon if last is None else min(horizon, last))
+            done = history.step == last or (budget is not None and history.seconds >= budget)
+            if history.step % cfg.eval_every == 0 or done:
+                history.ppl.append((history.step, perplexity(raw, eval_windows, acc.device)))
+            if cfg.save_every and history.step % cfg.save_every == 0 and not done:
+                _save(acc, ckpt, history)
+            bar.advance(1, loss=loss, tok_s=round(history.tokens / max(history.seconds, 1e-9)),
+                        ppl=history.ppl[-1][1])
+
+
+def _optimizer_step(loop: _Loop, step: int) -> tuple[float, dict[str, float]]:
     """cfg.grad_accum micro-batches, one AdamW step; masked weights stay zero. Returns the mean loss."""
+    acc, cfg, student, teacher, windows = loop.acc, loop.cfg, loop.student, loop.teacher, loop.windows
+    masks, cache, layer_map, hidden = loop.guides.masks, loop.guides.cache, loop.guides.layer_map, loop.hidden
     raw = acc.unwrap_model(student)
     needs_teacher = hidden or any(getattr(cfg.loss, k) > 0 for k in ("kl", "reverse_kl", "jsd"))
     total, terms_sum = 0.0, {}
     for a in range(cfg.grad_accum):
         micro = step * cfg.grad_accum + a
-        idx = batch_indices(micro, len(windows), cfg.batch_size, seed, acc.process_index, acc.num_processes)
+        idx = batch_indices(micro, len(windows), cfg.batch_size, loop.seed, acc.process_index, acc.num_processes)
         ids = windows[idx].to(acc.device)  # (B, T)
         with torch.no_grad(), acc.autocast():
             t_logits, t_hidden = None, None
@@ -174,9 +215,9 @@ def _optimizer_step(acc, student, teacher, optimizer, scheduler, windows, cfg, s
     if masks:
         mask_grads(raw, masks)
     acc.clip_grad_norm_(student.parameters(), 1.0)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    loop.optimizer.step()
+    loop.scheduler.step()
+    loop.optimizer.zero_grad(set_to_none=True)
     if masks:
         apply_masks(raw, masks)
     return total, terms_sum

@@ -44,6 +44,18 @@ class LossWeights(Strict):
         return self
 
 
+def parse_latency(text: str | float) -> float:
+    """'0.8x', '0.8' or 0.8 -> 0.8: a fraction of the teacher's time per output token, in (0, 1)."""
+    try:
+        value = float(str(text).strip().lower().removesuffix("x"))
+    except ValueError as exc:
+        raise ValueError(f"target_latency '{text}': give a fraction of the teacher's time per token, e.g. 0.8x") from exc
+    if not 0.0 < value < 1.0:  # NaN fails too
+        raise ValueError(f"target_latency {text}: a student must decode faster than its teacher; give a fraction in "
+                         "(0, 1), e.g. 0.8x")
+    return value
+
+
 class DistillStage(_StageBase):
     """Knowledge distillation of the pipeline's model (or `teacher`) into a smaller student."""
 
@@ -53,6 +65,9 @@ class DistillStage(_StageBase):
     student_layers: int | float | list[int] | None = Field(
         None, description="teacher layers the student keeps: a count (24), a fraction (0.8) or a list of indices")
     student_config: str | None = Field(None, description="a config.json for a student of the teacher's architecture")
+    target_latency: float | None = Field(
+        None, description="derive a student decoding in at most this fraction of the teacher's time per token "
+        "('0.8x'): the layer count from the parameter share read per token (distill/latency_target.py)")
     mlp_ratio: float = Field(1.0, gt=0.0, le=1.0, description="keep this fraction of MLP channels")
     derive: Literal["measured", "even"] | None = Field(
         None, description="which layers a count or fraction keeps: measured (the cut with the least drift after "
@@ -67,9 +82,11 @@ class DistillStage(_StageBase):
     repair_follow: bool = Field(False, description="also refit the down projection of the kept blocks after a cut "
                                 "towards the teacher's stream (lower hidden-state error, but measured worse perplexity "
                                 "on the demo)")
-    repair_ridge: float = Field(1e-3, ge=0.0, description="ridge of the repair's least squares (x mean diagonal)")
+    repair_ridge: float = Field(0.1, ge=0.0, description="ridge of the repair's least squares (x mean diagonal)")
     repair_windows: int = Field(32, ge=1, description="calibration windows the plan and the repair fit on")
     plan_held_windows: int = Field(4, ge=1, description="further calibration windows the plan measures drift on")
+    plan_data: str | None = Field(None, description="text the plan's held-out windows come from: the kind of text "
+                                  "the student will serve or be evaluated on (default: the calibration data)")
     plan_shortlist: int = Field(3, ge=1, description="cuts (least drift unrepaired) the plan repairs and measures")
     train_minutes: float | None = Field(None, ge=0.0, description="train for this many minutes (0: stop after "
                                         "the cut and repair)")
@@ -109,11 +126,18 @@ class DistillStage(_StageBase):
             raise ValueError("a layer list must be non-empty without repeats")
         return v
 
+    @field_validator("target_latency", mode="before")
+    @classmethod
+    def _parse_latency(cls, v: Any) -> Any:
+        return None if v is None else parse_latency(v)
+
     @model_validator(mode="after")
     def _one_student(self) -> "DistillStage":
-        given = [n for n in ("student", "student_layers", "student_config") if getattr(self, n) is not None]
+        names = ("student", "student_layers", "student_config", "target_latency")
+        given = [n for n in names if getattr(self, n) is not None]
         if len(given) > 1:
-            raise ValueError(f"give one of student, student_layers, student_config (got {', '.join(given)})")
+            raise ValueError(f"give one of student, student_layers, student_config, target_latency "
+                             f"(got {', '.join(given)})")
         if self.topk_cache and (self.loss.hidden_mse or self.loss.hidden_cos):
             raise ValueError("topk_cache stores logits only; hidden-state losses need the teacher online (drop one)")
         budgets = [n for n in ("train_minutes", "train_tokens") if getattr(self, n) is not None]

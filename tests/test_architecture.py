@@ -224,11 +224,6 @@ MAX_PARAMS = 8
 ALLOWED_OVER = {
     "geminicompress.compress.gptq.solver:gptq_quantize",
     "geminicompress.compress.gptq.stage:_solve_group",
-    "geminicompress.distill.cut:planned_student",
-    "geminicompress.distill.plan:make_plan",
-    "geminicompress.distill.repair:repair",
-    "geminicompress.distill.train:train",
-    "geminicompress.distill.train:_optimizer_step",
 }
 
 

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from geminicompress.compress.hessian import inverse_hessian_factor
-from geminicompress.compress.scale_search import ScaleSearch, clip_qparams, importance_for, search_qparams
+from geminicompress.compress.scale_search import (ScaleSearch, clip_qparams, importance_for, search_qparams,
+                                                  trial_candidates)
 from geminicompress.core.grid import QuantizedWeight, QuantSpec, qparams, quantize
 from geminicompress.errors import GeminiError
 
@@ -260,9 +261,49 @@ def _decide_group(run: _Run, W1: torch.Tensor, Err1: torch.Tensor, i1: int, j1: 
     else:
         diag = plan.hdiag[plan.perm[positions]]
     if opts.search is not None:
-        return search_qparams(cur, run.spec, opts.search, importance_for(opts.search.weights, diag, cur, plan.sigma2))
+        best = search_qparams(cur, run.spec, opts.search, importance_for(opts.search.weights, diag, cur, plan.sigma2))
+        if opts.search.trial and _contiguous(positions, i1 + j1, i1 + W1.shape[0]):
+            return _trial(run, W1, i1, j1, trial_candidates(cur, run.spec, opts.search, best[0]), best[1])
+        return best
     imp = diag if weights in ("hdiag", "hinv") else None
     return _group_qparams(cur, run.spec, opts.clip, imp, opts.sym_range, given_imp=True)
+
+
+def _contiguous(positions: torch.Tensor, start: int, block_end: int) -> bool:
+    """Whether the group's quantization positions are start, start + 1, ... and end inside the block."""
+    k = positions.numel()
+    return int(positions[0]) == start and int(positions[-1]) == start + k - 1 and start + k <= block_end
+
+
+def _trial(run: _Run, W1: torch.Tensor, i1: int, j1: int, cands: torch.Tensor,
+           zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the candidate scale (cands: (C, out, 1)) whose GPTQ solve of the group's k columns, block rows
+    j1..j1+k of W1 (current: every earlier update applied), leaves the least loss Σ_j err_j², err = (w − q) /
+    [H⁻¹]_jj: the group's share of GPTQ's objective, the later columns' feedback being optimal whichever.
+    All candidates are solved at once, side by side as C · out rows (GPTQ's rows are independent)."""
+    C, out = cands.shape[0], cands.shape[1]
+    k = run.spec.group_size
+    a, b = j1, j1 + k
+    Wc = W1[a:b].repeat(1, C)  # (k, C·out)
+    Err = torch.empty_like(Wc)
+    Hinv1 = run.Hinv[i1 + a:i1 + b, i1 + a:i1 + b]
+    inv_d = (1.0 / torch.diag(Hinv1)).tolist()
+    s, z = cands.reshape(-1), zero[:, 0].repeat(C)  # (C·out,)
+    mask = None if run.Mt is None else run.Mt[i1 + a:i1 + b].repeat(1, C)
+    # the updates as contiguous rows of Hinv1ᵀ: numpy's product of a strided column with a wide matrix took
+    # ~1000x longer; the sums' order may differ from the solve's, which only ranks the candidates here
+    HinvT = Hinv1.t().contiguous()
+    for i in range(k):
+        w = Wc[i]
+        if i:
+            w.sub_(HinvT[i, :i] @ Err[:i])
+        q = quantize(w, s, z, run.spec.maxq)
+        if mask is not None:
+            q = torch.where(mask[i], z, q)
+        Err[i] = (w - s * (q - z)) * inv_d[i]
+    loss = Err.square().sum(dim=0).reshape(C, out)
+    pick = loss.argmin(dim=0)  # (out,), ties to the first: the searched scale
+    return cands[pick, torch.arange(out)], zero
 
 
 def group_aware_order(hdiag: torch.Tensor, gs: int, order: str = "gar") -> torch.Tensor:

@@ -172,3 +172,13 @@ def test_trial_searched_codes_are_exact_in_gguf(bits, qtype):
     enc = blocks.encode_quantized(qw)
     assert enc.qtype.name == qtype and enc.max_step_error == 0.0
     assert torch.equal(torch.from_numpy(quants.dequantize(enc.data, enc.qtype)), qw.dequantize())
+
+
+def test_trial_choice_solves_groups_in_group_aware_order():
+    from geminicompress.compress.gptq.stage import solver_options
+
+    spec = QuantSpec(4, 32)
+    opts = solver_options(GPTQStage(method="gptq", scale_search="trial", signed_scales=True), spec)
+    assert opts.search == ScaleSearch(signed=True, weights="llama", trial=True) and opts.order == "gar"
+    assert solver_options(GPTQStage(method="gptq"), spec).order == "global"  # other formats: bytes unchanged
+    assert solver_options(GPTQStage(method="gptq", scale_search="trial", act_order="none"), spec).order == "global"

@@ -194,9 +194,17 @@ WEIGHTED = "llama"
 
 
 def solver_options(cfg: GPTQStage, spec: QuantSpec) -> SolverOptions:
-    """What the solver is told by the stage's config for one spec."""
-    return SolverOptions(damp=cfg.damp, block_size=cfg.block_size, act_order=cfg.act_order,
-                         search=scale_search(cfg, spec))
+    """What the solver is told by the stage's config for one spec. A trial search needs each group's columns
+    solved one after the other: with act order static, groups go by their largest H_jj, act order inside each
+    (GPTQModel's group-aware order, "gar")."""
+    search = scale_search(cfg, spec)
+    order = "gar" if search is not None and search.trial and cfg.act_order == "static" else "global"
+    return SolverOptions(damp=cfg.damp, block_size=cfg.block_size, act_order=cfg.act_order, order=order,
+                         search=search)
+
+
+# what `auto` means for --format gguf (measured on the demo: docs/formats.md, GGUF ablation)
+AUTO_GGUF = "weighted"
 
 
 def scale_search(cfg: GPTQStage, spec: QuantSpec) -> ScaleSearch | None:
@@ -206,11 +214,12 @@ def scale_search(cfg: GPTQStage, spec: QuantSpec) -> ScaleSearch | None:
     if not spec.sym:
         return None
     gguf = cfg.format == "gguf"
-    mode = cfg.scale_search if cfg.scale_search != "auto" else ("weighted" if gguf else "none")
+    mode = cfg.scale_search if cfg.scale_search != "auto" else (AUTO_GGUF if gguf else "none")
     signed = cfg.signed_scales if cfg.signed_scales is not None else gguf
     if mode == "none" and not signed:
         return None
-    return ScaleSearch(signed=signed, weights={"none": None, "plain": "plain", "weighted": WEIGHTED}[mode])
+    weights = {"none": None, "plain": "plain", "weighted": WEIGHTED, "trial": WEIGHTED}[mode]
+    return ScaleSearch(signed=signed, weights=weights, trial=mode == "trial")
 
 
 def _collect_hessians(job: LayerJob, groups: list[list[str]], first_token_weight: float = 1.0,

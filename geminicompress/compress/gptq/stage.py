@@ -204,7 +204,9 @@ def solver_options(cfg: GPTQStage, spec: QuantSpec) -> SolverOptions:
 
 
 # what `auto` means for --format gguf (measured on the demo: docs/formats.md, GGUF ablation)
-AUTO_GGUF = "weighted"
+AUTO_GGUF = "trial"
+# the trial's shrink/stretch factors of the signed base scale (measured on the demo: a wider range won, docs/formats.md)
+TRIAL_FACTORS = {"lo": 0.5, "hi": 1.3, "grid": 80}
 
 
 def scale_search(cfg: GPTQStage, spec: QuantSpec) -> ScaleSearch | None:
@@ -219,7 +221,9 @@ def scale_search(cfg: GPTQStage, spec: QuantSpec) -> ScaleSearch | None:
     if mode == "none" and not signed:
         return None
     weights = {"none": None, "plain": "plain", "weighted": WEIGHTED, "trial": WEIGHTED}[mode]
-    return ScaleSearch(signed=signed, weights=weights, trial=mode == "trial")
+    if mode == "trial":
+        return ScaleSearch(signed=signed, weights=weights, trial=True, **TRIAL_FACTORS)
+    return ScaleSearch(signed=signed, weights=weights)
 
 
 def _collect_hessians(job: LayerJob, groups: list[list[str]], first_token_weight: float = 1.0,

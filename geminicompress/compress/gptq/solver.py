@@ -27,8 +27,13 @@ import numpy as np
 import torch
 
 from geminicompress.compress.hessian import inverse_hessian_factor
-from geminicompress.compress.scale_search import (ScaleSearch, clip_qparams, importance_for, search_qparams,
-                                                  trial_candidates)
+from geminicompress.compress.scale_search import (
+    ScaleSearch,
+    clip_qparams,
+    importance_for,
+    search_qparams,
+    trial_candidates,
+)
 from geminicompress.core.grid import QuantizedWeight, QuantSpec, qparams, quantize
 from geminicompress.errors import GeminiError
 

@@ -20,6 +20,8 @@ lower bound). No timings (the machine is shared). Two phases, so a long build ca
   python benchmarks/gguf_bench.py --build-only      # the GGUF files (and the importance matrix) in --work
   python benchmarks/gguf_bench.py --score-only      # llama.cpp scores every file there: table + JSON
   python benchmarks/gguf_bench.py --rows llama-q4_0-imatrix,llama-q5_0-imatrix   # a subset, both phases
+  python benchmarks/gguf_bench.py --rows ours-gptq-q4_0,ours-rtn-q4_0 --no-baseline --threads 1 \
+      --include benchmarks/results/gguf_bench_llama.json --name gguf_bench   # ours beside rows scored before
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ OURS_ROWS = {  # name -> quantize arguments (written as OUT/model.gguf by --form
     "ours-rtn-q4_0": ["--method", "rtn", "--bits", "4", "--group-size", "32", "--sym"],
     "ours-int8-q8_0": ["--method", "int8", *CALIB],
 }
+NOT_RANKED = {"ours-awq-q4_1": "not ranked: the demo's floats lie on a Q4_1 grid"}
 LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
            "mlp.down_proj": "ffn_down"}
@@ -150,33 +153,37 @@ def linear_bits(path: Path) -> float:
     return round(bits / elems, 3)
 
 
-def score(work: Path, rows: list[str], python: str, tokens: int, save=lambda rows: None) -> list[dict]:
-    """Score every row's file in llama.cpp, the F32 row first (the baseline of the KL); `save(rows so far)` after
-    each row, so that an interrupted run keeps what it measured."""
+def score(work: Path, rows: list[str], python: str, tokens: int, save=lambda rows: None, threads: int = 2,
+          float_ppl: float | None = None) -> list[dict]:
+    """Score every row's file in llama.cpp, the F32 row first (the baseline of the KL and the drift); with
+    `float_ppl` given (the F32 row's perplexity, scored before) the F32 row is not scored again and there is no
+    KL; `save(rows so far)` after each row, so that an interrupted run keeps what it measured."""
     from geminicompress.eval.engines.llama_eval import TOP_K, quality_from_llama, run_driver
     from geminicompress.models.loading import load_model
 
     windows = eval_windows(load_model("smollm2-demo").tokenizer, tokens // 512)
     results, base = [], None
-    for row in ["float-f32", *[r for r in rows if r != "float-f32"]]:
+    for row in [*(["float-f32"] if float_ppl is None else []), *[r for r in rows if r != "float-f32"]]:
         path = work / f"{row}.gguf"
         if not path.is_file():
             results.append({"row": row, "error": "not built"})
             continue
-        task = {"kind": "logprobs", "windows": windows.tolist(), "top_k": TOP_K if base is None else 0,
+        task = {"kind": "logprobs", "windows": windows.tolist(), "top_k": TOP_K if row == "float-f32" else 0,
                 "at": None if base is None else base["topk_ids"]}
         t0 = time.perf_counter()
-        result = run_driver(python, {"model": str(path), "threads": 2, "n_ctx": 528, "tasks": [task]})
+        result = run_driver(python, {"model": str(path), "threads": threads, "n_ctx": 528, "tasks": [task]})
         if result.get("error"):
             results.append({"row": row, "error": result["error"]})
             continue
         q = quality_from_llama(result["tasks"][0], windows, base)
-        if base is None:
+        if base is None and row == "float-f32":
             base = {**result["tasks"][0], "perplexity": q["perplexity"]}
-        results.append({"row": row, "file_mb": round(path.stat().st_size / 1e6, 3), "linear_bits": linear_bits(path),
+            float_ppl = q["perplexity"]
+        results.append({"row": row, **({"note": NOT_RANKED[row]} if row in NOT_RANKED else {}), "file_mb": round(path.stat().st_size / 1e6, 3), "linear_bits": linear_bits(path),
                         "perplexity": round(q["perplexity"], 3),
-                        "drift_pct": round(100 * (q["ppl_ratio"] - 1), 2), "kl_lower_bound": q["kl_to_baseline"],
-                        "top1_agreement": q["top1_agreement"], "llama_cpp": result["llama_cpp"],
+                        "drift_pct": round(100 * (q["perplexity"] / float_ppl - 1), 2) if float_ppl else None,
+                        "kl_lower_bound": q["kl_to_baseline"] if base else None,
+                        "top1_agreement": q["top1_agreement"] if base else None, "llama_cpp": result["llama_cpp"],
                         "score_s_shared_machine": round(time.perf_counter() - t0, 1)})
         print(json.dumps(results[-1]), flush=True)
         save(results)
@@ -189,8 +196,10 @@ def table(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"| {r['row']} | | | {r['error']} | | |")
         else:
-            lines.append(f"| {r['row']} | {r['linear_bits']} | {r['file_mb']} | {r['perplexity']} | "
-                         f"{r['drift_pct']:+.2f}% | {r['kl_lower_bound']:.4f} |")
+            kl = "" if r.get("kl_lower_bound") is None else f"{r['kl_lower_bound']:.4f}"
+            drift = "" if r.get("drift_pct") is None else f"{r['drift_pct']:+.2f}%"
+            name = r["row"] + (f" ({r['note']})" if r.get("note") else "")
+            lines.append(f"| {name} | {r['linear_bits']} | {r['file_mb']} | {r['perplexity']} | {drift} | {kl} |")
     return "\n".join(lines)
 
 
@@ -202,6 +211,11 @@ def main() -> None:
     ap.add_argument("--score-only", action="store_true")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--name", default="gguf_bench")
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    ap.add_argument("--no-baseline", action="store_true", help="do not score the F32 row first: no KL, the drift "
+                    "against the included F32 row")
+    ap.add_argument("--include", default=None, help="a results JSON whose rows are listed first (scored before, "
+                    "same protocol)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     from geminicompress.machine import machine, versions
@@ -225,7 +239,13 @@ def main() -> None:
                 r["error"] = f"not built: {skipped[r['row']]}"
         path.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
 
-    scored = score(work, rows, python, args.tokens, save)
+    before = json.loads(Path(args.include).read_text())["rows"] if args.include else []
+    if args.include:
+        meta["included"] = f"rows of {args.include} (scored earlier, same windows): {', '.join(r['row'] for r in before)}"
+    f32 = next((r["perplexity"] for r in before if r["row"] == "float-f32"), None) if args.no_baseline else None
+    if args.no_baseline and f32 is None:
+        raise SystemExit("--no-baseline needs --include with a scored float-f32 row (the drift's reference)")
+    scored = before + score(work, rows, python, args.tokens, lambda rows: save(before + rows), args.threads, f32)
     print(table(scored))
     print(f"wrote {path}")
 

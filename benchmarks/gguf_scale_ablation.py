@@ -2,7 +2,8 @@
 this process, one perplexity per variant (torch, fake-quantized weights with fp16 scales: what a Q4_0/Q5_0
 block holds).
 
-A variant is a JSON object: `stage` (GPTQStage fields over bits 4, group 32, format dense), `search`
+A variant is a JSON object: `stage` (GPTQStage fields over bits 4, group 32, format dense), `solver` (extra
+keyword arguments of solver.gptq_quantize, e.g. {"order": "gar"}), `search`
 (compress/scale_search.ScaleSearch fields; absent: the stage's own choice), `refit` (n: least-squares refits of
 the scales under the layer's H after the solve, compress/gptq/refit.py, sign kept). Protocol: 32 x 512
 calibration windows of enwiki-sample.txt (seed 0; `--samples`), perplexity on the first 8,192 WikiText-2 test
@@ -15,6 +16,7 @@ tokens in 512-token windows (the issue's llama.cpp protocol).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -44,8 +46,8 @@ def run_variant(demo: Path, calib: torch.Tensor, eval_ids: torch.Tensor, variant
         search = ScaleSearch(**variant["search"]) if variant["search"] is not None else None
         gptq_stage.scale_search = lambda cfg, spec: search
     gptq_stage.scale_dtype = lambda fmt, dtype: torch.float16  # GGUF blocks hold fp16 scales
-    if variant.get("refit"):
-        gptq_stage.gptq_quantize = _refitting(saved[2], variant["refit"])
+    if variant.get("refit") or variant.get("solver"):
+        gptq_stage.gptq_quantize = _refitting(saved[2], variant.get("refit", 0), variant.get("solver", {}))
     try:
         t0 = time.perf_counter()
         _, summary, _ = run_stage(GPTQStage(**options), ctx)
@@ -57,13 +59,17 @@ def run_variant(demo: Path, calib: torch.Tensor, eval_ids: torch.Tensor, variant
             "stage_seconds_shared_machine": round(seconds, 1), "total_error": round(summary["total_error"], 4)}
 
 
-def _refitting(solver, n: int):
+def _refitting(solver, n: int, extra: dict):
+    """The solver with `extra` keyword arguments (e.g. order), then n least-squares refits of its scales."""
     from geminicompress.compress.gptq.refit import refit_scales
 
-    def solve(W, H, spec, **kwargs):
+    def solve(W, H, spec, opts, **kwargs):
+        opts = dataclasses.replace(opts, **extra)
+        if not n:
+            return solver(W, H, spec, opts, **kwargs)
         W0, H0 = W.clone(), H.clone()
         kwargs["overwrite"] = False
-        qw, loss = solver(W, H, spec, **kwargs)
+        qw, loss = solver(W, H, spec, opts, **kwargs)
         for _ in range(n):
             qw = refit_scales(qw, W0, H0)
         return qw, loss

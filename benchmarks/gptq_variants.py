@@ -15,6 +15,7 @@ calibration windows of enwiki-sample.txt, seed 0; WikiText-2 test, first 16,384 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import shutil
@@ -53,11 +54,17 @@ def run_variant(demo: Path, calib: torch.Tensor, eval_ids: torch.Tensor, variant
             "stage_seconds_shared_machine": round(seconds, 1), "total_error": round(summary["total_error"], 4)}
 
 
-def _with(solver, extra: dict, by_width: dict, W, H, spec, **kwargs):
-    """The solver with `extra` keyword arguments, and those of by_width[input width] over them; `refit: n`
-    refits the scales n times after the solve (compress/gptq/refit.py)."""
-    kwargs = {**kwargs, **extra, **by_width.get(W.shape[1], {})}
-    refit = kwargs.pop("refit", 0)
+def _with(solver, extra: dict, by_width: dict, W, H, spec, opts=None, **kwargs):
+    """The solver with `extra` options (solver.SolverOptions fields, or keep_zero/overwrite), and those of
+    by_width[input width] over them; `refit: n` refits the scales n times after the solve
+    (compress/gptq/refit.py)."""
+    from geminicompress.compress.gptq.solver import SolverOptions
+
+    given = {**extra, **by_width.get(W.shape[1], {})}
+    refit = given.pop("refit", 0)
+    fields = {f.name for f in dataclasses.fields(SolverOptions)}
+    opts = dataclasses.replace(opts or SolverOptions(), **{k: v for k, v in given.items() if k in fields})
+    kwargs = {**kwargs, **{k: v for k, v in given.items() if k not in fields}, "opts": opts}
     if not refit:
         return solver(W, H, spec, **kwargs)
     from geminicompress.compress.gptq.refit import refit_scales

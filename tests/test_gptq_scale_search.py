@@ -118,7 +118,7 @@ def test_auto_is_off_for_the_normal_formats_and_signed_weighted_for_gguf():
     assert scale_search(GPTQStage(method="gptq"), spec) is None  # today's bytes
     assert scale_search(GPTQStage(method="gptq", format="dense"), spec) is None
     gguf = GPTQStage.model_construct(**{**GPTQStage(method="gptq").model_dump(), "format": "gguf"})
-    assert scale_search(gguf, spec) == ScaleSearch(signed=True, weights="llama")
+    assert scale_search(gguf, spec) == ScaleSearch(signed=True, weights="llama", trial=True, lo=0.5, hi=1.3, grid=80)
     assert scale_search(GPTQStage(method="gptq", scale_search="plain"), spec) == ScaleSearch(weights="plain")
     assert scale_search(GPTQStage(method="gptq", signed_scales=True), spec) == ScaleSearch(signed=True)
     off = GPTQStage.model_construct(**{**gguf.model_dump(), "scale_search": "none", "signed_scales": False})
@@ -135,3 +135,51 @@ def test_hinv_weights_run_lazily_and_refuse_upfront():
     assert _output_error(W, qw, H) < _output_error(W, base, H)
     with pytest.raises(Exception, match="reaches it"):
         gptq_quantize(W, H, spec, search=ScaleSearch(weights="hinv"), group_params="upfront")
+
+
+@pytest.mark.parametrize("act_order,order", [("static", "gar"), ("static", "local"), ("none", "global")])
+def test_trial_search_lowers_gptqs_loss_where_groups_are_solved_contiguously(act_order, order):
+    W, H = _layer(4, out_f=40, in_f=128)
+    spec = QuantSpec(4, 32)
+    base = ScaleSearch(signed=True, weights="llama")
+    plain, loss_plain = gptq_quantize(W, H, spec, act_order=act_order, order=order, search=base)
+    trial, loss_trial = gptq_quantize(W, H, spec, act_order=act_order, order=order,
+                                      search=ScaleSearch(signed=True, weights="llama", trial=True))
+    assert loss_trial < 0.99 * loss_plain
+    assert _output_error(W, trial, H) < _output_error(W, plain, H)
+    assert not torch.equal(trial.scales, plain.scales)
+
+
+def test_trial_search_leaves_scattered_groups_to_the_weighted_search():
+    W, H = _layer(5)
+    spec = QuantSpec(4, 32)
+    a, _ = gptq_quantize(W, H, spec, act_order="static", search=ScaleSearch(signed=True, weights="llama"))
+    b, _ = gptq_quantize(W, H, spec, act_order="static", search=ScaleSearch(signed=True, weights="llama", trial=True))
+    assert torch.equal(a.q, b.q) and torch.equal(a.scales, b.scales)  # global act order: groups are scattered
+
+
+@pytest.mark.parametrize("bits,qtype", [(4, "Q4_0"), (5, "Q5_0")])
+def test_trial_searched_codes_are_exact_in_gguf(bits, qtype):
+    from gguf import quants
+
+    from geminicompress.formats import gguf as blocks
+
+    W, H = _layer(6, out_f=16, in_f=96)
+    qw, _ = gptq_quantize(W, H, QuantSpec(bits, 32), act_order="static", order="gar",
+                          search=ScaleSearch(signed=True, weights="llama", trial=True))
+    qw.scales = qw.scales.half().float()  # what a GGUF block holds
+    assert (qw.scales < 0).any()  # signed scales: the largest weight on the lowest code
+    enc = blocks.encode_quantized(qw)
+    assert enc.qtype.name == qtype and enc.max_step_error == 0.0
+    assert torch.equal(torch.from_numpy(quants.dequantize(enc.data, enc.qtype)), qw.dequantize())
+
+
+def test_trial_choice_solves_groups_in_group_aware_order():
+    from geminicompress.compress.gptq.stage import solver_options
+
+    spec = QuantSpec(4, 32)
+    opts = solver_options(GPTQStage(method="gptq", scale_search="trial", signed_scales=True), spec)
+    assert opts.search == ScaleSearch(signed=True, weights="llama", trial=True, lo=0.5, hi=1.3, grid=80)
+    assert opts.order == "gar"
+    assert solver_options(GPTQStage(method="gptq"), spec).order == "global"  # other formats: bytes unchanged
+    assert solver_options(GPTQStage(method="gptq", scale_search="trial", act_order="none"), spec).order == "global"

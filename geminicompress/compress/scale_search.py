@@ -70,6 +70,9 @@ class ScaleSearch:
     of column j's error in GPTQ's loss at its place in the solve; the caller passes it as `hdiag`).
     factors: the scale is searched over base · f for f in linspace(lo, hi, grid + 1); refit also tries, per
     candidate, the weighted least-squares scale of its codes, Σ c·w·l / Σ c·l² (llama.cpp's `make_qx_quants`).
+    trial (GPTQ only, groups solved contiguously): the searched scale and base · f for every factor are each
+    tried by solving the group's columns with GPTQ's feedback inside the group, and each row keeps the one
+    with the least GPTQ loss Σ (w − q)² / [H⁻¹]_jj² (`trial_candidates`; solver.py).
     """
 
     signed: bool = False
@@ -78,6 +81,7 @@ class ScaleSearch:
     hi: float = 1.00
     grid: int = 20
     refit: bool = True
+    trial: bool = False
 
     def __post_init__(self) -> None:
         if self.weights not in (None, "plain", "hdiag", "llama", "hinv"):
@@ -119,6 +123,19 @@ def search_qparams(w: torch.Tensor, spec: QuantSpec, search: ScaleSearch,
             best_err = torch.where(better, err, best_err)
             best = torch.where(better, s, best)
     return best, zero
+
+
+def trial_candidates(w: torch.Tensor, spec: QuantSpec, search: ScaleSearch, best: torch.Tensor) -> torch.Tensor:
+    """The scales a trial search tries for the group w (out, k): `best` (out, 1), the weighted search's winner,
+    then base · f for the factors of `search` (base: the signed or range scale). Returns (C, out, 1)."""
+    half = (spec.maxq + 1) // 2
+    if search.signed:
+        wmax = torch.gather(w, 1, w.abs().argmax(dim=1, keepdim=True))
+        base = torch.where(wmax == 0, torch.ones_like(wmax), wmax / -half)
+    else:
+        base, _ = qparams(w, spec)
+    factors = [search.lo + (search.hi - search.lo) * i / max(search.grid, 1) for i in range(search.grid + 1)]
+    return torch.stack([best, *(base * f for f in factors)])
 
 
 def importance_for(weights: str | None, hdiag: torch.Tensor, w: torch.Tensor,

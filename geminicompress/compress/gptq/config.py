@@ -61,11 +61,13 @@ class GPTQStage(WeightQuantStage, GGUFFields):
     first_token_weight: float = Field(16.0, ge=1.0, description="weight of each calibration window's first token "
                                       "(the attention sink) in the Hessians (default 16; 1 = every token alike)")
     block_size: int = Field(128, ge=1, description="columns per lazy-update block (default 128)")
-    scale_search: Literal["auto", "none", "plain", "weighted"] = Field(
+    scale_search: Literal["auto", "none", "plain", "weighted", "trial"] = Field(
         "auto", description="each symmetric group's scale: none (the range's), or searched over shrink factors of it "
         "for the least rounding error, every column alike (plain) or weighted by the input's mean square like "
-        "llama.cpp's importance matrix (weighted), decided when the solver reaches the group. auto (default): "
-        "weighted for --format gguf, none otherwise")
+        "llama.cpp's importance matrix (weighted), decided when the solver reaches the group; trial: the weighted "
+        "search's scale and every shrink factor each tried by solving the group's columns with GPTQ's feedback, "
+        "each row keeping the least GPTQ loss (groups solved one after the other, in act order inside a group). "
+        "auto (default): AUTO_GGUF for --format gguf, none otherwise")
     signed_scales: bool | None = Field(None, description="symmetric grids: map the largest-magnitude weight, with its "
                                        "sign, to the lowest code so the whole range is used (llama.cpp's Q4_0; the "
                                        "scale may be negative). Default: on for --format gguf, off otherwise")

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from geminicompress.compress.gptq.allocate import module_specs, write_allocation
 from geminicompress.compress.gptq.config import GPTQStage
-from geminicompress.compress.gptq.solver import gptq_quantize, zeros_to_keep
+from geminicompress.compress.gptq.solver import SolverOptions, gptq_quantize, zeros_to_keep
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.scale_search import ScaleSearch
 from geminicompress.compress.targets import present_groups, weight_quant_targets
@@ -137,14 +137,18 @@ def quantize_layer(job: LayerJob, *, cfg: GPTQStage, spec: QuantSpec, scales_as:
     groups = present_groups(job.arch, lambda n: f"{job.index}.{n}" in targets)
     losses: dict[str, float] = {}
     kept: dict[str, torch.Tensor] = {}
-    solve_one = partial(_solve_group, job, cfg=cfg, scales_as=scales_as, losses=losses, kept=kept)
+
+    def solve_one(names: list[str], H: torch.Tensor, spec: QuantSpec, overwrite: bool) -> None:
+        loss, codes = _solve_group(job, names, H, cfg=cfg, spec=spec, scales_as=scales_as, overwrite=overwrite)
+        losses["/".join(names)] = loss
+        kept.update(codes)
 
     def solve(group: list[str], H: torch.Tensor) -> None:  # one stacked solve per spec within the group
         by_spec: dict[QuantSpec, list[str]] = {}
         for n in group:
             by_spec.setdefault((specs or {}).get(f"{job.index}.{n}", spec), []).append(n)
         for s, names in by_spec.items():
-            solve_one(names, H, spec=s, overwrite=len(by_spec) == 1)  # H is the solver's scratch when used once
+            solve_one(names, H, s, overwrite=len(by_spec) == 1)  # H is the solver's scratch when used once
     if cfg.true_sequential and cfg.one_pass:
         # each group's Hessian exists from its first input to its solve only (down_proj's is the biggest)
         accs: dict[int, HessianAccumulator] = {}
@@ -165,29 +169,44 @@ def quantize_layer(job: LayerJob, *, cfg: GPTQStage, spec: QuantSpec, scales_as:
 
 
 def _solve_group(job: LayerJob, group: list[str], H: torch.Tensor, *, cfg: GPTQStage, spec: QuantSpec,
-                 scales_as: torch.dtype, losses: dict[str, float], kept: dict[str, torch.Tensor],
-                 overwrite: bool = False) -> None:
+                 scales_as: torch.dtype, overwrite: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
     """GPTQ on the group's stacked weight (rows are independent given H); write the fake-quantized
-    weights back in place (the loaded weights' memory is reused) and keep the codes for export.
-    overwrite: H is not needed afterwards (the solver may use its memory)."""
+    weights back in place (the loaded weights' memory is reused); return the loss and the codes to keep
+    for export. overwrite: H is not needed afterwards (the solver may use its memory)."""
     modules = [job.module(n) for n in group]
     W = torch.cat([job.weight(n) for n in group])  # rows stacked: (Σ out, in), a new tensor of the master weights
     try:
-        qw, loss = gptq_quantize(W, H, spec, damp=cfg.damp, block_size=cfg.block_size, act_order=cfg.act_order,
-                                 keep_zero=zeros_to_keep(W, cfg.keep_zeros),
-                                 overwrite=overwrite, search=scale_search(cfg, spec))
+        qw, loss = gptq_quantize(W, H, spec, solver_options(cfg, spec), keep_zero=zeros_to_keep(W, cfg.keep_zeros),
+                                 overwrite=overwrite)
     except GeminiError as exc:
         raise GeminiError(f"layer {job.index} {'/'.join(group)}: {exc}") from exc
     qw.scales = qw.scales.to(scales_as).float()  # what the checkpoint will hold
+    kept: dict[str, torch.Tensor] = {}
     for name, part in zip(group, qw.split_rows([m.out_features for m in modules])):
         job.set_weight(name, part.dequantize())
         kept.update(keep_codes(part, name))
-    losses["/".join(group)] = loss
+    return loss, kept
 
 
 # what --scale-search weighted uses: llama.cpp's Q4_0 weighting of the importance matrix (the Hessian's diagonal,
 # the mean squared input, times sqrt(σ²_row + w²)); measured on the demo against the diagonal alone (docs/llama-cpp.md)
 WEIGHTED = "llama"
+
+
+def solver_options(cfg: GPTQStage, spec: QuantSpec) -> SolverOptions:
+    """What the solver is told by the stage's config for one spec. A trial search needs each group's columns
+    solved one after the other: with act order static, groups go by their largest H_jj, act order inside each
+    (GPTQModel's group-aware order, "gar")."""
+    search = scale_search(cfg, spec)
+    order = "gar" if search is not None and search.trial and cfg.act_order == "static" else "global"
+    return SolverOptions(damp=cfg.damp, block_size=cfg.block_size, act_order=cfg.act_order, order=order,
+                         search=search)
+
+
+# what `auto` means for --format gguf (measured on the demo: docs/formats.md, GGUF ablation)
+AUTO_GGUF = "trial"
+# the trial's shrink/stretch factors of the signed base scale (measured on the demo: a wider range won, docs/formats.md)
+TRIAL_FACTORS = {"lo": 0.5, "hi": 1.3, "grid": 80}
 
 
 def scale_search(cfg: GPTQStage, spec: QuantSpec) -> ScaleSearch | None:
@@ -197,11 +216,14 @@ def scale_search(cfg: GPTQStage, spec: QuantSpec) -> ScaleSearch | None:
     if not spec.sym:
         return None
     gguf = cfg.format == "gguf"
-    mode = cfg.scale_search if cfg.scale_search != "auto" else ("weighted" if gguf else "none")
+    mode = cfg.scale_search if cfg.scale_search != "auto" else (AUTO_GGUF if gguf else "none")
     signed = cfg.signed_scales if cfg.signed_scales is not None else gguf
     if mode == "none" and not signed:
         return None
-    return ScaleSearch(signed=signed, weights={"none": None, "plain": "plain", "weighted": WEIGHTED}[mode])
+    weights = {"none": None, "plain": "plain", "weighted": WEIGHTED, "trial": WEIGHTED}[mode]
+    if mode == "trial":
+        return ScaleSearch(signed=signed, weights=weights, trial=True, **TRIAL_FACTORS)
+    return ScaleSearch(signed=signed, weights=weights)
 
 
 def _collect_hessians(job: LayerJob, groups: list[list[str]], first_token_weight: float = 1.0,

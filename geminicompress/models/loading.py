@@ -27,7 +27,7 @@ from geminicompress import formats
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.models import demo
 from geminicompress.models.finite import check_named, check_stored
-from geminicompress.models.headers import read_headers
+from geminicompress.models.headers import read_headers, safetensors_config
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def _check_finite(model: torch.nn.Module, stored: Path | None, dtype: torch.dtyp
     """models/finite.py's check of every float weight: from the files when the model holds them as stored
     (a dense directory loaded in its own dtype, whose tensors are views of the mapped files: reading them would
     bring the whole file into this process), else from the model's state dict."""
-    if stored is not None:
+    if stored is not None and safetensors_config(stored) is not None:  # pickled weights: the state dict
         tensors = {k: v for k, v in read_headers(stored).items() if k not in set(unused or ())}
         if all(i.dtype == dtype for i in tensors.values() if i.dtype.is_floating_point):
             return check_stored(tensors, allow)

@@ -118,7 +118,7 @@ def test_auto_is_off_for_the_normal_formats_and_signed_weighted_for_gguf():
     assert scale_search(GPTQStage(method="gptq"), spec) is None  # today's bytes
     assert scale_search(GPTQStage(method="gptq", format="dense"), spec) is None
     gguf = GPTQStage.model_construct(**{**GPTQStage(method="gptq").model_dump(), "format": "gguf"})
-    assert scale_search(gguf, spec) == ScaleSearch(signed=True, weights="llama", trial=True, lo=0.5, hi=1.3, grid=80)
+    assert scale_search(gguf, spec) == ScaleSearch(signed=True, weights="llama", trial=True, lo=0.3, hi=1.6, grid=130)
     assert scale_search(GPTQStage(method="gptq", scale_search="plain"), spec) == ScaleSearch(weights="plain")
     assert scale_search(GPTQStage(method="gptq", signed_scales=True), spec) == ScaleSearch(signed=True)
     off = GPTQStage.model_construct(**{**gguf.model_dump(), "scale_search": "none", "signed_scales": False})
@@ -179,7 +179,7 @@ def test_trial_choice_solves_groups_in_group_aware_order():
 
     spec = QuantSpec(4, 32)
     opts = solver_options(GPTQStage(method="gptq", scale_search="trial", signed_scales=True), spec)
-    assert opts.search == ScaleSearch(signed=True, weights="llama", trial=True, lo=0.5, hi=1.3, grid=80)
+    assert opts.search == ScaleSearch(signed=True, weights="llama", trial=True, lo=0.3, hi=1.6, grid=130)
     assert opts.order == "gar"
     assert solver_options(GPTQStage(method="gptq"), spec).order == "global"  # other formats: bytes unchanged
     assert solver_options(GPTQStage(method="gptq", scale_search="trial", act_order="none"), spec).order == "global"

@@ -206,7 +206,7 @@ def solver_options(cfg: GPTQStage, spec: QuantSpec) -> SolverOptions:
 # what `auto` means for --format gguf (measured on the demo: docs/formats.md, GGUF ablation)
 AUTO_GGUF = "trial"
 # the trial's shrink/stretch factors of the signed base scale (measured on the demo: a wider range won, docs/formats.md)
-TRIAL_FACTORS = {"lo": 0.5, "hi": 1.3, "grid": 80}
+TRIAL_FACTORS = {"lo": 0.3, "hi": 1.6, "grid": 130}
 
 
 def scale_search(cfg: GPTQStage, spec: QuantSpec) -> ScaleSearch | None:

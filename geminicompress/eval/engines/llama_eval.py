@@ -16,7 +16,6 @@ cached next to the converted demo. llama.cpp runs in a child process (llama_driv
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import tempfile
@@ -29,7 +28,7 @@ from geminicompress.data import pack_windows, read_text, tokenize
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.eval.cost import plan as plan
 from geminicompress.eval.cost.latency import prompt_batch, summarize_ms
-from geminicompress.eval.engines.python import engine_python
+from geminicompress.eval.engines.python import engine_python, run_job
 from geminicompress.eval.report import ReportMachine, new_entry, new_report
 from geminicompress.models import demo
 from geminicompress.models.loading import resolve_model
@@ -68,24 +67,7 @@ def check_llama(python: str, timeout: float = 120.0) -> str:
 
 def run_driver(python: str, job: dict) -> dict:
     """Run llama_driver.py on `job` and return its result; its output goes to a log kept only on failure."""
-    with tempfile.TemporaryDirectory(prefix="gc-llama-") as tmp:
-        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job_path.write_text(json.dumps(job))
-        log = Path(tempfile.mkstemp(prefix="gc-llama-", suffix=".log")[1])
-        with open(log, "w") as out:
-            code = subprocess.run([python, str(DRIVER), str(job_path), str(result_path)], stdout=out,
-                                  stderr=subprocess.STDOUT).returncode
-        if not result_path.is_file():
-            text = log.read_text(errors="replace")
-            last = next((ln for ln in reversed(text.strip().splitlines()) if ln.strip()), "no output")
-            raise GeminiError(f"llama.cpp's driver failed on {job.get('model')} (exit {code}): {last[:300]} (log: {log})")
-        result = json.loads(result_path.read_text())
-    if result.get("error"):
-        result["log"] = str(log)
-    else:
-        log.unlink(missing_ok=True)
-        result["log"] = None
-    return result
+    return run_job(python, DRIVER, job, "llama.cpp")[0]
 
 
 def demo_f32(python: str) -> Path:

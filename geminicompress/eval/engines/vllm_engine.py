@@ -13,15 +13,13 @@ vLLM refuses raises where the driver can report vLLM's own reason in one line.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
-import tempfile
 from pathlib import Path
 
-from geminicompress.errors import GeminiError, InputError
-from geminicompress.eval.engines.python import engine_python
+from geminicompress.errors import InputError
+from geminicompress.eval.engines.python import engine_python, run_job
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 MIN_VERSION = (0, 32)  # RequestOutput.metrics as RequestStateStats (first_token_latency, engine timestamps)
@@ -66,24 +64,8 @@ def check_vllm(python: str, timeout: float = 300.0) -> str:
 def run_driver(python: str, job: dict, env: dict | None = None) -> dict:
     """Run vllm_driver.py on `job`; return its result plus `kernels` (what vLLM said it uses) and `log`
     (the path of vLLM's output, kept only when it refused the model or failed)."""
-    with tempfile.TemporaryDirectory(prefix="gc-vllm-") as tmp:
-        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job_path.write_text(json.dumps(job))
-        log = Path(tempfile.mkstemp(prefix="gc-vllm-", suffix=".log")[1])
-        with open(log, "w") as out:
-            code = subprocess.run([python, str(DRIVER), str(job_path), str(result_path)], stdout=out,
-                                  stderr=subprocess.STDOUT, env={**os.environ, **DEFAULT_ENV, **(env or {})}).returncode
-        text = log.read_text(errors="replace")
-        if not result_path.is_file():
-            last = next((ln for ln in reversed(text.strip().splitlines()) if ln.strip()), "no output")
-            raise GeminiError(f"vLLM's driver failed on {job['model']} (exit {code}): {last[:300]} (log: {log})")
-        result = json.loads(result_path.read_text())
+    result, text = run_job(python, DRIVER, job, "vLLM", env={**os.environ, **DEFAULT_ENV, **(env or {})})
     result["kernels"] = used_kernels(text)
-    if result.get("error"):
-        result["log"] = str(log)  # kept: vLLM's whole story of the refusal
-    else:
-        log.unlink(missing_ok=True)
-        result["log"] = None
     return result
 
 

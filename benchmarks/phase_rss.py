@@ -68,6 +68,7 @@ def wrap(owner: object, name: str, label: str) -> None:
 def main() -> None:
     import geminicompress.compress.gptq.solver as solver
     import geminicompress.compress.gptq.stage as gstage
+    import geminicompress.engine.export as export
     import geminicompress.engine.verify as verify
     import geminicompress.engine.walk as walk
     import geminicompress.formats.shards as shards
@@ -82,7 +83,7 @@ def main() -> None:
     wrap(solver, "inverse_hessian_factor", "inverse_factor")
     wrap(walk, "walk_outside", "walk_outside")
     wrap(pipeline, "_in_memory", "in_memory_stages")
-    wrap(pipeline, "_finish", "finish_out")
+    wrap(export, "finish_export", "finish_out")
     wrap(verify.Probe, "check", "verify_check")
     wrap(verify, "loaded_logits", "verify_load_back")
     wrap(verify.Probe, "advance", "probe_advance")

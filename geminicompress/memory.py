@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import sys
 from contextlib import contextmanager, suppress
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameter numbers, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
@@ -124,3 +125,45 @@ def out_of_the_mapping(model) -> None:
         if tensor.numel() and not tensor.is_meta:
             tensor.data = tensor.data.clone()
     gc.collect()
+
+
+_MADV_DONTNEED = 4  # Linux
+_PAGE = mmap.PAGESIZE
+
+
+def _private_file_mappings() -> list[tuple[int, int]]:
+    """(start, end) of this process's private, writable mappings of files (a safetensors file read by mmap)."""
+    spans = []
+    with suppress(OSError), open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[1].startswith("rw") and parts[1].endswith("p") and parts[5].startswith("/"):
+                lo, hi = parts[0].split("-")
+                spans.append((int(lo, 16), int(hi, 16)))
+    return spans
+
+
+def release_weights(module, names: Iterable[str]) -> int:
+    """Drop the weights of `module`'s submodules `names` now (each `.weight` becomes an empty tensor of its dtype);
+    returns the bytes dropped. The caller guarantees nothing else holds them (the codes kept by a quantizing
+    stage make them again exactly). A weight that is a view of a file's private mapping (a checkpoint read by
+    mmap, then written in place) keeps its pages resident as long as the mapping lives, whatever references go:
+    its whole pages are handed back with madvise(MADV_DONTNEED) (the file's own bytes come back if anything
+    read them again; nothing does). Elsewhere dropping the reference frees it."""
+    import torch
+
+    libc = _libc()
+    spans = _private_file_mappings() if libc is not None and hasattr(libc, "madvise") else []
+    dropped = 0
+    for name in names:
+        param = module.get_submodule(name).weight
+        if not param.numel():
+            continue
+        start, nbytes = param.data_ptr(), param.untyped_storage().nbytes()
+        if any(lo <= start and start + nbytes <= hi for lo, hi in spans):
+            lo, hi = -(-start // _PAGE) * _PAGE, (start + nbytes) // _PAGE * _PAGE  # whole pages inside it only
+            if hi > lo:
+                libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
+        dropped += nbytes
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    return dropped

@@ -225,7 +225,7 @@ def _in_memory(ctx: StageContext, stages: list[Any], tmp: Path, opts: RunOptions
             summary = cls(stage, ctx)
             ctx.layers = ModelLayers(ctx.model)  # a distilled student replaces the model
         else:
-            layer_stage, summary, kept = run_stage(stage, ctx)
+            layer_stage, summary, kept = run_stage(stage, ctx, last=owned and i == len(stages) - 1)
             if layer_stage.writer() is not None:
                 owner = (layer_stage, summary, kept)
         results.append(_result(i, stage, time.perf_counter() - t0, summary))

@@ -56,7 +56,8 @@ def open_export(ctx: StageContext, stages: list[LayerStage], verify: bool, max_s
     probe = None
     if verify:
         probe = Probe(ctx.layers, ctx.tokenizer, ctx.out_dtype, ctx.device) if ctx.streamed else \
-            Probe(ctx.layers, ctx.tokenizer, ctx.out_dtype, ctx.device, unrounded=True)
+            Probe(ctx.layers, ctx.tokenizer, ctx.out_dtype, ctx.device, unrounded=True,
+                  made=lambda i: writer.exact_weights(i, layer_kept(kept or {}, i)))
     shards = ShardWriter(ctx.state_dir / "shards", max_shard)
     if not ctx.streamed:
         kept = kept if kept is not None else {}

@@ -32,12 +32,14 @@ KeptOf = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]  # (l
 
 
 class ResidentSink:
-    """Finished layers stay in the model; with `writer`, each is also saved there for resuming."""
+    """Finished layers stay in the model; with `writer`, each is also saved there for resuming. `release(i, layer,
+    kept)`: called on each finished layer last (the weights that the kept codes make again are dropped)."""
 
     restores_weights = True
 
-    def __init__(self, model: nn.Module, writer: ShardWriter | None = None) -> None:
-        self.model, self.writer = model, writer
+    def __init__(self, model: nn.Module, writer: ShardWriter | None = None,
+                 release: Callable[[int, nn.Module, dict], None] | None = None) -> None:
+        self.model, self.writer, self.release = model, writer, release
 
     def finished(self, i: int) -> bool:
         return self.writer is not None and self.writer.finished(f"layer.{i}")
@@ -65,6 +67,8 @@ class ResidentSink:
             flat = {f"{i}.state.{k}": v.detach().cpu().contiguous() for k, v in layer.state_dict().items()}
             flat.update({f"{i}.kept.{k}": v.detach().cpu().contiguous() for k, v in kept.items()})
             self.writer.write(f"layer.{i}", flat, summary)
+        if self.release is not None:
+            self.release(i, layer, kept)
         return kept
 
     def outside_done(self, name: str) -> list[dict] | None:

@@ -36,7 +36,8 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -45,6 +46,7 @@ from geminicompress.core.arch import get_module
 from geminicompress.engine.forward import embed, final_hidden, head_logits, through_layer
 from geminicompress.engine.layers import computing_in
 from geminicompress.errors import GeminiError
+from geminicompress.memory import release_weights
 from geminicompress.memory import too_big as over
 from geminicompress.models.finite import NonFiniteError
 from geminicompress.models.headers import is_readable_dir, loaded_bytes
@@ -69,6 +71,38 @@ def model_logits(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
     """Logits (n, T, vocab) in float32 on the CPU of a model in memory, one window at a time."""
     device = next(model.parameters()).device
     return torch.cat([model(w.view(1, -1).to(device), use_cache=False).logits.float().cpu() for w in windows])
+
+
+@contextmanager
+def weights_made(layers: nn.ModuleList, made: Callable[[int], dict[str, Callable[[], torch.Tensor]]] | None
+                 ) -> Iterator[None]:
+    """Inside the block, a decoder layer whose quantized weights the run dropped (stages.releaser) has them made
+    from its kept codes (`made(i)`: {linear: a function making its weight}, the exact values it computed with)
+    while it runs, and dropped again after: one layer's weights alive at a time. Nothing when `made` is None."""
+    if made is None:
+        yield
+        return
+    handles = []
+    for i, layer in enumerate(layers):
+        dropped: list[str] = []
+
+        def make(module: nn.Module, args: Any, i: int = i, dropped: list[str] = dropped) -> None:
+            for name, fn in made(i).items():
+                weight = get_module(module, name).weight
+                if not weight.numel():
+                    weight.data = fn()
+                    dropped.append(name)
+
+        def drop(module: nn.Module, args: Any, output: Any, dropped: list[str] = dropped) -> None:
+            release_weights(module, dropped)
+            dropped.clear()
+
+        handles += [layer.register_forward_pre_hook(make), layer.register_forward_hook(drop)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @torch.no_grad()
@@ -136,11 +170,16 @@ class Probe:
     Memory: the probe's (2, 64, hidden) activations."""
 
     def __init__(self, source: Any, tokenizer: Any, out_dtype: torch.dtype, device: torch.device,
-                 unrounded: bool = False) -> None:
+                 unrounded: bool = False, made: Callable[[int], dict[str, Callable[[], torch.Tensor]]] | None = None
+                 ) -> None:
         self.source, self.out_dtype, self.device = source, out_dtype, device
         model = source.model
         self.windows = probe_windows(tokenizer, model.config.vocab_size)
-        self.unrounded = model_logits(model, self.windows) if unrounded else None
+        if unrounded:
+            with weights_made(source.layers, made):
+                self.unrounded = model_logits(model, self.windows)
+        else:
+            self.unrounded = None
         self.lazy = getattr(source, "ckpt", None) is not None
         if not self.lazy:  # a model in memory: its embeddings rounded in place, as OUT holds them
             as_stored(model.get_input_embeddings(), out_dtype)
@@ -155,12 +194,18 @@ class Probe:
         all of an 8B layer's at once were +0.87 GB, the streamed GPTQ run's peak). Copied, not swapped in: a
         model loaded from a safetensors file holds its weights in the file's mapping, whose pages a swapped-out
         weight does not give back while the rest of the model is alive (+13 MB resident a demo layer)."""
+        released = [n for n in exact if not get_module(layer, n).weight.numel()]  # dropped by the run (memory.py)
         with computing_in(layer, torch.float32):  # float32 copies of a lower-precision layer, put back after
             as_stored(layer, self.out_dtype, [f"{n}.weight" for n in exact])
             for name, make in exact.items():
-                get_module(layer, name).weight.data.copy_(make())
+                weight = get_module(layer, name).weight
+                if name in released:
+                    weight.data = make()
+                else:
+                    weight.data.copy_(make())
             through_layer(layer, self.hidden.tensor, self.hidden.tensor, self.hidden.layer_kwargs[i], device=self.device,
                           dtype=torch.float32, batch=1)  # one window at a time, as the loaded side
+        release_weights(layer, released)  # dropped again: one layer's weights made at a time
 
     def check(self, out: Path, head: HeadModule | None = None, state: Path | None = None, *,
               trust_remote_code: bool = False, progress: Progress | None = None,

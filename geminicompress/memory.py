@@ -121,9 +121,11 @@ def out_of_the_mapping(model) -> None:
     the model's tensors once."""
     import gc
 
+    spans = _file_mappings() if Path("/proc/self/maps").is_file() else None  # None: copy every tensor
     for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.numel() and not tensor.is_meta:
-            tensor.data = tensor.data.clone()
+        if tensor.numel() and not tensor.is_meta and (spans is None or any(lo <= tensor.data_ptr() < hi
+                                                                           for lo, hi in spans)):
+            tensor.data = tensor.data.clone()  # only views of a file (a tensor with memory of its own stays)
     gc.collect()
 
 
@@ -131,13 +133,16 @@ _MADV_DONTNEED = 4  # Linux
 _PAGE = mmap.PAGESIZE
 
 
-def _private_file_mappings() -> list[tuple[int, int]]:
-    """(start, end) of this process's private, writable mappings of files (a safetensors file read by mmap)."""
+def _file_mappings(private_writable: bool = False) -> list[tuple[int, int]]:
+    """(start, end) of this process's mappings of files (a safetensors file read by mmap); only the private,
+    writable ones with `private_writable`. Empty where /proc is absent."""
     spans = []
     with suppress(OSError), open("/proc/self/maps") as f:
         for line in f:
             parts = line.split()
-            if len(parts) >= 6 and parts[1].startswith("rw") and parts[1].endswith("p") and parts[5].startswith("/"):
+            if len(parts) < 6 or not parts[5].startswith("/"):
+                continue
+            if not private_writable or (parts[1].startswith("rw") and parts[1].endswith("p")):
                 lo, hi = parts[0].split("-")
                 spans.append((int(lo, 16), int(hi, 16)))
     return spans
@@ -153,7 +158,7 @@ def release_weights(module, names: Iterable[str]) -> int:
     import torch
 
     libc = _libc()
-    spans = _private_file_mappings() if libc is not None and hasattr(libc, "madvise") else []
+    spans = _file_mappings(private_writable=True) if libc is not None and hasattr(libc, "madvise") else []
     dropped = 0
     for name in names:
         param = module.get_submodule(name).weight

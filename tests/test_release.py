@@ -86,3 +86,26 @@ def test_a_run_that_drops_finished_weights_writes_what_one_that_keeps_them_write
     assert sum(dropped) == 0
     layer = loaded.model.model.layers[0]
     assert layer.self_attn.q_proj.weight.numel() > 0  # the caller's model keeps its weights
+
+
+def test_a_checkpoint_file_is_read_into_memory_of_its_own_exactly(tmp_path):
+    from safetensors.torch import save_file
+
+    from geminicompress.formats.checkpoint import read_file
+    from geminicompress.memory import _file_mappings
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(5, 7, generator=g), "b": torch.randn(3, generator=g).bfloat16(),
+               "c": torch.randint(0, 255, (4, 4), generator=g).to(torch.uint8), "d": torch.tensor(3, dtype=torch.int64),
+               "e": torch.randn(2, 3, generator=g).half(), "f": torch.zeros(0, 4), "m": torch.rand(6, generator=g) > 0.5}
+    save_file(tensors, str(tmp_path / "x.safetensors"), metadata={"format": "pt"})
+    read = read_file(tmp_path / "x.safetensors")
+    assert read.keys() == tensors.keys()
+    for k, v in tensors.items():
+        assert read[k].dtype == v.dtype and read[k].shape == v.shape and torch.equal(read[k], v)
+    spans = _file_mappings()
+    assert not any(lo <= t.data_ptr() < hi for t in read.values() if t.numel() for lo, hi in spans)  # not mapped
+    data = (tmp_path / "x.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-8])
+    with pytest.raises(Exception, match="cut short"):
+        read_file(tmp_path / "cut.safetensors")

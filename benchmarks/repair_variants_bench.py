@@ -14,6 +14,8 @@ cut is shared, the student's blocks from there on and the head run per variant (
 - down+next: `down`, then the first kept block after the cut has its down_proj refit towards the teacher's
   stream at its own boundary, on the repaired inputs (one block of `repair_follow`);
 - down+follow: `down` then every later block (repair_follow).
+A `/weighting` suffix on the name sets the least squares' token weighting (repair.token_weights):
+`down/skip_first:0.1` (position 0, the attention sink, left out), `down/inverse_norm:0.1` (1/||target||^2).
 """
 
 from __future__ import annotations
@@ -110,10 +112,11 @@ def main() -> None:
     for v in args.variants.split(","):
         name, ridge = v.split(":")
         ridge = float(ridge)
+        name, _, weighting = name.partition("/")
         block = copy.deepcopy(layers[lo - 1])
         rest = [layers[t] for t in after]
         mode = "down_proj" if name.startswith("down") else "linear"
-        spec = RepairSpec(mode, "cosine" if name == "cosine" else "mse", ridge)
+        spec = RepairSpec(mode, "cosine" if name == "cosine" else "mse", ridge, weighting=weighting or "uniform")
         h, err = refit_block(block, down, fit.hidden[lo - 1], fit.hidden[hi + 1], fit.kwargs, spec, device=CPU)
         rows = [err]
         if name in ("down+next", "down+follow"):
@@ -123,7 +126,8 @@ def main() -> None:
             for j in range(n_follow):
                 t = after[j]
                 h, err = refit_block(rest[j], down, h, fit.hidden[t + 1], fit.kwargs,
-                                     RepairSpec("down_proj", ridge=ridge), device=CPU)
+                                     RepairSpec("down_proj", ridge=ridge, weighting=weighting or "uniform"),
+                                     device=CPU)
                 rows.append(err)
         out = run_layers([block, *rest], h_eval, kwargs, device=CPU)
         ppl = math.exp(mean_nll(teacher, out, evalw, device=CPU))

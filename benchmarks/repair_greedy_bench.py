@@ -51,7 +51,13 @@ class _Log:
         from contextlib import nullcontext
 
         print(f"[{time.perf_counter() - self.t0:.0f}s] {description}", flush=True)
-        return nullcontext(type("T", (), {"advance": lambda *a, **k: None})())
+        t0 = self.t0
+
+        def advance(n=1, **fields):
+            if fields:
+                print(f"[{time.perf_counter() - t0:.0f}s]   " + " ".join(f"{k} {v}" for k, v in fields.items()), flush=True)
+
+        return nullcontext(type("T", (), {"advance": staticmethod(advance)})())
 
     def info(self, message):
         print(message, flush=True)

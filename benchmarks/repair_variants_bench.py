@@ -13,7 +13,12 @@ cut is shared, the student's blocks from there on and the head run per variant (
 - cosine: the linear map refined by Adam on the cosine objective (ReplaceMe's cosine variant);
 - down+next: `down`, then the first kept block after the cut has its down_proj refit towards the teacher's
   stream at its own boundary, on the repaired inputs (one block of `repair_follow`);
-- down+follow: `down` then every later block (repair_follow).
+- down+follow: `down` then every later block (repair_follow);
+- after: block i-1 left as the teacher's; the first kept block after the cut (i+n) has its down_proj refit
+  on its own inputs (computed from h_i) towards h_{i+n+1}: the map carried after the cut, not before it;
+- o+down: block i-1's attention output projection refit towards h_{i+n} (its MLP output held), then its
+  down_proj on the MLP inputs that follow (two closed-form fits in the same block; the attention's output
+  carries context the MLP input lacks).
 A `/weighting` suffix on the name sets the least squares' token weighting (repair.token_weights):
 `down/skip_first:0.1` (position 0, the attention sink, left out), `down/inverse_norm:0.1` (1/||target||^2).
 """
@@ -40,7 +45,7 @@ from geminicompress.core.arch import decoder_layers  # noqa: E402
 from geminicompress.data import pack_windows, tokenize  # noqa: E402
 from geminicompress.data.windows import calibration_windows  # noqa: E402
 from geminicompress.distill.repair import RepairSpec, refit_block  # noqa: E402
-from geminicompress.distill.survey import mean_nll, mlp_down, run_layers  # noqa: E402
+from geminicompress.distill.survey import attn_out, mean_nll, mlp_down, run_layers  # noqa: E402
 from geminicompress.engine.forward import embed  # noqa: E402
 from geminicompress.machine import machine, versions  # noqa: E402
 from geminicompress.models.loading import load_model  # noqa: E402
@@ -99,7 +104,7 @@ def main() -> None:
     fitw = calibration_windows(tok, str(DATA / "enwiki-sample.txt"), args.fit_windows, SEQ_LEN, 0)
     layers = decoder_layers(teacher)
     down = mlp_down(teacher)
-    fit = light_walk(teacher, fitw, {lo - 1, hi + 1, hi + 2})
+    fit = light_walk(teacher, fitw, {lo - 1, lo, hi + 1, hi + 2})
     first = embed(teacher, evalw, device=CPU)
     kwargs = first.layer_kwargs[0] if isinstance(first.layer_kwargs, list) else first.layer_kwargs
     h_eval = run_layers(list(layers[: lo - 1]), first.tensor, kwargs, device=CPU)  # input of block lo-1
@@ -115,10 +120,20 @@ def main() -> None:
         name, _, weighting = name.partition("/")
         block = copy.deepcopy(layers[lo - 1])
         rest = [layers[t] for t in after]
-        mode = "down_proj" if name.startswith("down") else "linear"
+        mode = "linear" if name in ("linear", "cosine") else "down_proj"
         spec = RepairSpec(mode, "cosine" if name == "cosine" else "mse", ridge, weighting=weighting or "uniform")
-        h, err = refit_block(block, down, fit.hidden[lo - 1], fit.hidden[hi + 1], fit.kwargs, spec, device=CPU)
-        rows = [err]
+        if name == "after":  # block lo-1 as the teacher's; the first kept block after the cut carries the map
+            rest = [copy.deepcopy(b) for b in rest]
+            _, err = refit_block(rest[0], down, fit.hidden[lo], fit.hidden[hi + 2], fit.kwargs, spec, device=CPU)
+            rows = [err]
+        elif name == "o+down":  # the attention's output projection refit first (the MLP's output held), then down_proj
+            _, err_o = refit_block(block, attn_out(teacher), fit.hidden[lo - 1], fit.hidden[hi + 1], fit.kwargs, spec,
+                                   device=CPU)
+            h, err = refit_block(block, down, fit.hidden[lo - 1], fit.hidden[hi + 1], fit.kwargs, spec, device=CPU)
+            rows = [err_o, err]
+        else:
+            h, err = refit_block(block, down, fit.hidden[lo - 1], fit.hidden[hi + 1], fit.kwargs, spec, device=CPU)
+            rows = [err]
         if name in ("down+next", "down+follow"):
             rest = [copy.deepcopy(b) for b in rest]
             n_follow = 1

@@ -68,7 +68,7 @@ def greedy_cut(model: nn.Module, keep: int, fit: Walk, held: Walk, held_windows:
             for c in pool_now:
                 tried[c] = repaired_drift(model, sorted([*dropped, c]), fit, held, held_windows, quick, teacher_nll,
                                           on=Compute(on.device, on.batch))
-                bar.advance(1)
+                bar.advance(1, block=c, drift=tried[c])
         best = min(tried, key=lambda c: (tried[c], c))
         dropped = sorted([*dropped, best])
         steps.append(GreedyStep(best, tried[best], dropped, tried))

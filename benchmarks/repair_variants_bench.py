@@ -16,6 +16,8 @@ cut is shared, the student's blocks from there on and the head run per variant (
 - down+follow: `down` then every later block (repair_follow);
 - after: block i-1 left as the teacher's; the first kept block after the cut (i+n) has its down_proj refit
   on its own inputs (computed from h_i) towards h_{i+n+1}: the map carried after the cut, not before it;
+- laco+down: LaCo's layer collapse (block i-1 + the sum of the dropped blocks' parameter differences from
+  it, norms kept), then down_proj refit;
 - o+down: block i-1's attention output projection refit towards h_{i+n} (its MLP output held), then its
   down_proj on the MLP inputs that follow (two closed-form fits in the same block; the attention's output
   carries context the MLP input lacks).
@@ -125,6 +127,14 @@ def main() -> None:
         if name == "after":  # block lo-1 as the teacher's; the first kept block after the cut carries the map
             rest = [copy.deepcopy(b) for b in rest]
             _, err = refit_block(rest[0], down, fit.hidden[lo], fit.hidden[hi + 2], fit.kwargs, spec, device=CPU)
+            rows = [err]
+        elif name == "laco+down":  # LaCo (Yang et al. 2024): the dropped blocks' differences added to block i-1
+            with torch.no_grad():
+                for (pn, p), *others in zip(block.named_parameters(),
+                                            *[layers[d].parameters() for d in dropped]):
+                    if "norm" not in pn:
+                        p.add_(sum(o - p for o in others))
+            h, err = refit_block(block, down, fit.hidden[lo - 1], fit.hidden[hi + 1], fit.kwargs, spec, device=CPU)
             rows = [err]
         elif name == "o+down":  # the attention's output projection refit first (the MLP's output held), then down_proj
             _, err_o = refit_block(block, attn_out(teacher), fit.hidden[lo - 1], fit.hidden[hi + 1], fit.kwargs, spec,

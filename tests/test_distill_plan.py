@@ -395,3 +395,24 @@ def test_greedy_cut_removes_the_blocks_that_cost_nothing():
     # a pool of 2: after the first step only the best candidates of the step before are tried
     pooled = greedy_cut(model, 5, fit, held, windows[8:], RepairSpec("down_proj"), pool=2)
     assert [len(s.tried) for s in pooled] == [6, 2, 2] and pooled[1].dropped == [2, 5]
+
+
+def test_greedy_set_joins_the_plan_and_is_chosen_when_it_drifts_least():
+    from geminicompress.distill.cut import CutSpec, planned_student
+    from geminicompress.distill.greedy import add_greedy
+
+    model, windows = _with_identity_blocks([2, 5])
+    full = walk(model, windows, device=CPU)
+    fit, held = full.rows(0, 8), full.rows(8, 12)
+    plan = make_plan(model, 6, fit, held, windows[8:], RepairSpec("down_proj"), shortlist=2)
+    plan.candidates = [c for c in plan.candidates if c.dropped != [2, 5]]  # the fixed candidates miss it
+    plan.candidates[0].chosen = True
+    add_greedy(plan, model, fit, held, windows[8:], RepairSpec("down_proj"))
+    d = json.loads(json.dumps(plan.as_dict()))
+    assert d["chosen"]["kind"] == "greedy" and d["chosen"]["dropped"] == [2, 5]
+    assert abs(d["chosen"]["drift"]) < 1e-4 and abs(d["predicted_drift"]) < 1e-4
+    assert [s["block"] for s in d["greedy"]] in ([2, 5], [5, 2]) and sum(c["chosen"] for c in d["candidates"]) == 1
+    # through planned_student (recipe plan_search: greedy): the student built drops the greedy set
+    _, kept, table = planned_student(model, 6, windows, CutSpec(repair=RepairSpec("down_proj"), fit_windows=8,
+                                                               search="greedy"))
+    assert kept == [0, 1, 3, 4, 6, 7] and len(table["greedy"]) == 2

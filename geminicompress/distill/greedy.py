@@ -17,7 +17,8 @@ each one block's refit per dropped run plus the held-out windows from the first 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -25,6 +26,9 @@ import torch.nn as nn
 from geminicompress.distill.repair import RepairSpec
 from geminicompress.distill.survey import Compute, Walk, mean_nll
 from geminicompress.progress import NullProgress
+
+if TYPE_CHECKING:
+    from geminicompress.distill.plan import Plan
 
 
 @dataclass
@@ -75,3 +79,34 @@ def greedy_cut(model: nn.Module, keep: int, fit: Walk, held: Walk, held_windows:
         ranked = sorted(tried, key=lambda c: (tried[c], c))
         order = [c for c in ranked if c != best] + [c for c in order if c not in tried]
     return steps
+
+
+def add_greedy(plan: "Plan", model: nn.Module, fit: Walk, held: Walk, held_windows: torch.Tensor, spec: RepairSpec, *,
+               pool: int | None = None, on: Compute = Compute()) -> None:
+    """Run the greedy search beside the plan's fixed candidates: its set joins them as kind "greedy" (drift
+    measured unrepaired and repaired), its steps go to plan.greedy, and the plan's choice is again the
+    candidate with the least repaired drift."""
+    from geminicompress.core.arch import decoder_layers
+    from geminicompress.distill.plan import Candidate, block_params, measured_nll
+    from geminicompress.distill.survey import span_distances
+
+    steps = greedy_cut(model, plan.keep, fit, held, held_windows, spec, pool=pool, on=on)
+    plan.greedy = [asdict(s) for s in steps]
+    dropped = steps[-1].dropped
+    known = next((c for c in plan.candidates if c.dropped == dropped), None)
+    if known is None:
+        params = block_params(decoder_layers(model))
+        single = span_distances(fit, 1)
+        known = Candidate(dropped, "greedy", round(sum(single[b] for b in dropped), 6), sum(params[b] for b in dropped),
+                          n_layers=plan.n_layers)
+        teacher_nll = math.log(plan.teacher_ppl)
+        known.drift = round(math.exp(measured_nll(model, known.kept, held, held_windows, device=on.device,
+                                                  batch=on.batch) - teacher_nll) - 1.0, 6)
+        plan.candidates.append(known)
+    repaired = spec.mode != "none"
+    if repaired:
+        known.repaired_drift = steps[-1].drift
+    for c in plan.candidates:
+        c.chosen = False
+    score = (lambda c: c.repaired_drift) if repaired else (lambda c: c.drift)
+    min(plan.candidates, key=lambda c: math.inf if score(c) is None else score(c)).chosen = True

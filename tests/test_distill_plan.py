@@ -416,3 +416,25 @@ def test_greedy_set_joins_the_plan_and_is_chosen_when_it_drifts_least():
     _, kept, table = planned_student(model, 6, windows, CutSpec(repair=RepairSpec("down_proj"), fit_windows=8,
                                                                search="greedy"))
     assert kept == [0, 1, 3, 4, 6, 7] and len(table["greedy"]) == 2
+
+
+def test_recipe_plan_search_greedy_writes_its_steps(teacher6, text_file, tmp_path):
+    recipe = tmp_path / "greedy.yaml"
+    recipe.write_text(f"""model: {teacher6}
+calibration: {{data: {text_file}, seq_len: 32}}
+stages:
+  - {{type: distill, data: {text_file}, student_layers: 4, train_minutes: 0, repair_windows: 4, plan_held_windows: 2,
+     plan_search: greedy, plan_greedy_pool: 2}}
+""")
+    out = tmp_path / "out"
+    res = _invoke("run", recipe, "-o", out, "--quiet")
+    assert res.exit_code == 0, res.output
+    plan = json.loads((out / "plan.json").read_text())
+    assert [len(s["tried"]) for s in plan["greedy"]] == [4, 2]  # blocks 1-4, then the pool
+    chosen = plan["chosen"]["repaired_drift"]
+    assert chosen == min(c["repaired_drift"] for c in plan["candidates"] if c["repaired_drift"] is not None)
+    assert any(c["dropped"] == plan["greedy"][-1]["dropped"] for c in plan["candidates"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(recipe.read_text().replace("plan_search: greedy", "plan_search: greedyy"))
+    res = _invoke("run", bad, "-o", tmp_path / "bad", "--quiet")
+    assert res.exit_code == 2 and "plan_search" in res.output, res.output

@@ -45,7 +45,7 @@ from common import DATA, RESULTS, SEQ_LEN  # noqa: E402
 
 from geminicompress.core.arch import decoder_layers  # noqa: E402
 from geminicompress.data import pack_windows, tokenize  # noqa: E402
-from geminicompress.data.windows import calibration_windows  # noqa: E402
+from geminicompress.data.windows import calibration_windows, sample_windows  # noqa: E402
 from geminicompress.distill.repair import RepairSpec, refit_block  # noqa: E402
 from geminicompress.distill.survey import attn_out, mean_nll, mlp_down, run_layers  # noqa: E402
 from geminicompress.engine.forward import embed  # noqa: E402
@@ -90,6 +90,9 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--variants", default="down:1e-3")
+    ap.add_argument("--fit-data", default="enwiki", choices=["enwiki", "wikitext"],
+                    help="fit windows from enwiki-sample.txt (the protocol) or from WikiText-2 tokens after the "
+                    "evaluation's (disjoint from them; the kind of text evaluated)")
     ap.add_argument("--name", default="repair_variants")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -104,6 +107,9 @@ def main() -> None:
     ids = tokenize(tok, (DATA / "wikitext2-test.txt").read_text(), args.eval_tokens)
     evalw = pack_windows(ids, SEQ_LEN)
     fitw = calibration_windows(tok, str(DATA / "enwiki-sample.txt"), args.fit_windows, SEQ_LEN, 0)
+    if args.fit_data == "wikitext":
+        fitw = sample_windows(tokenize(tok, (DATA / "wikitext2-test.txt").read_text())[args.eval_tokens:],
+                              args.fit_windows, SEQ_LEN, 0)
     layers = decoder_layers(teacher)
     down = mlp_down(teacher)
     fit = light_walk(teacher, fitw, {lo - 1, lo, hi + 1, hi + 2})

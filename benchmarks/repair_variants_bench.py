@@ -13,7 +13,16 @@ cut is shared, the student's blocks from there on and the head run per variant (
 - cosine: the linear map refined by Adam on the cosine objective (ReplaceMe's cosine variant);
 - down+next: `down`, then the first kept block after the cut has its down_proj refit towards the teacher's
   stream at its own boundary, on the repaired inputs (one block of `repair_follow`);
-- down+follow: `down` then every later block (repair_follow).
+- down+follow: `down` then every later block (repair_follow);
+- after: block i-1 left as the teacher's; the first kept block after the cut (i+n) has its down_proj refit
+  on its own inputs (computed from h_i) towards h_{i+n+1}: the map carried after the cut, not before it;
+- laco+down: LaCo's layer collapse (block i-1 + the sum of the dropped blocks' parameter differences from
+  it, norms kept), then down_proj refit;
+- o+down: block i-1's attention output projection refit towards h_{i+n} (its MLP output held), then its
+  down_proj on the MLP inputs that follow (two closed-form fits in the same block; the attention's output
+  carries context the MLP input lacks).
+A `/weighting` suffix on the name sets the least squares' token weighting (repair.token_weights):
+`down/skip_first:0.1` (position 0, the attention sink, left out), `down/inverse_norm:0.1` (1/||target||^2).
 """
 
 from __future__ import annotations
@@ -36,9 +45,9 @@ from common import DATA, RESULTS, SEQ_LEN  # noqa: E402
 
 from geminicompress.core.arch import decoder_layers  # noqa: E402
 from geminicompress.data import pack_windows, tokenize  # noqa: E402
-from geminicompress.data.windows import calibration_windows  # noqa: E402
+from geminicompress.data.windows import calibration_windows, sample_windows  # noqa: E402
 from geminicompress.distill.repair import RepairSpec, refit_block  # noqa: E402
-from geminicompress.distill.survey import mean_nll, mlp_down, run_layers  # noqa: E402
+from geminicompress.distill.survey import attn_out, mean_nll, mlp_down, run_layers  # noqa: E402
 from geminicompress.engine.forward import embed  # noqa: E402
 from geminicompress.machine import machine, versions  # noqa: E402
 from geminicompress.models.loading import load_model  # noqa: E402
@@ -81,6 +90,9 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--variants", default="down:1e-3")
+    ap.add_argument("--fit-data", default="enwiki", choices=["enwiki", "wikitext"],
+                    help="fit windows from enwiki-sample.txt (the protocol) or from WikiText-2 tokens after the "
+                    "evaluation's (disjoint from them; the kind of text evaluated)")
     ap.add_argument("--name", default="repair_variants")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -95,9 +107,12 @@ def main() -> None:
     ids = tokenize(tok, (DATA / "wikitext2-test.txt").read_text(), args.eval_tokens)
     evalw = pack_windows(ids, SEQ_LEN)
     fitw = calibration_windows(tok, str(DATA / "enwiki-sample.txt"), args.fit_windows, SEQ_LEN, 0)
+    if args.fit_data == "wikitext":
+        fitw = sample_windows(tokenize(tok, (DATA / "wikitext2-test.txt").read_text())[args.eval_tokens:],
+                              args.fit_windows, SEQ_LEN, 0)
     layers = decoder_layers(teacher)
     down = mlp_down(teacher)
-    fit = light_walk(teacher, fitw, {lo - 1, hi + 1, hi + 2})
+    fit = light_walk(teacher, fitw, {lo - 1, lo, hi + 1, hi + 2})
     first = embed(teacher, evalw, device=CPU)
     kwargs = first.layer_kwargs[0] if isinstance(first.layer_kwargs, list) else first.layer_kwargs
     h_eval = run_layers(list(layers[: lo - 1]), first.tensor, kwargs, device=CPU)  # input of block lo-1
@@ -110,12 +125,31 @@ def main() -> None:
     for v in args.variants.split(","):
         name, ridge = v.split(":")
         ridge = float(ridge)
+        name, _, weighting = name.partition("/")
         block = copy.deepcopy(layers[lo - 1])
         rest = [layers[t] for t in after]
-        mode = "down_proj" if name.startswith("down") else "linear"
-        spec = RepairSpec(mode, "cosine" if name == "cosine" else "mse", ridge)
-        h, err = refit_block(block, down, fit.hidden[lo - 1], fit.hidden[hi + 1], fit.kwargs, spec, device=CPU)
-        rows = [err]
+        mode = "linear" if name in ("linear", "cosine") else "down_proj"
+        spec = RepairSpec(mode, "cosine" if name == "cosine" else "mse", ridge, weighting=weighting or "uniform")
+        if name == "after":  # block lo-1 as the teacher's; the first kept block after the cut carries the map
+            rest = [copy.deepcopy(b) for b in rest]
+            _, err = refit_block(rest[0], down, fit.hidden[lo], fit.hidden[hi + 2], fit.kwargs, spec, device=CPU)
+            rows = [err]
+        elif name == "laco+down":  # LaCo (Yang et al. 2024): the dropped blocks' differences added to block i-1
+            with torch.no_grad():
+                for (pn, p), *others in zip(block.named_parameters(),
+                                            *[layers[d].parameters() for d in dropped]):
+                    if "norm" not in pn:
+                        p.add_(sum(o - p for o in others))
+            h, err = refit_block(block, down, fit.hidden[lo - 1], fit.hidden[hi + 1], fit.kwargs, spec, device=CPU)
+            rows = [err]
+        elif name == "o+down":  # the attention's output projection refit first (the MLP's output held), then down_proj
+            _, err_o = refit_block(block, attn_out(teacher), fit.hidden[lo - 1], fit.hidden[hi + 1], fit.kwargs, spec,
+                                   device=CPU)
+            h, err = refit_block(block, down, fit.hidden[lo - 1], fit.hidden[hi + 1], fit.kwargs, spec, device=CPU)
+            rows = [err_o, err]
+        else:
+            h, err = refit_block(block, down, fit.hidden[lo - 1], fit.hidden[hi + 1], fit.kwargs, spec, device=CPU)
+            rows = [err]
         if name in ("down+next", "down+follow"):
             rest = [copy.deepcopy(b) for b in rest]
             n_follow = 1
@@ -123,7 +157,8 @@ def main() -> None:
             for j in range(n_follow):
                 t = after[j]
                 h, err = refit_block(rest[j], down, h, fit.hidden[t + 1], fit.kwargs,
-                                     RepairSpec("down_proj", ridge=ridge), device=CPU)
+                                     RepairSpec("down_proj", ridge=ridge, weighting=weighting or "uniform"),
+                                     device=CPU)
                 rows.append(err)
         out = run_layers([block, *rest], h_eval, kwargs, device=CPU)
         ppl = math.exp(mean_nll(teacher, out, evalw, device=CPU))

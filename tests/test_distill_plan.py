@@ -318,3 +318,123 @@ def test_plan_data_gives_the_held_out_windows(teacher6, text_file, tmp_path):
     assert plans[0]["held_data"] == str(text_file) and plans[1]["held_data"] == str(other)
     assert plans[1]["teacher_ppl"] != pytest.approx(plans[0]["teacher_ppl"], rel=1e-3)  # other windows
     assert plans[1]["predicted_drift"] == pytest.approx(plans[1]["student_drift"], abs=1e-4)
+
+
+def test_weighted_least_squares_is_the_fit_on_scaled_rows():
+    from geminicompress.distill.repair import token_weights
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3, 10, 6, generator=g), torch.randn(3, 10, 4, generator=g)
+    w = torch.rand(3, 10, generator=g) + 0.1
+    ls = LeastSquares(6, 4)
+    ls.add_batch(x, y, w)
+    ref = torch.linalg.lstsq((x * w[..., None].sqrt()).reshape(-1, 6).double(),
+                             (y * w[..., None].sqrt()).reshape(-1, 4).double()).solution.float()
+    assert torch.allclose(ls.solve(0.0), ref, atol=1e-4)
+    # skip_first: the fit on every position but 0
+    skip = token_weights(y, "skip_first")
+    assert skip[:, 0].eq(0).all() and skip[:, 1:].eq(1).all()
+    ls0, ls1 = LeastSquares(6, 4), LeastSquares(6, 4)
+    ls0.add_batch(x, y, skip)
+    ls1.add_batch(x[:, 1:], y[:, 1:])
+    assert torch.allclose(ls0.solve(0.1), ls1.solve(0.1), atol=1e-5)
+    # inverse_norm: 1 / ||target||^2 per token, mean 1
+    inv = token_weights(y, "inverse_norm")
+    by_hand = 1 / y.pow(2).sum(-1)
+    assert torch.allclose(inv, by_hand / by_hand.mean(), rtol=1e-5) and token_weights(y, "uniform") is None
+
+
+def test_weighting_changes_the_repair_and_shrinks_the_weighted_error(setup):
+    import copy
+
+    from geminicompress.distill.repair import token_weights
+
+    teacher, _, fit, _ = setup
+    target = fit.hidden[4]
+    w = token_weights(target, "inverse_norm")
+    outs = {}
+    for weighting in ("uniform", "inverse_norm"):
+        layer = copy.deepcopy(decoder_layers(teacher)[1])
+        outs[weighting], _ = refit_block(layer, "mlp.down_proj", fit.hidden[1], target, fit.kwargs,
+                                         RepairSpec("down_proj", ridge=1e-6, weighting=weighting), device=CPU)
+    werr = {k: float((w[..., None] * (o - target).pow(2)).sum()) for k, o in outs.items()}
+    err = {k: float((o - target).pow(2).sum()) for k, o in outs.items()}
+    assert not torch.allclose(outs["uniform"], outs["inverse_norm"])
+    assert werr["inverse_norm"] < werr["uniform"] and err["uniform"] < err["inverse_norm"], (werr, err)
+
+
+def _with_identity_blocks(blocks):
+    """The tiny teacher (8 blocks) with `blocks` made identities (their attention and MLP write nothing), its
+    head sharpened, and 12 windows of its own greedy text: on them it is near-certain, so that removing any
+    block that writes something raises the windows' perplexity (a random model's text would not)."""
+    torch.manual_seed(0)
+    model = tiny_model(num_hidden_layers=8).eval()
+    for b in blocks:
+        layer = decoder_layers(model)[b]
+        layer.self_attn.o_proj.weight.data.zero_()
+        layer.mlp.down_proj.weight.data.zero_()
+    model.lm_head.weight.data.mul_(20.0)
+    ids = torch.randint(0, 384, (12, 1), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for _ in range(15):
+            ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+    return model, ids
+
+
+def test_greedy_cut_removes_the_blocks_that_cost_nothing():
+    from geminicompress.distill.greedy import greedy_cut
+
+    model, windows = _with_identity_blocks([2, 5])
+    full = walk(model, windows, device=CPU)
+    fit, held = full.rows(0, 8), full.rows(8, 12)
+    steps = greedy_cut(model, 6, fit, held, windows[8:], RepairSpec("down_proj"))
+    assert {s.block for s in steps} == {2, 5} and steps[-1].dropped == [2, 5]
+    assert all(abs(s.drift) < 1e-4 for s in steps)  # removing an identity block changes nothing
+    assert all(d > 1e-2 for b, d in steps[0].tried.items() if b not in (2, 5)), steps[0].tried  # the others cost
+    assert set(steps[0].tried) == set(range(1, 7))  # first and last kept
+    # a pool of 2: after the first step only the best candidates of the step before are tried
+    pooled = greedy_cut(model, 5, fit, held, windows[8:], RepairSpec("down_proj"), pool=2)
+    assert [len(s.tried) for s in pooled] == [6, 2, 2] and pooled[1].dropped == [2, 5]
+
+
+def test_greedy_set_joins_the_plan_and_is_chosen_when_it_drifts_least():
+    from geminicompress.distill.cut import CutSpec, planned_student
+    from geminicompress.distill.greedy import add_greedy
+
+    model, windows = _with_identity_blocks([2, 5])
+    full = walk(model, windows, device=CPU)
+    fit, held = full.rows(0, 8), full.rows(8, 12)
+    plan = make_plan(model, 6, fit, held, windows[8:], RepairSpec("down_proj"), shortlist=2)
+    plan.candidates = [c for c in plan.candidates if c.dropped != [2, 5]]  # the fixed candidates miss it
+    plan.candidates[0].chosen = True
+    add_greedy(plan, model, fit, held, windows[8:], RepairSpec("down_proj"))
+    d = json.loads(json.dumps(plan.as_dict()))
+    assert d["chosen"]["kind"] == "greedy" and d["chosen"]["dropped"] == [2, 5]
+    assert abs(d["chosen"]["drift"]) < 1e-4 and abs(d["predicted_drift"]) < 1e-4
+    assert [s["block"] for s in d["greedy"]] in ([2, 5], [5, 2]) and sum(c["chosen"] for c in d["candidates"]) == 1
+    # through planned_student (recipe plan_search: greedy): the student built drops the greedy set
+    _, kept, table = planned_student(model, 6, windows, CutSpec(repair=RepairSpec("down_proj"), fit_windows=8,
+                                                               search="greedy"))
+    assert kept == [0, 1, 3, 4, 6, 7] and len(table["greedy"]) == 2
+
+
+def test_recipe_plan_search_greedy_writes_its_steps(teacher6, text_file, tmp_path):
+    recipe = tmp_path / "greedy.yaml"
+    recipe.write_text(f"""model: {teacher6}
+calibration: {{data: {text_file}, seq_len: 32}}
+stages:
+  - {{type: distill, data: {text_file}, student_layers: 4, train_minutes: 0, repair_windows: 4, plan_held_windows: 2,
+     plan_search: greedy, plan_greedy_pool: 2}}
+""")
+    out = tmp_path / "out"
+    res = _invoke("run", recipe, "-o", out, "--quiet")
+    assert res.exit_code == 0, res.output
+    plan = json.loads((out / "plan.json").read_text())
+    assert [len(s["tried"]) for s in plan["greedy"]] == [4, 2]  # blocks 1-4, then the pool
+    chosen = plan["chosen"]["repaired_drift"]
+    assert chosen == min(c["repaired_drift"] for c in plan["candidates"] if c["repaired_drift"] is not None)
+    assert any(c["dropped"] == plan["greedy"][-1]["dropped"] for c in plan["candidates"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(recipe.read_text().replace("plan_search: greedy", "plan_search: greedyy"))
+    res = _invoke("run", bad, "-o", tmp_path / "bad", "--quiet")
+    assert res.exit_code == 2 and "plan_search" in res.output, res.output

@@ -39,6 +39,8 @@ class CutSpec:
     fit_windows: int = 32
     shortlist: int = 3
     mlp_ratio: float = 1.0
+    search: str = "candidates"  # "candidates" (plan.py's fixed ones) | "greedy" (also greedy.py's set)
+    greedy_pool: int | None = 8
 
 
 def cut_student(teacher: nn.Module, kept: list[int], fit: Walk, spec: RepairSpec, *, mlp_ratio: float = 1.0,
@@ -80,6 +82,10 @@ def planned_student(teacher: nn.Module, layers: int | float | list[int], windows
     else:
         plan = make_plan(teacher, keep_count(n_layers, layers), fit, held, held_ids, spec, shortlist=cut.shortlist,
                          on=Compute(device, progress=progress))
+        if cut.search == "greedy":
+            from geminicompress.distill.greedy import add_greedy
+
+            add_greedy(plan, teacher, fit, held, held_ids, spec, pool=cut.greedy_pool, on=Compute(device, progress=progress))
         kept = plan.chosen.kept
     student, rows = cut_student(teacher, kept, fit, spec, mlp_ratio=mlp_ratio, on=Compute(device, progress=progress))
     teacher_ppl = math.exp(mean_nll(teacher, held.hidden[-1], held_ids, device=device))

@@ -65,6 +65,7 @@ class Plan:
     fit_windows: int
     held_windows: int
     decode: dict[str, Any] = field(default_factory=dict)
+    greedy: list[dict[str, Any]] = field(default_factory=list)  # the greedy search's steps (greedy.py), if run
 
     @property
     def chosen(self) -> Candidate:
@@ -76,7 +77,7 @@ class Plan:
                 "fit_windows": self.fit_windows, "held_windows": self.held_windows, "repair": self.repair,
                 "chosen": rows[self.candidates.index(self.chosen)], "predicted_drift": self.chosen.repaired_drift
                 if self.chosen.repaired_drift is not None else self.chosen.drift,
-                "decode": self.decode, "candidates": rows}
+                "decode": self.decode, "candidates": rows, **({"greedy": self.greedy} if self.greedy else {})}
 
 
 def block_params(layers: nn.ModuleList) -> list[int]:

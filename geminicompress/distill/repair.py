@@ -24,7 +24,7 @@ lam is `ridge` times the mean diagonal of the Gram matrix (scale-free), as GPTQ'
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Sequence
 
 import torch
@@ -37,6 +37,7 @@ from geminicompress.progress import NullProgress
 
 RepairMode = Literal["down_proj", "linear", "none"]
 Objective = Literal["mse", "cosine"]
+Weighting = Literal["uniform", "skip_first", "inverse_norm"]
 
 
 class LeastSquares:
@@ -48,10 +49,12 @@ class LeastSquares:
         self.xty = torch.zeros(k, m, dtype=torch.float64)
         self.rows = 0
 
-    def add_batch(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def add_batch(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None = None) -> None:
+        """Rows of x (..., k) and y (..., m); `weight` (...) scales each row's squared error (X^T D X, X^T D Y)."""
         x, y = x.reshape(-1, x.shape[-1]).float().cpu(), y.reshape(-1, y.shape[-1]).float().cpu()
-        self.xtx += (x.T @ x).double()  # a batch's products in float32, the running sums in float64
-        self.xty += (x.T @ y).double()
+        xw = x if weight is None else x * weight.reshape(-1, 1).float().cpu()
+        self.xtx += (xw.T @ x).double()  # a batch's products in float32, the running sums in float64
+        self.xty += (xw.T @ y).double()
         self.rows += x.shape[0]
 
     def solve(self, ridge: float, prior: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,6 +94,22 @@ class RepairSpec:
     ridge: float = 0.1  # measured on the demo: docs/distill.md (1e-3 -> 0.1: 55.16 -> 54.27)
     follow: bool = False  # also refit the kept blocks after a cut (measured worse on the demo: docs/distill.md)
     cosine_steps: int = 100
+    weighting: Weighting = "uniform"
+
+
+def token_weights(target: torch.Tensor, weighting: Weighting) -> torch.Tensor | None:
+    """Each token's weight in the repair's squared error; target (n, T, d) -> (n, T), None for uniform.
+    - skip_first: position 0 (the attention sink, whose massive activations can dominate X^T X) left out;
+    - inverse_norm: 1 / ||target||^2 per token, normalized to mean 1: the relative error per token, what the
+      next block's RMSNorm sees (a closed-form stand-in for the cosine objective)."""
+    if weighting == "uniform":
+        return None
+    if weighting == "skip_first":
+        w = torch.ones(target.shape[:-1])
+        w[:, 0] = 0.0
+        return w
+    w = 1.0 / target.double().pow(2).sum(-1).clamp_min(1e-12)  # (n, T)
+    return (w / w.mean()).float()
 
 
 @torch.no_grad()
@@ -121,11 +140,12 @@ def refit_block(layer: nn.Module, down: str, h_in: torch.Tensor, target: torch.T
     lin = layer.get_submodule(down)
     a, y, mid = _capture(layer, down, h_in, kwargs, device, batch)  # (n, T, I), (n, T, d), (n, T, d)
     resid = target - mid
+    wt = token_weights(target, spec.weighting)  # (n, T) or None
     bias = lin.bias.detach().cpu() if lin.bias is not None else None
     if spec.mode == "linear":
         ls = LeastSquares(y.shape[-1], y.shape[-1])
         for s in range(0, y.shape[0], batch):
-            ls.add_batch(y[s:s + batch], resid[s:s + batch])
+            ls.add_batch(y[s:s + batch], resid[s:s + batch], None if wt is None else wt[s:s + batch])
         t = ls.solve(spec.ridge)  # (d, d)
         if spec.objective == "cosine":
             t = cosine_map(y.flatten(0, 1), mid.flatten(0, 1), target.flatten(0, 1), t, steps=spec.cosine_steps)
@@ -135,7 +155,7 @@ def refit_block(layer: nn.Module, down: str, h_in: torch.Tensor, target: torch.T
         prior = lin.weight.detach().cpu().T if bias is None else torch.cat([lin.weight.detach().cpu().T, bias[None]])
         ls = LeastSquares(x.shape[-1], resid.shape[-1])
         for s in range(0, x.shape[0], batch):
-            ls.add_batch(x[s:s + batch], resid[s:s + batch])
+            ls.add_batch(x[s:s + batch], resid[s:s + batch], None if wt is None else wt[s:s + batch])
         sol = ls.solve(spec.ridge, prior)  # (I [+1], d)
         w, b = sol[: a.shape[-1]].T.contiguous(), (sol[-1] if bias is not None else None)
     lin.weight.data.copy_(w.to(lin.weight.dtype))
@@ -167,16 +187,23 @@ def repair(layers: Sequence[nn.Module], kept: Sequence[int], fit: Walk, down: st
         return rows
     h = hidden[kept[0]]
     moved = kept[0] != 0  # the student's stream differs from the teacher's at its own boundary
+    nexts = [*kept[1:], n_layers]
+    # without follow or a narrowed MLP only the blocks before a cut are refit: the walk stops after the last
+    last = len(kept) - 1 if narrowed or spec.follow else max(
+        (j for j, t in enumerate(kept) if nexts[j] != t + 1), default=-1)
     with progress.task("repair", len(layers)) as bar:
         for j, (layer, t) in enumerate(zip(layers, kept)):
-            nxt = kept[j + 1] if j + 1 < len(kept) else n_layers
+            layer.to(device)
+            bar.advance(1)
+            if j > last:
+                continue
+            nxt = nexts[j]
             cut_after = nxt != t + 1
             fit = narrowed or (spec.mode != "none" and (cut_after or (spec.follow and moved)))
-            layer.to(device)
             if fit:
-                mode = spec if spec.mode != "none" else RepairSpec("down_proj", ridge=spec.ridge)
+                mode = spec if spec.mode != "none" else replace(spec, mode="down_proj", objective="mse")
                 if not cut_after and mode.mode == "linear":
-                    mode = RepairSpec("down_proj", ridge=spec.ridge)  # after a cut: the block's own refit
+                    mode = replace(spec, mode="down_proj", objective="mse")  # after a cut: the block's own refit
                 h, err = refit_block(layer, down, h, hidden[nxt], kwargs, mode, device=device, batch=batch)
                 rows.append({"student_layer": j, "teacher_layer": t, "target_boundary": nxt, "mode": mode.mode,
                              **{k: round(v, 6) for k, v in err.items()}})
@@ -187,5 +214,4 @@ def repair(layers: Sequence[nn.Module], kept: Sequence[int], fit: Walk, down: st
             else:  # the student's stream is still the teacher's
                 h = hidden[t + 1]
                 moved = cut_after
-            bar.advance(1)
     return rows

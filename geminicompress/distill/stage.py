@@ -175,7 +175,8 @@ def _planned(cfg: DistillStage, ctx, teacher, spec, derive: str, repair_mode: st
     ctx.progress.info(f"cutting by {derive} derivation with {repair_mode} repair on {cfg.repair_windows} + "
                       f"{cfg.plan_held_windows} calibration windows of {windows.shape[1]} tokens"
                       + (f" (held-out ones from {cfg.plan_data})" if cfg.plan_data else ""))
-    cut = CutSpec(derive, rspec, cfg.repair_windows, cfg.plan_shortlist, cfg.mlp_ratio)
+    cut = CutSpec(derive, rspec, cfg.repair_windows, cfg.plan_shortlist, cfg.mlp_ratio, cfg.plan_search,
+                  cfg.plan_greedy_pool)
     student, kept, plan = planned_student(teacher, spec, windows, cut, device=ctx.device, progress=ctx.progress)
     plan["held_data"] = cfg.plan_data or cfg.data or ctx.recipe.calibration.data
     ctx.progress.info(f"kept teacher layers {kept}; drift on the held-out calibration windows "

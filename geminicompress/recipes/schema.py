@@ -88,6 +88,12 @@ class DistillStage(_StageBase):
     plan_data: str | None = Field(None, description="text the plan's held-out windows come from: the kind of text "
                                   "the student will serve or be evaluated on (default: the calibration data)")
     plan_shortlist: int = Field(3, ge=1, description="cuts (least drift unrepaired) the plan repairs and measures")
+    plan_search: Literal["candidates", "greedy"] = Field(
+        "candidates", description="greedy: also remove blocks one at a time, each the one whose repaired removal "
+        "costs the least held-out drift (distill/greedy.py; about (L-2) + (n-1) x plan_greedy_pool repaired "
+        "evaluations), its set a candidate beside the fixed ones")
+    plan_greedy_pool: int | None = Field(8, ge=1, description="candidates the greedy search tries per step after "
+                                         "the first (the best of the step before; null: all)")
     train_minutes: float | None = Field(None, ge=0.0, description="train for this many minutes (0: stop after "
                                         "the cut and repair)")
     train_tokens: int | None = Field(None, ge=0, description="train on this many tokens (0: stop after the cut "

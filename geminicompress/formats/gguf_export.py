@@ -5,9 +5,11 @@ The checkpoint's quantized linears are read by their format's reader (formats/) 
 type that holds their codes exactly (formats/gguf.py); float linears as F16 (or F32), norms and biases as F32,
 the embeddings as Q8_0 (or F16/F32: `embeddings`), an untied float output head likewise, a tied one not at
 all (llama.cpp reads token_embd.weight for it). Rows of q_proj/k_proj (codes, scales and biases alike) are
-reordered as llama.cpp's converter does for the llama architecture (not for qwen2). Metadata: the llama.cpp
-hyperparameters of the architecture (rope.freq_base and the RMS epsilon included: llama.cpp silently takes
-10000 and 1e-5 when they are missing), and the tokenizer (gguf_vocab.py).
+reordered as llama.cpp's converter does for the llama architecture (not for qwen2 and gemma3). Metadata: the
+llama.cpp hyperparameters of the architecture (rope.freq_base and the RMS epsilon included: llama.cpp silently
+takes 10000 and 1e-5 when they are missing), and the tokenizer (gguf_vocab.py). Gemma 3 (convert_hf_to_gguf's
+Gemma3Model): norms written as 1 + w, the sliding window, the global layers' rope base; what llama.cpp's gemma3
+graph hard-codes instead of reading (`_gemma3_refusal`) is checked before any work.
 
 Memory: one module's tensors at a time; the written blocks go to a spooled temporary file (gguf's
 `use_temp_file`), which spills to disk past 256 MB.
@@ -185,7 +187,7 @@ _FILE_TYPES = {Q.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0, Q.Q4_1: gguf.LlamaFileTyp
 
 
 def _metadata(w: gguf.GGUFWriter, config: dict[str, Any], arch: GGUFArch) -> None:
-    """The hyperparameters llama.cpp reads for the llama/qwen2 architectures (the converter's TextModel)."""
+    """The hyperparameters llama.cpp reads for the llama/qwen2/gemma3 architectures (the converter's TextModel)."""
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // heads
     rope = _rope(config)

@@ -53,6 +53,9 @@ OURS_ROWS = {  # name -> quantize arguments (written as OUT/model.gguf by --form
     "ours-int8-q8_0": ["--method", "int8", *CALIB],
 }
 NOT_RANKED = {"ours-awq-q4_1": "not ranked: the demo's floats lie on a Q4_1 grid"}
+# rows whose codes another row's run already chose (the AWQ search does not depend on the GGUF type): exported
+# from that row's checkpoint with this --gguf-asym instead of searching again
+SAME_CODES = {"ours-awq-q4_1": ("ours-awq-q5_0", "q4_1")}
 LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
            "mlp.down_proj": "ffn_down"}
@@ -127,6 +130,14 @@ def build(work: Path, rows: list[str], python: str) -> dict[str, str]:
             result = run_driver(python, {"model": None, "tasks": [task]})
             if result.get("error"):
                 skipped[row] = f"llama.cpp: {result['error']}"
+        elif row in SAME_CODES and (work / f"{SAME_CODES[row][0]}-out" / "config.json").is_file():
+            from geminicompress.formats.gguf_export import GGUFOptions, export
+            from geminicompress.models.demo import demo_gguf_path
+
+            info = export(work / f"{SAME_CODES[row][0]}-out", GGUFOptions(asym=SAME_CODES[row][1]),
+                          source_gguf=demo_gguf_path(), dest=dst)
+            (work / f"{row}-out").mkdir(exist_ok=True)
+            (work / f"{row}-out" / "report.json").write_text(json.dumps({"export": {"gguf": info}}))
         elif not knows_gguf():
             skipped[row] = "this build's quantize has no --format gguf yet (issue #37's exporter)"
         else:

@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="gguf_gemma_bench")
+    ap.add_argument("--only", default=None, help="comma separated rows to score (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from geminicompress.eval.engines.llama_eval import quality_from_llama, run_driver
@@ -92,14 +93,14 @@ def main() -> None:
     if path.is_file() and json.loads(path.read_text())["perplexity"] == protocol:  # resume: keep what was scored
         before = json.loads(path.read_text())
         out["torch"], out["rows"] = before["torch"], [r for r in before["rows"] if "error" not in r]
-    if "float" not in out["torch"]:
+    if "float" not in out["torch"] and not args.only:
         out["torch"]["float"] = round(perplexity(loaded.model, windows), 4)
     del loaded
     if ours is not None and "ours-gptq-q4_0" not in out["torch"]:
         out["torch"]["ours-gptq-q4_0"] = round(perplexity(load_model(str(ours)).model, windows), 4)
     print(json.dumps(out["torch"]), flush=True)
     path.write_text(json.dumps(out, indent=1) + "\n")
-    done = {r["row"] for r in out["rows"]}
+    done = {r["row"] for r in out["rows"]} | ({*files} - set(args.only.split(",")) if args.only else set())
     for row, file in files.items():
         if row in done:
             continue

@@ -53,6 +53,9 @@ OURS_ROWS = {  # name -> quantize arguments (written as OUT/model.gguf by --form
     "ours-int8-q8_0": ["--method", "int8", *CALIB],
 }
 NOT_RANKED = {"ours-awq-q4_1": "not ranked: the demo's floats lie on a Q4_1 grid"}
+# rows whose codes another row's run already chose (the AWQ search does not depend on the GGUF type): exported
+# from that row's checkpoint with this --gguf-asym instead of searching again
+SAME_CODES = {"ours-awq-q4_1": ("ours-awq-q5_0", "q4_1")}
 LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
            "mlp.down_proj": "ffn_down"}
@@ -64,12 +67,12 @@ def llama_python() -> str:
     return find_python(os.environ.get("GEMINICOMPRESS_LLAMA_PYTHON") or "/work/venv-llama/bin/python")
 
 
-def importance_matrix(calib: torch.Tensor) -> dict[str, list[float]]:
-    """Mean x² per input channel of every decoder linear over the calibration windows, keyed by GGUF tensor
-    name (blk.N.attn_q.weight ...): what llama.cpp's `llama-imatrix` computes, from our calibration walk."""
+def importance_matrix(calib: torch.Tensor, name: str = "smollm2-demo") -> dict[str, list[float]]:
+    """Mean x² per input channel of every decoder linear of model `name` over the calibration windows, keyed by
+    GGUF tensor name (blk.N.attn_q.weight ...): what llama.cpp's `llama-imatrix` computes, from our calibration walk."""
     from geminicompress.models.loading import load_model
 
-    model = load_model("smollm2-demo").model
+    model = load_model(name).model
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
     hooks = []
@@ -127,6 +130,14 @@ def build(work: Path, rows: list[str], python: str) -> dict[str, str]:
             result = run_driver(python, {"model": None, "tasks": [task]})
             if result.get("error"):
                 skipped[row] = f"llama.cpp: {result['error']}"
+        elif row in SAME_CODES and (work / f"{SAME_CODES[row][0]}-out" / "config.json").is_file():
+            from geminicompress.formats.gguf_export import GGUFOptions, export
+            from geminicompress.models.demo import demo_gguf_path
+
+            info = export(work / f"{SAME_CODES[row][0]}-out", GGUFOptions(asym=SAME_CODES[row][1]),
+                          source_gguf=demo_gguf_path(), dest=dst)
+            (work / f"{row}-out").mkdir(exist_ok=True)
+            (work / f"{row}-out" / "report.json").write_text(json.dumps({"export": {"gguf": info}}))
         elif not knows_gguf():
             skipped[row] = "this build's quantize has no --format gguf yet (issue #37's exporter)"
         else:
@@ -153,15 +164,22 @@ def linear_bits(path: Path) -> float:
     return round(bits / elems, 3)
 
 
+def export_facts(out: Path) -> dict:
+    """What OUT/report.json says of the GGUF our quantize wrote (types; Q4_1's rounded offset in steps)."""
+    report = out / "report.json"
+    info = json.loads(report.read_text()).get("export", {}).get("gguf", {}) if report.is_file() else {}
+    return {k: info[k] for k in ("types", "q4_1_max_m_error_steps") if k in info}
+
+
 def score(work: Path, rows: list[str], python: str, tokens: int, save=lambda rows: None, threads: int = 2,
-          float_ppl: float | None = None) -> list[dict]:
+          float_ppl: float | None = None, model: str = "smollm2-demo") -> list[dict]:
     """Score every row's file in llama.cpp, the F32 row first (the baseline of the KL and the drift); with
     `float_ppl` given (the F32 row's perplexity, scored before) the F32 row is not scored again and there is no
     KL; `save(rows so far)` after each row, so that an interrupted run keeps what it measured."""
     from geminicompress.eval.engines.llama_eval import TOP_K, quality_from_llama, run_driver
     from geminicompress.models.loading import load_model
 
-    windows = eval_windows(load_model("smollm2-demo").tokenizer, tokens // 512)
+    windows = eval_windows(load_model(model).tokenizer, tokens // 512)
     results, base = [], None
     for row in [*(["float-f32"] if float_ppl is None else []), *[r for r in rows if r != "float-f32"]]:
         path = work / f"{row}.gguf"
@@ -184,7 +202,8 @@ def score(work: Path, rows: list[str], python: str, tokens: int, save=lambda row
                         "drift_pct": round(100 * (q["perplexity"] / float_ppl - 1), 2) if float_ppl else None,
                         "kl_lower_bound": q["kl_to_baseline"] if base else None,
                         "top1_agreement": q["top1_agreement"] if base else None, "llama_cpp": result["llama_cpp"],
-                        "score_s_shared_machine": round(time.perf_counter() - t0, 1)})
+                        "score_s_shared_machine": round(time.perf_counter() - t0, 1),
+                        **export_facts(work / f"{row}-out")})
         print(json.dumps(results[-1]), flush=True)
         save(results)
     return results
@@ -198,7 +217,9 @@ def table(rows: list[dict]) -> str:
         else:
             kl = "" if r.get("kl_lower_bound") is None else f"{r['kl_lower_bound']:.4f}"
             drift = "" if r.get("drift_pct") is None else f"{r['drift_pct']:+.2f}%"
-            name = r["row"] + (f" ({r['note']})" if r.get("note") else "")
+            note = "; ".join(x for x in (r.get("note"), r.get("q4_1_max_m_error_steps") and
+                                         f"m rounded by <= {r['q4_1_max_m_error_steps']} of a step") if x)
+            name = r["row"] + (f" ({note})" if note else "")
             lines.append(f"| {name} | {r['linear_bits']} | {r['file_mb']} | {r['perplexity']} | {drift} | {kl} |")
     return "\n".join(lines)
 

@@ -5,9 +5,11 @@ The checkpoint's quantized linears are read by their format's reader (formats/) 
 type that holds their codes exactly (formats/gguf.py); float linears as F16 (or F32), norms and biases as F32,
 the embeddings as Q8_0 (or F16/F32: `embeddings`), an untied float output head likewise, a tied one not at
 all (llama.cpp reads token_embd.weight for it). Rows of q_proj/k_proj (codes, scales and biases alike) are
-reordered as llama.cpp's converter does for the llama architecture (not for qwen2). Metadata: the llama.cpp
-hyperparameters of the architecture (rope.freq_base and the RMS epsilon included: llama.cpp silently takes
-10000 and 1e-5 when they are missing), and the tokenizer (gguf_vocab.py).
+reordered as llama.cpp's converter does for the llama architecture (not for qwen2 and gemma3). Metadata: the
+llama.cpp hyperparameters of the architecture (rope.freq_base and the RMS epsilon included: llama.cpp silently
+takes 10000 and 1e-5 when they are missing), and the tokenizer (gguf_vocab.py). Gemma 3 (convert_hf_to_gguf's
+Gemma3Model): norms written as 1 + w, the sliding window, the global layers' rope base; what llama.cpp's gemma3
+graph hard-codes instead of reading (`_gemma3_refusal`) is checked before any work.
 
 Memory: one module's tensors at a time; the written blocks go to a spooled temporary file (gguf's
 `use_temp_file`), which spills to disk past 256 MB.
@@ -48,6 +50,7 @@ class GGUFArch:
     name: str  # general.architecture
     arch: gguf.MODEL_ARCH  # the tensor-name table
     permute_qk: bool  # the converter reorders q/k rows (rotate-half -> interleaved rope)
+    norm_shift: float = 0.0  # added to every norm weight: Gemma's RMSNorm scales by (1 + w), llama.cpp's by w
 
 
 # model_type -> how llama.cpp names it (its converter maps Mistral to the llama architecture)
@@ -55,7 +58,11 @@ ARCHS: dict[str, GGUFArch] = {
     "llama": GGUFArch("llama", gguf.MODEL_ARCH.LLAMA, True),
     "mistral": GGUFArch("llama", gguf.MODEL_ARCH.LLAMA, True),
     "qwen2": GGUFArch("qwen2", gguf.MODEL_ARCH.QWEN2, False),
+    "gemma3_text": GGUFArch("gemma3", gguf.MODEL_ARCH.GEMMA3, False, 1.0),  # neox rope: no reordering
 }
+# What llama.cpp's gemma3 graph hard-codes instead of reading it from the file (llama_load_hparams_gemma3):
+GEMMA3_SWA_PATTERN = 6  # every 6th layer global, the others sliding-window
+GEMMA3_SWA_ROPE_BASE = 10000.0  # the sliding layers' rope base, unscaled
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,8 @@ def gguf_arch(config: dict[str, Any]) -> GGUFArch:
     if model_type not in ARCHS:
         raise InputError(f"--format gguf writes the architectures {', '.join(ARCHS)}; this model is "
                          f"'{model_type}' (use another --format)")
+    if model_type == "gemma3_text" and (why := _gemma3_refusal(config)):
+        raise InputError(f"--format gguf: llama.cpp's gemma3 {why}; this model cannot be written for it")
     scaling = _rope(config).get("rope_type", "default")
     if scaling not in ("default", "linear", "llama3") or (scaling == "llama3" and not ARCHS[model_type].permute_qk):
         raise InputError(f"--format gguf: rope scaling '{scaling}' is not written to GGUF here "
@@ -79,10 +88,37 @@ def gguf_arch(config: dict[str, Any]) -> GGUFArch:
     return ARCHS[model_type]
 
 
+def _gemma3_refusal(config: dict[str, Any]) -> str | None:
+    """Why llama.cpp's gemma3 graph would compute another model than this config (it hard-codes the layer
+    pattern, the sliding layers' rope and the attention scale), or None."""
+    n, pattern = config["num_hidden_layers"], GEMMA3_SWA_PATTERN
+    layers = config.get("layer_types") or [
+        "full_attention" if (i + 1) % config.get("sliding_window_pattern", pattern) == 0 else "sliding_attention"
+        for i in range(n)]
+    if layers != ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]:
+        return f"makes every {pattern}th layer global and the others sliding-window"
+    local = (config.get("rope_parameters") or {}).get("sliding_attention") or {
+        "rope_theta": config.get("rope_local_base_freq", GEMMA3_SWA_ROPE_BASE)}
+    if local.get("rope_type", "default") != "default" or float(local["rope_theta"]) != GEMMA3_SWA_ROPE_BASE:
+        return f"gives the sliding layers rope base {GEMMA3_SWA_ROPE_BASE:g}, unscaled"
+    heads, head_dim = config["num_attention_heads"], config.get("head_dim", 256)
+    scalar = config["hidden_size"] // heads if n == 62 else head_dim  # 27B: hidden / heads
+    if config.get("query_pre_attn_scalar", scalar) != scalar:
+        return f"scales attention by 1/sqrt({scalar}) (query_pre_attn_scalar is {config['query_pre_attn_scalar']})"
+    if config.get("attn_logit_softcapping") or config.get("final_logit_softcapping"):
+        return "has no logit softcapping"
+    if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh" or config.get(
+            "use_bidirectional_attention"):
+        return "uses tanh-GELU and causal attention"
+    return None
+
+
 def _rope(config: dict[str, Any]) -> dict[str, Any]:
-    """The rope parameters (transformers 5: `rope_parameters`; before: `rope_theta` and `rope_scaling`)."""
+    """The rope parameters (transformers 5: `rope_parameters`; before: `rope_theta` and `rope_scaling`); for a
+    model with per-layer-type parameters (Gemma 3), the global layers' (llama.cpp's `rope.freq_base`)."""
     rope = dict(config.get("rope_scaling") or {})
-    rope.update(config.get("rope_parameters") or {})
+    params = config.get("rope_parameters") or {}
+    rope.update(params.get("full_attention", params))
     if "rope_theta" in config:
         rope.setdefault("rope_theta", config["rope_theta"])
     if "type" in rope:
@@ -151,7 +187,7 @@ _FILE_TYPES = {Q.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0, Q.Q4_1: gguf.LlamaFileTyp
 
 
 def _metadata(w: gguf.GGUFWriter, config: dict[str, Any], arch: GGUFArch) -> None:
-    """The hyperparameters llama.cpp reads for the llama/qwen2 architectures (the converter's TextModel)."""
+    """The hyperparameters llama.cpp reads for the llama/qwen2/gemma3 architectures (the converter's TextModel)."""
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // heads
     rope = _rope(config)
@@ -169,6 +205,8 @@ def _metadata(w: gguf.GGUFWriter, config: dict[str, Any], arch: GGUFArch) -> Non
     if head_dim != hidden // heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch.arch == gguf.MODEL_ARCH.GEMMA3:
+        w.add_sliding_window(config["sliding_window"])
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rope["factor"]))
@@ -244,6 +282,8 @@ def _tensors(w: gguf.GGUFWriter, out: Path, config: dict[str, Any], arch: GGUFAr
             if key in owned or (tied and key == "lm_head.weight"):
                 continue
             tensor = handle.get_tensor(key)
+            if arch.norm_shift and key.endswith("norm.weight"):
+                tensor = tensor.float() + arch.norm_shift
             add(key, blocks.encode_float(tensor, _float_type(key, tensor, options)))
     return stats
 

@@ -61,7 +61,7 @@ def test_release_weights_skips_what_is_already_dropped():
 
 @pytest.mark.parametrize("stage", [
     {"type": "quantize", "method": "gptq", "bits": 4, "group_size": 16},
-    {"type": "quantize", "method": "awq", "bits": 4, "group_size": 16},
+    pytest.param({"type": "quantize", "method": "awq", "bits": 4, "group_size": 16}, marks=pytest.mark.slow),
 ], ids=["gptq", "awq"])
 def test_a_run_that_drops_finished_weights_writes_what_one_that_keeps_them_writes(tmp_path, text_file, stage,
                                                                                   monkeypatch):

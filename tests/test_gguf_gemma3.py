@@ -88,7 +88,9 @@ def test_gemma3_metadata(tmp_path):
         "full_attention": {"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     path = tmp_path / "m.gguf"
-    export(model_dir, dest=path)
+    written = export(model_dir, dest=path)
+    assert "does not split text as transformers does" in written["tokenizer_warning"]  # built, not copied: said
+    assert GGUFReader(path).fields["tokenizer.ggml.add_space_prefix"].contents() is False
     value = {k: f.contents() for k, f in GGUFReader(path).fields.items() if not k.startswith("tokenizer.ggml.")}
     assert value["general.architecture"] == "gemma3"
     assert value["gemma3.rope.freq_base"] == 500000.0  # the global layers'; llama.cpp takes 10000 for the others

@@ -168,4 +168,7 @@ def _export_gguf(ctx: StageContext, tmp: Path) -> dict:
 
     ctx.progress.info(f"writing {final_name(tmp)}/model.gguf")
     options = GGUFOptions(**_gguf_stage(ctx.recipe).gguf_options())
-    return export(tmp, options, source_gguf=_source_gguf(ctx.recipe.model))
+    written = export(tmp, options, source_gguf=_source_gguf(ctx.recipe.model))
+    if written.get("tokenizer_warning"):
+        ctx.progress.warn(written["tokenizer_warning"])
+    return written

@@ -168,6 +168,8 @@ def export(out: Path, options: GGUFOptions | None = None, source_gguf: Path | No
             tokenizer = f"copied from {source_gguf.name}"
         else:
             tokenizer = f"built ({build_tokenizer(writer, out, vocab)})"
+            if arch.name == "gemma3":  # llama.cpp's converter: Gemma's SentencePiece adds no space prefix
+                writer.add_add_space_prefix(False)
         stats = _tensors(writer, out, config, arch, options)
         writer.add_file_type(_FILE_TYPES.get(stats["types"].most_common(1)[0][0], gguf.LlamaFileType.GUESSED))
         writer.write_header_to_file()
@@ -176,9 +178,17 @@ def export(out: Path, options: GGUFOptions | None = None, source_gguf: Path | No
     finally:
         writer.close()
     os.replace(tmp, dest)
+    warning = (BUILT_GEMMA_TOKENIZER if source_gguf is None and arch.name == "gemma3" else None)
     return {"file": dest.name, "bytes": dest.stat().st_size, "tokenizer": tokenizer,
+            **({"tokenizer_warning": warning} if warning else {}),
             "types": {t.name: n for t, n in stats["types"].items()}, "exact": stats["exact"],
             **({"q4_1_max_m_error_steps": round(stats["q4_1_err"], 6)} if stats["q4_1_err"] else {})}
+
+
+BUILT_GEMMA_TOKENIZER = (
+    "the tokenizer metadata built from Gemma's tokenizer.json does not split text as transformers does in "
+    "llama.cpp (its SentencePiece scores are only in tokenizer.model); scores from token ids are unaffected, but "
+    "for llama.cpp's own tokenization quantize from the model's .gguf file, whose tokenizer is copied")
 
 
 _FILE_TYPES = {Q.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0, Q.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,

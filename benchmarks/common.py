@@ -25,11 +25,12 @@ EVAL_TOKENS = 16384
 SEQ_LEN = 512
 
 
-def eval_windows(tokenizer, n: int | None = None) -> torch.Tensor:
-    """The perplexity windows: (32, 512) from the start of wikitext2-test.txt, or the first n of them."""
+def eval_windows(tokenizer, n: int | None = None, tokens: int = EVAL_TOKENS) -> torch.Tensor:
+    """The perplexity windows: (32, 512) from the start of wikitext2-test.txt (the first `tokens` tokens), or the
+    first n of them."""
     from geminicompress.data.windows import pack_windows, tokenize
 
-    ids = tokenize(tokenizer, (DATA / "wikitext2-test.txt").read_text(), EVAL_TOKENS)
+    ids = tokenize(tokenizer, (DATA / "wikitext2-test.txt").read_text(), tokens)
     return pack_windows(ids, SEQ_LEN, n)
 
 

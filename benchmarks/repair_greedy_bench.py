@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import DATA, RESULTS, SEQ_LEN  # noqa: E402
+from common import DATA, RESULTS, SEQ_LEN, eval_windows  # noqa: E402
 
-from geminicompress.data import pack_windows, tokenize  # noqa: E402
+from geminicompress.data import tokenize  # noqa: E402
 from geminicompress.data.windows import calibration_windows, sample_windows  # noqa: E402
 from geminicompress.distill.cut import cut_student  # noqa: E402
 from geminicompress.distill.greedy import greedy_cut  # noqa: E402
@@ -86,7 +86,7 @@ def main() -> None:
     teacher, tok = loaded.model, loaded.tokenizer
     L = teacher.config.num_hidden_layers
     text = (DATA / "wikitext2-test.txt").read_text()
-    evalw = pack_windows(tokenize(tok, text, args.eval_tokens), SEQ_LEN)
+    evalw = eval_windows(tok, tokens=args.eval_tokens)
     calib = calibration_windows(tok, str(DATA / "enwiki-sample.txt"), args.fit_windows + args.held_windows, SEQ_LEN, 0)
     fitw, heldw = calib[: args.fit_windows], calib[args.fit_windows:]
     if args.held_data == "wikitext":  # disjoint from the evaluation's tokens: drawn from those after them

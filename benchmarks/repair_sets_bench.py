@@ -21,9 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import DATA, RESULTS, SEQ_LEN  # noqa: E402
+from common import DATA, RESULTS, SEQ_LEN, eval_windows  # noqa: E402
 
-from geminicompress.data import pack_windows, tokenize  # noqa: E402
 from geminicompress.data.windows import calibration_windows  # noqa: E402
 from geminicompress.distill.cut import cut_student  # noqa: E402
 from geminicompress.distill.repair import RepairSpec  # noqa: E402
@@ -61,7 +60,7 @@ def main() -> None:
     loaded = load_model(args.teacher)
     teacher, tok = loaded.model, loaded.tokenizer
     L = teacher.config.num_hidden_layers
-    evalw = pack_windows(tokenize(tok, (DATA / "wikitext2-test.txt").read_text(), args.eval_tokens), SEQ_LEN)
+    evalw = eval_windows(tok, tokens=args.eval_tokens)
     fitw = calibration_windows(tok, str(DATA / "enwiki-sample.txt"), args.fit_windows, SEQ_LEN, 0)
     fit = walk(teacher, fitw, device=CPU)
     spec = RepairSpec(args.repair, ridge=args.ridge)

@@ -41,10 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import DATA, RESULTS, SEQ_LEN  # noqa: E402
+from common import DATA, RESULTS, SEQ_LEN, eval_windows  # noqa: E402
 
 from geminicompress.core.arch import decoder_layers  # noqa: E402
-from geminicompress.data import pack_windows, tokenize  # noqa: E402
+from geminicompress.data import tokenize  # noqa: E402
 from geminicompress.data.windows import calibration_windows, sample_windows  # noqa: E402
 from geminicompress.distill.repair import RepairSpec, refit_block  # noqa: E402
 from geminicompress.distill.survey import attn_out, mean_nll, mlp_down, run_layers  # noqa: E402
@@ -104,8 +104,7 @@ def main() -> None:
     assert dropped == list(range(dropped[0], dropped[-1] + 1)), "one contiguous span"
     lo, hi = dropped[0], dropped[-1]
     kept = [i for i in range(L) if i not in dropped]
-    ids = tokenize(tok, (DATA / "wikitext2-test.txt").read_text(), args.eval_tokens)
-    evalw = pack_windows(ids, SEQ_LEN)
+    evalw = eval_windows(tok, tokens=args.eval_tokens)
     fitw = calibration_windows(tok, str(DATA / "enwiki-sample.txt"), args.fit_windows, SEQ_LEN, 0)
     if args.fit_data == "wikitext":
         fitw = sample_windows(tokenize(tok, (DATA / "wikitext2-test.txt").read_text())[args.eval_tokens:],

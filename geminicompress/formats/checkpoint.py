@@ -17,6 +17,11 @@ from geminicompress.formats.masks import MASKS_FILE
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+# torch dtype <-> its name in a safetensors header
+DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+               torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+               torch.bool: "BOOL"}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
 def scale_dtype(fmt: str, dtype: str) -> torch.dtype:
@@ -76,11 +81,6 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
-
-
 def read_file(file: Path) -> dict[str, torch.Tensor]:
     """A safetensors file's tensors read with plain reads, each into its own memory, not mapped: a tensor of a
     mapped file keeps every page of the mapping it was read from resident until all its tensors go, so copying
@@ -90,12 +90,12 @@ def read_file(file: Path) -> dict[str, torch.Tensor]:
         size = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(size))
         header.pop("__metadata__", None)
-        if any(info["dtype"] not in _DTYPES for info in header.values()):
+        if any(info["dtype"] not in CODE_DTYPES for info in header.values()):
             return load_file(str(file))
         base, out = 8 + size, {}
         for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             begin, end = info["data_offsets"]
-            tensor = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+            tensor = torch.empty(info["shape"], dtype=CODE_DTYPES[info["dtype"]])
             f.seek(base + begin)
             if end > begin and f.readinto(tensor.view(-1).view(torch.uint8).numpy()) != end - begin:
                 raise GeminiError(f"{file}: tensor {name} is cut short (the file ends before its last byte)")

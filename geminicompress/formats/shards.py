@@ -33,17 +33,12 @@ import torch
 
 from geminicompress.diskerrors import DiskError
 from geminicompress.errors import GeminiError
-from geminicompress.formats.checkpoint import INDEX, WEIGHTS
+from geminicompress.formats.checkpoint import CODE_DTYPES, DTYPE_CODES, INDEX, WEIGHTS
 
 DEFAULT_MAX_BYTES = 2 * 10**9
 PROGRESS = "progress.json"
 RESERVE_MAX = 1 << 20  # bytes reserved for a shard's header: ~8,000 tensor entries
 SMALL_SHARD = 64  # a shard with less data than this many reserves is rewritten with its exact header (no padding)
-# torch dtype <-> its name in a safetensors header
-DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-               torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
-               torch.bool: "BOOL"}
-CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
 class DiskFullError(DiskError):

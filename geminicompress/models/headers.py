@@ -13,8 +13,7 @@ import torch
 
 from geminicompress.errors import InputError
 from geminicompress.formats import FORMATS, detect
-from geminicompress.formats.checkpoint import INDEX, WEIGHTS
-from geminicompress.formats.shards import CODE_DTYPES
+from geminicompress.formats.checkpoint import CODE_DTYPES, INDEX, WEIGHTS
 
 
 class TensorInfo:

@@ -148,20 +148,26 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, opts: Solve
     del W
     Mt = None if keep_zero is None else torch.index_select(keep_zero.to(Wt.device).t(), 0, perm)  # as Wt
     run = _Run(Wt, Hinv, Mt, torch.zeros_like(Wt), params, plan, spec, opts)
-    loss = torch.zeros((), device=Wt.device)
-    for i1 in range(0, Wt.shape[0], opts.block_size):
+    del Wt, Mt, Hinv  # the run holds them, and lets them go before the codes are reordered
+    loss = torch.zeros((), device=run.Q.device)
+    for i1 in range(0, run.Q.shape[0], opts.block_size):
         loss += _solve_block(run, i1)
     if overwrite:
         _release(scratch[1])  # H's memory (the factor was made in it) goes with Hinv
-    inv = torch.argsort(perm)
-    qw = QuantizedWeight(
-        q=run.Q[inv].t().to(torch.int32),
-        scales=torch.cat([s for s, _ in run.params], dim=1),  # (out, groups)
-        zeros=torch.cat([z for _, z in run.params], dim=1).to(torch.int32),
-        g_idx=plan.pos_group[inv].to(torch.int32),
-        spec=spec,
-    )
-    return qw, float(loss)
+    return QuantizedWeight(q=_codes_in_column_order(run), scales=torch.cat([s for s, _ in params], dim=1),
+                           zeros=torch.cat([z for _, z in params], dim=1).to(torch.int32),
+                           g_idx=plan.pos_group[torch.argsort(perm)].to(torch.int32), spec=spec), float(loss)
+
+
+def _codes_in_column_order(run: _Run) -> torch.Tensor:
+    """The solve's codes as (out, in) int32 in the original column order. The run's buffers go first (Wt, its
+    mask, the factor of H⁻¹), and the codes are reordered as bytes (they fit: bits <= 8): an 8B model's stacked
+    gate/up solve had its weight, its codes in float32, their reordered copy and the int32 result alive at
+    once (4 x 470 MB, the streamed GPTQ run's peak); now float32 codes, bytes and the result at most."""
+    run.Wt, run.Hinv, run.Mt = run.Wt.new_empty(0), run.Hinv.new_empty(0), None
+    codes = run.Q.to(torch.uint8)
+    run.Q = run.Q.new_empty(0)
+    return codes[torch.argsort(run.plan.perm)].t().to(torch.int32)
 
 
 def _check_inputs(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, opts: SolverOptions,

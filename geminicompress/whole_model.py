@@ -208,7 +208,7 @@ def _magnitude(model: nn.Module, cfg: Any, dtype: torch.dtype) -> Written:
     for name, w, ties in zip(names, weights, th.ties):
         pruned = prune_mask(w, th.value, ties)
         w.masked_fill_(pruned, 0.0)
-        keep[f"{name}.weight"] = ~pruned
+        keep[f"{name}.weight"] = pruned.logical_not_()  # in place: no second mask
         zeros = int((w == 0).sum())  # the rows prune's report has (compress/prune/report.py), one "layer"
         rows.append({"name": f"{name}.weight", "layer": "model", "linear": name, "shape": list(w.shape),
                      "params": w.numel(), "zeros": zeros, "sparsity": round(zeros / w.numel(), 6)})

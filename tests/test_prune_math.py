@@ -172,3 +172,31 @@ def test_bitmask_compress_round_trip(two_four):
         counts = keep.sum(1)
         assert torch.equal(parts["row_offsets"], counts.cumsum(0) - counts)
     assert torch.equal(decompress(parts), w)
+
+
+def _mask_whole(t: torch.Tensor, value: float, ties: int) -> torch.Tensor:
+    """prune_mask as it was written first: whole-tensor float32 |w| and an int64 running count of ties."""
+    a = t.abs().float()
+    pruned = a < value
+    if ties:
+        tied = (a == value).flatten()
+        pruned |= (tied & (tied.cumsum(0) <= ties)).view_as(a)
+    return pruned
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 22])
+def test_prune_mask_in_chunks_is_the_whole_tensor_mask(chunk):
+    """The chunked mask, its ties found by position, equals the whole-tensor one bitwise: bfloat16 weights tie
+    often, and the ties to take run across chunk boundaries."""
+    from geminicompress.compress.prune.threshold import global_threshold, prune_mask
+
+    g = torch.Generator().manual_seed(3)
+    tensors = [(torch.randn(48, 40, generator=g) * 0.02).bfloat16(), (torch.randn(33, 17, generator=g) * 0.02).bfloat16()]
+    total = sum(t.numel() for t in tensors)
+    for sparsity in (0.0, 0.3, 0.4, 0.5, 1.0):
+        th = global_threshold(tensors, round(sparsity * total))
+        masks = [prune_mask(t, th.value, n, chunk=chunk) for t, n in zip(tensors, th.ties)]
+        for t, n, m in zip(tensors, th.ties, masks):
+            assert torch.equal(m, _mask_whole(t, th.value, n))
+        assert sum(int(m.sum()) for m in masks) == round(sparsity * total)
+    assert any(n for n in global_threshold(tensors, round(0.4 * total)).ties)  # the case with ties is exercised

@@ -176,7 +176,8 @@ class Prune(LayerStage):
                 else:
                     pruned = ~pattern_mask(W.detach().abs().float(), self.cfg.sparsity, self.pattern, per_row=False)
                 W.masked_fill_(pruned, 0.0)
-                kept[f"{name.removeprefix(job.arch.layers + f'.{job.index}.').removesuffix('.weight')}.keep"] = ~pruned
+                keep = pruned.logical_not_()  # in place: no second mask
+                kept[f"{name.removeprefix(job.arch.layers + f'.{job.index}.').removesuffix('.weight')}.keep"] = keep
             rows = report.layer_rows(weights, job.arch.layers)
             return {"sparsity": report.overall(rows), "rows": rows}, kept
 

@@ -138,15 +138,24 @@ def global_threshold(tensors: Sequence[Tensor], k: int, **kwargs: int | None) ->
     return Threshold(value, tuple(ties))
 
 
-def prune_mask(t: Tensor, value: float, ties: int) -> Tensor:
-    """Bool mask (t's shape) of the weights a `Threshold` selects in one tensor: True = pruned."""
-    a = t.detach().abs().float()
-    pruned = a < value
-    if ties:
-        tied = (a == value).flatten()
-        first = tied & (tied.cumsum(0) <= ties)
-        pruned |= first.view_as(a)
-    return pruned
+def prune_mask(t: Tensor, value: float, ties: int, chunk: int = 1 << 22) -> Tensor:
+    """Bool mask (t's shape) of the weights a `Threshold` selects in one tensor: True = pruned.
+
+    |w| is compared in float32 `chunk` elements at a time, and the first `ties` weights equal to the threshold
+    (flattened order) are found by their positions: a whole-tensor float32 copy and the int64 running count of
+    ties were 8 bytes an element of temporaries (an 8B down_proj: 0.7 GB, the streamed prune run's peak)."""
+    flat = t.detach().reshape(-1)
+    pruned = torch.empty(flat.shape, dtype=torch.bool, device=flat.device)
+    for i in range(0, flat.numel(), chunk):
+        torch.lt(flat[i:i + chunk].abs().float(), value, out=pruned[i:i + chunk])
+    need = ties
+    for i in range(0, flat.numel() if need else 0, chunk):
+        at = torch.nonzero(flat[i:i + chunk].abs().float() == value).flatten()[:need] + i
+        pruned[at] = True
+        need -= at.numel()
+        if not need:
+            break
+    return pruned.view(t.shape)
 
 
 def smallest_masks(tensors: Sequence[Tensor], k: int, **kwargs: int) -> list[Tensor]:

@@ -159,6 +159,48 @@ def _g(x: float) -> float:
     return float(f"{x:.6g}")
 
 
+@contextmanager
+def _linears_made_on_call(layer: nn.Module, out_dtype: torch.dtype, exact: dict[str, Callable[[], torch.Tensor]]
+                          ) -> Iterator[list[str]]:
+    """Inside the block, each plain `nn.Linear` of `layer` holds an empty float32 placeholder for each of its
+    parameters (so that converting the layer leaves them alone), and gets them as stored just before it runs:
+    float32 of the value rounded to `out_dtype`, or `exact[name]()` for its weight; after it runs, the
+    placeholder again. Its own tensors are back after the block, or, in a layer held in float32 (which the probe
+    has always rounded in place, as `as_stored`), the values it ran with: rounded, or made (a dropped weight
+    stays dropped). Yields the parameters handled ("q_proj.weight")."""
+    linears = {n: m for n, m in layer.named_modules() if type(m) is nn.Linear}
+    in_place = all(p.dtype == torch.float32 for p in layer.parameters())
+    own = {n: dict(m.named_parameters(recurse=False)) for n, m in linears.items()}
+    kept = {n: {k: p.data for k, p in params.items()} for n, params in own.items()}
+
+    def empty(params: dict[str, nn.Parameter]) -> None:
+        for p in params.values():
+            p.data = torch.empty(0, dtype=torch.float32, device=p.device)
+
+    def made(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            for k, p in own[name].items():
+                value = kept[name][k]
+                p.data = exact[name]() if k == "weight" and name in exact else value.to(out_dtype).float()
+                if in_place and value.numel():
+                    kept[name][k] = p.data
+        return hook
+
+    handles = []
+    try:
+        for name, module in linears.items():
+            empty(own[name])
+            handles += [module.register_forward_pre_hook(made(name)),
+                        module.register_forward_hook(lambda m, a, o, name=name: empty(own[name]))]
+        yield [f"{n}.{k}" for n, params in own.items() for k in params]
+    finally:
+        for handle in handles:
+            handle.remove()
+        for name, params in own.items():
+            for k, p in params.items():
+                p.data = kept[name][k]
+
+
 class Probe:
     """The probe windows carried through the run's finished layers as they are written, then checked
     against OUT (the one check, for a model in memory and for a streamed run alike).
@@ -188,23 +230,27 @@ class Probe:
 
     @torch.no_grad()
     def advance(self, i: int, layer: nn.Module, exact: dict[str, Callable[[], torch.Tensor]]) -> None:
-        """Run the probe through finished layer i as it is stored (with the arguments the model gives layer i): floats rounded to the output dtype, the
-        linears `exact` names ({name relative to the layer: a function making its weight}) with those weights,
-        made one at a time and copied into the module's own float32 weight (one extra weight alive at most:
-        all of an 8B layer's at once were +0.87 GB, the streamed GPTQ run's peak). Copied, not swapped in: a
-        model loaded from a safetensors file holds its weights in the file's mapping, whose pages a swapped-out
-        weight does not give back while the rest of the model is alive (+13 MB resident a demo layer)."""
+        """Run the probe through finished layer i as it is stored (with the arguments the model gives layer i):
+        floats rounded to the output dtype and computed in float32, the linears `exact` names ({name relative
+        to the layer: a function making its weight}) with those weights. A plain linear's float32 weights are
+        made just before it runs and dropped after it (`_linears_made_on_call`): one linear's copy alive at a
+        time (the whole layer converted at once, as the rest still is, held all of an 8B layer's: +0.87 GB, the
+        peak of the streamed runs). The layer keeps its own tensors: a model loaded from a safetensors file holds
+        its weights in the file's mapping, whose pages a swapped-out weight does not give back while the rest
+        of the model is alive (+13 MB resident a demo layer)."""
         released = [n for n in exact if not get_module(layer, n).weight.numel()]  # dropped by the run (memory.py)
-        with computing_in(layer, torch.float32):  # float32 copies of a lower-precision layer, put back after
-            as_stored(layer, self.out_dtype, [f"{n}.weight" for n in exact])
-            for name, make in exact.items():
-                weight = get_module(layer, name).weight
-                if name in released:
-                    weight.data = make()
-                else:
-                    weight.data.copy_(make())
-            through_layer(layer, self.hidden.tensor, self.hidden.tensor, self.hidden.layer_kwargs[i], device=self.device,
-                          dtype=torch.float32, batch=1)  # one window at a time, as the loaded side
+        with _linears_made_on_call(layer, self.out_dtype, exact) as made:
+            with computing_in(layer, torch.float32):  # float32 copies of the rest of a lower-precision layer
+                as_stored(layer, self.out_dtype, made)
+                for name, make in exact.items():
+                    if f"{name}.weight" not in made:
+                        weight = get_module(layer, name).weight
+                        if name in released:
+                            weight.data = make()
+                        else:
+                            weight.data.copy_(make())
+                through_layer(layer, self.hidden.tensor, self.hidden.tensor, self.hidden.layer_kwargs[i],
+                              device=self.device, dtype=torch.float32, batch=1)  # one window at a time, as the loaded side
         release_weights(layer, released)  # dropped again: one layer's weights made at a time
 
     def check(self, out: Path, head: HeadModule | None = None, state: Path | None = None, *,

@@ -44,12 +44,12 @@ class GreedyStep:
 def repaired_drift(model: nn.Module, dropped: list[int], fit: Walk, held: Walk, held_windows: torch.Tensor,
                    spec: RepairSpec, teacher_nll: float, *, on: Compute = Compute()) -> float:
     """Held-out drift (ppl_student / ppl_teacher - 1) of the student without blocks `dropped`, repaired."""
-    from geminicompress.distill.plan import measured_nll, repaired_layers
+    from geminicompress.distill.plan import drift_of, measured_nll, repaired_layers
 
     kept = [i for i in range(fit.n_layers) if i not in set(dropped)]
     layers = None if spec.mode == "none" else repaired_layers(model, kept, fit, spec, on=on)[0]
-    nll = measured_nll(model, kept, held, held_windows, layers=layers, device=on.device, batch=on.batch)
-    return round(math.exp(nll - teacher_nll) - 1.0, 6)
+    return drift_of(measured_nll(model, kept, held, held_windows, layers=layers, device=on.device, batch=on.batch),
+                    teacher_nll)
 
 
 def greedy_cut(model: nn.Module, keep: int, fit: Walk, held: Walk, held_windows: torch.Tensor, spec: RepairSpec, *,
@@ -87,7 +87,7 @@ def add_greedy(plan: "Plan", model: nn.Module, fit: Walk, held: Walk, held_windo
     measured unrepaired and repaired), its steps go to plan.greedy, and the plan's choice is again the
     candidate with the least repaired drift."""
     from geminicompress.core.arch import decoder_layers
-    from geminicompress.distill.plan import Candidate, block_params, measured_nll
+    from geminicompress.distill.plan import Candidate, block_params, choose, drift_of, measured_nll
     from geminicompress.distill.survey import span_distances
 
     steps = greedy_cut(model, plan.keep, fit, held, held_windows, spec, pool=pool, on=on)
@@ -99,14 +99,9 @@ def add_greedy(plan: "Plan", model: nn.Module, fit: Walk, held: Walk, held_windo
         single = span_distances(fit, 1)
         known = Candidate(dropped, "greedy", round(sum(single[b] for b in dropped), 6), sum(params[b] for b in dropped),
                           n_layers=plan.n_layers)
-        teacher_nll = math.log(plan.teacher_ppl)
-        known.drift = round(math.exp(measured_nll(model, known.kept, held, held_windows, device=on.device,
-                                                  batch=on.batch) - teacher_nll) - 1.0, 6)
+        known.drift = drift_of(measured_nll(model, known.kept, held, held_windows, device=on.device, batch=on.batch),
+                               math.log(plan.teacher_ppl))
         plan.candidates.append(known)
-    repaired = spec.mode != "none"
-    if repaired:
+    if spec.mode != "none":
         known.repaired_drift = steps[-1].drift
-    for c in plan.candidates:
-        c.chosen = False
-    score = (lambda c: c.repaired_drift) if repaired else (lambda c: c.drift)
-    min(plan.candidates, key=lambda c: math.inf if score(c) is None else score(c)).chosen = True
+    choose(plan.candidates, spec.mode != "none")

@@ -105,8 +105,20 @@ def candidates(w: Walk, keep: int, params: list[int]) -> list[Candidate]:
     return out
 
 
-def _drift(nll: float, teacher_nll: float) -> float:
+def drift_of(nll: float, teacher_nll: float) -> float:
+    """Perplexity drift (ppl / teacher ppl - 1) from mean NLLs, as the plan records it."""
     return round(math.exp(nll - teacher_nll) - 1.0, 6)
+
+
+def choose(cands: list[Candidate], repaired: bool) -> Candidate:
+    """Mark the plan's choice among `cands` and return it: the least repaired drift (a candidate not repaired
+    is never chosen) when the cut is repaired, else the least drift; the first in `cands`' order on a tie."""
+    score = (lambda c: math.inf if c.repaired_drift is None else c.repaired_drift) if repaired else (lambda c: c.drift)
+    for c in cands:
+        c.chosen = False
+    best = min(cands, key=score)
+    best.chosen = True
+    return best
 
 
 @torch.no_grad()
@@ -143,7 +155,7 @@ def make_plan(model: nn.Module, keep: int, fit: Walk, held: Walk, held_windows: 
     cands = candidates(fit, keep, block_params(decoder_layers(model)))
     with progress.task("plan: drift of each cut", len(cands)) as bar:
         for c in cands:
-            c.drift = _drift(measured_nll(model, c.kept, held, held_windows, device=device, batch=batch), teacher_nll)
+            c.drift = drift_of(measured_nll(model, c.kept, held, held_windows, device=device, batch=batch), teacher_nll)
             bar.advance(1)
     ranked = sorted(cands, key=lambda c: c.drift)
     if spec.mode != "none":
@@ -153,11 +165,8 @@ def make_plan(model: nn.Module, keep: int, fit: Walk, held: Walk, held_windows: 
             for c in top:
                 layers, _ = repaired_layers(model, c.kept, fit, quick, on=on)
                 nll = measured_nll(model, c.kept, held, held_windows, layers=layers, device=device, batch=batch)
-                c.repaired_drift = _drift(nll, teacher_nll)
+                c.repaired_drift = drift_of(nll, teacher_nll)
                 del layers
                 bar.advance(1)
-        best = min(top, key=lambda c: c.repaired_drift)
-    else:
-        best = ranked[0]
-    best.chosen = True
+    choose(ranked, spec.mode != "none")  # ranked by unrepaired drift: only the shortlist has a repaired one
     return Plan(L, keep, math.exp(teacher_nll), cands, asdict(spec), fit.hidden[0].shape[0], held.hidden[0].shape[0])

@@ -154,20 +154,22 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, opts: Solve
         loss += _solve_block(run, i1)
     if overwrite:
         _release(scratch[1])  # H's memory (the factor was made in it) goes with Hinv
-    return QuantizedWeight(q=_codes_in_column_order(run), scales=torch.cat([s for s, _ in params], dim=1),
+    inv = torch.argsort(perm)  # quantization position of each column
+    return QuantizedWeight(q=_codes_in_column_order(run, inv), scales=torch.cat([s for s, _ in params], dim=1),
                            zeros=torch.cat([z for _, z in params], dim=1).to(torch.int32),
-                           g_idx=plan.pos_group[torch.argsort(perm)].to(torch.int32), spec=spec), float(loss)
+                           g_idx=plan.pos_group[inv].to(torch.int32), spec=spec), float(loss)
 
 
-def _codes_in_column_order(run: _Run) -> torch.Tensor:
-    """The solve's codes as (out, in) int32 in the original column order. The run's buffers go first (Wt, its
-    mask, the factor of H⁻¹), and the codes are reordered as bytes (they fit: bits <= 8): an 8B model's stacked
-    gate/up solve had its weight, its codes in float32, their reordered copy and the int32 result alive at
-    once (4 x 470 MB, the streamed GPTQ run's peak); now float32 codes, bytes and the result at most."""
+def _codes_in_column_order(run: _Run, inv: torch.Tensor) -> torch.Tensor:
+    """The solve's codes as (out, in) int32 in the original column order (`inv`: each column's quantization
+    position). The run's buffers go first (Wt, its mask, the factor of H⁻¹), and the codes are reordered as
+    bytes (they fit: bits <= 8): an 8B model's stacked gate/up solve had its weight, its codes in float32, their
+    reordered copy and the int32 result alive at once (4 x 470 MB, the streamed GPTQ run's peak); now float32
+    codes, bytes and the result at most."""
     run.Wt, run.Hinv, run.Mt = run.Wt.new_empty(0), run.Hinv.new_empty(0), None
     codes = run.Q.to(torch.uint8)
     run.Q = run.Q.new_empty(0)
-    return codes[torch.argsort(run.plan.perm)].t().to(torch.int32)
+    return codes[inv].t().to(torch.int32)
 
 
 def _check_inputs(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, opts: SolverOptions,

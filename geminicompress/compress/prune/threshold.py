@@ -146,15 +146,14 @@ def prune_mask(t: Tensor, value: float, ties: int, chunk: int = 1 << 22) -> Tens
     ties were 8 bytes an element of temporaries (an 8B down_proj: 0.7 GB, the streamed prune run's peak)."""
     flat = t.detach().reshape(-1)
     pruned = torch.empty(flat.shape, dtype=torch.bool, device=flat.device)
-    for i in range(0, flat.numel(), chunk):
-        torch.lt(flat[i:i + chunk].abs().float(), value, out=pruned[i:i + chunk])
     need = ties
-    for i in range(0, flat.numel() if need else 0, chunk):
-        at = torch.nonzero(flat[i:i + chunk].abs().float() == value).flatten()[:need] + i
-        pruned[at] = True
-        need -= at.numel()
-        if not need:
-            break
+    for i in range(0, flat.numel(), chunk):
+        a = flat[i:i + chunk].abs().float()
+        torch.lt(a, value, out=pruned[i:i + chunk])
+        if need:  # the first ties, in flattened order, from the chunk's own |w|
+            at = torch.nonzero(a == value).flatten()[:need]
+            pruned[i + at] = True
+            need -= at.numel()
     return pruned.view(t.shape)
 
 

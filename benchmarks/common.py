@@ -9,6 +9,7 @@ own (`geminicompress.eval.quality.perplexity.perplexity`), so benchmarks and `ge
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -108,3 +109,17 @@ def run_child(cmd: list[str], env: dict | None = None) -> tuple[float, float, st
     if code != 0:
         raise RuntimeError(f"{' '.join(map(str, cmd[:3]))} failed ({code}):\n{text[-3000:]}")
     return time.perf_counter() - t0, kib / 2**20, text
+
+
+def time_us(fn, repeats: int) -> dict:
+    """Wall time of `fn()` in microseconds over `repeats` runs after 3 untimed ones: median, p10, p90."""
+    for _ in range(3):
+        fn()
+    t = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        t.append((time.perf_counter() - t0) * 1e6)
+    t.sort()
+    return {"median_us": round(statistics.median(t), 1), "p10_us": round(t[len(t) // 10], 1),
+            "p90_us": round(t[(9 * len(t)) // 10], 1)}

@@ -18,29 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
+
+from common import time_us
 
 from geminicompress.kernels.int4 import CODE_OFFSET, cpu_block, dequantize_packed, int4_mm, pack_for
 
 SHAPES = {"q_proj/o_proj": (576, 576), "gate/up": (1536, 576), "down": (576, 1536)}  # (out, in)
 ROWS = (1, 8, 32, 64, 96, 128, 256, 512)
 GROUP = 64
-
-
-def _time(fn, repeats: int) -> dict:
-    for _ in range(3):
-        fn()
-    t = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        t.append((time.perf_counter() - t0) * 1e6)
-    t.sort()
-    return {"median_us": round(statistics.median(t), 1), "p10_us": round(t[len(t) // 10], 1),
-            "p90_us": round(t[(9 * len(t)) // 10], 1)}
 
 
 def dequant(codes_u8: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
@@ -73,11 +60,11 @@ def main() -> None:
             x = torch.randn(m, in_f, dtype=torch.bfloat16)
             xf = x.float()
             row = {"shape": label, "out": out_f, "in": in_f, "rows": m,
-                   "kernel": _time(lambda: int4_mm(x, packed, GROUP, sz), args.repeats),
-                   "dequant+gemm": _time(lambda: x @ dequantize_packed(packed, block, GROUP, offsets, sz[..., 0],
+                   "kernel": time_us(lambda: int4_mm(x, packed, GROUP, sz), args.repeats),
+                   "dequant+gemm": time_us(lambda: x @ dequantize_packed(packed, block, GROUP, offsets, sz[..., 0],
                                                                       out_f, in_f), args.repeats),
-                   "cached bf16": _time(lambda: x @ w_bf16.t(), args.repeats),
-                   "dense fp32": _time(lambda: xf @ w_fp32.t(), args.repeats)}
+                   "cached bf16": time_us(lambda: x @ w_bf16.t(), args.repeats),
+                   "dense fp32": time_us(lambda: xf @ w_fp32.t(), args.repeats)}
             rows.append(row)
             print(label, m, {k: v["median_us"] for k, v in row.items() if isinstance(v, dict)}, flush=True)
     result = {"threads": args.threads, "load_average": os.getloadavg(), "torch": torch.__version__,

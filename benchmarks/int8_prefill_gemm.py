@@ -13,26 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
-from common import RESULTS
+from common import RESULTS, time_us
 
 # the demo's (SmolLM2-135M) decoder linears: (in, out, count per layer)
 SHAPES = [(576, 576, 2), (576, 192, 2), (576, 1536, 2), (1536, 576, 1)]
-
-
-def _time(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
 
 
 def main() -> None:
@@ -63,7 +50,7 @@ def main() -> None:
             def bf16_path() -> torch.Tensor:
                 return torch.nn.functional.linear(x, w)
 
-            tb, ti = _time(bf16_path, a.repeats), _time(int8_path, a.repeats)
+            tb, ti = time_us(bf16_path, a.repeats)["median_us"], time_us(int8_path, a.repeats)["median_us"]
             per_layer["bf16"] += count * tb
             per_layer["int8"] += count * ti
             shapes.append({"in": k, "out": n, "per_layer": count, "bf16_us": round(tb, 1), "int8_us": round(ti, 1)})

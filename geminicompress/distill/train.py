@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from geminicompress.distill.losses import distill_loss
 from geminicompress.distill.masks import apply_masks, mask_grads
+from geminicompress.distill.shared_prefix import TeacherInput, freeze_prefix, prefix_length, starting_at
 from geminicompress.distill.topk_cache import TopKCache
 from geminicompress.eval.quality.perplexity import perplexity
 from geminicompress.progress import NullProgress, Progress
@@ -42,6 +43,8 @@ class History:
     ppl: list[tuple[int, float]] = field(default_factory=list)
     tokens: int = 0
     seconds: float = 0.0
+    frozen_prefix: int = 0  # leading student blocks frozen as the teacher's (shared_prefix.py)
+    shared_prefix: bool = False  # ... and skipped: the student's forward starts from the teacher's state there
 
 
 def batch_indices(micro: int, n_windows: int, batch_size: int, seed: int, rank: int = 0, world: int = 1) -> torch.Tensor:
@@ -100,6 +103,8 @@ class _Loop:
     cfg: DistillStage
     seed: int
     guides: Guides  # masks on the accelerator's device
+    prefix: int = 0  # frozen leading blocks (the teacher's own)
+    share: TeacherInput | None = None  # the teacher's input to block `prefix`, when the student starts there
 
     @property
     def hidden(self) -> bool:
@@ -126,11 +131,20 @@ def train(student: nn.Module, teacher: nn.Module | None, train_windows: torch.Te
         progress.info(f"resumed distillation at step {history.step} of {cfg.steps}")
     else:
         history = History(ppl=[(0, perplexity(raw, eval_windows, acc.device))])
-    _steps(loop, history, eval_windows, ckpt, progress)
+    history.frozen_prefix, history.shared_prefix = loop.prefix, loop.share is not None
+    if loop.prefix:
+        progress.info(f"the student's first {loop.prefix} blocks are the teacher's: frozen"
+                      + (", and the student's forward starts after them" if loop.share else ""))
+    try:
+        _steps(loop, history, eval_windows, ckpt, progress)
+    finally:
+        if loop.share is not None:
+            loop.share.close()
     acc.wait_for_everyone()
     if cfg.gradient_checkpointing:
         raw.gradient_checkpointing_disable()
         raw.config.use_cache = True
+    raw = acc.unwrap_model(loop.student, keep_fp32_wrapper=False)  # mixed precision: its autocast forward goes too
     acc.free_memory()
     return raw.eval(), history
 
@@ -143,7 +157,16 @@ def _prepare(acc, student: nn.Module, teacher: nn.Module | None, windows: torch.
         student.config.use_cache = False
         student.gradient_checkpointing_enable()
     student.train()
-    optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    prefix, share = 0, None
+    if cfg.freeze_prefix and teacher is not None:
+        prefix = prefix_length(student, teacher)
+        if prefix:
+            freeze_prefix(student, prefix)
+            online = guides.cache is None and not (cfg.loss.hidden_mse or cfg.loss.hidden_cos)
+            if online and any(getattr(cfg.loss, k) > 0 for k in ("kl", "reverse_kl", "jsd")):
+                share = TeacherInput(teacher, prefix)
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.steps))
     student, optimizer = acc.prepare(student, optimizer)
     acc.register_for_checkpointing(scheduler)
@@ -152,7 +175,7 @@ def _prepare(acc, student: nn.Module, teacher: nn.Module | None, windows: torch.
     if guides.masks:
         guides = replace(guides, masks={k: v.to(acc.device) for k, v in guides.masks.items()})
         apply_masks(acc.unwrap_model(student), guides.masks)
-    return _Loop(acc, student, teacher, optimizer, scheduler, windows, cfg, seed, guides)
+    return _Loop(acc, student, teacher, optimizer, scheduler, windows, cfg, seed, guides, prefix, share)
 
 
 def _steps(loop: _Loop, history: History, eval_windows: torch.Tensor, ckpt: Path, progress: Progress) -> None:
@@ -204,7 +227,8 @@ def _optimizer_step(loop: _Loop, step: int) -> tuple[float, dict[str, float]]:
             if needs_teacher and cache is not None:  # its logits come from the top-k cache
                 t_logits = cache.get(idx, acc.device)
         sync = acc.no_sync(student) if a < cfg.grad_accum - 1 else nullcontext()
-        with sync, acc.autocast():
+        start = starting_at(raw, loop.prefix, loop.share.take()) if loop.share is not None else nullcontext()
+        with sync, acc.autocast(), start:
             s_out = student(ids, output_hidden_states=hidden)
             loss, terms = distill_loss(cfg.loss, cfg.temperature, ids, s_out.logits, t_logits,
                                        s_out.hidden_states, t_hidden, layer_map)

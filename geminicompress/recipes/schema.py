@@ -116,6 +116,10 @@ class DistillStage(_StageBase):
                                         "the available memory and it can stream)")
     precision: Literal["no", "bf16", "fp16"] = "no"
     gradient_checkpointing: bool = False
+    freeze_prefix: bool = Field(False, description="freeze the student's leading blocks that equal the teacher's "
+                                "(and the input embedding, with a head tied to it) and start the student's forward "
+                                "from the teacher's hidden state after them: less work per token "
+                                "(distill/shared_prefix.py)")
     eval_every: int = Field(50, ge=1)
     eval_windows: int = Field(8, ge=1)
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0 = only at the end)")

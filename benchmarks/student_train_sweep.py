@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--student", required=True, help="the repaired, untrained student directory")
     ap.add_argument("--minutes", type=float, default=5.0)
     ap.add_argument("--configs", required=True, help="'name=distill flags;...' (empty flags: the defaults)")
+    ap.add_argument("--data", default=str(DATA / "enwiki-sample.txt"), help="training text (default: the protocol's)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of every run (fixed, so rows compare)")
     ap.add_argument("--work", default="/tmp/student_train_sweep")
     ap.add_argument("--name", default="student_train_sweep")
@@ -64,7 +65,7 @@ def main() -> None:
         out = Path(args.work) / name
         out.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "geminicompress", "distill", "--teacher", args.teacher, "--student", args.student,
-               "--train-minutes", str(args.minutes), "--data", str(DATA / "enwiki-sample.txt"), "-o", str(out),
+               "--train-minutes", str(args.minutes), "--data", args.data, "-o", str(out),
                "--force", "-q", "--threads", str(args.threads), *flags]
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=ROOT)
@@ -79,7 +80,7 @@ def main() -> None:
         print(f"{name:>14}  ppl {ppl:8.2f}  drift {r['drift']:+.1%}  tokens {r['tokens']:>7}  "
               f"{r['tokens_per_s']:6.1f} tok/s  flags: {r['flags'] or '(defaults)'}", flush=True)
         write(args, teacher_ppl, start_ppl, rows)  # after every row: a stopped sweep keeps what it measured
-    print(f"\n| setting | flags | perplexity | drift | tokens | tokens/s |\n|---|---|---|---|---|---|")
+    print("\n| setting | flags | perplexity | drift | tokens | tokens/s |\n|---|---|---|---|---|---|")
     print(f"| teacher | | {teacher_ppl:.2f} | | | |\n| untrained student | | {start_ppl:.2f} | "
           f"{start_ppl / teacher_ppl - 1:+.1%} | 0 | |")
     for r in rows:
@@ -90,7 +91,7 @@ def main() -> None:
 def write(args, teacher_ppl: float, start_ppl: float, rows: list[dict]) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(
-        {"teacher": args.teacher, "student": args.student, "minutes": args.minutes, "threads": args.threads,
+        {"teacher": args.teacher, "student": args.student, "data": args.data, "minutes": args.minutes, "threads": args.threads,
          "teacher_ppl": teacher_ppl, "student_ppl": start_ppl, "rows": rows}, indent=1))
 
 

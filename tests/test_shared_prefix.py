@@ -96,7 +96,7 @@ def test_a_student_trained_in_bf16_computes_in_float32_after(tmp_path, fresh_acc
     w = _windows()
     cfg = DistillStage(type="distill", steps=2, seq_len=24, batch_size=2, lr=3e-3, warmup_steps=1, eval_every=2,
                        eval_windows=2, precision="bf16", freeze_prefix=True)
-    trained, h = train(student, teacher, w[:8], w[10:], cfg, TrainRun(0, tmp_path, CPU))
+    trained, _ = train(student, teacher, w[:8], w[10:], cfg, TrainRun(0, tmp_path, CPU))
     fresh = tiny_model(num_hidden_layers=3)
     fresh.load_state_dict(trained.state_dict())
     with torch.no_grad():

@@ -15,8 +15,9 @@ the student's prefix blocks are replaced, for that forward only, by stubs that h
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn

@@ -204,7 +204,7 @@ def training_windows(cfg: DistillStage, ctx, tokenizer) -> tuple[torch.Tensor, t
     if len(windows) < cfg.eval_windows + 1:
         raise InputError(f"{data} gives {len(windows)} windows of {cfg.seq_len} tokens; distillation needs at least "
                          f"{cfg.eval_windows + 1} (eval_windows + 1): use more text or a shorter seq_len")
-    if len(windows) < needed:
+    if len(windows) < needed and not cfg.train_minutes:  # a minutes budget: the steps are not known yet
         epochs = math.ceil((needed - cfg.eval_windows) / (len(windows) - cfg.eval_windows))
         ctx.progress.info(f"{data} gives {len(windows) - cfg.eval_windows} training windows; {cfg.steps} steps "
                           f"read them about {epochs} times")

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from geminicompress.core.arch import arch_for, get_module
+from geminicompress.engine.layers import as_layer_output
 
 
 def prefix_length(student: nn.Module, teacher: nn.Module) -> int:
@@ -77,7 +78,7 @@ def starting_at(student: nn.Module, k: int, hidden: torch.Tensor) -> Iterator[No
     layers = get_module(student, arch.layers)
 
     def stub(*args: Any, **kwargs: Any) -> Any:
-        return hidden if not arch.output_tuple else (hidden,) + (None,) * (arch.output_tuple - 1)
+        return as_layer_output(hidden, arch.output_tuple)
 
     for layer in layers[:k]:
         layer.forward = stub

@@ -120,6 +120,11 @@ def move_outside_layers(model: nn.Module, layers: nn.ModuleList, device: torch.d
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "use_cache")
 
 
+def as_layer_output(hidden: torch.Tensor, output_tuple: int) -> Any:
+    """`hidden` as a decoder layer of the architecture returns its hidden states (arch.output_tuple: 0 = bare)."""
+    return hidden if not output_tuple else (hidden,) + (None,) * (output_tuple - 1)
+
+
 @contextmanager
 def recording_layers(layers: nn.ModuleList, output_tuple: int, record: Callable[[int, tuple, dict], bool]
                      ) -> Iterator[None]:
@@ -131,8 +136,7 @@ def recording_layers(layers: nn.ModuleList, output_tuple: int, record: Callable[
         def forward(*args: Any, **kwargs: Any) -> Any:
             if record(i, args, kwargs):
                 raise StopForward
-            h = args[0] if args else kwargs["hidden_states"]
-            return h if not output_tuple else (h,) + (None,) * (output_tuple - 1)
+            return as_layer_output(args[0] if args else kwargs["hidden_states"], output_tuple)
         return forward
 
     for i, layer in enumerate(layers):

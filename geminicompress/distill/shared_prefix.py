@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from geminicompress.core.arch import arch_for, get_module
-from geminicompress.engine.layers import as_layer_output
+from geminicompress.engine.layers import as_layer_output, layer_input
 
 
 def prefix_length(student: nn.Module, teacher: nn.Module) -> int:
@@ -39,14 +39,11 @@ def prefix_length(student: nn.Module, teacher: nn.Module) -> int:
     return min(k, len(s_layers) - 1)  # at least one block trains
 
 
-def freeze_prefix(student: nn.Module, k: int) -> list[str]:
-    """Freeze the input embedding (and a head tied to it) and decoder blocks 0..k-1; returns the frozen names."""
-    frozen = [n for n, _ in student.get_input_embeddings().named_parameters(prefix="embedding")]
+def freeze_prefix(student: nn.Module, k: int) -> None:
+    """Freeze the input embedding (and a head tied to it) and decoder blocks 0..k-1."""
     student.get_input_embeddings().requires_grad_(False)
     for layer in get_module(student, arch_for(student).layers)[:k]:
         layer.requires_grad_(False)
-    frozen += [f"{arch_for(student).layers}.{i}" for i in range(k)]
-    return frozen
 
 
 class TeacherInput:
@@ -58,7 +55,7 @@ class TeacherInput:
             self._capture, with_kwargs=True)
 
     def _capture(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.value = (args[0] if args else kwargs["hidden_states"]).detach()
+        self.value = layer_input(args, kwargs).detach()
 
     def take(self) -> torch.Tensor:
         value, self.value = self.value, None

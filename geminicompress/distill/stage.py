@@ -236,7 +236,7 @@ def _masks(model, masks):
 
 
 def _layer_map(cfg: DistillStage, pair: Pair) -> dict[int, int] | None:
-    if not (cfg.loss.hidden_mse or cfg.loss.hidden_cos):
+    if not cfg.loss.hidden:
         return None
     n_s, n_t = pair.student.config.num_hidden_layers, pair.teacher.config.num_hidden_layers
     if cfg.layer_map:

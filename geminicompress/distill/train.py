@@ -108,7 +108,7 @@ class _Loop:
 
     @property
     def hidden(self) -> bool:
-        return self.cfg.loss.hidden_mse > 0 or self.cfg.loss.hidden_cos > 0
+        return self.cfg.loss.hidden
 
 
 def train(student: nn.Module, teacher: nn.Module | None, train_windows: torch.Tensor, eval_windows: torch.Tensor,
@@ -162,8 +162,7 @@ def _prepare(acc, student: nn.Module, teacher: nn.Module | None, windows: torch.
         prefix = prefix_length(student, teacher)
         if prefix:
             freeze_prefix(student, prefix)
-            online = guides.cache is None and not (cfg.loss.hidden_mse or cfg.loss.hidden_cos)
-            if online and any(getattr(cfg.loss, k) > 0 for k in ("kl", "reverse_kl", "jsd")):
+            if guides.cache is None and not cfg.loss.hidden and cfg.loss.teacher_logits:  # the teacher runs online
                 share = TeacherInput(teacher, prefix)
     trainable = [p for p in student.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -213,7 +212,7 @@ def _optimizer_step(loop: _Loop, step: int) -> tuple[float, dict[str, float]]:
     acc, cfg, student, teacher, windows = loop.acc, loop.cfg, loop.student, loop.teacher, loop.windows
     masks, cache, layer_map, hidden = loop.guides.masks, loop.guides.cache, loop.guides.layer_map, loop.hidden
     raw = acc.unwrap_model(student)
-    needs_teacher = hidden or any(getattr(cfg.loss, k) > 0 for k in ("kl", "reverse_kl", "jsd"))
+    needs_teacher = hidden or cfg.loss.teacher_logits
     total, terms_sum = 0.0, {}
     for a in range(cfg.grad_accum):
         micro = step * cfg.grad_accum + a

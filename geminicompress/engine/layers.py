@@ -120,6 +120,11 @@ def move_outside_layers(model: nn.Module, layers: nn.ModuleList, device: torch.d
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "use_cache")
 
 
+def layer_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden states a decoder layer was called with (first positional argument, or `hidden_states=`)."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
 def as_layer_output(hidden: torch.Tensor, output_tuple: int) -> Any:
     """`hidden` as a decoder layer of the architecture returns its hidden states (arch.output_tuple: 0 = bare)."""
     return hidden if not output_tuple else (hidden,) + (None,) * (output_tuple - 1)
@@ -136,7 +141,7 @@ def recording_layers(layers: nn.ModuleList, output_tuple: int, record: Callable[
         def forward(*args: Any, **kwargs: Any) -> Any:
             if record(i, args, kwargs):
                 raise StopForward
-            return as_layer_output(args[0] if args else kwargs["hidden_states"], output_tuple)
+            return as_layer_output(layer_input(args, kwargs), output_tuple)
         return forward
 
     for i, layer in enumerate(layers):
@@ -162,7 +167,7 @@ def capture_inputs(model: nn.Module, windows: torch.Tensor, device: torch.device
 
     def record(i: int, args: tuple, kwargs: dict) -> bool:
         if i == 0:
-            h = args[0] if args else kwargs["hidden_states"]
+            h = layer_input(args, kwargs)
             hidden.append(h.detach().to(storage, dtype or h.dtype))
             if len(hidden) > 1:  # the other windows: layer 0's inputs only
                 return True

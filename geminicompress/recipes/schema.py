@@ -43,6 +43,16 @@ class LossWeights(Strict):
             raise ValueError("at least one loss weight must be positive")
         return self
 
+    @property
+    def hidden(self) -> bool:
+        """A hidden-state loss is on (it needs the teacher's hidden states and a layer map)."""
+        return self.hidden_mse > 0 or self.hidden_cos > 0
+
+    @property
+    def teacher_logits(self) -> bool:
+        """A loss on the teacher's logits is on (KL, reverse KL or JSD)."""
+        return self.kl > 0 or self.reverse_kl > 0 or self.jsd > 0
+
 
 def parse_latency(text: str | float) -> float:
     """'0.8x', '0.8' or 0.8 -> 0.8: a fraction of the teacher's time per output token, in (0, 1)."""
@@ -148,7 +158,7 @@ class DistillStage(_StageBase):
         if len(given) > 1:
             raise ValueError(f"give one of student, student_layers, student_config, target_latency "
                              f"(got {', '.join(given)})")
-        if self.topk_cache and (self.loss.hidden_mse or self.loss.hidden_cos):
+        if self.topk_cache and self.loss.hidden:
             raise ValueError("topk_cache stores logits only; hidden-state losses need the teacher online (drop one)")
         budgets = [n for n in ("train_minutes", "train_tokens") if getattr(self, n) is not None]
         if "steps" in self.model_fields_set:

@@ -107,9 +107,8 @@ def decode_times(teacher: nn.Module, student: nn.Module, prompt: torch.Tensor, g
     KV cache and an argmax, prefill excluded), median of 3 after a warm-up, in this process."""
     from geminicompress.eval.cost.latency import greedy_run
 
-    device = next(teacher.parameters()).device
-
     def tpot(model: nn.Module) -> float:
+        device = next(model.parameters()).device  # each model on the device it lives on
         greedy_run(model, prompt, gen_len, device)  # warm-up
         return statistics.median(greedy_run(model, prompt, gen_len, device).decode_s / (gen_len - 1) for _ in range(3))
 

@@ -38,14 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA, RESULTS, SEQ_LEN  # noqa: E402
 
 
-def tpot(model, prompt: torch.Tensor, new: int) -> float:
-    """Median over 3 runs of eval's greedy decode loop: seconds per generated token after the first."""
-    from geminicompress.eval.cost.latency import greedy_run
-
-    cpu = torch.device("cpu")
-    return statistics.median(greedy_run(model, prompt, 1 + new, cpu).decode_s / new for _ in range(3))
-
-
 def without_layers(teacher, span: str, out: Path):
     """A checkpoint in `out` of the teacher's architecture without the layers `span` ("13-18", inclusive): the
     kept layers, embedding, norm and head copied exactly (`distill.student.derive_student`, the even derivation's
@@ -71,26 +63,27 @@ def main() -> None:
     ap.add_argument("--name", default="student_tpot")
     args = ap.parse_args()
     from geminicompress.data import pack_windows, tokenize
-    from geminicompress.eval.cost.latency import greedy_run
+    from geminicompress.eval.cost.latency import median_tpot
     from geminicompress.models.loading import load_model
 
     torch.set_num_threads(args.threads)
     teacher = load_model(args.teacher)
     models = {"teacher": teacher.model.eval()}
-    scratch = tempfile.TemporaryDirectory(prefix="control-")
     if args.control:
+        scratch = tempfile.TemporaryDirectory(prefix="control-")  # held until the end: the control is read from it
         models[f"teacher without {args.control}"] = without_layers(teacher, args.control, Path(scratch.name))
     for path in filter(None, args.students.split(",")):
         models[Path(path).name] = load_model(path).model.eval()
     prompt = pack_windows(tokenize(teacher.tokenizer, (DATA / "wikitext2-test.txt").read_text(), 16384), SEQ_LEN)[:1, :128]
+    cpu = torch.device("cpu")
     for model in models.values():  # warm-up: first calls allocate
-        greedy_run(model, prompt, 1 + args.new, torch.device("cpu"))
+        median_tpot(model, prompt, 1 + args.new, cpu, repeats=1)
     load = os.getloadavg()
     times: dict[str, list[float]] = {name: [] for name in models}
     for r in range(args.rounds):
         names = list(models)
         for name in names[r % len(names):] + names[:r % len(names)]:  # each round starts with the next model
-            times[name].append(tpot(models[name], prompt, args.new))
+            times[name].append(median_tpot(models[name], prompt, 1 + args.new, cpu))
         print(f"round {r + 1}: " + ", ".join(f"{n} {t[-1] * 1e3:.1f} ms" for n, t in times.items()), flush=True)
     rows = {}
     for name, t in times.items():

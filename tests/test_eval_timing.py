@@ -86,6 +86,20 @@ def test_measure_latency_records_the_load_of_every_timed_section(monkeypatch, mo
 # --------------------------------------------------------------------------- threads
 
 
+def test_median_tpot_is_the_median_decode_time_per_token_after_the_untimed_warmups(monkeypatch):
+    decode = iter([9.0, 0.3, 0.1, 0.2])  # the warm-up's 9 s must not count
+    calls = []
+
+    def fake_run(model, prompt, gen_len, device):
+        calls.append(gen_len)
+        return latency.RunTiming(prefill_s=5.0, decode_s=next(decode), generated=torch.zeros(1, gen_len))
+
+    monkeypatch.setattr(latency, "greedy_run", fake_run)
+    tpot = latency.median_tpot(None, torch.zeros(1, 4, dtype=torch.long), 11, CPU, warmup=1)
+    assert calls == [11] * 4
+    assert tpot == pytest.approx(0.2 / 10)  # median decode time over gen_len - 1 tokens, no prefill
+
+
 def test_auto_threads_leaves_the_busy_cores_alone():
     assert threads.auto_threads(2, 2, others=1.0, load_1m=1.3)[0] == 1
     assert threads.auto_threads(2, 2, others=0.1, load_1m=2.0)[0] == 2

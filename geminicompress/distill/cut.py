@@ -11,7 +11,6 @@ serves or exports like the teacher.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -105,14 +104,9 @@ def planned_student(teacher: nn.Module, layers: int | float | list[int], windows
 def decode_times(teacher: nn.Module, student: nn.Module, prompt: torch.Tensor, gen_len: int = 17) -> dict[str, Any]:
     """Time per output token of teacher and student, timed as `eval` times it (`greedy_run`: the forward with the
     KV cache and an argmax, prefill excluded), median of 3 after a warm-up, in this process."""
-    from geminicompress.eval.cost.latency import greedy_run
+    from geminicompress.eval.cost.latency import median_tpot
 
-    def tpot(model: nn.Module) -> float:
-        device = next(model.parameters()).device  # each model on the device it lives on
-        greedy_run(model, prompt, gen_len, device)  # warm-up
-        return statistics.median(greedy_run(model, prompt, gen_len, device).decode_s / (gen_len - 1) for _ in range(3))
-
-    t, s = tpot(teacher), tpot(student)
+    t, s = (median_tpot(m, prompt, gen_len, next(m.parameters()).device, warmup=1) for m in (teacher, student))
     return {"teacher_ms_per_token": round(t * 1e3, 3), "student_ms_per_token": round(s * 1e3, 3),
             "student_vs_teacher": round(s / t, 4), "gen_len": gen_len, "prompt_len": prompt.shape[1],
             "note": "TPOT as eval times it, median of 3 after 1 warm-up, in the planning process; on a busy machine it is noise"}

@@ -16,6 +16,7 @@ verdict (`load`) says whether the figures can be trusted.
 from __future__ import annotations
 
 import inspect
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +89,15 @@ def greedy_run(model, prompt: torch.Tensor, gen_len: int, device: torch.device) 
     sync(device)
     t2 = time.perf_counter()
     return RunTiming(t1 - t0, t2 - t1, torch.cat(tokens, dim=1).cpu())
+
+
+def median_tpot(model, prompt: torch.Tensor, gen_len: int, device: torch.device, *, repeats: int = 3,
+                warmup: int = 0) -> float:
+    """Seconds per output token (prefill excluded, as `measure_latency`'s TPOT): the median over `repeats` timed
+    `greedy_run`s of `gen_len` tokens after `prompt`, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        greedy_run(model, prompt, gen_len, device)
+    return statistics.median(greedy_run(model, prompt, gen_len, device).decode_s / (gen_len - 1) for _ in range(repeats))
 
 
 def prompt_batch(ids: torch.Tensor, batch: int, prompt_len: int) -> torch.Tensor:

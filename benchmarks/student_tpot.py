@@ -38,15 +38,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA, RESULTS, SEQ_LEN  # noqa: E402
 
 
-def without_layers(teacher, span: str, out: Path):
-    """A checkpoint in `out` of the teacher's architecture without the layers `span` ("13-18", inclusive): the
+def layer_span(text: str) -> tuple[int, int]:
+    """ "13-18" -> (13, 18): the first and last layer to remove, inclusive; anything else is refused in one line."""
+    try:
+        first, last = (int(x) for x in text.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a layer span FIRST-LAST, e.g. 13-18") from None
+    if not 0 <= first <= last:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 <= FIRST <= LAST")
+    return first, last
+
+
+def without_layers(teacher, span: tuple[int, int], out: Path):
+    """A checkpoint in `out` of the teacher's architecture without the layers `span` (first, last inclusive): the
     kept layers, embedding, norm and head copied exactly (`distill.student.derive_student`, the even derivation's
     builder), written and loaded back like any student, so that its tensors sit in memory as a loaded model's do."""
     from geminicompress.distill.student import derive_student
     from geminicompress.models.loading import load_model
 
-    first, last = (int(x) for x in span.split("-"))
+    first, last = span
     n = teacher.model.config.num_hidden_layers
+    if last >= n or last - first + 1 >= n:
+        raise SystemExit(f"--control {first}-{last}: the teacher has layers 0-{n - 1}, and at least one must stay")
     derive_student(teacher.model, [i for i in range(n) if not first <= i <= last])[0].save_pretrained(out)
     teacher.tokenizer.save_pretrained(out)
     return load_model(str(out)).model.eval()
@@ -56,7 +69,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--teacher", default="smollm2-demo")
     ap.add_argument("--students", default="", help="comma-separated student directories")
-    ap.add_argument("--control", default="", help="layers to remove from the teacher for a same-shape control, e.g. 13-18")
+    ap.add_argument("--control", type=layer_span, default=None,
+                    help="layers to remove from the teacher for a same-shape control, e.g. 13-18")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
@@ -69,9 +83,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     teacher = load_model(args.teacher)
     models = {"teacher": teacher.model.eval()}
-    if args.control:
+    control = "{}-{}".format(*args.control) if args.control else ""
+    if control:
         scratch = tempfile.TemporaryDirectory(prefix="control-")  # held until the end: the control is read from it
-        models[f"teacher without {args.control}"] = without_layers(teacher, args.control, Path(scratch.name))
+        models[f"teacher without {control}"] = without_layers(teacher, args.control, Path(scratch.name))
     for path in filter(None, args.students.split(",")):
         models[Path(path).name] = load_model(path).model.eval()
     prompt = pack_windows(tokenize(teacher.tokenizer, (DATA / "wikitext2-test.txt").read_text(), 16384), SEQ_LEN)[:1, :128]
@@ -97,7 +112,7 @@ def main() -> None:
               f"{min(row['ratios']):.3f}-{max(row['ratios']):.3f} |")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(
-        {"teacher": args.teacher, "students": list(filter(None, args.students.split(","))), "control": args.control,
+        {"teacher": args.teacher, "students": list(filter(None, args.students.split(","))), "control": control,
          "timed_with": "geminicompress.eval.cost.latency.greedy_run", "rounds": args.rounds, "new_tokens": args.new,
          "prompt_tokens": 128, "threads": args.threads, "load_average_before": load,
          "load_average_after": os.getloadavg(), "rows": rows}, indent=1))

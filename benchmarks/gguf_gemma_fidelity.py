@@ -66,29 +66,65 @@ def kind_of(name: str) -> str:
 
 
 @torch.no_grad()
-def log_probs(model, windows: torch.Tensor) -> list[torch.Tensor]:
-    """Per window, log-probabilities (T - 1, vocab) of every next token."""
-    return [F.log_softmax(model(w[None]).logits[0, :-1].float(), -1) for w in windows]
+def scores(model, windows: torch.Tensor, cache, *, store: bool = False) -> dict:
+    """The model's figures on `windows` against the float model's log-probs in `cache` (a BaselineCache;
+    with `store`, the model is the float one and its log-probs are put there), one chunk of positions at a
+    time as `eval` scores them (models/head.window_chunks)."""
+    from geminicompress.core.metrics import DriftMeter
+    from geminicompress.eval.quality.perplexity import PerplexityMeter, token_nll
+    from geminicompress.models.head import window_chunks
+
+    ppl, drift, by_t = PerplexityMeter(), DriftMeter(), {t: PerplexityMeter() for t in TEMPERATURES}
+    entropy = 0.0
+    for i, window in enumerate(windows):
+        start = 0
+        for logp in window_chunks(model, window, torch.device("cpu")):  # (c, V)
+            stop, first = start + logp.shape[0], start == 0
+            if store:
+                cache.put(i, start, logp)
+            ppl.add(token_nll(logp, window, start), window=first)
+            drift.add(logp if store else cache.get(i, window, start, stop), logp)
+            entropy -= float((logp.exp() * logp).double().sum())
+            for t, meter in by_t.items():
+                meter.add(token_nll(F.log_softmax(logp / t, -1), window, start), window=first)
+            start = stop
+    best = min(by_t, key=lambda t: by_t[t].mean_nll)
+    return {"perplexity": round(ppl.perplexity, 4), "kl_to_float": round(drift.kl, 5),
+            "top1_agreement": round(drift.agreement, 4), "entropy": round(entropy / ppl.tokens, 4),
+            "mean_nll": round(ppl.mean_nll, 4), "best_temperature": best,
+            "perplexity_at_best_temperature": round(by_t[best].perplexity, 4), "tokens": ppl.tokens}
 
 
-def scores(lp: list[torch.Tensor], ref: list[torch.Tensor], windows: torch.Tensor) -> dict:
-    nll = kl = agree = entropy = 0.0
-    n = 0
-    by_t = {t: 0.0 for t in TEMPERATURES}
-    for p, r, w in zip(lp, ref, windows):
-        target = w[1:, None]
-        nll -= float(p.gather(1, target).sum())
-        kl += float((r.exp() * (r - p)).sum())
-        agree += float((r.argmax(-1) == p.argmax(-1)).sum())
-        entropy -= float((p.exp() * p).sum())
-        for t in TEMPERATURES:
-            by_t[t] -= float(F.log_softmax(p / t, -1).gather(1, target).sum())
-        n += target.shape[0]
-    best = min(by_t, key=by_t.get)
-    return {"perplexity": round(math.exp(nll / n), 4), "kl_to_float": round(kl / n, 5),
-            "top1_agreement": round(agree / n, 4), "entropy": round(entropy / n, 4), "mean_nll": round(nll / n, 4),
-            "best_temperature": best, "perplexity_at_best_temperature": round(math.exp(by_t[best] / n), 4),
-            "tokens": n}
+def run(args: argparse.Namespace, files: list[list[str]], model, windows: torch.Tensor, cache) -> dict:
+    """Every row: the float model, each file, and the --swap rows; the JSON written after each."""
+    from geminicompress.machine import machine, versions
+
+    params = dict(model.named_parameters())
+    floats = {name: p.detach().clone() for name, p in params.items()}
+    out = {"benchmark": "Gemma 3 270M Q4_0 files: fidelity to the float model (torch)", "model": MODEL,
+           "perplexity": f"wikitext2-test.txt, first {args.tokens} tokens, 512-token windows, no BOS",
+           "temperatures": TEMPERATURES, "machine": machine(), "versions": versions(),
+           "command": "python benchmarks/gguf_gemma_fidelity.py " + " ".join(sys.argv[1:]),
+           "files": {}, "rows": {"float": scores(model, windows, cache, store=True)}}
+    print(f"float: {out['rows']['float']}", flush=True)
+    base: dict[str, torch.Tensor] = floats
+    for label, path in files:
+        weights = file_weights(Path(path))
+        out["files"][label] = path
+        swaps = [] if label == args.swap_base else [
+            (f"{args.swap_base} + {label}'s {k}", {name for name in weights if kind_of(name) == k})
+            for k in filter(None, args.swap.split(","))]
+        for row, names in [(label, set(weights)), *swaps]:
+            start = floats if row == label else base
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(weights[name].view_as(p) if name in names else start[name])
+            out["rows"][row] = scores(model, windows, cache)
+            print(f"{row}: {out['rows'][row]}", flush=True)
+            (RESULTS / f"{args.name}.json").write_text(json.dumps(out, indent=1))
+        if label == args.swap_base:
+            base = {**floats, **{name: w.view_as(params[name]) for name, w in weights.items()}}
+    return out
 
 
 def main() -> None:
@@ -102,40 +138,24 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="gguf_gemma_fidelity")
     args = ap.parse_args()
+    files = [spec.split("=", 1) for spec in args.files.split(",")]
+    if any(len(f) != 2 or not f[0] or not Path(f[1]).is_file() for f in files):
+        ap.error("--files takes name=path.gguf,... with every path an existing file")
+    if args.swap_base not in ("float", files[0][0]):
+        ap.error(f"--swap-base {args.swap_base}: give that label first in --files (or use float)")
     torch.set_num_threads(args.threads)
-    from geminicompress.machine import machine, versions
+    from geminicompress.eval.quality.baseline_cache import BaselineCache
     from geminicompress.models.loading import load_model
 
     loaded = load_model(MODEL)
     model, windows = loaded.model, eval_windows(loaded.tokenizer, tokens=args.tokens)
-    params = dict(model.named_parameters())
-    floats = {name: p.detach().clone() for name, p in params.items()}
-    ref = log_probs(model, windows)
-    out = {"benchmark": "Gemma 3 270M Q4_0 files: fidelity to the float model (torch)", "model": MODEL,
-           "perplexity": f"wikitext2-test.txt, first {args.tokens} tokens, 512-token windows, no BOS",
-           "temperatures": TEMPERATURES, "machine": machine(), "versions": versions(),
-           "command": "python benchmarks/gguf_gemma_fidelity.py " + " ".join(sys.argv[1:]),
-           "files": {}, "rows": {"float": scores(ref, ref, windows)}}
-    print(f"float: {out['rows']['float']}", flush=True)
-    base: dict[str, torch.Tensor] = floats
-    for spec in args.files.split(","):
-        label, path = spec.split("=", 1)
-        weights = file_weights(Path(path))
-        out["files"][label] = path
-        swaps = [] if label == args.swap_base else [
-            (f"{args.swap_base} + {label}'s {k}", {n for n in weights if kind_of(n) == k})
-            for k in filter(None, args.swap.split(","))]
-        for row, names in [(label, set(weights)), *swaps]:
-            start = floats if row == label else base
-            with torch.no_grad():
-                for name, p in params.items():
-                    p.copy_(weights[name].view_as(p) if name in names else start[name])
-            out["rows"][row] = scores(log_probs(model, windows), ref, windows)
-            print(f"{row}: {out['rows'][row]}", flush=True)
-            (RESULTS / f"{args.name}.json").write_text(json.dumps(out, indent=1))
-        if label == args.swap_base:
-            base = {**floats, **{n: w.view_as(params[n]) for n, w in weights.items()}}
-    print(f"\n| row | perplexity | KL to float | top-1 | entropy | best T | perplexity at best T |\n|---|---|---|---|---|---|---|")
+    count, scored, vocab = windows.shape[0], windows.shape[1] - 1, model.config.vocab_size
+    # the float model's log-probs on disk: the model object is reused for every file, so it cannot recompute them
+    with BaselineCache(count, scored, vocab, limit_bytes=count * scored * vocab * 4) as cache:
+        if not cache.stored:
+            raise SystemExit(f"not enough free disk under {cache.dir.parent} for the float model's log-probs")
+        out = run(args, files, model, windows, cache)
+    print("\n| row | perplexity | KL to float | top-1 | entropy | best T | perplexity at best T |\n|---|---|---|---|---|---|---|")
     for row, s in out["rows"].items():
         print(f"| {row} | {s['perplexity']} | {s['kl_to_float']} | {s['top1_agreement']:.1%} | {s['entropy']} | "
               f"{s['best_temperature']} | {s['perplexity_at_best_temperature']} |")

@@ -30,6 +30,8 @@ from geminicompress.distill.latency_target import keep_for_latency
 from geminicompress.distill.plot import plot_curve
 from geminicompress.distill.reconstruct import check_same_shape, reconstruct
 from geminicompress.distill.repair import RepairSpec
+from geminicompress.distill.survey import check_walk_memory
+from geminicompress.distill.synthetic import prefix_len, teacher_samples
 from geminicompress.distill.student import (
     check_tokenizers,
     derive_student,
@@ -159,9 +161,9 @@ def choose_models(cfg: DistillStage, ctx) -> Pair:
         if target is not None:
             plan["target_latency"] = target
         return Pair(teacher, student, tokenizer, kept, None, how.format(len(kept)), lazy, plan)
-    if lazy is not None and (derive == "measured" or repair_mode != "none"):
-        raise InputError("derive: measured and repair need the teacher in memory, and this one streams: use "
-                         "--derive even --repair none, or --no-teacher-stream")
+    if lazy is not None and (derive == "measured" or repair_mode != "none" or cfg.repair_synthetic):
+        raise InputError("derive: measured, repair and repair_synthetic need the teacher in memory, and this one "
+                         "streams: use --derive even --repair none, or --no-teacher-stream")
     student, kept = derive_student(teacher, spec, cfg.mlp_ratio, lazy)
     return Pair(teacher, student, tokenizer, kept, None, how.format(len(kept)), lazy)
 
@@ -173,16 +175,36 @@ def _planned(cfg: DistillStage, ctx, teacher, spec, derive: str, repair_mode: st
         held = ctx.calibration(cfg.plan_data, samples=cfg.plan_held_windows, seq_len=windows.shape[1])
         windows = torch.cat([windows[: cfg.repair_windows], held])
     rspec = RepairSpec(repair_mode, cfg.repair_objective, cfg.repair_ridge, cfg.repair_follow)
+    fit_windows = cfg.repair_windows + cfg.repair_synthetic
+    check_walk_memory(teacher, fit_windows + cfg.plan_held_windows, windows.shape[1])
+    if cfg.repair_synthetic:  # the teacher's own continuations join the fit windows, never the held-out ones
+        ctx.progress.info(f"the teacher writes {cfg.repair_synthetic} more repair windows, continuing the first "
+                          f"{prefix_len(windows.shape[1])} tokens of the calibration windows by sampling")
+        sampled = teacher_samples(teacher, windows[: cfg.repair_windows], cfg.repair_synthetic, seed=ctx.recipe.seed,
+                                  pad_token_id=_pad_id(teacher), device=ctx.device, progress=ctx.progress)
+        windows = torch.cat([windows[: cfg.repair_windows], sampled, windows[cfg.repair_windows:]])
     ctx.progress.info(f"cutting by {derive} derivation with {repair_mode} repair on {cfg.repair_windows} + "
                       f"{cfg.plan_held_windows} calibration windows of {windows.shape[1]} tokens"
+                      + (f" and {cfg.repair_synthetic} sampled ones" if cfg.repair_synthetic else "")
                       + (f" (held-out ones from {cfg.plan_data})" if cfg.plan_data else ""))
-    cut = CutSpec(derive, rspec, cfg.repair_windows, cfg.plan_shortlist, cfg.mlp_ratio, cfg.plan_search,
+    cut = CutSpec(derive, rspec, fit_windows, cfg.plan_shortlist, cfg.mlp_ratio, cfg.plan_search,
                   cfg.plan_greedy_pool)
     student, kept, plan = planned_student(teacher, spec, windows, cut, device=ctx.device, progress=ctx.progress)
     plan["held_data"] = cfg.plan_data or cfg.data or ctx.recipe.calibration.data
+    plan["repair_synthetic"] = cfg.repair_synthetic  # of the fit windows, these many the teacher wrote
     ctx.progress.info(f"kept teacher layers {kept}; drift on the held-out calibration windows "
                       f"{plan['student_drift']:+.1%} (teacher {plan['teacher_ppl']:.2f} -> student {plan['student_ppl']:.2f})")
     return student, kept, plan
+
+
+def _pad_id(model) -> int | None:
+    """The id generate() pads finished rows with (none finish early here): the model's pad token, else its EOS."""
+    for key in ("pad_token_id", "eos_token_id"):
+        value = getattr(model.generation_config, key, None)
+        value = value[0] if isinstance(value, (list, tuple)) and value else value
+        if isinstance(value, int):
+            return value
+    return None
 
 
 def _teacher(spec: str, cfg: DistillStage, ctx) -> tuple[Any, Any, LazyCheckpoint | None]:

@@ -29,7 +29,25 @@ import torch.nn.functional as F
 from geminicompress.core.arch import arch_for, decoder_layers
 from geminicompress.engine.forward import embed, head_logits
 from geminicompress.engine.layers import layer_output
+from geminicompress.errors import InputError
+from geminicompress.memory import available_memory
 from geminicompress.progress import NullProgress, Progress
+
+
+def walk_bytes(model: nn.Module, n: int, seq_len: int) -> int:
+    """Bytes the walk's boundaries take: (L + 1) * n * T * d float32 values."""
+    config = model.config
+    return (config.num_hidden_layers + 1) * n * seq_len * config.hidden_size * 4
+
+
+def check_walk_memory(model: nn.Module, n: int, seq_len: int) -> None:
+    """Refuse, before any work, a walk whose boundaries alone would not fit in the memory available now."""
+    need, have = walk_bytes(model, n, seq_len), available_memory()
+    if have and need > have:
+        raise InputError(f"the cut's calibration walk would hold {need / 2**20:,.0f} MiB of hidden states ("
+                         f"{model.config.num_hidden_layers + 1} boundaries x {n} windows x {seq_len} tokens x "
+                         f"{model.config.hidden_size} float32) and {have / 2**20:,.0f} MiB are available: lower "
+                         "repair_windows, repair_synthetic or plan_held_windows")
 
 
 @dataclass(frozen=True)

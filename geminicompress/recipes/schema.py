@@ -94,6 +94,9 @@ class DistillStage(_StageBase):
                                 "on the demo)")
     repair_ridge: float = Field(0.1, ge=0.0, description="ridge of the repair's least squares (x mean diagonal)")
     repair_windows: int = Field(32, ge=1, description="calibration windows the plan and the repair fit on")
+    repair_synthetic: int = Field(0, ge=0, description="windows the teacher writes by sampling from the start of the "
+                                  "calibration windows, added to the repair's fit (distill/synthetic.py: as good as "
+                                  "as many more real windows on the demo; costs their generation and walk memory)")
     plan_held_windows: int = Field(4, ge=1, description="further calibration windows the plan measures drift on")
     plan_data: str | None = Field(None, description="text the plan's held-out windows come from: the kind of text "
                                   "the student will serve or be evaluated on (default: the calibration data)")
@@ -168,6 +171,11 @@ class DistillStage(_StageBase):
         if self.teacher_stream and (self.derive == "measured" or self.repair not in (None, "none")):
             raise ValueError("derive: measured and repair need the teacher in memory (its calibration walk); with "
                              "teacher_stream use derive: even and repair: none")
+        if self.repair_synthetic and (self.repair == "none" or self.teacher_stream
+                                      or self.student is not None or self.student_config is not None):
+            raise ValueError("repair_synthetic adds windows to the repair of a student cut from a teacher in memory: "
+                             "it needs a student cut by student_layers or target_latency, a repair other than none "
+                             "and no teacher_stream")
         return self
 
     @property

@@ -42,6 +42,7 @@ from geminicompress.distill.student import (
 from geminicompress.distill.topk_cache import build_topk_cache
 from geminicompress.distill.train import Guides, TrainRun, train
 from geminicompress.errors import InputError
+from geminicompress.memory import heap_reuse
 from geminicompress.formats.masks import read_masks, write_masks
 from geminicompress.models.lazy import LazyCheckpoint
 from geminicompress.models.loading import load_model, load_tokenizer
@@ -181,7 +182,7 @@ def _planned(cfg: DistillStage, ctx, teacher, spec, derive: str, repair_mode: st
         ctx.progress.info(f"the teacher writes {cfg.repair_synthetic} more repair windows, continuing the first "
                           f"{prefix_len(windows.shape[1])} tokens of the calibration windows by sampling")
         sampled = teacher_samples(teacher, windows[: cfg.repair_windows], cfg.repair_synthetic, seed=ctx.recipe.seed,
-                                  pad_token_id=_pad_id(teacher), device=ctx.device, progress=ctx.progress)
+                                  pad_token_id=_pad_id(teacher), progress=ctx.progress)
         windows = torch.cat([windows[: cfg.repair_windows], sampled, windows[cfg.repair_windows:]])
     ctx.progress.info(f"cutting by {derive} derivation with {repair_mode} repair on {cfg.repair_windows} + "
                       f"{cfg.plan_held_windows} calibration windows of {windows.shape[1]} tokens"
@@ -189,7 +190,8 @@ def _planned(cfg: DistillStage, ctx, teacher, spec, derive: str, repair_mode: st
                       + (f" (held-out ones from {cfg.plan_data})" if cfg.plan_data else ""))
     cut = CutSpec(derive, rspec, fit_windows, cfg.plan_shortlist, cfg.mlp_ratio, cfg.plan_search,
                   cfg.plan_greedy_pool)
-    student, kept, plan = planned_student(teacher, spec, windows, cut, device=ctx.device, progress=ctx.progress)
+    with heap_reuse():  # the walk's and the repair's activation buffers reused, not faulted in again (memory.py)
+        student, kept, plan = planned_student(teacher, spec, windows, cut, device=ctx.device, progress=ctx.progress)
     plan["held_data"] = cfg.plan_data or cfg.data or ctx.recipe.calibration.data
     plan["repair_synthetic"] = cfg.repair_synthetic  # of the fit windows, these many the teacher wrote
     ctx.progress.info(f"kept teacher layers {kept}; drift on the held-out calibration windows "

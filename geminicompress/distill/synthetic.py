@@ -47,33 +47,36 @@ def prefix_len(seq_len: int) -> int:
 
 @torch.no_grad()
 def teacher_samples(model: nn.Module, windows: torch.Tensor, n: int, *, seed: int, pad_token_id: int | None = None,
-                    device: torch.device = torch.device("cpu"), batch: int = 32,
-                    progress: Progress | None = None) -> torch.Tensor:
+                    batch: int = 32, progress: Progress | None = None) -> torch.Tensor:
     """n windows (n, T) of token ids: window k starts with the first `prefix_len(T)` tokens of windows[k % len]
     (windows: (m, T)) and the teacher `model` (in memory) continues it by sampling at TEMPERATURE to T tokens.
-    The same seed and batch give the same windows; the global RNG is left as it was."""
+    The same seed and batch give the same windows; the global RNG is left as it was. The sampling runs where
+    the model's weights are (the calibration walk moves one layer at a time to the run's device; a whole
+    teacher is not assumed to fit there)."""
     from transformers import StoppingCriteriaList
 
     progress = progress or NullProgress()
     m, T = windows.shape
     p = prefix_len(T)
     starts = windows[torch.arange(n) % m, :p]  # (n, p)
+    device = next(model.parameters()).device
     parts = []
     was_training = model.training
     model.eval()
+    rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
     try:
-        # heap_reuse: the KV cache grows by a token each step; with the CLI's 1 MB mmap threshold every step's
-        # buffers would be fresh, zeroed pages (sampling ran 1.7x slower, a third of it system time)
-        with torch.random.fork_rng(devices=[]), progress.task("sampling repair windows", n * (T - p)) as bar, \
-                heap_reuse():
+        # heap_reuse: the KV cache grows by a token each step; with the CLI's 1 MB mmap threshold each step's
+        # buffers would be fresh, zeroed pages (96 demo windows: unfinished after 8 minutes, a third of the
+        # CPU in the kernel, against 4 min 28 s with it)
+        with rng, heap_reuse(), progress.task("sampling repair windows", n * (T - p)) as bar:
             torch.manual_seed(seed)
             for b in range(0, n, batch):
                 ids = starts[b:b + batch].to(device)  # (b, p)
-                rows = ids.shape[0]
+                ticks = _Ticks(lambda k, rows=ids.shape[0]: bar.advance(rows * k))
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=TEMPERATURE,
                                      top_k=0, top_p=1.0, max_new_tokens=T - p, min_new_tokens=T - p,
                                      pad_token_id=pad_token_id, use_cache=True,
-                                     stopping_criteria=StoppingCriteriaList([_Ticks(lambda k, r=rows: bar.advance(r * k))]))
+                                     stopping_criteria=StoppingCriteriaList([ticks]))
                 parts.append(out[:, :T].cpu())  # (b, T)
     finally:
         model.train(was_training)

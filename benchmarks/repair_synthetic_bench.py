@@ -73,8 +73,7 @@ def main() -> None:
     teacher_ppl = perplexity(teacher, evalw, CPU, batch_size=4)
     real = calibration_windows(tok, str(DATA / "enwiki-sample.txt"), max(args.real, args.real_more), SEQ_LEN, 0)
     s0 = time.perf_counter()
-    sampled = teacher_samples(teacher, real[: args.real], max(args.synthetic), seed=args.seed,
-                              pad_token_id=tok.eos_token_id)  # the first k of them: what k would give
+    sampled = teacher_samples(teacher, real[: args.real], max(args.synthetic), seed=args.seed)  # the first k: what k gives
     sample_s = time.perf_counter() - s0
     print(f"[{time.perf_counter() - t0:.0f}s] teacher {teacher_ppl:.3f}; {sampled.shape[0]} windows sampled in "
           f"{sample_s:.0f} s", flush=True)

@@ -30,8 +30,6 @@ from geminicompress.distill.latency_target import keep_for_latency
 from geminicompress.distill.plot import plot_curve
 from geminicompress.distill.reconstruct import check_same_shape, reconstruct
 from geminicompress.distill.repair import RepairSpec
-from geminicompress.distill.survey import check_walk_memory
-from geminicompress.distill.synthetic import prefix_len, teacher_samples
 from geminicompress.distill.student import (
     check_tokenizers,
     derive_student,
@@ -39,11 +37,13 @@ from geminicompress.distill.student import (
     n_params,
     student_from_config,
 )
+from geminicompress.distill.survey import check_walk_memory
+from geminicompress.distill.synthetic import prefix_len, teacher_samples
 from geminicompress.distill.topk_cache import build_topk_cache
 from geminicompress.distill.train import Guides, TrainRun, train
 from geminicompress.errors import InputError
-from geminicompress.memory import heap_reuse
 from geminicompress.formats.masks import read_masks, write_masks
+from geminicompress.memory import heap_reuse
 from geminicompress.models.lazy import LazyCheckpoint
 from geminicompress.models.loading import load_model, load_tokenizer
 from geminicompress.recipes.schema import DistillStage
@@ -182,7 +182,7 @@ def _planned(cfg: DistillStage, ctx, teacher, spec, derive: str, repair_mode: st
         ctx.progress.info(f"the teacher writes {cfg.repair_synthetic} more repair windows, continuing the first "
                           f"{prefix_len(windows.shape[1])} tokens of the calibration windows by sampling")
         sampled = teacher_samples(teacher, windows[: cfg.repair_windows], cfg.repair_synthetic, seed=ctx.recipe.seed,
-                                  pad_token_id=_pad_id(teacher), progress=ctx.progress)
+                                  progress=ctx.progress)
         windows = torch.cat([windows[: cfg.repair_windows], sampled, windows[cfg.repair_windows:]])
     ctx.progress.info(f"cutting by {derive} derivation with {repair_mode} repair on {cfg.repair_windows} + "
                       f"{cfg.plan_held_windows} calibration windows of {windows.shape[1]} tokens"
@@ -197,16 +197,6 @@ def _planned(cfg: DistillStage, ctx, teacher, spec, derive: str, repair_mode: st
     ctx.progress.info(f"kept teacher layers {kept}; drift on the held-out calibration windows "
                       f"{plan['student_drift']:+.1%} (teacher {plan['teacher_ppl']:.2f} -> student {plan['student_ppl']:.2f})")
     return student, kept, plan
-
-
-def _pad_id(model) -> int | None:
-    """The id generate() pads finished rows with (none finish early here): the model's pad token, else its EOS."""
-    for key in ("pad_token_id", "eos_token_id"):
-        value = getattr(model.generation_config, key, None)
-        value = value[0] if isinstance(value, (list, tuple)) and value else value
-        if isinstance(value, int):
-            return value
-    return None
 
 
 def _teacher(spec: str, cfg: DistillStage, ctx) -> tuple[Any, Any, LazyCheckpoint | None]:

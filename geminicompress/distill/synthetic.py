@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from geminicompress.memory import heap_reuse
+from geminicompress.models.loading import pad_token_id
 from geminicompress.progress import NullProgress, Progress
 
 PREFIX = 32  # tokens of a real window each sampled one starts from
@@ -46,8 +47,8 @@ def prefix_len(seq_len: int) -> int:
 
 
 @torch.no_grad()
-def teacher_samples(model: nn.Module, windows: torch.Tensor, n: int, *, seed: int, pad_token_id: int | None = None,
-                    batch: int = 32, progress: Progress | None = None) -> torch.Tensor:
+def teacher_samples(model: nn.Module, windows: torch.Tensor, n: int, *, seed: int, batch: int = 32,
+                    progress: Progress | None = None) -> torch.Tensor:
     """n windows (n, T) of token ids: window k starts with the first `prefix_len(T)` tokens of windows[k % len]
     (windows: (m, T)) and the teacher `model` (in memory) continues it by sampling at TEMPERATURE to T tokens.
     The same seed and batch give the same windows; the global RNG is left as it was. The sampling runs where
@@ -75,7 +76,7 @@ def teacher_samples(model: nn.Module, windows: torch.Tensor, n: int, *, seed: in
                 ticks = _Ticks(lambda k, rows=ids.shape[0]: bar.advance(rows * k))
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=TEMPERATURE,
                                      top_k=0, top_p=1.0, max_new_tokens=T - p, min_new_tokens=T - p,
-                                     pad_token_id=pad_token_id, use_cache=True,
+                                     pad_token_id=pad_token_id(model), use_cache=True,
                                      stopping_criteria=StoppingCriteriaList([ticks]))
                 parts.append(out[:, :T].cpu())  # (b, T)
     finally:

@@ -21,11 +21,12 @@ from typing import Any, Iterator
 import torch
 
 from geminicompress.eval.cost.latency import sync
+from geminicompress.models.loading import pad_token_id
 
 
 def _greedy_kwargs(model: Any, gen_len: int) -> dict:
     return dict(max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False, num_beams=1,
-                pad_token_id=model.generation_config.pad_token_id or model.generation_config.eos_token_id or 0)
+                pad_token_id=pad_token_id(model))
 
 
 @torch.no_grad()

@@ -328,3 +328,13 @@ def demo_dir() -> Path:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0][:300]
+
+
+def pad_token_id(model: torch.nn.Module) -> int:
+    """The id generate() pads finished rows with: the model's pad token, else its (first) EOS token, else 0."""
+    config = model.generation_config
+    for value in (config.pad_token_id, config.eos_token_id):
+        value = value[0] if isinstance(value, (list, tuple)) and value else value
+        if isinstance(value, int):
+            return value
+    return 0

@@ -35,6 +35,16 @@ def eval_windows(tokenizer, n: int | None = None, tokens: int = EVAL_TOKENS) -> 
     return pack_windows(ids, SEQ_LEN, n)
 
 
+def repair_teacher(name: str, threads: int, eval_tokens: int = EVAL_TOKENS):
+    """What every student-repair benchmark starts with: torch on `threads` threads, the teacher loaded, the
+    protocol's perplexity windows. Returns (teacher, tokenizer, eval windows)."""
+    from geminicompress.models.loading import load_model
+
+    torch.set_num_threads(threads)
+    loaded = load_model(name)
+    return loaded.model, loaded.tokenizer, eval_windows(loaded.tokenizer, tokens=eval_tokens)
+
+
 def calibration_ids(tokenizer, n: int, seed: int = 0) -> torch.Tensor:
     """n calibration windows of 512 tokens from enwiki-sample.txt: the ids every method gets."""
     from geminicompress.data.windows import calibration_windows

@@ -26,17 +26,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import DATA, RESULTS, SEQ_LEN, eval_windows  # noqa: E402
+from common import DATA, RESULTS, SEQ_LEN, calibration_ids, repair_teacher  # noqa: E402
 
 from geminicompress.data import tokenize  # noqa: E402
-from geminicompress.data.windows import calibration_windows, sample_windows  # noqa: E402
+from geminicompress.data.windows import sample_windows  # noqa: E402
 from geminicompress.distill.cut import cut_student  # noqa: E402
 from geminicompress.distill.greedy import greedy_cut  # noqa: E402
 from geminicompress.distill.repair import RepairSpec  # noqa: E402
 from geminicompress.distill.survey import Compute, walk  # noqa: E402
 from geminicompress.eval.quality.perplexity import perplexity  # noqa: E402
 from geminicompress.machine import machine, versions  # noqa: E402
-from geminicompress.models.loading import load_model  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -80,14 +79,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--name", default="repair_greedy_24")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    loaded = load_model(args.teacher)
-    teacher, tok = loaded.model, loaded.tokenizer
+    teacher, tok, evalw = repair_teacher(args.teacher, args.threads, args.eval_tokens)
     L = teacher.config.num_hidden_layers
     text = (DATA / "wikitext2-test.txt").read_text()
-    evalw = eval_windows(tok, tokens=args.eval_tokens)
-    calib = calibration_windows(tok, str(DATA / "enwiki-sample.txt"), args.fit_windows + args.held_windows, SEQ_LEN, 0)
+    calib = calibration_ids(tok, args.fit_windows + args.held_windows)
     fitw, heldw = calib[: args.fit_windows], calib[args.fit_windows:]
     if args.held_data == "wikitext":  # disjoint from the evaluation's tokens: drawn from those after them
         heldw = sample_windows(tokenize(tok, text)[args.eval_tokens:], args.held_windows, SEQ_LEN, 0)

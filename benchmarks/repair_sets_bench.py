@@ -21,15 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import DATA, RESULTS, SEQ_LEN, eval_windows  # noqa: E402
+from common import RESULTS, calibration_ids, repair_teacher  # noqa: E402
 
-from geminicompress.data.windows import calibration_windows  # noqa: E402
 from geminicompress.distill.cut import cut_student  # noqa: E402
 from geminicompress.distill.repair import RepairSpec  # noqa: E402
 from geminicompress.distill.survey import walk  # noqa: E402
 from geminicompress.eval.quality.perplexity import perplexity  # noqa: E402
 from geminicompress.machine import machine, versions  # noqa: E402
-from geminicompress.models.loading import load_model  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -55,13 +53,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--name", default="repair_sets")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    loaded = load_model(args.teacher)
-    teacher, tok = loaded.model, loaded.tokenizer
+    teacher, tok, evalw = repair_teacher(args.teacher, args.threads, args.eval_tokens)
     L = teacher.config.num_hidden_layers
-    evalw = eval_windows(tok, tokens=args.eval_tokens)
-    fitw = calibration_windows(tok, str(DATA / "enwiki-sample.txt"), args.fit_windows, SEQ_LEN, 0)
+    fitw = calibration_ids(tok, args.fit_windows)
     fit = walk(teacher, fitw, device=CPU)
     spec = RepairSpec(args.repair, ridge=args.ridge)
     result = {"args": vars(args), "machine": machine(), "versions": versions(), "teacher_ppl_given": args.teacher_ppl,

@@ -26,17 +26,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import DATA, RESULTS, SEQ_LEN, eval_windows  # noqa: E402
+from common import RESULTS, SEQ_LEN, calibration_ids, repair_teacher  # noqa: E402
 from repair_sets_bench import parse_set  # noqa: E402
 
-from geminicompress.data.windows import calibration_windows  # noqa: E402
 from geminicompress.distill.cut import cut_student  # noqa: E402
 from geminicompress.distill.repair import RepairSpec  # noqa: E402
 from geminicompress.distill.survey import walk  # noqa: E402
 from geminicompress.distill.synthetic import prefix_len, teacher_samples  # noqa: E402
 from geminicompress.eval.quality.perplexity import perplexity  # noqa: E402
 from geminicompress.machine import machine, versions  # noqa: E402
-from geminicompress.models.loading import load_model  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -64,14 +62,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="repair_synthetic")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    loaded = load_model(args.teacher)
-    teacher, tok = loaded.model, loaded.tokenizer
+    teacher, tok, evalw = repair_teacher(args.teacher, args.threads, args.eval_tokens)
     L = teacher.config.num_hidden_layers
-    evalw = eval_windows(tok, tokens=args.eval_tokens)
     teacher_ppl = perplexity(teacher, evalw, CPU, batch_size=4)
-    real = calibration_windows(tok, str(DATA / "enwiki-sample.txt"), max(args.real, args.real_more), SEQ_LEN, 0)
+    real = calibration_ids(tok, max(args.real, args.real_more))
     s0 = time.perf_counter()
     sampled = teacher_samples(teacher, real[: args.real], max(args.synthetic), seed=args.seed)  # the first k: what k gives
     sample_s = time.perf_counter() - s0

@@ -41,16 +41,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import DATA, RESULTS, SEQ_LEN, eval_windows  # noqa: E402
+from common import DATA, RESULTS, SEQ_LEN, calibration_ids, repair_teacher  # noqa: E402
 
 from geminicompress.core.arch import decoder_layers  # noqa: E402
 from geminicompress.data import tokenize  # noqa: E402
-from geminicompress.data.windows import calibration_windows, sample_windows  # noqa: E402
+from geminicompress.data.windows import sample_windows  # noqa: E402
 from geminicompress.distill.repair import RepairSpec, refit_block  # noqa: E402
 from geminicompress.distill.survey import attn_out, mean_nll, mlp_down, run_layers  # noqa: E402
 from geminicompress.engine.forward import embed  # noqa: E402
 from geminicompress.machine import machine, versions  # noqa: E402
-from geminicompress.models.loading import load_model  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -95,17 +94,14 @@ def main() -> None:
                     "evaluation's (disjoint from them; the kind of text evaluated)")
     ap.add_argument("--name", default="repair_variants")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    loaded = load_model(args.teacher)
-    teacher, tok = loaded.model, loaded.tokenizer
+    teacher, tok, evalw = repair_teacher(args.teacher, args.threads, args.eval_tokens)
     L = teacher.config.num_hidden_layers
     dropped = parse_cut(args.dropped)
     assert dropped == list(range(dropped[0], dropped[-1] + 1)), "one contiguous span"
     lo, hi = dropped[0], dropped[-1]
     kept = [i for i in range(L) if i not in dropped]
-    evalw = eval_windows(tok, tokens=args.eval_tokens)
-    fitw = calibration_windows(tok, str(DATA / "enwiki-sample.txt"), args.fit_windows, SEQ_LEN, 0)
+    fitw = calibration_ids(tok, args.fit_windows)
     if args.fit_data == "wikitext":
         fitw = sample_windows(tokenize(tok, (DATA / "wikitext2-test.txt").read_text())[args.eval_tokens:],
                               args.fit_windows, SEQ_LEN, 0)

@@ -19,7 +19,9 @@ bounds what stays resident. Measured on the demo model (GPTQ 4-bit, 32 windows, 
 6.5M page faults and 60 s in the one-pass calibration with mmap, 2.2M and 46-50 s with heap reuse; the
 peak resident memory stayed about the same (1.35-1.6 GiB over runs, as the heap's layout varies).
 distill's training loop, plan and repair run inside it too (demo: 59-63 -> 73-76 training tokens/s, peak
-+0.8 GiB); eval's quality pass does not (its reported peak memory would rise by ~160 MB).
++0.8 GiB). eval's quality pass opens it per window around the decoder only (models/head.window_chunks), not
+around the head's 32 MB chunks, which a block around the whole pass kept resident (+160 MB reported peak);
+blocks nest (an inner one changes nothing).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ HEAP_REUSE_BYTES = 32 << 20  # glibc's largest mmap threshold on 64-bit
 HEAP_KEEP_BYTES = 64 << 20  # free memory at the heap's top that free() leaves in place inside heap_reuse
 _DEFAULT_TRIM_BYTES = 128 << 10  # glibc's M_TRIM_THRESHOLD, fixed once the mmap threshold is set
 _threshold_fixed = False  # return_freed_memory() ran: glibc's dynamic threshold is off
+_reuse_depth = 0  # heap_reuse blocks open (0 or 1: a nested one changes nothing)
 
 
 @lru_cache(maxsize=1)
@@ -76,14 +79,17 @@ def heap_reuse() -> Iterator[None]:
     top is returned at once and the next one faults its pages in again); afterwards the heap is trimmed
     and the 1 MB threshold is back. Only where return_freed_memory() fixed the threshold (the
     CLI): otherwise glibc's own dynamic threshold already reuses the heap, and it cannot be restored."""
-    if not _threshold_fixed:
+    global _reuse_depth
+    if not _threshold_fixed or _reuse_depth:  # nested: the outer block's settings hold until it ends
         yield
         return
+    _reuse_depth += 1
     _mallopt(_M_MMAP_THRESHOLD, HEAP_REUSE_BYTES)
     _mallopt(_M_TRIM_THRESHOLD, HEAP_KEEP_BYTES)
     try:
         yield
     finally:
+        _reuse_depth -= 1
         release_free_heap()
         _mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_BYTES)
         _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)

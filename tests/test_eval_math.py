@@ -61,6 +61,9 @@ def test_cached_logprobs_round_trip_exactly(model, windows):
         for i in (3, 0, 5):
             assert torch.equal(cache.get(i, windows[i]), logps[i])
             assert torch.equal(cache.get(i, windows[i], 10, 50), logps[i][10:50])
+        first = cache.get(1, windows[1], 0, 20)
+        second = cache.get(2, windows[2], 0, 20)  # read into the same memory: a chunk lives until the next get
+        assert first.data_ptr() == second.data_ptr() and torch.equal(first, logps[2][:20])
 
 
 def test_kl_and_agreement_on_known_distributions():
@@ -76,6 +79,18 @@ def test_kl_and_agreement_on_known_distributions():
     meter.add(p, p)
     assert meter.tokens == 4 and meter.agreement == 0.5
     assert meter.kl == pytest.approx(kl.sum().item() / 4, rel=1e-6)
+
+
+def test_kl_keeps_its_edge_cases_and_leaves_its_inputs_alone():
+    """0 log 0 := 0 where the baseline gives a token no mass (even where the model gives it none either:
+    -inf - -inf); infinite where the model gives no mass to a token the baseline gives some; the in-place
+    arithmetic works on its own temporaries, not on the log-probs passed in."""
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.5, 0.5, 0.0]]).log()
+    q = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]]).log()
+    p0, q0 = p.clone(), q.clone()
+    kl = kl_per_token(p, q)
+    assert kl[0].item() == 0.0 and kl[1].item() == math.inf
+    assert torch.equal(p, p0) and torch.equal(q, q0)
 
 
 def test_different_model_has_positive_kl(windows):

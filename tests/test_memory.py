@@ -73,6 +73,25 @@ def test_heap_reuse_serves_repeated_big_buffers_without_fresh_pages():
     assert inside < outside / 5
 
 
+_NESTED_PROBE = _REUSE_PROBE.replace("""with heap_reuse():
+    inside = churn()""", """with heap_reuse():
+    with heap_reuse():
+        pass
+    inside = churn()""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt exists on Linux only")
+def test_a_nested_heap_reuse_leaves_the_outer_blocks_settings():
+    """eval's decoder pass opens heap_reuse per window, maybe inside a caller's block: the inner exit must
+    not put the 1 MB threshold back while the outer block runs."""
+    import subprocess
+
+    assert _NESTED_PROBE != _REUSE_PROBE
+    outside, inside = map(int, subprocess.run([sys.executable, "-c", _NESTED_PROBE], capture_output=True, text=True,
+                                              check=True).stdout.split())
+    assert inside < outside / 5
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 def test_a_packed_checkpoint_loads_on_a_meta_skeleton_and_lets_its_file_mapping_go(tiny_dir, text_file, tmp_path):
     """The loader builds the float architecture on the meta device (no float copy of the model), assigns the

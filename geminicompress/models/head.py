@@ -23,6 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from geminicompress.memory import heap_reuse
+
 CHUNK_BYTES = 32 * 2**20  # one chunk's float32 (rows, V) logits: each of the few temporaries per chunk
 
 
@@ -95,6 +97,7 @@ def window_chunks(model: nn.Module, window: torch.Tensor, device: torch.device,
                   rows: int | None = None) -> Iterator[torch.Tensor]:
     """Log-probabilities of the next token at every position but the last of window (T,), as consecutive
     chunks (c, V) float32 on the CPU: `perplexity.window_logprobs` without ever holding (T-1, V)."""
-    hidden = final_states(model, window.view(1, -1).to(device))[0, :-1]  # (T-1, d)
+    with heap_reuse():  # the decoder's activation buffers reused across its layers, not faulted in each time
+        hidden = final_states(model, window.view(1, -1).to(device))[0, :-1]  # (T-1, d)
     for _, logits in chunk_logits(model, hidden, rows):
         yield F.log_softmax(logits, dim=-1).cpu()

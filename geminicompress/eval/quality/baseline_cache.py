@@ -33,6 +33,7 @@ class BaselineCache:
         self.stored = n_windows * self.window_bytes <= min(limit_bytes, free // 2)
         self.file = self.dir / "baseline-logprobs.f32"
         self._written = 0  # positions written, over all windows
+        self._buffer = np.empty(0, dtype=np.float32)  # get's chunk, read into the same memory every time
         self._hidden: tuple[int, torch.Tensor] | None = None  # recomputing: (window index, its (T-1, d) states)
         self.model = None  # set by the caller when not stored: the baseline recomputes
         self.device: torch.device | None = None
@@ -44,7 +45,7 @@ class BaselineCache:
         assert index * self.shape[0] + start == self._written and logp.shape[1] == self.shape[1], \
             "chunks are cached in order"
         with self.file.open("ab") as f:
-            f.write(logp.float().contiguous().numpy().tobytes())
+            logp.float().contiguous().numpy().tofile(f)  # no bytes copy of the chunk
         self._written += logp.shape[0]
 
     def get(self, index: int, window: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -53,8 +54,13 @@ class BaselineCache:
         positions, vocab = self.shape
         stop = positions if stop is None else stop
         if self.stored:
-            data = np.fromfile(self.file, dtype=np.float32, count=(stop - start) * vocab,
-                               offset=(index * positions + start) * vocab * 4)
+            count = (stop - start) * vocab
+            if self._buffer.size < count:
+                self._buffer = np.empty(count, dtype=np.float32)
+            data = self._buffer[:count]
+            with self.file.open("rb") as f:
+                f.seek((index * positions + start) * vocab * 4)
+                assert f.readinto(data) == data.nbytes, "the cache holds every position asked for"
             return torch.from_numpy(data).view(stop - start, vocab)
         assert self.model is not None, "recomputing needs the baseline model"
         if self._hidden is None or self._hidden[0] != index:

@@ -254,9 +254,8 @@ def _streamed(ctx: StageContext, stages: list[Any], tmp: Path, verify: bool, max
     results = [_result(k, stage, walked.seconds, s.summary(walked.summaries[k], walked.done(k, ctx)))
                for k, (stage, s) in enumerate(zip(stages, layer_stages))]
     owner = writing_stage(layer_stages)
-    hooks = [s.outside for s in layer_stages]
     out = finish_export(ctx, tmp, export, results[owner]["result"] if owner is not None else {}, walked.seconds,
-                        head=outside_head(hooks) if hooks else None)
+                        head=outside_head(layer_stages) if layer_stages else None)
     out.update(streamed=True, estimated=need)
     if ctx.device.type == "cuda":
         out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device)

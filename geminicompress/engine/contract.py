@@ -77,7 +77,8 @@ class LayerStage:
     """A method, as the engine runs it: subclass this. `layer_fn`, `writer` and `summary` are the contract;
     the other members are optional hooks whose defaults here do nothing, so the engine never probes for them.
 
-    `outside(name, module) -> (module, row) | None`: the modules outside the decoder layers (an INT8 head).
+    `outside(name, module) -> (module, row) | None`: the modules outside the decoder layers (an INT8 head);
+    `outside_names()`: the modules it may change.
     `retain(kept) -> kept` (with `retains = True`): which kept tensors a streamed run must hold until the
     summary (AWQ's search results). `cannot_stream(cfg, first)`: why a config cannot run streamed, or None."""
 
@@ -105,6 +106,10 @@ class LayerStage:
 
     def outside(self, name: str, module: Any) -> tuple[Any, dict] | None:
         return None
+
+    def outside_names(self) -> set[str]:
+        """The modules outside the layers that `outside` may change (the check makes those from float32)."""
+        return set()
 
     def retain(self, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {}

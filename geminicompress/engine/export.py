@@ -124,14 +124,16 @@ def finish_export(ctx: StageContext, tmp: Path, export: Export, result: dict, se
     return out
 
 
-def outside_head(hooks: list) -> Any:
-    """What a streamed run writes for a module outside the layers (the stages' `outside` hooks in order)."""
+def outside_head(stages: list) -> Any:
+    """What a streamed run writes for a module outside the layers (the stages' `outside` hooks in order);
+    its `names`: the modules some hook may change (the others are written as read)."""
     def module(name: str, read: Any) -> Any:
-        for hook in hooks:
-            changed = hook(name, read)
+        for stage in stages:
+            changed = stage.outside(name, read)
             if changed is not None:
                 read = changed[0]
         return read
+    module.names = set().union(*(stage.outside_names() for stage in stages))
     return module
 
 

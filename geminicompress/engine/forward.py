@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from geminicompress.core.arch import arch_for, get_module, set_module
+from geminicompress.engine.outside_float32 import Float32Rows
 from geminicompress.engine.layers import computing_in, layer_output
 from geminicompress.engine.walk import LayerSource, ModelLayers, capture_into, nothing, run_layerwise
 from geminicompress.progress import NullProgress, Progress
@@ -119,18 +120,27 @@ def _head_only(source: LayerSource, dtype: torch.dtype, device: torch.device,
     """The model with its decoder layers swapped for an empty list and its final norm and output head read
     (lazy sources) and on `device` in `dtype`; yields (model, final norm). `transform(name, module)` may
     give a lazy source's module another one to compute with meanwhile (e.g. the INT8 head a streamed run
-    made of the checkpoint's), or change a model in memory's in place (its floats rounded as written)."""
+    made of the checkpoint's), or change a model in memory's in place (its floats rounded as written).
+    A lazy source's plain output head, asked for in float32, reaches `transform` as stored (e.g. bfloat16);
+    if it stays in a lower precision it is computed in float32 a block of rows at a time (outside_float32.py)
+    instead of copied whole into float32."""
     model = source.model
     arch = arch_for(model)
     names = {m: n for n, m in model.named_modules()}
-    head = [arch.final_norm, names[model.get_output_embeddings()]]
+    output = names[model.get_output_embeddings()]
+    head = [arch.final_norm, output]
     ckpt = getattr(source, "ckpt", None)
     saved = {n: {k: v for k, v in get_module(model, n).state_dict(keep_vars=True).items()} for n in head}
     read: dict[str, nn.Module] = {}
     for n in head:
         if ckpt is not None:  # read in dtype; a quantized head keeps the dtypes its reader gave it (as loaded)
-            read[n] = ckpt.materialise(n, dtype)
+            # a plain float32 head is read as stored and computed in float32 by blocks of rows (outside_float32.py)
+            rows = n == output and dtype == torch.float32 and type(get_module(model, n)) is nn.Linear \
+                and n not in ckpt.quantized
+            read[n] = ckpt.materialise(n, None if rows else dtype)
             used = transform(n, read[n]) if transform is not None else read[n]
+            if rows and type(used) is nn.Linear and used.weight.dtype != torch.float32:
+                used = Float32Rows(used)
             if used is not read[n]:
                 set_module(model, n, used)
             used.to(device)

@@ -277,7 +277,10 @@ class Probe:
             t0 = time.perf_counter()
 
             def as_written(name: str, module: nn.Module) -> nn.Module:
-                module = head(name, module) if head is not None else module
+                if head is not None and name in getattr(head, "names", {name}):
+                    module = head(name, module.float())  # what the run wrote, made from float32 weights as in the run
+                elif type(module) is nn.Linear and module.weight.dtype != torch.float32:  # a head read as stored
+                    return module.to(self.out_dtype)  # rounded as written and held so: float32 by rows (forward.py)
                 as_stored(module, self.out_dtype)
                 return module
 

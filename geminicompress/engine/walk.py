@@ -24,7 +24,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.nn as nn
 
-from geminicompress.core.arch import Arch, arch_for, get_module, outside_modules, tied_output
+from geminicompress.core.arch import Arch, arch_for, get_module, outside_modules, set_module, tied_output
 from geminicompress.engine.layers import (
     LayerFn,
     LayerInputs,
@@ -34,6 +34,7 @@ from geminicompress.engine.layers import (
     forward_layer,
     move_outside_layers,
 )
+from geminicompress.engine.outside_float32 import Float32Gather
 from geminicompress.engine.sinks import ResidentSink
 from geminicompress.formats.shards import ShardWriter
 from geminicompress.memory import heap_reuse, release_free_heap
@@ -340,11 +341,19 @@ def capture_into(source: LayerSource, windows: torch.Tensor, into: torch.Tensor,
                  dtype: torch.dtype, stored: torch.dtype = torch.float32, chunk: int = 8) -> LayerInputs:
     """Layer 0's inputs of every window, written into `into` (n, T, d) `chunk` windows at a time (bounding the
     capture's own temporaries). The modules a forward up to layer 0 needs (the embeddings) are read meanwhile,
-    in float32 as a model in memory holds them (rounded to `stored` first)."""
+    computed in float32 as a model in memory holds them (rounded to `stored` first); an embedding table held in
+    a lower precision stays so, and only the rows looked up are made float32 (outside_float32.py)."""
     loaded = source.capture_modules()
     ckpt = getattr(source, "ckpt", None)
+    gathered = {}
     for name in loaded:
-        ckpt.materialise(name, stored).float()
+        table = isinstance(get_module(source.model, name), nn.Embedding)  # read as stored when float32 is asked:
+        module = ckpt.materialise(name, None if table and stored == torch.float32 else stored)  # the same values
+        if table and module.weight.dtype != torch.float32:  # only the rows looked up are made float32
+            gathered[name] = module
+            set_module(source.model, name, Float32Gather(module))
+        else:
+            module.float()
     first: LayerInputs | None = None
     try:
         for b in range(0, windows.shape[0], chunk):
@@ -353,6 +362,8 @@ def capture_into(source: LayerSource, windows: torch.Tensor, into: torch.Tensor,
             first = first or captured
     finally:
         for name in loaded:
+            if name in gathered:
+                set_module(source.model, name, gathered[name])
             ckpt.release(name)
     return LayerInputs.of_store(into, first.kwargs, layer_kwargs=first.layer_kwargs)
 

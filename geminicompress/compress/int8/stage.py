@@ -113,6 +113,9 @@ class Int8(LayerStage):
         """A targeted linear outside the decoder layers (an output head not ignored): its INT8 module."""
         return self.quantize(module, name)[0] if name in self.targets else None
 
+    def outside_names(self) -> set[str]:
+        return set(self.targets)
+
     def writer(self) -> Int8Writer:
         writer = Int8Writer(self.ctx.model, self.ctx.out_dtype, self.cfg.method, self.targets)
         writer.gguf = self.cfg.format == "gguf"  # OUT/model.gguf (Q8_0) once OUT is written (pipeline.py)

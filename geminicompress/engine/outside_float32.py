@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from geminicompress.models.head import chunk_rows, spans
+
 BLOCK_BYTES = 64 << 20  # float32 weight rows converted at a time
 
 
@@ -29,15 +31,14 @@ class Float32Rows(nn.Module):
     def __init__(self, linear: nn.Linear, block_bytes: int | None = None) -> None:
         super().__init__()
         self.linear = linear
-        self.rows = max(1, (block_bytes or BLOCK_BYTES) // (4 * linear.in_features))
+        self.rows = chunk_rows(linear.in_features, block_bytes or BLOCK_BYTES)  # float32 rows of in_features each
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.linear.weight, self.linear.bias
         x = x.float()
         out = x.new_empty(*x.shape[:-1], weight.shape[0])
-        for start in range(0, weight.shape[0], self.rows):
-            stop = min(start + self.rows, weight.shape[0])
+        for start, stop in spans(weight.shape[0], self.rows):
             out[..., start:stop] = F.linear(x, weight[start:stop].float(),
                                             None if bias is None else bias[start:stop].float())
         return out

@@ -17,6 +17,7 @@ from geminicompress.compress.prune.masks import parse_pattern
 from geminicompress.compress.prune.stage import check_pattern, prunable_weights
 from geminicompress.compress.targets import weight_quant_targets
 from geminicompress.core.arch import arch_for
+from geminicompress.core.config import ignore_to_check
 from geminicompress.progress import NullProgress
 
 _WEIGHT_QUANT = ("rtn", "gptq", "awq", "awq+gptq")  # the b-bit methods: a group size and a packed format
@@ -34,7 +35,7 @@ def preflight(recipe: Any, model_dir: Any) -> None:
     arch = arch_for(model)
     for stage in stages:
         if stage.type == "prune":
-            targets = prunable_weights(model, arch, stage.ignore, check_ignore="ignore" in stage.model_fields_set)
+            targets = prunable_weights(model, arch, stage.ignore, check_ignore=ignore_to_check(stage))
             check_pattern(targets, parse_pattern(stage.pattern), stage.block_size)
         elif stage.method in _WEIGHT_QUANT:
             fmt = stage.format if getattr(stage, "allocation", None) is None else None  # mixed: checked per module

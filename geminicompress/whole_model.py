@@ -33,6 +33,7 @@ from geminicompress import __version__
 from geminicompress.compress.int8.stage import select_linears
 from geminicompress.compress.prune.threshold import global_threshold, prune_mask
 from geminicompress.compress.rtn import quantize_linear
+from geminicompress.core.config import ignore_to_check
 from geminicompress.compress.targets import check_patterns_match, compile_patterns, resolve_group_size
 from geminicompress.core.arch import get_module, tied_output
 from geminicompress.core.grid import QuantizedWeight, QuantSpec
@@ -182,11 +183,12 @@ class Written:
         return self.replace(tensors)
 
 
-def _targets(model: nn.Module, ignore: list[str], explicit: bool, what: str) -> list[str]:
-    """The linears not matching `ignore` (nor the output head tied to the embeddings), in model order."""
+def _targets(model: nn.Module, ignore: list[str], check: list[str], what: str) -> list[str]:
+    """The linears not matching `ignore` (nor the output head tied to the embeddings), in model order; each
+    pattern in `check` must match a module."""
     patterns = compile_patterns(ignore)
-    if explicit:
-        check_patterns_match(patterns, [n for n, _ in model.named_modules()], "module of the model")
+    if check:
+        check_patterns_match(compile_patterns(check), [n for n, _ in model.named_modules()], "module of the model")
     tied = _tied(model)
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != tied
              and not any(p.search(n) for p in patterns)]
@@ -198,7 +200,7 @@ def _targets(model: nn.Module, ignore: list[str], explicit: bool, what: str) -> 
 @torch.no_grad()
 def _magnitude(model: nn.Module, cfg: Any, dtype: torch.dtype) -> Written:
     """Global magnitude pruning of every targeted linear: exactly round(sparsity · total) weights zeroed."""
-    names = _targets(model, cfg.ignore, "ignore" in cfg.model_fields_set, "prune")
+    names = _targets(model, cfg.ignore, ignore_to_check(cfg), "prune")
     weights = [get_module(model, n).weight for n in names]
     total = sum(w.numel() for w in weights)
     k = round(cfg.sparsity * total)
@@ -232,7 +234,7 @@ def _rtn(model: nn.Module, cfg: Any, dtype: torch.dtype, progress: Progress) -> 
     """RTN of every targeted linear, packed in the recipe's format (gptq, compressed-tensors or dense)."""
     if getattr(cfg, "allocation", None) is not None:
         raise InputError("rtn: mixed precision (allocation) needs decoder layers; this model has none")
-    names = _targets(model, cfg.ignore, "ignore" in cfg.model_fields_set, "quantize")
+    names = _targets(model, cfg.ignore, ignore_to_check(cfg), "quantize")
     shapes = {n: tuple(get_module(model, n).weight.shape) for n in names}
     spec = QuantSpec(cfg.bits, resolve_group_size(cfg.group_size, shapes, progress), cfg.sym)
     check_shapes(cfg.format, shapes, spec)
@@ -269,7 +271,7 @@ def _rtn(model: nn.Module, cfg: Any, dtype: torch.dtype, progress: Progress) -> 
 @torch.no_grad()
 def _int8(model: nn.Module, cfg: Any, dtype: torch.dtype) -> Written:
     """Every targeted linear swapped for its INT8 module (int8: W8A16; w8a8 without SmoothQuant)."""
-    names, kept = select_linears(model, cfg.ignore, "ignore" in cfg.model_fields_set, _tied(model))
+    names, kept = select_linears(model, cfg.ignore, ignore_to_check(cfg), _tied(model))
     if not names:
         raise InputError("the ignore patterns leave no linear layer to quantize")
     rows = []

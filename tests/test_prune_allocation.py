@@ -66,7 +66,7 @@ def test_owl_allocation_total_and_non_uniform(tiny_dir, text_file, tmp_path, met
     summary = run_prune(tiny_dir, out, "--data", text_file, *CAL, "--method", method, "--allocation", "owl",
                         "--sparsity", "0.4")
     model = load_model(str(out)).model
-    weights = {n: lin.weight for n, lin in prunable_weights(model, arch_for(model), ["lm_head"], False).items()}
+    weights = {n: lin.weight for n, lin in prunable_weights(model, arch_for(model), ["lm_head"], []).items()}
     zeros = sum(int((w == 0).sum()) for w in weights.values())
     total = sum(w.numel() for w in weights.values())
     if method != "sparsegpt":  # sparsegpt selects per block of columns: within a block's rounding

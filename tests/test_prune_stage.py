@@ -21,7 +21,7 @@ def invoke(*args):
 
 
 def prunable(model):
-    return {n: lin.weight.detach() for n, lin in prunable_weights(model, arch_for(model), ["lm_head"], False).items()}
+    return {n: lin.weight.detach() for n, lin in prunable_weights(model, arch_for(model), ["lm_head"], []).items()}
 
 
 def run_prune(tiny_dir, out, *args):
@@ -150,5 +150,5 @@ def test_every_calibrated_criterion_is_a_schema_method_and_back():
 
 def test_ignoring_a_non_linear_module_is_accepted(model):
     """prune's default ignore names embed_tokens, which is not a linear: an explicit one is no error."""
-    names = prunable_weights(model, arch_for(model), ["lm_head", "embed_tokens"], True)
+    names = prunable_weights(model, arch_for(model), ["lm_head", "embed_tokens"], ["lm_head", "embed_tokens"])
     assert list(names) == list(prunable(model)) and len(names) == 7 * model.config.num_hidden_layers

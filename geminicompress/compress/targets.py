@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import torch.nn as nn
 
 from geminicompress.core.arch import Arch, arch_for, get_module
+from geminicompress.core.config import ignore_to_check
 from geminicompress.core.grid import QuantSpec, auto_group_size
 from geminicompress.errors import InputError
 from geminicompress.formats import check_shapes
@@ -37,15 +38,15 @@ def check_patterns_match(patterns: list[re.Pattern[str]], names: list[str], what
             raise InputError(f"ignore pattern '{p.pattern}' matches no {what} (names look like '{example}')")
 
 
-def decoder_linears(model: nn.Module, arch: Arch, ignore: list[str], check: bool = False) -> list[str]:
+def decoder_linears(model: nn.Module, arch: Arch, ignore: list[str], check: list[str] | None = None) -> list[str]:
     """Full names of the decoder-layer linears ("model.layers.3.self_attn.q_proj"), in model order,
-    minus those matching an ignore regex (with `check`, a pattern matching no linear is an error)."""
+    minus those matching an ignore regex (a pattern in `check` matching no linear is an error)."""
     patterns = compile_patterns(ignore)
     layers = get_module(model, arch.layers)
     names = [f"{arch.layers}.{i}.{lin}" for i in range(len(layers)) for lin in arch.linears]
     names = [n for n in names if isinstance(get_module(model, n), nn.Linear)]
     if check:
-        check_patterns_match(patterns, [n for n, m in model.named_modules() if isinstance(m, nn.Linear)])
+        check_patterns_match(compile_patterns(check), [n for n, m in model.named_modules() if isinstance(m, nn.Linear)])
     return [n for n in names if not any(p.search(n) for p in patterns)]
 
 
@@ -82,7 +83,7 @@ def weight_quant_targets(model: nn.Module, cfg: WeightQuantStage, progress: Any,
     give them; with `fmt`, every shape must fit that format under the spec (None: the caller checks per
     module, as mixed precision does). Bad input is an InputError before any work."""
     arch = arch_for(model)
-    names = decoder_linears(model, arch, cfg.ignore, check="ignore" in cfg.model_fields_set)
+    names = decoder_linears(model, arch, cfg.ignore, check=ignore_to_check(cfg))
     if not names:
         raise InputError("the model has no linear layer left to quantize (check ignore)")
     shapes = {n: tuple(get_module(model, n).weight.shape) for n in names}

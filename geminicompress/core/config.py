@@ -34,3 +34,12 @@ class WeightQuantStage(StageBase):
     group_size: GroupSize = Field("auto", description=GROUP_SIZE_HELP)
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="module name pattern (regex) to keep "
                               "in float; repeatable (default lm_head)")
+
+
+def ignore_to_check(cfg: BaseModel) -> list[str]:
+    """The stage's `ignore` patterns a run must find in the model: those beyond the stage's default list. A
+    pattern the user adds and no module matches is almost always a typo (an error); a default one may be
+    absent from a model (not every architecture names its head lm_head), and OUT/recipe.yaml lists the
+    defaults, so a run of that file must not fail on them."""
+    default = type(cfg).model_fields["ignore"].get_default(call_default_factory=True)
+    return [p for p in cfg.ignore if p not in default]

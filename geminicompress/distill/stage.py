@@ -212,13 +212,13 @@ def _teacher(spec: str, cfg: DistillStage, ctx) -> tuple[Any, Any, LazyCheckpoin
 def training_windows(cfg: DistillStage, ctx, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed windows (n, seq_len) of DATA: the last `eval_windows` are the held-out split."""
     data = cfg.data or ctx.recipe.calibration.data
-    needed = cfg.steps * cfg.batch_size * cfg.grad_accum + cfg.eval_windows
     ids = tokenize(tokenizer, read_text(data, ctx.recipe.calibration.text_column))
     windows = pack_windows(ids, cfg.seq_len)
     if len(windows) < cfg.eval_windows + 1:
         raise InputError(f"{data} gives {len(windows)} windows of {cfg.seq_len} tokens; distillation needs at least "
                          f"{cfg.eval_windows + 1} (eval_windows + 1): use more text or a shorter seq_len")
-    if len(windows) < needed and not cfg.train_minutes:  # a minutes budget: the steps are not known yet
+    needed = cfg.steps * cfg.batch_size * cfg.grad_accum + cfg.eval_windows if cfg.steps else 0  # minutes: not known
+    if len(windows) < needed:
         epochs = math.ceil((needed - cfg.eval_windows) / (len(windows) - cfg.eval_windows))
         ctx.progress.info(f"{data} gives {len(windows) - cfg.eval_windows} training windows; {cfg.steps} steps "
                           f"read them about {epochs} times")

@@ -29,7 +29,7 @@ from geminicompress.distill.topk_cache import TopKCache
 from geminicompress.eval.quality.perplexity import perplexity
 from geminicompress.memory import heap_reuse
 from geminicompress.progress import NullProgress, Progress
-from geminicompress.recipes.schema import DistillStage
+from geminicompress.recipes.schema import DEFAULT_STEPS, DistillStage
 
 CKPT = "ckpt"
 
@@ -167,7 +167,7 @@ def _prepare(acc, student: nn.Module, teacher: nn.Module | None, windows: torch.
                 share = TeacherInput(teacher, prefix)
     trainable = [p for p in student.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.steps or DEFAULT_STEPS))
     student, optimizer = acc.prepare(student, optimizer)
     acc.register_for_checkpointing(scheduler)
     if teacher is not None:
@@ -184,7 +184,7 @@ def _steps(loop: _Loop, history: History, eval_windows: torch.Tensor, ckpt: Path
     raw = acc.unwrap_model(loop.student)
     tokens_per_step = cfg.batch_size * cfg.grad_accum * loop.windows.shape[1] * acc.num_processes
     budget = cfg.train_minutes * 60.0 if cfg.train_minutes else None  # seconds of optimizer steps
-    last = cfg.steps if budget is None or "steps" in cfg.model_fields_set else None  # None: until the budget ends
+    last = cfg.steps  # None: until the minutes budget ends
     # heap_reuse: the CLI keeps glibc's mmap threshold at 1 MB (memory.py), so every activation buffer of a step
     # above 1 MB would be a fresh mmap whose pages fault in again; on the demo (batch 4 x 512) that was a third
     # of the step's CPU time in the kernel: 59 -> 73 tokens/s with it, the same losses

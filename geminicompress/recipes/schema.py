@@ -28,6 +28,8 @@ class Calibration(Strict):
 
 # --------------------------------------------------------------------------- distill
 
+DEFAULT_STEPS = 200  # a distill stage's optimizer steps when no budget (steps, train_minutes, train_tokens) is given
+
 
 class LossWeights(Strict):
     kl: float = Field(1.0, ge=0.0, description="forward KL on temperature-softened logits (x T^2)")
@@ -113,7 +115,8 @@ class DistillStage(_StageBase):
                                      "and repair)")
     reconstruct: bool = Field(False, description="before training a pruned student, refit its pruned linears to the "
                               "teacher's in closed form, layer by layer on calibration windows (masks kept)")
-    steps: int = Field(200, ge=1)
+    steps: int | None = Field(None, ge=1, description=f"optimizer steps (default {DEFAULT_STEPS} when neither "
+                              "train_minutes nor train_tokens is given; null with those)")
     seq_len: int = Field(512, ge=8)
     batch_size: int = Field(4, ge=1)
     grad_accum: int = Field(1, ge=1)
@@ -163,11 +166,11 @@ class DistillStage(_StageBase):
                              f"(got {', '.join(given)})")
         if self.topk_cache and self.loss.hidden:
             raise ValueError("topk_cache stores logits only; hidden-state losses need the teacher online (drop one)")
-        budgets = [n for n in ("train_minutes", "train_tokens") if getattr(self, n) is not None]
-        if "steps" in self.model_fields_set:
-            budgets.append("steps")
+        budgets = [n for n in ("steps", "train_minutes", "train_tokens") if getattr(self, n) is not None]
         if len(budgets) > 1:
             raise ValueError(f"give one training budget of steps, train_minutes, train_tokens (got {', '.join(budgets)})")
+        if not budgets:  # resolved here, so report.json and OUT/recipe.yaml say what ran (and load again)
+            object.__setattr__(self, "steps", DEFAULT_STEPS)
         if self.teacher_stream and (self.derive == "measured" or self.repair not in (None, "none")):
             raise ValueError("derive: measured and repair need the teacher in memory (its calibration walk); with "
                              "teacher_stream use derive: even and repair: none")

@@ -23,6 +23,7 @@ from geminicompress.compress.int8 import smoothquant as sq
 from geminicompress.compress.int8.config import Int8Stage
 from geminicompress.compress.targets import check_patterns_match, compile_patterns
 from geminicompress.core.arch import arch_for, get_module, set_module
+from geminicompress.core.config import ignore_to_check
 from geminicompress.core.grid import QuantSpec
 from geminicompress.engine.contract import Done, LayerStage, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
@@ -41,7 +42,7 @@ class Int8(LayerStage):
     def __init__(self, cfg: Int8Stage, ctx: StageContext) -> None:
         self.cfg, self.ctx = cfg, ctx
         # the tied head from the layer source: a skeleton read from disk is not tied in memory
-        self.targets, self.kept = select_linears(ctx.model, cfg.ignore, "ignore" in cfg.model_fields_set,
+        self.targets, self.kept = select_linears(ctx.model, cfg.ignore, ignore_to_check(cfg),
                                                  ctx.layers.tied_output)
         if not self.targets:
             raise InputError("the ignore patterns leave no linear layer to quantize")
@@ -133,14 +134,14 @@ class Int8(LayerStage):
                 "quantized": len(rows), "kept_float": self.kept, "smoothquant": smoothing, "layers": rows}
 
 
-def select_linears(model: nn.Module, ignore: list[str], explicit: bool,
+def select_linears(model: nn.Module, ignore: list[str], check: list[str],
                    tied: str | None) -> tuple[list[str], dict[str, str]]:
     """(names of linears to quantize, {kept linear: why}), `tied` the output head tied to the input embeddings
     (kept in float). A user-given pattern matching no linear is an InputError: it is almost always a typo."""
     patterns = compile_patterns(ignore)
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if explicit:
-        check_patterns_match(patterns, linears)
+    if check:
+        check_patterns_match(compile_patterns(check), linears)
     targets, kept = [], {}
     for name in linears:
         hit = next((rx.pattern for rx in patterns if rx.search(name)), None)

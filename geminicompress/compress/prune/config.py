@@ -27,9 +27,9 @@ class PruneStage(_StageBase):
                               "(regex) never pruned; repeatable (default lm_head, embed_tokens)")
     damp: float = Field(0.01, gt=0.0, lt=1.0, description="sparsegpt: dampening, fraction of the mean Hessian diagonal")
     block_size: int = Field(128, ge=1, description="sparsegpt: columns per block")
-    true_sequential: bool = Field(True, description="wanda/sparsegpt: prune attention, then MLP, each from inputs "
-                                  "through the already-pruned linears, in one pass per layer (default on); off: all "
-                                  "from the dense layer")
+    true_sequential: bool | None = Field(None, description="wanda/sparsegpt: prune attention, then MLP, each from "
+                                         "inputs through the already-pruned linears, in one pass per layer (default "
+                                         "on); off: all from the dense layer (null for magnitude, which takes none)")
     format: Literal["dense", "compressed-tensors"] = Field("dense", description="dense (default; exact zeros) or "
                                                            "compressed-tensors (sparse-bitmask, smaller on disk)")
     allocation: Literal["uniform", "global", "owl", "sensitivity"] | None = Field(
@@ -72,11 +72,14 @@ class PruneStage(_StageBase):
             if "scope" in self.model_fields_set:
                 raise ValueError("an N:M pattern is per group of M weights; it cannot use scope 'global'")
             object.__setattr__(self, "scope", "layer")
-        if self.method == "magnitude" and "true_sequential" in self.model_fields_set:
+        if self.method == "magnitude" and self.true_sequential is not None:
             raise ValueError("true_sequential applies to the calibrated methods (wanda, sparsegpt), not magnitude")
-        if self.pattern and "sparsity" in self.model_fields_set:
+        if self.method != "magnitude" and self.true_sequential is None:
+            object.__setattr__(self, "true_sequential", True)
+        if self.pattern:
             n, m = (int(v) for v in self.pattern.split(":"))
-            if abs(self.sparsity - n / m) > 1e-9:
+            if "sparsity" in self.model_fields_set and abs(self.sparsity - n / m) > 1e-9:
                 raise ValueError(f"pattern {self.pattern} prunes exactly {n}/{m} = {n / m:g} of the weights; "
                                  f"leave out sparsity (got {self.sparsity})")
+            object.__setattr__(self, "sparsity", n / m)  # what the run does, so report.json and recipe.yaml say it
         return self

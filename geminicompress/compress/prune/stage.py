@@ -35,6 +35,7 @@ from geminicompress.compress.prune.threshold import global_threshold, prune_mask
 from geminicompress.compress.prune.wanda import InputNorms, wanda_mask, wanda_scores
 from geminicompress.compress.targets import check_patterns_match, compile_patterns, decoder_linears, present_groups
 from geminicompress.core.arch import Arch, arch_for, get_module
+from geminicompress.core.config import ignore_to_check
 from geminicompress.engine.compose import OnePassFn
 from geminicompress.engine.contract import Done, LayerStage, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
@@ -46,12 +47,12 @@ from geminicompress.threads import solver_threads
 HISTOGRAM_FILE = "prune_sparsity.png"
 
 
-def prunable_weights(model: nn.Module, arch: Arch, ignore: list[str], check_ignore: bool) -> dict[str, nn.Linear]:
+def prunable_weights(model: nn.Module, arch: Arch, ignore: list[str], check_ignore: list[str]) -> dict[str, nn.Linear]:
     """Param name ("model.layers.0.mlp.up_proj.weight") -> its linear, in model order, minus `ignore`.
-    With `check_ignore` a pattern must match some module: prune's default ignore names a non-linear
+    Each pattern in `check_ignore` must match some module: prune's default ignore names a non-linear
     (embed_tokens), so every module counts, not only the linears."""
     if check_ignore:
-        check_patterns_match(compile_patterns(ignore), [n for n, _ in model.named_modules()], "module of the model")
+        check_patterns_match(compile_patterns(check_ignore), [n for n, _ in model.named_modules()], "module of the model")
     out = {f"{name}.weight": get_module(model, name) for name in decoder_linears(model, arch, ignore)}
     if not out:
         raise InputError("the ignore patterns exclude every decoder linear layer: nothing left to prune")
@@ -126,7 +127,7 @@ class Prune(LayerStage):
         self.one_pass_memory = cfg.method in CALIBRATED and cfg.true_sequential
         self.rounds_floats = cfg.method == "sparsegpt"  # updates the weights it keeps (written rounded, if lower)
         self.arch = arch_for(ctx.model)
-        linears = prunable_weights(ctx.model, self.arch, cfg.ignore, check_ignore="ignore" in cfg.model_fields_set)
+        linears = prunable_weights(ctx.model, self.arch, cfg.ignore, check_ignore=ignore_to_check(cfg))
         self.targets = list(linears)
         self.pattern = parse_pattern(cfg.pattern)
         check_pattern(linears, self.pattern, cfg.block_size)

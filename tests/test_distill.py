@@ -7,7 +7,7 @@ import torch
 from tiny import prune_in_place, tiny_model
 
 from geminicompress.distill.masks import apply_masks, check_masks, masks_from_zeros
-from geminicompress.distill.student import derive_student, keep_layers, student_config
+from geminicompress.distill.student import boundary_mapped, derive_student, evenly_mapped, keep_layers, student_config
 from geminicompress.distill.train import Guides, TrainRun, batch_indices, train
 from geminicompress.errors import InputError
 from geminicompress.formats.masks import read_masks, write_masks
@@ -205,3 +205,12 @@ def test_masks_round_trip_and_inference(tmp_path):
     dense = tiny_model(num_hidden_layers=2)
     apply_masks(dense, masks)
     assert all(torch.all(dict(dense.named_parameters())[k][~m] == 0) for k, m in masks.items())
+
+
+def test_hidden_losses_map_each_student_layer_to_what_its_next_layer_reads():
+    kept = list(range(13)) + list(range(19, 30))  # 13-18 of 30 dropped
+    m = boundary_mapped(kept, 30)
+    assert m[11] == 11 and m[12] == 18 and m[13] == 19 and m[23] == 29 and len(m) == 24
+    assert boundary_mapped([0, 2, 4, 5], 6) == {0: 1, 1: 3, 2: 4, 3: 5}
+    assert boundary_mapped([1, 3], 6) == {0: 2, 1: 5}  # the last always the teacher's last
+    assert evenly_mapped(2, 6) == {0: 2, 1: 5}  # a student not derived: the same convention, evenly spaced

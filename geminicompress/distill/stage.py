@@ -31,6 +31,7 @@ from geminicompress.distill.plot import plot_curve
 from geminicompress.distill.reconstruct import check_same_shape, reconstruct
 from geminicompress.distill.repair import RepairSpec
 from geminicompress.distill.student import (
+    boundary_mapped,
     check_tokenizers,
     derive_student,
     evenly_mapped,
@@ -259,7 +260,7 @@ def _layer_map(cfg: DistillStage, pair: Pair) -> dict[int, int] | None:
             raise InputError(f"layer_map {bad[0][0]}: {bad[0][1]} is out of range (student 0..{n_s - 1}, teacher 0..{n_t - 1})")
         return dict(cfg.layer_map)
     if pair.kept:
-        return dict(enumerate(pair.kept))
+        return boundary_mapped(pair.kept, n_t)
     return evenly_mapped(n_s, n_t)
 
 

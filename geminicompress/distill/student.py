@@ -55,6 +55,15 @@ def evenly_mapped(n_student: int, n_teacher: int) -> dict[int, int]:
     return {j: round((j + 1) * n_teacher / n_student) - 1 for j in range(n_student)}
 
 
+def boundary_mapped(kept: list[int], n_teacher: int) -> dict[int, int]:
+    """Default student -> teacher layer map for hidden-state losses of a derived student: student layer j
+    matches the teacher's hidden state that its next layer (a copy of teacher layer kept[j + 1]) reads, the
+    output of teacher layer kept[j + 1] - 1; the last matches the teacher's last. Where layers were dropped
+    after j the student's layer j stands for them (what the closed-form repair fits it to), so it is not held
+    to its own copy's output: with 13-18 of 30 dropped, student 12 -> teacher 18."""
+    return {j: (kept[j + 1] - 1 if j + 1 < len(kept) else n_teacher - 1) for j in range(len(kept))}
+
+
 def student_config(teacher_config: Any, kept: list[int], mlp_ratio: float = 1.0) -> Any:
     """A copy of the teacher's config for `len(kept)` layers (and a narrower MLP when mlp_ratio < 1)."""
     config = copy.deepcopy(teacher_config)

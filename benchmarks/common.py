@@ -52,6 +52,15 @@ def calibration_ids(tokenizer, n: int, seed: int = 0) -> torch.Tensor:
     return calibration_windows(tokenizer, str(DATA / "enwiki-sample.txt"), n, SEQ_LEN, seed)
 
 
+def parse_layers(text: str) -> list[int]:
+    """'13-18' -> [13, ..., 18]; '0,5,7' -> [0, 5, 7]; spans and indices mix: '6-7,13-15'."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def perplexity(model, windows: torch.Tensor) -> float:
     from geminicompress.eval.quality.perplexity import perplexity as ppl
 

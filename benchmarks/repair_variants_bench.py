@@ -54,13 +54,6 @@ from geminicompress.machine import machine, versions  # noqa: E402
 CPU = torch.device("cpu")
 
 
-def parse_cut(text: str) -> list[int]:
-    if "-" in text:
-        lo, hi = map(int, text.split("-"))
-        return list(range(lo, hi + 1))
-    return [int(x) for x in text.split(",")]
-
-
 class _Boundaries:
     """The teacher's stream at the boundaries a variant reads (a Walk keeping only those, to fit many windows)."""
 
@@ -97,7 +90,7 @@ def main() -> None:
     t0 = time.perf_counter()
     teacher, tok, evalw = repair_teacher(args.teacher, args.threads, args.eval_tokens)
     L = teacher.config.num_hidden_layers
-    dropped = parse_cut(args.dropped)
+    dropped = parse_layers(args.dropped)
     assert dropped == list(range(dropped[0], dropped[-1] + 1)), "one contiguous span"
     lo, hi = dropped[0], dropped[-1]
     kept = [i for i in range(L) if i not in dropped]

@@ -27,16 +27,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, RESULTS, ROOT, eval_windows, perplexity  # noqa: E402
-
-
-def span(text: str) -> list[int]:
-    """'13-18' or '6-7,13-15' -> the layer indices."""
-    out: list[int] = []
-    for part in text.split(","):
-        a, _, b = part.partition("-")
-        out += list(range(int(a), int(b or a) + 1))
-    return out
+from common import DATA, RESULTS, ROOT, eval_windows, parse_layers, perplexity  # noqa: E402
+from student_train_sweep import score  # noqa: E402
 
 
 def main() -> None:
@@ -55,13 +47,12 @@ def main() -> None:
     from geminicompress.distill.student import boundary_mapped
     from geminicompress.models.loading import load_model, load_tokenizer
 
-    teacher = load_model(args.teacher).model
-    n_teacher = teacher.config.num_hidden_layers
-    del teacher
-    kept = [i for i in range(n_teacher) if i not in set(span(args.dropped))]
-    layer_map = boundary_mapped(kept, n_teacher)
     windows = eval_windows(load_tokenizer(args.student, False))
-    teacher_ppl = round(perplexity(load_model(args.teacher).model.float().eval(), windows), 4)
+    teacher = load_model(args.teacher).model.float().eval()  # loaded once: its layer count and its perplexity
+    n_teacher, teacher_ppl = teacher.config.num_hidden_layers, round(perplexity(teacher, windows), 4)
+    del teacher
+    kept = [i for i in range(n_teacher) if i not in set(parse_layers(args.dropped))]
+    layer_map = boundary_mapped(kept, n_teacher)
     rows = []
     for name, over in json.loads(args.configs).items():
         stage = {"type": "distill", "student": args.student, "data": args.data,
@@ -78,7 +69,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "geminicompress", "run", str(recipe), "-o", str(out), "--force", "-q",
                         "--threads", str(args.threads)], check=True, cwd=ROOT)
         result = json.loads((out / "report.json").read_text())["stages"][0]["result"]
-        ppl = round(perplexity(load_model(str(out)).model.float().eval(), windows), 4)
+        ppl = score(str(out), windows)
         rows.append({"name": name, "options": over, "perplexity": ppl, "drift": round(ppl / teacher_ppl - 1, 4),
                      "tokens": result["tokens"], "tokens_per_s": result["tokens_per_s"],
                      "loss_first": result["loss_first"], "loss_last": result["loss_last"],

@@ -147,18 +147,10 @@ def _run_recipe(recipe: Recipe, out: Path, opts: RunOptions, loaded: LoadedModel
                   "total_seconds": round(time.perf_counter() - started, 3), "export": export, "stages": results,
                   "versions": versions(), "machine": machine()}
         write_json(tmp / "report.json", report)
-        (tmp / "recipe.yaml").write_text(recipe_yaml(as_run(recipe, ctx.out_dtype)))
+        (tmp / "recipe.yaml").write_text(recipe_yaml(recipe, ctx.out_dtype))
     if helper:
         shutil.rmtree(out, ignore_errors=True)
     return report
-
-
-def as_run(recipe: Recipe, out_dtype: torch.dtype) -> Recipe:
-    """The recipe OUT/recipe.yaml records: `output.dtype` the dtype OUT's float weights were written in (a
-    streamed run writes the input's own unless the recipe names one), so running the file again writes the
-    same OUT whichever way it is read."""
-    output = recipe.output.model_copy(update={"dtype": str(out_dtype).removeprefix("torch.")})
-    return recipe.model_copy(update={"output": output})
 
 
 def _record_threads(tmp: Path, progress: Progress) -> int:

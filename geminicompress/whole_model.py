@@ -161,7 +161,7 @@ def run_whole_model(recipe: Recipe, out: Path, *, force: bool = False, progress:
                               "seconds": round(seconds, 3), "result": written.summary}],
                   "versions": versions(), "machine": machine()}
         write_json(tmp / "report.json", report)
-        (tmp / "recipe.yaml").write_text(recipe_yaml(recipe))
+        (tmp / "recipe.yaml").write_text(recipe_yaml(recipe, dtype))
     return report
 
 

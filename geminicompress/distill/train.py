@@ -167,6 +167,7 @@ def _prepare(acc, student: nn.Module, teacher: nn.Module | None, windows: torch.
                 share = TeacherInput(teacher, prefix)
     trainable = [p for p in student.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # a minutes budget (steps None) starts on the default horizon; _steps sets it from the first step's time
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.steps or DEFAULT_STEPS))
     student, optimizer = acc.prepare(student, optimizer)
     acc.register_for_checkpointing(scheduler)

@@ -129,5 +129,11 @@ def json_schema() -> str:
     return json.dumps(Recipe.model_json_schema(), indent=2)
 
 
-def recipe_yaml(recipe: Recipe) -> str:
+def recipe_yaml(recipe: Recipe, out_dtype: Any = None) -> str:
+    """The recipe as YAML. With `out_dtype` (a torch dtype: what OUT's float weights were written in) it is
+    recorded as `output.dtype` (a streamed run writes the input's own unless the recipe names one), so
+    OUT/recipe.yaml run again writes the same OUT whichever way it is read."""
+    if out_dtype is not None:
+        output = recipe.output.model_copy(update={"dtype": str(out_dtype).removeprefix("torch.")})
+        recipe = recipe.model_copy(update={"output": output})
     return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

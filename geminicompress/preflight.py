@@ -1,5 +1,6 @@
 """Refuse before loading whatever config.json alone can refuse (issue #34): the architecture, the quantized
-linears' shapes against the group size and the on-disk format, an N:M pattern against the pruned linears.
+linears' shapes against the group size and the on-disk format, an N:M pattern against the pruned linears, a
+distilled student's layers against the teacher's.
 
 The model's skeleton is built from config.json with its parameters on the meta device (models/lazy.py, what a
 streamed run reads into): no weight is read, so a refusal costs a second, not a load of the model (10 s for a
@@ -18,6 +19,7 @@ from geminicompress.compress.prune.stage import check_pattern, prunable_weights
 from geminicompress.compress.targets import weight_quant_targets
 from geminicompress.core.arch import arch_for
 from geminicompress.core.config import ignore_to_check
+from geminicompress.distill.student import check_student_layers
 from geminicompress.progress import NullProgress
 
 _WEIGHT_QUANT = ("rtn", "gptq", "awq", "awq+gptq")  # the b-bit methods: a group size and a packed format
@@ -27,11 +29,16 @@ def preflight(recipe: Any, model_dir: Any) -> None:
     """An InputError when the recipe's layer stages cannot run on the model whose config.json is in
     `model_dir` (None: nothing to check before loading)."""
     stages = [s for s in recipe.stages if s.type in ("quantize", "prune")]
-    if model_dir is None or not stages:
+    cuts = [s for s in recipe.stages if s.type == "distill" and s.student_layers is not None and s.teacher is None]
+    if model_dir is None or not (stages or cuts):
         return
     from geminicompress.models.lazy import skeleton
 
     model = skeleton(model_dir, recipe.trust_remote_code)
+    for cut in cuts:  # the teacher is the recipe's model (or what earlier stages made of it: the same layers)
+        check_student_layers(model.config.num_hidden_layers, cut.student_layers, cut.mlp_ratio)
+    if not stages:
+        return
     arch = arch_for(model)
     for stage in stages:
         if stage.type == "prune":

@@ -76,7 +76,7 @@ def test_mismatched_tokenizers_are_one_line(teacher_dir, text_file, tmp_path):
 
 def test_student_not_smaller_is_allowed_with_a_warning(teacher_dir, text_file, tmp_path):
     res = runner.invoke(app, ["distill", "--teacher", str(teacher_dir), "-o", str(tmp_path / "o"), "--data",
-                              str(text_file), "--student-layers", "1.0", *FAST])
+                              str(text_file), "--student", str(teacher_dir), *FAST])
     assert res.exit_code == 0, res.output
     assert "not smaller than the teacher" in res.output
 

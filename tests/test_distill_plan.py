@@ -10,7 +10,7 @@ from geminicompress.core.arch import decoder_layers
 from geminicompress.distill.cut import cut_student
 from geminicompress.distill.plan import block_params, candidates, make_plan
 from geminicompress.distill.repair import LeastSquares, RepairSpec, merge_map, refit_block
-from geminicompress.distill.student import derive_student, keep_count, keep_layers
+from geminicompress.distill.student import check_student_layers, derive_student, keep_count, keep_layers
 from geminicompress.distill.survey import angular_distance, run_layers, walk
 from geminicompress.errors import InputError
 
@@ -164,10 +164,21 @@ def test_plan_candidates_and_fields(setup):
 
 def test_layer_counts_refused_in_one_line():
     assert keep_count(30, 24) == 24 and keep_count(30, 0.8) == 24 and len(keep_layers(30, 24)) == 24
-    for bad in (30, 31, 0):
+    assert check_student_layers(30, 24) == keep_layers(30, 24)
+    for bad in (31, 0):
         with pytest.raises(InputError, match="keeps 1 .. 29 layers") as e:
-            keep_count(30, bad)
+            check_student_layers(30, bad)
         assert "\n" not in str(e.value)
+    # every layer and every MLP channel: a copy of the teacher, however it is said
+    for same in (30, 1.0, 0.99, list(range(30))):
+        with pytest.raises(InputError, match="keeps all 30 layers and every MLP channel") as e:
+            check_student_layers(30, same)
+        assert "\n" not in str(e.value) and "copy of the teacher" in str(e.value)
+    # a narrower student may keep every layer (a width cut), never more
+    for same in (30, 1.0, list(range(30))):
+        assert check_student_layers(30, same, mlp_ratio=0.75) == list(range(30))
+    with pytest.raises(InputError, match="keeps 1 .. 30 layers"):
+        check_student_layers(30, 31, mlp_ratio=0.75)
 
 
 # --------------------------------------------------------------------------- the command
@@ -179,6 +190,16 @@ def _invoke(*args):
     from geminicompress.cli import app
 
     return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def _forbid_loading(monkeypatch) -> None:
+    """Fail the test if a model loads: the loader patched where it is defined and where the pipeline holds it
+    (imported first, so that it does not keep the patched one after the test)."""
+    from geminicompress import pipeline
+    from geminicompress.models import loading
+
+    for module in (loading, pipeline):
+        monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("loaded the teacher"))
 
 
 @pytest.fixture(scope="module")
@@ -216,14 +237,45 @@ def test_distill_even_without_repair_is_the_old_derivation(teacher6, text_file, 
     assert result["kept_layers"] == keep_layers(6, 0.5)
 
 
-@pytest.mark.parametrize("layers, says", [("6", "keeps 1 .. 5 layers"), ("7", "keeps 1 .. 5 layers"),
-                                          ("0", "keeps 1 .. 5 layers")])
+@pytest.mark.parametrize("layers, says", [("6", "copy of the teacher"), ("1.0", "copy of the teacher"),
+                                          ("0,1,2,3,4,5", "copy of the teacher"), ("7", "keeps 1 .. 5 layers"),
+                                          ("0", "keeps 1 .. 5 layers"), ("0,6", "out of range")])
 def test_distill_refuses_a_layer_count_before_loading(teacher6, text_file, tmp_path, monkeypatch, layers, says):
-    from geminicompress.models import loading
-
-    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the teacher"))
+    _forbid_loading(monkeypatch)
     res = _invoke("distill", "--teacher", teacher6, "--student-layers", layers, "--data", text_file, "-o", tmp_path / "x")
     assert res.exit_code == 2 and says in res.output and len(res.output.strip().splitlines()) == 1, res.output
+
+
+def test_a_recipe_asking_for_a_copy_of_the_teacher_is_refused(teacher6, text_file, tmp_path):
+    recipe = tmp_path / "copy.yaml"
+    recipe.write_text(f"model: {teacher6}\nstages:\n  - type: distill\n    student_layers: 6\n    data: {text_file}\n")
+    res = _invoke("run", recipe, "-o", tmp_path / "out")
+    assert res.exit_code == 2 and "copy of the teacher" in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out*"))  # no partial folder either
+
+
+def test_a_width_cut_keeps_every_layer_and_narrows_the_mlps(teacher6, text_file, tmp_path):
+    """--student-layers 1.0 with --mlp-ratio < 1: every block kept, MLP channels by activation importance,
+    each down projection refit; the student is narrower, not a copy."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "wide"
+    res = _invoke("distill", "--teacher", teacher6, "--student-layers", "1.0", "--mlp-ratio", "0.5", "--train-minutes",
+                  "0", "--data", text_file, "--quiet", "-o", out)
+    assert res.exit_code == 0, res.output
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["kept"] == list(range(6)) and plan["dropped"] == [] and plan["mlp_ratio"] == 0.5
+    teacher = AutoModelForCausalLM.from_pretrained(teacher6)
+    student = AutoModelForCausalLM.from_pretrained(out)
+    assert student.config.num_hidden_layers == 6
+    assert student.config.intermediate_size == round(teacher.config.intermediate_size * 0.5)
+    assert plan["params_student"] < plan["params_teacher"]
+    # the down projections were refit, so they are not the teacher's columns copied
+    down_s = student.model.layers[0].mlp.down_proj.weight
+    assert down_s.shape == (teacher.config.hidden_size, student.config.intermediate_size)
+    assert not any(torch.equal(down_s[:, :1], teacher.model.layers[0].mlp.down_proj.weight[:, i:i + 1])
+                   for i in range(teacher.config.intermediate_size))
 
 
 def test_distill_refuses_an_unmappable_architecture_before_loading(tmp_path, text_file):
@@ -285,9 +337,7 @@ def test_latency_target_is_the_parameter_share_read_per_token():
 @pytest.mark.parametrize("target, says", [("0.1x", "ask for at least 0.25x"), ("1.2x", "decode faster than its teacher"),
                                           ("quick", "give a fraction")])
 def test_distill_refuses_a_latency_target_before_loading(teacher6, text_file, tmp_path, monkeypatch, target, says):
-    from geminicompress.models import loading
-
-    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the teacher"))
+    _forbid_loading(monkeypatch)
     res = _invoke("distill", "--teacher", teacher6, "--target-latency", target, "--data", text_file, "-o", tmp_path / "x")
     assert res.exit_code == 2 and says in res.output and len(res.output.strip().splitlines()) == 1, res.output
 

@@ -22,15 +22,16 @@ def _parse_layers(text: str) -> int | float | list[int]:
 
 
 def _check_before_load(teacher: str, layers: int | float | list[int] | None, cuts: bool,
-                       target_latency: float | None = None) -> None:
-    """Refuse, from the teacher's config.json alone, a layer count the teacher cannot give, a latency target
+                       target_latency: float | None = None, mlp_ratio: float = 1.0) -> None:
+    """Refuse, from the teacher's config.json alone, a layer count the teacher cannot give (or a student that
+    would be a copy of it: every layer and every MLP channel kept), a latency target
     no layer count can give and (when the student is cut by measurement or repaired) an architecture whose
     blocks we cannot map."""
     import json
 
     from geminicompress.core.arch import arch_for
     from geminicompress.distill.latency_target import keep_for_latency
-    from geminicompress.distill.student import keep_count
+    from geminicompress.distill.student import check_student_layers
     from geminicompress.models.demo import demo_cache_dir
     from geminicompress.models.lazy import skeleton
     from geminicompress.models.loading import resolve_model
@@ -41,8 +42,8 @@ def _check_before_load(teacher: str, layers: int | float | list[int] | None, cut
         return  # a hub id or .gguf: checked once it loads
     config = json.loads((path / "config.json").read_text())
     n_layers, model_type = config.get("num_hidden_layers"), config.get("model_type")
-    if isinstance(layers, int) and isinstance(n_layers, int):
-        keep_count(n_layers, layers)
+    if layers is not None and isinstance(n_layers, int):
+        check_student_layers(n_layers, layers, mlp_ratio)
     if cuts or target_latency is not None:  # the decoder blocks, traced on the config's skeleton (no weight read)
         try:
             model = skeleton(path, False)
@@ -134,7 +135,7 @@ def distill(
     stage = {"type": "distill", **{k: v for k, v in given.items() if v is not None}}
     if student is None and student_config is None:
         _check_before_load(teacher, given["student_layers"], derive != "even" or repair not in (None, "none"),
-                           given["target_latency"])
+                           given["target_latency"], mlp_ratio if mlp_ratio is not None else 1.0)
     run = {**c.RUN_DEFAULTS, **options, "text_column": text_column, "samples": samples}
     c.run_single_stage(teacher, stage, output, run, source="distill options")
 

@@ -32,6 +32,7 @@ from geminicompress.distill.reconstruct import check_same_shape, reconstruct
 from geminicompress.distill.repair import RepairSpec
 from geminicompress.distill.student import (
     boundary_mapped,
+    check_student_layers,
     check_tokenizers,
     derive_student,
     evenly_mapped,
@@ -150,6 +151,8 @@ def choose_models(cfg: DistillStage, ctx) -> Pair:
         config = AutoConfig.from_pretrained(cfg.student_config)
         student, kept = student_from_config(teacher, config, lazy)
         return Pair(teacher, student, tokenizer, kept, None, f"into a student from {cfg.student_config}", lazy)
+    if cfg.student_layers is not None:  # a recipe's, checked here on the loaded teacher (the command checked it before)
+        check_student_layers(teacher.config.num_hidden_layers, cfg.student_layers, cfg.mlp_ratio)
     spec, target = cfg.student_layers if cfg.student_layers is not None else 0.5, None
     if cfg.target_latency is not None:  # the layer count from the parameter share read per token
         spec, ratio = keep_for_latency(teacher, cfg.target_latency)

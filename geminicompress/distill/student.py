@@ -21,14 +21,32 @@ from geminicompress.models.lazy import LazyCheckpoint
 
 
 def keep_count(n_layers: int, spec: int | float) -> int:
-    """How many layers a count (24) or a fraction (0.8) of a teacher with n_layers keeps; a count must be
-    1 .. n_layers - 1."""
+    """How many layers a count (24) or a fraction (0.8) of a teacher with n_layers keeps (1 .. n_layers;
+    check_student_layers says which of these a user may ask for)."""
     if isinstance(spec, int) and not isinstance(spec, bool):
-        if not 1 <= spec < n_layers:
+        if not 1 <= spec <= n_layers:
             raise InputError(f"student_layers {spec}: a student of a {n_layers}-layer teacher keeps 1 .. "
-                             f"{n_layers - 1} layers (or give a fraction such as 0.8)")
+                             f"{n_layers} layers (or give a fraction such as 0.8)")
         return spec
     return max(1, round(spec * n_layers))
+
+
+def check_student_layers(n_layers: int, spec: int | float | list[int], mlp_ratio: float = 1.0) -> list[int]:
+    """The teacher layers a user's `student_layers` keeps (keep_layers), refused in one line when the teacher
+    cannot give them: a count outside 1 .. n_layers - 1, a layer out of range, or every layer with every MLP
+    channel (a copy of the teacher). Every layer is a student when it is narrower (`mlp_ratio` < 1: a width cut)."""
+    narrower = mlp_ratio < 1.0
+    if isinstance(spec, int) and not isinstance(spec, bool) and not 1 <= spec <= n_layers - (not narrower):
+        if spec != n_layers:
+            raise InputError(f"student_layers {spec}: a student of a {n_layers}-layer teacher keeps 1 .. "
+                             f"{n_layers - (not narrower)} layers (or give a fraction such as 0.8)")
+    kept = keep_layers(n_layers, spec)
+    if len(kept) == n_layers and not narrower:
+        said = "(a list)" if isinstance(spec, list) else f"{spec:g}"
+        raise InputError(f"student_layers {said} keeps all {n_layers} layers and every MLP channel: the student "
+                         "would be a copy of the teacher; keep fewer layers (e.g. --student-layers 0.8) or MLP "
+                         "channels (e.g. --mlp-ratio 0.75)")
+    return kept
 
 
 def keep_layers(n_layers: int, spec: int | float | list[int]) -> list[int]:

@@ -75,7 +75,7 @@ def distill(
     student_config: Optional[str] = typer.Option(None, "--student-config", help="A config.json for a student of the teacher's architecture."),
     target_latency: Optional[str] = typer.Option(None, "--target-latency", help="Derive a student decoding in at most this fraction of the teacher's time per token, e.g. 0.8x (the layer count from the parameter share read per token)."),
     plan_data: Optional[str] = typer.Option(None, "--plan-data", help="Text the plan measures each cut's drift on (the kind of text the student will serve; default DATA)."),
-    mlp_ratio: Optional[float] = typer.Option(None, "--mlp-ratio", help="Keep this fraction of MLP channels in a derived student (default 1.0)."),
+    mlp_ratio: Optional[float] = typer.Option(None, "--mlp-ratio", help="Keep this fraction of MLP channels in a derived student (default 1.0; with --student-layers 1.0, a width cut: every layer kept, narrower MLPs)."),
     derive: Optional[str] = typer.Option(None, "--derive", help="Which layers a count/fraction keeps: measured (the cut with the least drift after repair on calibration windows; writes plan.json) or even (evenly spaced). Default measured."),
     repair: Optional[str] = typer.Option(None, "--repair", help="Closed-form repair of the cut before training: down_proj (default), linear (a ReplaceMe map merged into down_proj) or none."),
     repair_synthetic: Optional[int] = typer.Option(None, "--repair-synthetic", help="The teacher writes N more repair windows by sampling from the start of the calibration windows (a better fit from little text; costs their generation and memory)."),

@@ -246,6 +246,35 @@ def test_distill_refuses_a_layer_count_before_loading(teacher6, text_file, tmp_p
     assert res.exit_code == 2 and says in res.output and len(res.output.strip().splitlines()) == 1, res.output
 
 
+def test_a_cut_student_loaded_again_keeps_its_layers_and_their_map(teacher6, text_file, tmp_path):
+    """distill --student DIR on a student distill cut: report.json's kept_layers are carried (so hidden-state
+    losses use the derived map, boundary_mapped, not evenly spaced targets), through a second generation too."""
+    from geminicompress.distill.student import boundary_mapped, evenly_mapped
+
+    cut, again, third = tmp_path / "cut", tmp_path / "again", tmp_path / "third"
+    res = _invoke("distill", "--teacher", teacher6, "--student-layers", "0,1,4,5", "--train-minutes", "0", "--data",
+                  text_file, "--quiet", "-o", cut)
+    assert res.exit_code == 0, res.output
+    for src, out in ((cut, again), (again, third)):
+        res = _invoke("distill", "--teacher", teacher6, "--student", src, "--steps", "1", "--loss", "kl=1,hidden_mse=1",
+                      "--seq-len", "32", "--batch-size", "1", "--data", text_file, "--quiet", "-o", out)
+        assert res.exit_code == 0, res.output
+        result = json.loads((out / "report.json").read_text())["stages"][0]["result"]
+        assert result["kept_layers"] == [0, 1, 4, 5]
+        assert {int(k): v for k, v in result["layer_map"].items()} == boundary_mapped([0, 1, 4, 5], 6) == {0: 0, 1: 3, 2: 4, 3: 5}
+    assert boundary_mapped([0, 1, 4, 5], 6) != evenly_mapped(4, 6)
+    # a report made with another teacher is not trusted: evenly spaced targets, as for any loaded student
+    report = json.loads((cut / "report.json").read_text())
+    report["stages"][0]["result"]["teacher_params"] += 1
+    (cut / "report.json").write_text(json.dumps(report))
+    res = _invoke("distill", "--teacher", teacher6, "--student", cut, "--steps", "1", "--loss", "kl=1,hidden_mse=1",
+                  "--seq-len", "32", "--batch-size", "1", "--data", text_file, "--quiet", "-o", tmp_path / "other")
+    assert res.exit_code == 0, res.output
+    result = json.loads((tmp_path / "other" / "report.json").read_text())["stages"][0]["result"]
+    assert result["kept_layers"] is None
+    assert {int(k): v for k, v in result["layer_map"].items()} == evenly_mapped(4, 6)
+
+
 def test_a_recipe_asking_for_a_copy_of_the_teacher_is_refused(teacher6, text_file, tmp_path):
     recipe = tmp_path / "copy.yaml"
     recipe.write_text(f"model: {teacher6}\nstages:\n  - type: distill\n    student_layers: 6\n    data: {text_file}\n")

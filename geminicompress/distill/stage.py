@@ -37,6 +37,7 @@ from geminicompress.distill.student import (
     derive_student,
     evenly_mapped,
     n_params,
+    remembered_kept,
     student_from_config,
 )
 from geminicompress.distill.survey import check_walk_memory
@@ -116,7 +117,7 @@ def run(cfg: DistillStage, ctx) -> dict:
             "frozen_prefix": history.frozen_prefix, "shared_prefix": history.shared_prefix,
             "loss_first": history.loss[0] if history.loss else None, "loss_last": history.loss[-1] if history.loss else None,
             "loss_curve": history.loss[:: max(1, steps // 200)], "ppl_curve": history.ppl,
-            "teacher_ppl": teacher_ppl, "reconstruct": rebuilt, "topk_cache": str(cache.path) if cache else None,
+            "teacher_ppl": teacher_ppl, "layer_map": layer_map, "reconstruct": rebuilt, "topk_cache": str(cache.path) if cache else None,
             "topk_cache_reused": cache.reused if cache else None, "teacher_streamed": pair.lazy is not None,
             "curve_png": CURVE}
 
@@ -142,8 +143,10 @@ def choose_models(cfg: DistillStage, ctx) -> Pair:
     if cfg.student is not None:
         loaded = _load(cfg.student, ctx)
         check_tokenizers(tokenizer, loaded.tokenizer, teacher, loaded.model, cfg.student)
-        masks = read_masks(loaded.source.path) if loaded.source.path and loaded.source.kind == "dir" else None
-        return Pair(teacher, loaded.model, loaded.tokenizer, None, _masks(loaded.model, masks), f"into {cfg.student}",
+        local = loaded.source.path if loaded.source.path and loaded.source.kind == "dir" else None
+        masks = read_masks(local) if local is not None else None
+        kept = remembered_kept(local, teacher, loaded.model)  # a student distill cut earlier: its layer map
+        return Pair(teacher, loaded.model, loaded.tokenizer, kept, _masks(loaded.model, masks), f"into {cfg.student}",
                     lazy)
     if cfg.student_config is not None:
         from transformers import AutoConfig

@@ -10,6 +10,7 @@ the largest norms (`mlp_ratio`). The result is an ordinary transformers model of
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -210,3 +211,29 @@ def check_tokenizers(teacher_tok: Any, student_tok: Any, teacher: nn.Module, stu
 def n_params(model: nn.Module) -> int:
     """Distinct parameters (tied embeddings counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def remembered_kept(student_dir: Path | None, teacher: nn.Module, student: nn.Module) -> list[int] | None:
+    """The teacher layers a student directory written by `distill` kept (its report.json's `kept_layers`, from
+    the cut or carried from the student it was trained from), when that report was made with a teacher of
+    this one's size and names as many layers as the student has; else None. A student loaded again then keeps
+    its derived layer map for hidden-state losses (boundary_mapped), not an evenly spaced one."""
+    import json
+
+    report = (student_dir / "report.json") if student_dir is not None else None
+    if report is None or not report.is_file():
+        return None
+    try:
+        stages = json.loads(report.read_text()).get("stages", [])
+    except (OSError, ValueError, AttributeError):
+        return None
+    n_t, n_s, t_params = teacher.config.num_hidden_layers, student.config.num_hidden_layers, n_params(teacher)
+    for stage in reversed(stages if isinstance(stages, list) else []):
+        result = stage.get("result") if isinstance(stage, dict) else None
+        kept = result.get("kept_layers") if isinstance(result, dict) else None
+        if (isinstance(kept, list) and len(kept) == n_s and all(isinstance(i, int) for i in kept)
+                and kept == sorted(set(kept)) and 0 <= kept[0] and kept[-1] < n_t
+                and result.get("teacher_params") == t_params):
+            return kept
+    return None
+

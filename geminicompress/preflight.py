@@ -28,17 +28,15 @@ _WEIGHT_QUANT = ("rtn", "gptq", "awq", "awq+gptq")  # the b-bit methods: a group
 def preflight(recipe: Any, model_dir: Any) -> None:
     """An InputError when the recipe's layer stages cannot run on the model whose config.json is in
     `model_dir` (None: nothing to check before loading)."""
+    if model_dir is None:
+        return
+    _student_layers(recipe, model_dir)
     stages = [s for s in recipe.stages if s.type in ("quantize", "prune")]
-    cuts = [s for s in recipe.stages if s.type == "distill" and s.student_layers is not None and s.teacher is None]
-    if model_dir is None or not (stages or cuts):
+    if not stages:
         return
     from geminicompress.models.lazy import skeleton
 
     model = skeleton(model_dir, recipe.trust_remote_code)
-    for cut in cuts:  # the teacher is the recipe's model (or what earlier stages made of it: the same layers)
-        check_student_layers(model.config.num_hidden_layers, cut.student_layers, cut.mlp_ratio)
-    if not stages:
-        return
     arch = arch_for(model)
     for stage in stages:
         if stage.type == "prune":
@@ -47,3 +45,19 @@ def preflight(recipe: Any, model_dir: Any) -> None:
         elif stage.method in _WEIGHT_QUANT:
             fmt = stage.format if getattr(stage, "allocation", None) is None else None  # mixed: checked per module
             weight_quant_targets(model, stage, NullProgress(), sym=True, fmt=fmt)
+
+
+def _student_layers(recipe: Any, model_dir: Any) -> None:
+    """A distill stage's `student_layers` against the layer count in config.json, when its teacher is the
+    recipe's model (or what earlier stages made of it: the same layers)."""
+    import json
+    from pathlib import Path
+
+    cuts = [s for s in recipe.stages if s.type == "distill" and s.student_layers is not None and s.teacher is None]
+    config = Path(model_dir) / "config.json"
+    if not cuts or not config.is_file():
+        return
+    n_layers = json.loads(config.read_text()).get("num_hidden_layers")
+    if isinstance(n_layers, int):
+        for cut in cuts:
+            check_student_layers(n_layers, cut.student_layers, cut.mlp_ratio)

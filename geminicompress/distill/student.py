@@ -37,10 +37,9 @@ def check_student_layers(n_layers: int, spec: int | float | list[int], mlp_ratio
     cannot give them: a count outside 1 .. n_layers - 1, a layer out of range, or every layer with every MLP
     channel (a copy of the teacher). Every layer is a student when it is narrower (`mlp_ratio` < 1: a width cut)."""
     narrower = mlp_ratio < 1.0
-    if isinstance(spec, int) and not isinstance(spec, bool) and not 1 <= spec <= n_layers - (not narrower):
-        if spec != n_layers:
-            raise InputError(f"student_layers {spec}: a student of a {n_layers}-layer teacher keeps 1 .. "
-                             f"{n_layers - (not narrower)} layers (or give a fraction such as 0.8)")
+    if isinstance(spec, int) and not isinstance(spec, bool) and not 1 <= spec <= n_layers:
+        raise InputError(f"student_layers {spec}: a student of a {n_layers}-layer teacher keeps 1 .. "
+                         f"{n_layers if narrower else n_layers - 1} layers (or give a fraction such as 0.8)")
     kept = keep_layers(n_layers, spec)
     if len(kept) == n_layers and not narrower:
         said = "(a list)" if isinstance(spec, list) else f"{spec:g}"
@@ -236,4 +235,3 @@ def remembered_kept(student_dir: Path | None, teacher: nn.Module, student: nn.Mo
                 and result.get("teacher_params") == t_params):
             return kept
     return None
-

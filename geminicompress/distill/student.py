@@ -42,7 +42,7 @@ def check_student_layers(n_layers: int, spec: int | float | list[int], mlp_ratio
                          f"{n_layers if narrower else n_layers - 1} layers (or give a fraction such as 0.8)")
     kept = keep_layers(n_layers, spec)
     if len(kept) == n_layers and not narrower:
-        said = "(a list)" if isinstance(spec, list) else f"{spec:g}"
+        said = "(a list)" if isinstance(spec, list) else str(spec)
         raise InputError(f"student_layers {said} keeps all {n_layers} layers and every MLP channel: the student "
                          "would be a copy of the teacher; keep fewer layers (e.g. --student-layers 0.8) or MLP "
                          "channels (e.g. --mlp-ratio 0.75)")

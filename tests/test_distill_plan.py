@@ -256,11 +256,14 @@ def test_a_cut_student_loaded_again_keeps_its_layers_and_their_map(teacher6, tex
                   text_file, "--quiet", "-o", cut)
     assert res.exit_code == 0, res.output
     for src, out in ((cut, again), (again, third)):
+        before = (src / "model.safetensors").read_bytes()
         res = _invoke("distill", "--teacher", teacher6, "--student", src, "--steps", "1", "--loss", "kl=1,hidden_mse=1",
                       "--seq-len", "32", "--batch-size", "1", "--data", text_file, "--quiet", "-o", out)
         assert res.exit_code == 0, res.output
         result = json.loads((out / "report.json").read_text())["stages"][0]["result"]
         assert result["kept_layers"] == [0, 1, 4, 5]
+        assert result["how"] == f"the student loaded from {src}"  # it said "into DIR", as if DIR were written
+        assert (src / "model.safetensors").read_bytes() == before  # and it is not
         assert {int(k): v for k, v in result["layer_map"].items()} == boundary_mapped([0, 1, 4, 5], 6) == {0: 0, 1: 3, 2: 4, 3: 5}
     assert boundary_mapped([0, 1, 4, 5], 6) != evenly_mapped(4, 6)
     # a report made with another teacher is not trusted: evenly spaced targets, as for any loaded student

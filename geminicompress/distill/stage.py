@@ -146,14 +146,14 @@ def choose_models(cfg: DistillStage, ctx) -> Pair:
         local = loaded.source.path if loaded.source.path and loaded.source.kind == "dir" else None
         masks = read_masks(local) if local is not None else None
         kept = remembered_kept(local, teacher, loaded.model)  # a student distill cut earlier: its layer map
-        return Pair(teacher, loaded.model, loaded.tokenizer, kept, _masks(loaded.model, masks), f"into {cfg.student}",
-                    lazy)
+        return Pair(teacher, loaded.model, loaded.tokenizer, kept, _masks(loaded.model, masks),
+                    f"the student loaded from {cfg.student}", lazy)
     if cfg.student_config is not None:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(cfg.student_config)
         student, kept = student_from_config(teacher, config, lazy)
-        return Pair(teacher, student, tokenizer, kept, None, f"into a student from {cfg.student_config}", lazy)
+        return Pair(teacher, student, tokenizer, kept, None, f"a student built from {cfg.student_config}", lazy)
     if cfg.student_layers is not None:  # a recipe's, checked here on the loaded teacher (the command checked it before)
         check_student_layers(teacher.config.num_hidden_layers, cfg.student_layers, cfg.mlp_ratio)
     spec, target = cfg.student_layers if cfg.student_layers is not None else 0.5, None

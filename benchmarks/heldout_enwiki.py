@@ -1,7 +1,8 @@
-"""Issue #38: perplexity of models on plain enwiki windows that `distill --data enwiki-sample.txt` holds out
-(the text's last windows), so that students trained on different texts are compared on plain text none of
-them trained on. `distill` holds out the last `eval_windows` (8) windows of its text; this scores the last
-WINDOWS (default 32) of 512 tokens, 16,384 tokens in all.
+"""Issue #38: perplexity of models on the last windows of plain enwiki, so that students trained on different
+texts (enwiki as it is, or respelled: wikitext_style.py) are compared on the same plain text. `distill` holds out
+the last `eval_windows` (8) windows of its text; this scores the last WINDOWS (default 32) of 512 tokens, 16,384
+tokens in all, so a student trained on plain enwiki may have seen some of the 24 before the held-out 8 (which can
+only favour it).
 
     python benchmarks/heldout_enwiki.py smollm2-demo /work/runs/s24_rep0 /tmp/a /tmp/b --name heldout_enwiki
 

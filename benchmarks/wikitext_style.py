@@ -26,7 +26,6 @@ _HYPHEN = re.compile(r"(?<=\w)-(?=\w)")
 _CLITIC = re.compile(r"(?<=\w)'(s|t|re|ve|m|ll|d)\b")
 _PUNCT = re.compile(r"""([,;:!?()\[\]"%$/–—…])""")
 _ABBREVIATION = re.compile(r"(?:[A-Za-z]\.)+|(?:St|Dr|Mr|Mrs|Ms|Jr|Sr|No|vs|c|ca)\.")
-_SPACES = re.compile(r"\s+")
 
 
 def _full_stop(token: str) -> str:
@@ -43,8 +42,7 @@ def respell(line: str) -> str:
     text = _CLITIC.sub(r" '\1", text)
     text = _PUNCT.sub(r" \1 ", text)
     text = " ".join(_full_stop(token) for token in text.split())
-    text = text.replace("\0C", "@,@").replace("\0D", "@.@").replace("\0H", "@-@")
-    return _SPACES.sub(" ", text).strip()
+    return text.replace("\0C", "@,@").replace("\0D", "@.@").replace("\0H", "@-@")
 
 
 def wikitext_lines(line: str) -> str:

@@ -95,7 +95,7 @@ def distill(
     loss: Optional[str] = typer.Option(None, "--loss", help="Loss weights, e.g. kl=1,ce=0.5 (kl, reverse_kl, jsd, ce, hidden_mse, hidden_cos)."),
     topk_cache: Optional[int] = typer.Option(None, "--topk-cache", help="Cache the teacher's top-k logits on disk and reuse them."),
     teacher_stream: Optional[bool] = typer.Option(None, "--teacher-stream/--no-teacher-stream", help="Read the teacher one decoder layer at a time from disk to build the --topk-cache, never whole, so a teacher bigger than memory can teach (default: when its float32 weights exceed half the available memory; needs --topk-cache)."),
-    precision: Optional[str] = typer.Option(None, "--precision", help="Mixed precision: no (default), bf16, fp16."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="Training precision: auto (default: bf16 where the device computes it natively, a GPU with bf16 or a CPU with AVX-512 BF16 or AMX, 2x tokens/s; else no), no (float32), bf16, fp16. The weights stay float32 (autocast): only the loop's matmuls change."),
     gradient_checkpointing: Optional[bool] = typer.Option(None, "--gradient-checkpointing/--no-gradient-checkpointing", help="Trade compute for memory."),
     freeze_prefix: Optional[bool] = typer.Option(None, "--freeze-prefix/--no-freeze-prefix", help="Freeze the student's leading blocks that are the teacher's own (and the embedding) and start its forward from the teacher's hidden state there: less work per token."),
     eval_every: Optional[int] = typer.Option(None, "--eval-every", help="Held-out perplexity every N steps (default 50)."),

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from geminicompress.distill.losses import distill_loss
 from geminicompress.distill.masks import apply_masks, mask_grads
+from geminicompress.distill.precision import Precision, choose_precision
 from geminicompress.distill.shared_prefix import TeacherInput, freeze_prefix, prefix_length, starting_at
 from geminicompress.distill.topk_cache import TopKCache
 from geminicompress.eval.quality.perplexity import perplexity
@@ -46,6 +47,8 @@ class History:
     seconds: float = 0.0
     frozen_prefix: int = 0  # leading student blocks frozen as the teacher's (shared_prefix.py)
     shared_prefix: bool = False  # ... and skipped: the student's forward starts from the teacher's state there
+    precision: str = ""  # what the loop computed in ("no", "bf16", "fp16"; precision.py)
+    precision_why: str = ""
 
 
 def batch_indices(micro: int, n_windows: int, batch_size: int, seed: int, rank: int = 0, world: int = 1) -> torch.Tensor:
@@ -116,11 +119,13 @@ def train(student: nn.Module, teacher: nn.Module | None, train_windows: torch.Te
           cfg: DistillStage, run: TrainRun, guides: Guides = Guides()) -> tuple[nn.Module, History]:
     """Train `student` towards `teacher` for cfg.steps optimizer steps (or cfg.train_minutes); return the
     unwrapped student and what the run did."""
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     progress = run.progress or NullProgress()
-    acc = Accelerator(mixed_precision=cfg.precision, cpu=run.device.type == "cpu")
+    precision = choose_precision(cfg.precision, run.device)
+    if cfg.precision == "auto":
+        progress.info(f"training in {'float32' if precision.mode == 'no' else precision.mode} ({precision.why})")
+    acc = _accelerator(precision, run.device)
     set_seed(run.seed)
     loop = _prepare(acc, student, teacher, train_windows, cfg, run.seed, guides)
     raw = acc.unwrap_model(loop.student)
@@ -133,6 +138,7 @@ def train(student: nn.Module, teacher: nn.Module | None, train_windows: torch.Te
     else:
         history = History(ppl=[(0, perplexity(raw, eval_windows, acc.device))])
     history.frozen_prefix, history.shared_prefix = loop.prefix, loop.share is not None
+    history.precision, history.precision_why = precision.mode, precision.why
     if loop.prefix:
         progress.info(f"the student's first {loop.prefix} blocks are the teacher's: frozen"
                       + (", and the student's forward starts after them" if loop.share else ""))
@@ -148,6 +154,19 @@ def train(student: nn.Module, teacher: nn.Module | None, train_windows: torch.Te
     raw = acc.unwrap_model(loop.student, keep_fp32_wrapper=False)  # mixed precision: its autocast forward goes too
     acc.free_memory()
     return raw.eval(), history
+
+
+def _accelerator(precision: Precision, device: torch.device):
+    """accelerate's Accelerator in `precision`. Its state is one per process and refuses a second precision;
+    a single process (not `accelerate launch`) that trained before in another precision (a recipe, a test,
+    a notebook) starts afresh instead."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    state = AcceleratorState._shared_state
+    if state and state.get("num_processes", 1) == 1 and state.get("_mixed_precision") != precision.mode:
+        AcceleratorState._reset_state(True)
+    return Accelerator(mixed_precision=precision.mode, cpu=device.type == "cpu")
 
 
 def _prepare(acc, student: nn.Module, teacher: nn.Module | None, windows: torch.Tensor, cfg: DistillStage, seed: int,

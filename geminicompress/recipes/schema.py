@@ -130,7 +130,9 @@ class DistillStage(_StageBase):
     teacher_stream: bool | None = Field(None, description="read the teacher one decoder layer at a time for the "
                                         "top-k cache, never whole (default: when its float32 weights exceed half "
                                         "the available memory and it can stream)")
-    precision: Literal["no", "bf16", "fp16"] = "no"
+    precision: Literal["auto", "no", "bf16", "fp16"] = Field(
+        "auto", description="mixed precision of the training loop; auto: bf16 where the device computes it "
+        "natively (a GPU with bf16, a CPU with AVX-512 BF16 or AMX), else no (float32) (distill/precision.py)")
     gradient_checkpointing: bool = False
     freeze_prefix: bool = Field(False, description="freeze the student's leading blocks that equal the teacher's "
                                 "(and the input embedding, with a head tied to it) and start the student's forward "

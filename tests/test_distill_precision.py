@@ -1,0 +1,83 @@
+"""`precision: auto` (distill/precision.py): bf16 where the device multiplies it natively, float32 elsewhere,
+accelerate's configured bf16/fp16 under `accelerate launch`; the loop really computes in what was chosen,
+report.json says what and why, and one process may train in two precisions one after the other."""
+
+import pytest
+import torch
+from pydantic import ValidationError
+from tiny import tiny_model
+
+from geminicompress.distill import precision as P
+from geminicompress.distill.student import derive_student
+from geminicompress.distill.train import TrainRun, train
+from geminicompress.recipes.schema import DistillStage
+
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("requested,device,native,launcher,mode", [
+    ("auto", "cpu", True, None, "bf16"),
+    ("auto", "cpu", False, None, "no"),
+    ("auto", "cuda", True, None, "bf16"),
+    ("auto", "cuda", False, None, "no"),
+    ("auto", "cpu", False, "bf16", "bf16"),  # accelerate's config chose bf16: it wins
+    ("auto", "cuda", True, "fp16", "fp16"),
+    ("auto", "cpu", True, "no", "bf16"),  # the launcher's default "no" is not a choice: the device decides
+    ("no", "cpu", True, None, "no"),  # explicit: as asked, whatever the device or launcher
+    ("bf16", "cpu", False, "fp16", "bf16"),
+    ("fp16", "cuda", True, None, "fp16"),
+])
+def test_auto_resolves_by_device_and_launcher_explicit_is_kept(requested, device, native, launcher, mode):
+    got = P.resolve_precision(requested, device, native, launcher)
+    assert got.mode == mode
+    assert got.why.startswith("auto" if requested == "auto" else "as asked")
+
+
+def test_the_reason_names_the_device():
+    assert P.resolve_precision("auto", "cpu", True).why == "auto: this CPU computes bf16 natively"
+    assert "this GPU does not compute bf16 natively" in P.resolve_precision("auto", "cuda", False).why
+
+
+def test_native_bf16_on_a_cpu_is_torchs_probe(monkeypatch):
+    for avx, amx, want in [(False, False, False), (True, False, True), (False, True, True)]:
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        assert P.native_bf16(CPU) is want
+    assert P.native_bf16(torch.device("meta")) is False
+
+
+def test_the_schema_defaults_to_auto_and_names_the_choices():
+    assert DistillStage(type="distill").precision == "auto"
+    with pytest.raises(ValidationError, match="'auto', 'no', 'bf16' or 'fp16'"):
+        DistillStage(type="distill", precision="fp8")
+
+
+def _run(tmp_path, precision, name):
+    teacher = tiny_model(num_hidden_layers=4)
+    student, _ = derive_student(teacher, [0, 1, 3])
+    w = torch.randint(0, 384, (12, 24), generator=torch.Generator().manual_seed(0))
+    cfg = DistillStage(type="distill", steps=1, seq_len=24, batch_size=2, lr=3e-3, warmup_steps=1, eval_every=1,
+                       eval_windows=2, precision=precision)
+    _, history = train(student, teacher, w[:8], w[10:], cfg, TrainRun(0, tmp_path / name, CPU))
+    return history
+
+
+def test_auto_trains_in_what_it_resolves_to_and_one_process_switches_precision(tmp_path, monkeypatch):
+    """The same step in float32 and in bf16 gives different losses; `auto` gives exactly one or the other as the
+    device says, and records it. Four runs in one process, precisions alternating: accelerate's one-per-process
+    state is started afresh each time (it would refuse the second precision)."""
+    monkeypatch.delenv(P.LAUNCHER_ENV, raising=False)
+    fp32 = _run(tmp_path, "no", "a")
+    bf16 = _run(tmp_path, "bf16", "b")
+    assert (fp32.precision, bf16.precision) == ("no", "bf16")
+    assert fp32.loss[0] != pytest.approx(bf16.loss[0], rel=1e-4)  # bf16 autocast really ran
+    monkeypatch.setattr(P, "native_bf16", lambda device: False)
+    auto_no = _run(tmp_path, "auto", "c")
+    monkeypatch.setattr(P, "native_bf16", lambda device: True)
+    auto_bf16 = _run(tmp_path, "auto", "d")
+    assert (auto_no.precision, auto_bf16.precision) == ("no", "bf16")
+    assert auto_no.precision_why.startswith("auto: this CPU does not")
+    assert auto_no.loss[0] == pytest.approx(fp32.loss[0], rel=1e-6)
+    assert auto_bf16.loss[0] == pytest.approx(bf16.loss[0], rel=1e-6)

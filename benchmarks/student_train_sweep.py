@@ -8,6 +8,8 @@ perplexity), with the teacher and the untrained student in the same table.
 
     python benchmarks/student_train_sweep.py --student /tmp/s24 --minutes 5 \\
         --configs "default=;bf16=--precision bf16;lr1e-3=--lr 1e-3" --name student_train_sweep_5min
+    python benchmarks/student_train_sweep.py --student /tmp/s24 --tokens 24576 \\
+        --configs "fp32=--precision no;bf16=--precision bf16" --name student_train_sweep_tokens
 
 Prints a table and writes benchmarks/results/NAME.json.
 """
@@ -47,6 +49,8 @@ def main() -> None:
     ap.add_argument("--teacher", default="smollm2-demo")
     ap.add_argument("--student", required=True, help="the repaired, untrained student directory")
     ap.add_argument("--minutes", type=float, default=5.0)
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="train every row on this many tokens instead of --minutes (equal work, not equal time)")
     ap.add_argument("--configs", required=True, help="'name=distill flags;...' (empty flags: the defaults)")
     ap.add_argument("--data", default=str(DATA / "enwiki-sample.txt"), help="training text (default: the protocol's)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of every run (fixed, so rows compare)")
@@ -65,7 +69,8 @@ def main() -> None:
         out = Path(args.work) / name
         out.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "geminicompress", "distill", "--teacher", args.teacher, "--student", args.student,
-               "--train-minutes", str(args.minutes), "--data", args.data, "-o", str(out),
+               *(["--train-tokens", str(args.tokens)] if args.tokens else ["--train-minutes", str(args.minutes)]),
+               "--data", args.data, "-o", str(out),
                "--force", "-q", "--threads", str(args.threads), *flags]
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=ROOT)
@@ -73,7 +78,8 @@ def main() -> None:
         stage = json.loads((out / "report.json").read_text())["stages"][0]["result"]
         ppl = score(str(out), windows)
         rows.append({"name": name, "flags": " ".join(flags), "perplexity": ppl, "drift": round(ppl / teacher_ppl - 1, 4),
-                     "steps": stage["steps"], "tokens": stage["tokens"], "tokens_per_s": stage["tokens_per_s"],
+                     "precision": stage.get("precision"), "steps": stage["steps"], "tokens": stage["tokens"],
+                     "tokens_per_s": stage["tokens_per_s"],
                      "loss_first": stage["loss_first"], "loss_last": stage["loss_last"],
                      "held_ppl_curve": stage["ppl_curve"], "wall_s": round(wall, 1)})
         r = rows[-1]
@@ -91,7 +97,8 @@ def main() -> None:
 def write(args, teacher_ppl: float, start_ppl: float, rows: list[dict]) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(
-        {"teacher": args.teacher, "student": args.student, "data": args.data, "minutes": args.minutes, "threads": args.threads,
+        {"teacher": args.teacher, "student": args.student, "data": args.data,
+         "minutes": None if args.tokens else args.minutes, "tokens": args.tokens, "threads": args.threads,
          "teacher_ppl": teacher_ppl, "student_ppl": start_ppl, "rows": rows}, indent=1))
 
 

@@ -22,17 +22,25 @@ pytestmark = pytest.mark.usefixtures("one_thread")
     ("auto", "cpu", False, None, "no"),
     ("auto", "cuda", True, None, "bf16"),
     ("auto", "cuda", False, None, "no"),
-    ("auto", "cpu", False, "bf16", "bf16"),  # accelerate's config chose bf16: it wins
+    ("auto", "cpu", False, "bf16", "bf16"),  # accelerate's config chose bf16: it wins (emulated: said)
     ("auto", "cuda", True, "fp16", "fp16"),
     ("auto", "cpu", True, "no", "bf16"),  # the launcher's default "no" is not a choice: the device decides
     ("no", "cpu", True, None, "no"),  # explicit: as asked, whatever the device or launcher
-    ("bf16", "cpu", False, "fp16", "bf16"),
+    ("bf16", "cpu", False, "fp16", "bf16"),  # (emulated: said, below)
     ("fp16", "cuda", True, None, "fp16"),
 ])
 def test_auto_resolves_by_device_and_launcher_explicit_is_kept(requested, device, native, launcher, mode):
     got = P.resolve_precision(requested, device, native, launcher)
     assert got.mode == mode
     assert got.why.startswith("auto" if requested == "auto" else "as asked")
+    assert got.slow == (mode == "bf16" and not native)
+
+
+def test_bf16_asked_for_where_it_is_emulated_says_so():
+    got = P.resolve_precision("bf16", "cpu", False)
+    assert got.slow and "this CPU does not compute bf16 natively: emulated, slower than float32" in got.why
+    assert not P.resolve_precision("bf16", "cpu", True).slow
+    assert not P.resolve_precision("fp16", "cpu", False).slow  # fp16 autocast on a CPU: the user's call
 
 
 def test_the_reason_names_the_device():

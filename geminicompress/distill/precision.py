@@ -29,19 +29,21 @@ class Precision:
 
     mode: str  # "no" | "bf16" | "fp16": what accelerate's mixed_precision gets
     why: str
+    slow: bool = False  # bf16 asked for where it is emulated (0.13x float32's tokens/s on AVX2)
 
 
 def resolve_precision(requested: str, device_type: str, native_bf16: bool, launcher: str | None = None) -> Precision:
     """`requested` ("auto", "no", "bf16", "fp16") -> what to compute in on a `device_type` device that does
     (`native_bf16`) or does not multiply bf16 in hardware; `launcher`: accelerate's configured choice."""
-    if requested != "auto":
-        return Precision(requested, "as asked")
-    if launcher in ("bf16", "fp16"):
-        return Precision(launcher, "auto: accelerate's config")
     where = "this GPU" if device_type == "cuda" else f"this {device_type.upper()}"
-    if native_bf16:
-        return Precision("bf16", f"auto: {where} computes bf16 natively")
-    return Precision("no", f"auto: {where} does not compute bf16 natively (it would be emulated, slower)")
+    if requested == "auto" and launcher not in ("bf16", "fp16"):
+        if native_bf16:
+            return Precision("bf16", f"auto: {where} computes bf16 natively")
+        return Precision("no", f"auto: {where} does not compute bf16 natively (it would be emulated, slower)")
+    mode, why = (launcher, "auto: accelerate's config") if requested == "auto" else (requested, "as asked")
+    if mode == "bf16" and not native_bf16:
+        return Precision(mode, f"{why}; {where} does not compute bf16 natively: emulated, slower than float32", True)
+    return Precision(mode, why)
 
 
 def native_bf16(device: torch.device) -> bool:

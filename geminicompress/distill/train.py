@@ -123,7 +123,9 @@ def train(student: nn.Module, teacher: nn.Module | None, train_windows: torch.Te
 
     progress = run.progress or NullProgress()
     precision = choose_precision(cfg.precision, run.device)
-    if cfg.precision == "auto":
+    if precision.slow:
+        progress.warn(f"training in bf16 ({precision.why}; --precision no trains in float32)")
+    elif cfg.precision == "auto":
         progress.info(f"training in {'float32' if precision.mode == 'no' else precision.mode} ({precision.why})")
     acc = _accelerator(precision, run.device)
     set_seed(run.seed)

@@ -78,17 +78,7 @@ def test_training_with_a_frozen_prefix_keeps_it_and_its_tied_embedding(tmp_path)
     assert h.loss[-1] < h.loss[0]
 
 
-@pytest.fixture
-def fresh_accelerate():
-    """accelerate keeps one process-wide state (its mixed precision among it): reset around a bf16 run."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(True)
-    yield
-    AcceleratorState._reset_state(True)
-
-
-def test_a_student_trained_in_bf16_computes_in_float32_after(tmp_path, fresh_accelerate):
+def test_a_student_trained_in_bf16_computes_in_float32_after(tmp_path):
     """accelerate wraps a mixed-precision model's forward in autocast; the trained student must not keep it
     (its written checkpoint, loaded in float32, would differ from the in-process model the export verifies)."""
     teacher = tiny_model(num_hidden_layers=4)

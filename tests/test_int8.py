@@ -145,3 +145,24 @@ def test_smoothquant_statistic_is_window_maxima_averaged_per_channel(tmp_path):
     summary = run_stage(Int8Stage(method="w8a8"), ctx)[1]
     row = next(r for r in summary["layers"] if r["name"] == "model.layers.1.mlp.down_proj")
     assert row["smoothquant_max_scale"] == round(float(expected.max()), 4)
+
+
+def test_blocks_of_rows_give_the_whole_tensors_codes_and_error():
+    """quantize_weight and relative_error a few rows at a time (a big output head is never made float32 whole):
+    the same codes and scales as the whole tensor at once, bfloat16 and float32 weights, with and without a
+    given scale; the error that of the dequantized tensor."""
+    from geminicompress.kernels.int8_quant import channel_scales, quantize, relative_error
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = (torch.randn(103, 40) * torch.logspace(-3, 1, 103).unsqueeze(1)).to(dtype)
+        w[5] = 0  # an all-zero row keeps scale 1
+        scale = channel_scales(w)
+        whole = quantize(w, scale)
+        for block in (4 * 40 * 7, 4 * 40, 1 << 20):  # 7 rows, 1 row, everything in one block
+            q, s = quantize_weight(w, block_bytes=block)
+            assert torch.equal(q, whole) and torch.equal(s, scale)
+            given = (scale * 1.5).to(torch.float16).float()
+            assert torch.equal(quantize_weight(w, given, block_bytes=block)[0], quantize(w, given))
+            want = float((w.float() - dequantize(whole, scale)).norm() / w.float().norm())
+            assert relative_error(w, q, s, block_bytes=block) == pytest.approx(want, rel=1e-5)

@@ -85,3 +85,34 @@ def test_a_streamed_bfloat16_model_keeps_its_head_and_embeddings_as_stored(tmp_p
     with torch.no_grad():
         want = torch.cat([reference(w.unsqueeze(0), use_cache=False).logits for w in windows])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
+def test_a_calibrated_streamed_walk_captures_layer_0_without_a_float32_table(tmp_path: Path, monkeypatch, kind):
+    """A calibrated walk over a bfloat16 checkpoint read one layer at a time (GPTQ, SparseGPT, AWQ --stream)
+    captures layer 0's inputs through the table as stored, only the rows looked up made float32: the same
+    inputs, bit for bit, as the model loaded in float32 gives (it used to read the whole table in float32:
+    4 GiB at 262,144 x 4,096, the peak of a streamed GPTQ run on such a vocabulary)."""
+    from transformers import AutoModelForCausalLM
+
+    from geminicompress.engine import walk
+    from geminicompress.engine.layers import capture_inputs
+
+    extra = dict(head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"]) \
+        if kind == "gemma3_text" else {}
+    path = save_sharded(tmp_path / "m", num_hidden_layers=2, kind=kind, num_key_value_heads=2, **extra)
+    source = LazyLayers(LazyCheckpoint(path), torch.float32)
+    embedding = next(n for n, m in source.model.named_modules() if m is source.model.get_input_embeddings())
+    asked = []
+    materialise = LazyCheckpoint.materialise
+    monkeypatch.setattr(LazyCheckpoint, "materialise", lambda self, name, dtype=None:
+                        asked.append((name, dtype)) or materialise(self, name, dtype))
+    windows = torch.randint(0, 384, (3, 16), generator=torch.Generator().manual_seed(0))
+    got = walk._first_inputs(source, windows, CPU, None, None, check=False)
+    assert asked == [(embedding, None)]  # read as stored, never whole in float32
+    assert all(p.is_meta for p in source.ckpt.model.parameters())  # released
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    want = capture_inputs(reference, windows, CPU)
+    assert len(got.hidden) == len(want.hidden) == 3
+    for g, w in zip(got.hidden, want.hidden):
+        assert g.dtype == torch.float32 and torch.equal(g, w)

@@ -11,6 +11,9 @@ import torch
 from geminicompress.core.arch import get_module
 from geminicompress.diskerrors import free_bytes, size_text, tree_bytes
 from geminicompress.engine.contract import walk_dtypes
+from geminicompress.engine.outside_float32 import BLOCK_BYTES
+from geminicompress.engine.verify import TOKENS as PROBE_TOKENS
+from geminicompress.engine.verify import WINDOWS as PROBE_WINDOWS
 from geminicompress.errors import InputError
 from geminicompress.models.lazy import LazyCheckpoint
 from geminicompress.output import final_name
@@ -34,33 +37,76 @@ class Calibration:
 
 
 def estimate(ckpt: LazyCheckpoint, out_dtype: torch.dtype, quantized: bool, max_shard: int,
-             calib: Calibration | None = None) -> dict[str, int]:
-    """Peak memory and disk of a streamed run, from the tensor shapes alone. Uncalibrated: one layer as
-    stored plus a few float32 temporaries of its biggest tensor; calibrated: the layer's weights (and a
-    copy in the calibration dtype where that differs), the activations held (one pass: every window's
-    layer input, residual, normed input and (n·T, intermediate) product at the MLP's down projection;
-    else the layer's inputs and outputs and a batch's), the stages' square buffers and three float32
-    copies of the biggest linear (a solver's weight, its codes, the dequantized result)."""
+             calib: Calibration | None = None, changed: frozenset[str] = frozenset()) -> dict[str, int]:
+    """Peak memory and disk of a streamed run, from the tensor shapes alone. The peak is the base plus the
+    largest of the run's phases: layer 0's inputs captured (calibrated), a layer worked on (`_layer`), each
+    module outside the layers written (`_outside`; `changed`: those a stage replaces, an INT8 head), and
+    the check of OUT (`_check`)."""
+    phases = [_layer(ckpt, calib), _outside(ckpt, out_dtype, changed), _check(ckpt, changed)]
+    if calib is not None:
+        n, T = calib.windows  # the table read as stored, the rows looked up in float32, the store of the inputs
+        phases.append(ckpt.nbytes(_name(ckpt, ckpt.model.get_input_embeddings()))
+                      + n * T * ckpt.model.config.hidden_size * (4 + calib.calib_dtype.itemsize))
+    disk = out_bytes(((n, i.numel, i.dtype) for n, i in ckpt.tensors.items()), out_dtype, quantized, max_shard)
+    return {"peak_memory_bytes": BASE_BYTES + max(phases), "disk_bytes": disk}
+
+
+def _layer(ckpt: LazyCheckpoint, calib: Calibration | None) -> int:
+    """A layer worked on. Uncalibrated: the layer as stored plus a few float32 temporaries of its biggest
+    tensor; calibrated: the layer's weights (and a copy in the calibration dtype where that differs), the
+    activations held (one pass: every window's layer input, residual, normed input and (n·T, intermediate)
+    product at the MLP's down projection; else the layer's inputs and outputs and a batch's), the stages'
+    square buffers and three float32 copies of the biggest linear (a solver's weight, its codes, the
+    dequantized result)."""
     n_layers = len(ckpt.layers)
     prefix = ckpt.layer_prefix(0) + "."
     biggest = max(i.numel for n, i in ckpt.tensors.items() if n.startswith(prefix))  # a decoder linear
     if calib is None:
-        layer = max(ckpt.nbytes(ckpt.layer_prefix(i)) for i in range(n_layers)) + 3 * 4 * biggest
-        outside = max((2 * ckpt.nbytes(m) for m in ckpt.outside_modules()), default=0)  # read + written copy
-        peak = BASE_BYTES + max(layer, outside)
-    else:
-        layer = max(ckpt.nbytes(ckpt.layer_prefix(i), calib.layer_dtype) for i in range(n_layers))
-        if calib.calib_dtype != calib.layer_dtype:
-            layer += max(ckpt.nbytes(ckpt.layer_prefix(i), calib.calib_dtype) for i in range(n_layers))
-        widest = max(get_module(ckpt.model, n).in_features for n in
-                     (f"{ckpt.layer_prefix(0)}.{lin}" for lin in ckpt.arch.linears))
-        hidden = ckpt.model.config.hidden_size
-        per_token = widest + 3 * hidden if calib.one_pass else 3 * hidden  # else: in and out, and a batch's
-        n, T = calib.windows
-        activations = n * T * per_token * calib.calib_dtype.itemsize
-        peak = BASE_BYTES + layer + activations + calib.squares * 4 * widest**2 + 3 * 4 * biggest
-    disk = out_bytes(((n, i.numel, i.dtype) for n, i in ckpt.tensors.items()), out_dtype, quantized, max_shard)
-    return {"peak_memory_bytes": peak, "disk_bytes": disk}
+        return max(ckpt.nbytes(ckpt.layer_prefix(i)) for i in range(n_layers)) + 3 * 4 * biggest
+    layer = max(ckpt.nbytes(ckpt.layer_prefix(i), calib.layer_dtype) for i in range(n_layers))
+    if calib.calib_dtype != calib.layer_dtype:
+        layer += max(ckpt.nbytes(ckpt.layer_prefix(i), calib.calib_dtype) for i in range(n_layers))
+    widest = max(get_module(ckpt.model, n).in_features for n in
+                 (f"{ckpt.layer_prefix(0)}.{lin}" for lin in ckpt.arch.linears))
+    hidden = ckpt.model.config.hidden_size
+    per_token = widest + 3 * hidden if calib.one_pass else 3 * hidden  # else: in and out, and a batch's
+    n, T = calib.windows
+    activations = n * T * per_token * calib.calib_dtype.itemsize
+    return layer + activations + calib.squares * 4 * widest**2 + 3 * 4 * biggest
+
+
+def _outside(ckpt: LazyCheckpoint, out_dtype: torch.dtype, changed: frozenset[str]) -> int:
+    """The biggest module outside the layers as it is written: read as stored, plus its written copy where the
+    output dtype differs; one a stage replaces (an INT8 head) adds its codes, a byte a weight, and the blocks
+    of rows they are made from, and the codes as written (shifted, packed: a byte a weight each). A tied head
+    is not written."""
+    out = 0
+    for m in ckpt.outside_modules():
+        if m == ckpt.tied_output:
+            continue
+        stored, written = ckpt.nbytes(m), ckpt.nbytes(m, out_dtype)
+        out = max(out, stored + (written if written != stored else 0)
+                  + (3 * ckpt.nbytes(m, torch.int8) + 2 * BLOCK_BYTES if m in changed else 0))
+    return out
+
+
+def _check(ckpt: LazyCheckpoint, changed: frozenset[str]) -> int:
+    """The check of OUT (engine/verify.py): OUT read back one layer at a time in float32; then the head as
+    stored, with a block of its rows in float32 (outside_float32.py) or, where a stage replaced it (an INT8
+    head), its codes (a byte a weight) and what the kernel packs them from and into (float32 and float16:
+    kernels/int8.py), and three (windows, tokens, vocab) float32 logits (the run's, OUT's, their difference)."""
+    layer = max(ckpt.nbytes(ckpt.layer_prefix(i), torch.float32) for i in range(len(ckpt.layers)))
+    head = ckpt.model.get_output_embeddings()
+    if head is None:
+        return layer
+    name = _name(ckpt, head)
+    packed = sum(ckpt.nbytes(name, t) for t in (torch.int8, torch.float32, torch.float16)) if name in changed else 0
+    logits = 3 * PROBE_WINDOWS * PROBE_TOKENS * head.weight.shape[0] * 4
+    return max(layer, ckpt.nbytes(name) + max(packed, BLOCK_BYTES) + logits)
+
+
+def _name(ckpt: LazyCheckpoint, module: torch.nn.Module) -> str:
+    return next(n for n, m in ckpt.model.named_modules() if m is module)
 
 
 def out_bytes(tensors: Iterable[tuple[str, int, torch.dtype]], out_dtype: torch.dtype, quantized: bool,
@@ -107,7 +153,8 @@ def announce(ctx: Any, stages: list[Any], max_shard: int) -> dict[str, int]:
                             any(s.one_pass_memory for s in stages),
                             sum(s.squares for s in stages))
     quantized = any(s.cfg.type == "quantize" for s in stages)
-    need = estimate(ckpt, ctx.out_dtype, quantized, max_shard, calib)
+    changed = frozenset().union(*(s.outside_names() for s in stages))
+    need = estimate(ckpt, ctx.out_dtype, quantized, max_shard, calib, changed)
     ctx.progress.info(f"streaming {len(ckpt.layers)} layers from {ckpt.path}: estimated peak memory "
                       f"{need['peak_memory_bytes'] / 2**30:.2f} GiB, disk {need['disk_bytes'] / 2**30:.2f} GiB")
     check_disk(ctx.out_dir, need["disk_bytes"])

@@ -278,7 +278,8 @@ class Probe:
 
             def as_written(name: str, module: nn.Module) -> nn.Module:
                 if head is not None and name in getattr(head, "names", {name}):
-                    module = head(name, module.float())  # what the run wrote, made from float32 weights as in the run
+                    module = head(name, module)  # what the run wrote, made from the weights as stored, as the run
+                    # made it (walk_outside); not a float32 copy: an INT8 head is quantized a block of rows at a time
                 elif type(module) is nn.Linear and module.weight.dtype != torch.float32:  # a head read as stored
                     return module.to(self.out_dtype)  # rounded as written and held so: float32 by rows (forward.py)
                 as_stored(module, self.out_dtype)

@@ -16,10 +16,11 @@ the tensors the method kept) and recomputes the activations through them instead
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.nn as nn
@@ -254,17 +255,10 @@ def _first_inputs(source: LayerSource, windows: torch.Tensor | None, device: tor
 def _capture(source: LayerSource, windows: torch.Tensor, device: torch.device,
              calib_dtype: torch.dtype | None) -> LayerInputs:
     """The inputs of decoder layer 0, with the modules the source must provide for it loaded meanwhile
-    (in float32, as a model in memory holds them: the embeddings' outputs are then the same)."""
-    loaded = source.capture_modules()
-    materialise = getattr(source, "ckpt", None)
-    for name in loaded:
-        materialise.materialise(name, torch.float32)
+    (computed in float32, as a model in memory holds them: the embeddings' outputs are then the same)."""
     storage = activation_storage(windows, source.model.config.hidden_size, calib_dtype or torch.float32, device)
-    try:
+    with embeddings_read(source):
         return capture_inputs(source.model, windows, device, storage, dtype=calib_dtype)
-    finally:
-        for name in loaded:
-            materialise.release(name)
 
 
 def activation_storage(windows: torch.Tensor, hidden: int, dtype: torch.dtype, device: torch.device,
@@ -343,28 +337,12 @@ def capture_into(source: LayerSource, windows: torch.Tensor, into: torch.Tensor,
     capture's own temporaries). The modules a forward up to layer 0 needs (the embeddings) are read meanwhile,
     computed in float32 as a model in memory holds them (rounded to `stored` first); an embedding table held in
     a lower precision stays so, and only the rows looked up are made float32 (outside_float32.py)."""
-    loaded = source.capture_modules()
-    ckpt = getattr(source, "ckpt", None)
-    gathered = {}
-    for name in loaded:
-        table = isinstance(get_module(source.model, name), nn.Embedding)  # read as stored when float32 is asked:
-        module = ckpt.materialise(name, None if table and stored == torch.float32 else stored)  # the same values
-        if table and module.weight.dtype != torch.float32:  # only the rows looked up are made float32
-            gathered[name] = module
-            set_module(source.model, name, Float32Gather(module))
-        else:
-            module.float()
     first: LayerInputs | None = None
-    try:
+    with embeddings_read(source, stored):
         for b in range(0, windows.shape[0], chunk):
             captured = capture_inputs(source.model, windows[b:b + chunk], device, dtype=dtype)
             into[b:b + chunk].copy_(torch.cat([h.to("cpu") for h in captured.hidden]))
             first = first or captured
-    finally:
-        for name in loaded:
-            if name in gathered:
-                set_module(source.model, name, gathered[name])
-            ckpt.release(name)
     return LayerInputs.of_store(into, first.kwargs, layer_kwargs=first.layer_kwargs)
 
 
@@ -391,3 +369,30 @@ def walk_outside(source: LayerSource, hooks: list[Callable[[str, nn.Module], Any
         rows += mine
         source.release_outside(name)
     return rows
+
+
+@contextmanager
+def embeddings_read(source: LayerSource, stored: torch.dtype = torch.float32) -> Iterator[None]:
+    """The modules a forward up to decoder layer 0 needs (the embeddings), read from a lazy source for the
+    duration and computed in float32 as a model in memory holds them (rounded to `stored` first). An embedding
+    table held in a lower precision stays so and only the rows looked up are made float32
+    (outside_float32.Float32Gather: the same values; a float32 copy of a 262,144-token table at hidden 4,096
+    is 4 GiB). A source in memory provides them itself: nothing to do."""
+    loaded = source.capture_modules()
+    ckpt = getattr(source, "ckpt", None)
+    gathered = {}
+    for name in loaded:
+        table = isinstance(get_module(source.model, name), nn.Embedding)  # read as stored when float32 is asked:
+        module = ckpt.materialise(name, None if table and stored == torch.float32 else stored)  # the same values
+        if table and module.weight.dtype != torch.float32:  # only the rows looked up are made float32
+            gathered[name] = module
+            set_module(source.model, name, Float32Gather(module))
+        else:
+            module.float()
+    try:
+        yield
+    finally:
+        for name in loaded:
+            if name in gathered:
+                set_module(source.model, name, gathered[name])
+            ckpt.release(name)

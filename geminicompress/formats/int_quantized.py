@@ -110,7 +110,8 @@ def w8a16_packed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for key, value in tensors.items():
         name = key.removesuffix(".weight")
         if key.endswith(".weight") and value.dtype == torch.int8 and f"{name}.weight_scale" in tensors:
-            stored[f"{name}.weight_packed"] = pack_bits(value.to(torch.int32) + 128, 8).contiguous()
+            # c + 128 is c's byte with its top bit flipped: a byte a code, not int32 copies (4 GiB for a 262k head)
+            stored[f"{name}.weight_packed"] = pack_bits(value.view(torch.uint8) ^ 128, 8).contiguous()
             stored[f"{name}.weight_shape"] = torch.tensor(list(value.shape), dtype=torch.int64)
         else:
             stored[key] = value

@@ -31,7 +31,7 @@ from geminicompress.errors import InputError
 from geminicompress.formats import check_shapes
 from geminicompress.formats.int_quantized import Int8Writer
 from geminicompress.kernels.int8 import MODULES
-from geminicompress.kernels.int8_quant import quantize
+from geminicompress.kernels.int8_quant import quantize_weight, relative_error
 
 
 class Int8(LayerStage):
@@ -66,9 +66,9 @@ class Int8(LayerStage):
             module = MODULES[self.cfg.method].from_linear(linear)
             if self.cfg.format == "gguf":  # GGUF's Q8_0 stores fp16 scales: the codes are rounded on those
                 scale = module.weight_scale.to(torch.float16).float()
-                module.weight.copy_(quantize(linear.weight.data, scale))
+                module.weight.copy_(quantize_weight(linear.weight.data, scale)[0])
                 module.weight_scale.copy_(scale)
-            err = relative_error(linear.weight, module.dequantized_weight())
+            err = relative_error(linear.weight, module.weight, module.weight_scale)
             if rel:
                 set_module(root, rel, module)
             made.append((module, {"name": full, "shape": [module.out_features, module.in_features],
@@ -153,7 +153,3 @@ def select_linears(model: nn.Module, ignore: list[str], check: list[str],
             targets.append(name)
     return targets, kept
 
-
-def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
-    w = w.detach().float()
-    return float((w - w_hat.to(w.device)).norm() / w.norm().clamp_min(1e-12))

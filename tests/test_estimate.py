@@ -1,0 +1,68 @@
+"""The announced peak of a streamed run (engine/estimate.py), phase by phase, on a tiny checkpoint whose
+vocabulary outweighs its layers (the shape of a 262,144-token model): the figures the formula must give,
+from the tensor shapes alone. The real peaks they were fitted to are in docs/streaming.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import save_sharded
+
+from geminicompress.engine import estimate as est
+from geminicompress.engine.outside_float32 import BLOCK_BYTES
+from geminicompress.models.lazy import LazyCheckpoint
+
+V, D, I = 8192, 64, 128  # vocabulary, hidden, intermediate: the table (1 MiB in bfloat16) dwarfs a layer
+MAX_SHARD = 1 << 30
+LOGITS = 3 * 2 * 64 * V * 4  # the check's three (2, 64, V) float32 logits
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> LazyCheckpoint:
+    path = save_sharded(tmp_path_factory.mktemp("big_vocab") / "m", num_hidden_layers=2, vocab_size=V,
+                        tie_word_embeddings=False)
+    return LazyCheckpoint(Path(path))
+
+
+def _peak(ckpt, **kwargs) -> int:
+    args = {"out_dtype": torch.bfloat16, "quantized": False, "max_shard": MAX_SHARD, **kwargs}
+    return est.estimate(ckpt, **args)["peak_memory_bytes"] - est.BASE_BYTES
+
+
+def test_a_head_written_as_read_counts_once_and_the_check_holds_it_with_its_logits(ckpt):
+    table = V * D * 2  # bfloat16
+    assert ckpt.nbytes("lm_head") == ckpt.nbytes("model.embed_tokens") == table
+    # uncalibrated, output dtype as stored: the check (head as stored, a block of rows, the logits) is the peak;
+    # the old "read + written copy" counted 2 x table for a table that is written as read
+    assert _peak(ckpt) == table + BLOCK_BYTES + LOGITS
+
+
+def test_a_head_written_in_another_dtype_adds_its_written_copy(ckpt):
+    table = V * D * 2
+    outside = est._outside(ckpt, torch.float32, frozenset())
+    assert outside == table + V * D * 4  # read as stored + written in float32
+    assert est._outside(ckpt, torch.bfloat16, frozenset()) == table
+
+
+def test_an_int8_head_counts_its_codes_and_the_kernels_copies(ckpt, monkeypatch):
+    table, n, block = V * D * 2, V * D, 4096
+    monkeypatch.setattr(est, "BLOCK_BYTES", block)  # smaller than the head's copies, as at 262k x 4,096
+    changed = frozenset({"lm_head"})
+    assert est._outside(ckpt, torch.bfloat16, changed) == table + 3 * n + 2 * block  # codes, shifted, packed
+    assert est._check(ckpt, changed) == table + n * (1 + 4 + 2) + LOGITS  # codes, float32 and float16 packs
+    assert est._check(ckpt, frozenset()) == table + block + LOGITS
+    assert _peak(ckpt, quantized=True, changed=changed) == max(est._outside(ckpt, torch.bfloat16, changed),
+                                                               est._check(ckpt, changed))
+
+
+def test_a_calibrated_run_counts_the_capture_of_layer_0s_inputs(ckpt):
+    """GPTQ's walk on a bfloat16 checkpoint: the table read as stored while every window's layer-0 inputs are
+    captured (the rows looked up in float32, the store in the calibration dtype), beside the layer's own phase."""
+    n, T = 64, 512
+    calib = est.Calibration((n, T), torch.bfloat16, torch.bfloat16, one_pass=False, squares=1)
+    capture = V * D * 2 + n * T * D * (4 + 2)
+    layer = est._layer(ckpt, calib)
+    assert layer < capture  # on this shape the capture is bigger than a layer's work
+    assert _peak(ckpt, quantized=True, calib=calib) == max(layer, capture, est._check(ckpt, frozenset()))

@@ -96,4 +96,19 @@ def test_weighted_sum_and_layer_map():
 
 def test_loss_weights_need_one_positive():
     with pytest.raises(ValueError, match="at least one loss weight"):
-        LossWeights(kl=0.0)
+        LossWeights(kl=0.0, ce=0.0)
+
+
+def test_the_default_loss_is_kl_at_temperature_1_plus_half_the_data_cross_entropy():
+    """The defaults (docs/distill.md, Losses): a weight not named keeps its default, so KL alone is kl=1,ce=0."""
+    from geminicompress.recipes.schema import DistillStage
+
+    assert LossWeights().model_dump() == {"kl": 1.0, "reverse_kl": 0.0, "jsd": 0.0, "ce": 0.5, "hidden_mse": 0.0,
+                                          "hidden_cos": 0.0}
+    assert LossWeights(kl=2.0).ce == 0.5 and LossWeights(ce=0.0).kl == 1.0
+    assert DistillStage(type="distill").temperature == 1.0
+    ids = torch.randint(0, 5, (1, 4))
+    s, t = torch.randn(1, 4, 5), torch.randn(1, 4, 5)
+    total, terms = distill_loss(LossWeights(), 1.0, ids, s, t, None, None, None)
+    assert set(terms) == {"kl", "ce"}
+    torch.testing.assert_close(total, forward_kl(s, t, 1.0) + 0.5 * cross_entropy(s, ids))

@@ -43,6 +43,7 @@ from geminicompress.errors import InputError
 from geminicompress.formats import check_shapes, gptq, int_quantized, pack_quantized, sparse_bitmask
 from geminicompress.formats.checkpoint import WEIGHTS, float_linears, module_tensors, scale_dtype, write_config
 from geminicompress.kernels.int8 import MODULES
+from geminicompress.kernels.int8_quant import relative_error
 from geminicompress.machine import machine, versions
 from geminicompress.models.lazy import skeleton
 from geminicompress.models.loading import LoadedModel, load_model, local_dir
@@ -278,8 +279,7 @@ def _int8(model: nn.Module, cfg: Any, dtype: torch.dtype) -> Written:
     for name in names:
         linear = get_module(model, name)
         module = MODULES[cfg.method].from_linear(linear)
-        w = linear.weight.detach().float()
-        err = float((w - module.dequantized_weight()).norm() / w.norm().clamp_min(1e-12))
+        err = relative_error(linear.weight, module.weight, module.weight_scale)
         parent, _, child = name.rpartition(".")
         setattr(get_module(model, parent) if parent else model, child, module)
         rows.append({"name": name, "shape": [module.out_features, module.in_features], "weight_rel_error": round(err, 6)})

@@ -51,7 +51,9 @@ def test_an_int8_head_counts_its_codes_and_the_kernels_copies(ckpt, monkeypatch)
     monkeypatch.setattr(est, "BLOCK_BYTES", block)  # smaller than the head's copies, as at 262k x 4,096
     changed = frozenset({"lm_head"})
     assert est._outside(ckpt, torch.bfloat16, changed) == table + 3 * n + 2 * block  # codes, shifted, packed
-    assert est._check(ckpt, changed) == table + n * (1 + 4 + 2) + LOGITS  # codes, float32 and float16 packs
+    assert est._check(ckpt, changed) == table + n * (1 + 2) + n * 4 + LOGITS  # codes, float16 packs, rows packed from
+    monkeypatch.setattr(est, "PACK_BYTES", block)  # at 262k x 4,096 the kernel packs 256 MiB of float32 rows at a time
+    assert est._check(ckpt, changed) == table + n * (1 + 2) + block + LOGITS
     assert est._check(ckpt, frozenset()) == table + block + LOGITS
     assert _peak(ckpt, quantized=True, changed=changed) == max(est._outside(ckpt, torch.bfloat16, changed),
                                                                est._check(ckpt, changed))

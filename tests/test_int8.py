@@ -164,5 +164,32 @@ def test_blocks_of_rows_give_the_whole_tensors_codes_and_error():
             assert torch.equal(q, whole) and torch.equal(s, scale)
             given = (scale * 1.5).to(torch.float16).float()
             assert torch.equal(quantize_weight(w, given, block_bytes=block)[0], quantize(w, given))
+            half = scale.to(torch.float16).float()  # GGUF's Q8_0: codes chosen on the scales it stores
+            assert all(torch.equal(a, b) for a, b in zip(
+                quantize_weight(w, block_bytes=block, scale_dtype=torch.float16), (quantize(w, half), half)))
             want = float((w.float() - dequantize(whole, scale)).norm() / w.float().norm())
             assert relative_error(w, q, s, block_bytes=block) == pytest.approx(want, rel=1e-5)
+
+
+def test_a_weight_packed_by_blocks_of_rows_computes_what_one_pack_does(monkeypatch):
+    """A big INT8 weight (an output head) is packed a block of float32 rows at a time, never whole: W8A16's
+    fp16 packs and W8A8's row sums give the same numbers as one pack of the whole weight."""
+    import geminicompress.kernels.int8 as int8
+
+    torch.manual_seed(3)
+    linear = nn.Linear(40, 103, bias=True)
+    x = torch.randn(2, 5, 40)
+    for cls in (Int8WeightOnlyLinear, W8A8Linear):
+        whole = cls.from_linear(linear)
+        want = whole(x)
+        sums = getattr(whole, "_sums", None)
+        for rows in (7, 1, 103):
+            monkeypatch.setattr(int8, "PACK_BYTES", 4 * 40 * rows)
+            module = cls.from_linear(linear)
+            assert torch.equal(module(x), want)
+            if cls is Int8WeightOnlyLinear and fbgemm_available():
+                assert len(module._packed) == -(-103 // rows)  # packs of `rows` rows each
+                assert torch.equal(module(x[0, :1]), whole(x[0, :1]))  # one token
+            if sums is not None:
+                assert torch.equal(module._sums, sums)
+        monkeypatch.undo()

@@ -21,6 +21,8 @@ def test_bit_stream_round_trip(bits, n):
     packed = pack_bits(codes, bits)
     assert packed.dtype == torch.int32 and packed.shape == (3, 5, packed_width(n, bits))
     assert torch.equal(unpack_bits(packed, bits, n), codes.to(torch.int32))
+    small = unpack_bits(packed, bits, n, torch.uint8)  # what DequantLinear keeps: a byte a code, not four
+    assert small.dtype == torch.uint8 and torch.equal(small.to(torch.int32), codes.to(torch.int32))
 
 
 def test_bit_stream_known_words():
@@ -118,3 +120,26 @@ def test_packing_a_block_of_rows_at_a_time_equals_the_whole_matrix(monkeypatch, 
     assert torch.equal(pack_bits(codes, bits), whole_packed)
     assert torch.equal(unpack_bits(whole_packed, bits, 70), whole_codes)
     assert torch.equal(whole_codes, codes)
+
+
+@pytest.mark.parametrize("group", [-1, 32])
+def test_a_big_dequantized_linear_computes_a_block_of_rows_at_a_time(monkeypatch, group):
+    """DequantLinear rebuilds a weight bigger than its block (an INT8 or 4-bit output head: 4 GiB of float32
+    at 262,144 x 4,096, and twice that on the way) a block of rows at a time: the same output as the whole
+    weight, and its rows are the whole weight's."""
+    from geminicompress.formats import dequant
+
+    qw = _quantized(8 if group == -1 else 4, group, False, True)
+    bias = torch.randn(32, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(2))
+    module = dequant.DequantLinear(qw, bias)
+    want = torch.nn.functional.linear(x, qw.dequantize(), bias)
+    assert torch.equal(module.weight, qw.dequantize())
+    assert torch.equal(module.weight_rows(7, 19), qw.dequantize()[7:19])
+    whole = module(x)
+    assert torch.allclose(whole, want, rtol=0, atol=1e-5)
+    for rows in (5, 1):
+        monkeypatch.setattr(dequant, "BLOCK_BYTES", 4 * 64 * rows)
+        got = module(x)
+        assert got.shape == (3, 5, 32)
+        assert torch.allclose(got, whole, rtol=0, atol=1e-5)

@@ -15,6 +15,7 @@ from geminicompress.engine.outside_float32 import BLOCK_BYTES
 from geminicompress.engine.verify import TOKENS as PROBE_TOKENS
 from geminicompress.engine.verify import WINDOWS as PROBE_WINDOWS
 from geminicompress.errors import InputError
+from geminicompress.kernels.int8 import PACK_BYTES
 from geminicompress.models.lazy import LazyCheckpoint
 from geminicompress.output import final_name
 
@@ -93,14 +94,16 @@ def _outside(ckpt: LazyCheckpoint, out_dtype: torch.dtype, changed: frozenset[st
 def _check(ckpt: LazyCheckpoint, changed: frozenset[str]) -> int:
     """The check of OUT (engine/verify.py): OUT read back one layer at a time in float32; then the head as
     stored, with a block of its rows in float32 (outside_float32.py) or, where a stage replaced it (an INT8
-    head), its codes (a byte a weight) and what the kernel packs them from and into (float32 and float16:
-    kernels/int8.py), and three (windows, tokens, vocab) float32 logits (the run's, OUT's, their difference)."""
+    head), its codes (a byte a weight), the kernel's float16 packs and the float32 rows it packs a block from
+    (kernels/int8.py), and three (windows, tokens, vocab) float32 logits (the run's, OUT's, their difference).
+    OUT's INT8 head, read back, is its codes and a block of dequantized rows (formats/dequant.py): less."""
     layer = max(ckpt.nbytes(ckpt.layer_prefix(i), torch.float32) for i in range(len(ckpt.layers)))
     head = ckpt.model.get_output_embeddings()
     if head is None:
         return layer
     name = _name(ckpt, head)
-    packed = sum(ckpt.nbytes(name, t) for t in (torch.int8, torch.float32, torch.float16)) if name in changed else 0
+    packed = sum(ckpt.nbytes(name, t) for t in (torch.int8, torch.float16)) + \
+        min(ckpt.nbytes(name, torch.float32), PACK_BYTES) if name in changed else 0
     logits = 3 * PROBE_WINDOWS * PROBE_TOKENS * head.weight.shape[0] * 4
     return max(layer, ckpt.nbytes(name) + max(packed, BLOCK_BYTES) + logits)
 

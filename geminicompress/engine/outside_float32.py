@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from geminicompress.models.head import chunk_rows, spans
+from geminicompress.core.rows import rows_within, spans
 
 BLOCK_BYTES = 64 << 20  # float32 weight rows converted at a time
 
@@ -31,7 +31,7 @@ class Float32Rows(nn.Module):
     def __init__(self, linear: nn.Linear, block_bytes: int | None = None) -> None:
         super().__init__()
         self.linear = linear
-        self.rows = chunk_rows(linear.in_features, block_bytes or BLOCK_BYTES)  # float32 rows of in_features each
+        self.rows = rows_within(linear.in_features, block_bytes or BLOCK_BYTES)  # float32 rows of in_features each
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:

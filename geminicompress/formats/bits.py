@@ -52,12 +52,13 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return _by_rows(_pack_rows, codes, bits)
 
 
-def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """int32 (..., words) -> codes (..., n) as int32 in [0, 2^bits), a block of rows at a time."""
+def unpack_bits(packed: torch.Tensor, bits: int, n: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """int32 (..., words) -> codes (..., n) as `dtype` in [0, 2^bits), a block of rows at a time. uint8 holds
+    codes of up to 8 bits in a quarter of int32's bytes (1 GiB, not 4, for a 262,144 x 4,096 INT8 head)."""
     if bits == 8 and _BYTES and packed.dtype == torch.int32 and packed.shape[-1] * 4 >= n:
         *lead, words = packed.shape
-        return packed.contiguous().reshape(-1).view(torch.uint8).reshape(*lead, 4 * words)[..., :n].to(torch.int32)
-    return _by_rows(_unpack_rows, packed, bits, n)
+        return packed.contiguous().reshape(-1).view(torch.uint8).reshape(*lead, 4 * words)[..., :n].to(dtype)
+    return _by_rows(lambda rows, b, m: _unpack_rows(rows, b, m).to(dtype), packed, bits, n)
 
 
 def _pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:

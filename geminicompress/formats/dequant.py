@@ -14,7 +14,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from geminicompress.core.grid import QuantizedWeight
+from geminicompress.core.rows import rows_within, spans
 from geminicompress.formats.reader import ModuleReader
+
+BLOCK_BYTES = 64 << 20  # dequantized rows made at a time where the whole weight is bigger
 
 
 class DequantLinear(nn.Module):
@@ -33,14 +36,29 @@ class DequantLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized (out, in) weight, in the dtype of the scales."""
+        return self.weight_rows(0, self.out_features)
+
+    def weight_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop of the dequantized weight, in the dtype of the scales."""
         dtype = self.scales.dtype
-        if self.scales.shape[1] == 1:  # per channel: broadcast, no gather
-            return self.scales * (self.q.to(dtype) - self.zeros.to(dtype))
+        q, scales, zeros = self.q[start:stop], self.scales[start:stop], self.zeros[start:stop]
+        if scales.shape[1] == 1:  # per channel: broadcast, no gather
+            return scales * (q.to(dtype) - zeros.to(dtype))
         g = self.g_idx
-        return self.scales[:, g] * (self.q.to(dtype) - self.zeros[:, g].to(dtype))
+        return scales[:, g] * (q.to(dtype) - zeros[:, g].to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        rows = rows_within(self.in_features, BLOCK_BYTES, self.scales.dtype.itemsize)
+        if rows >= self.out_features:
+            return F.linear(x, self.weight.to(x.dtype), bias)
+        # a big weight (an output head: 4 GiB of float32 at 262,144 x 4,096, and twice that in temporaries
+        # on the way) is rebuilt a block of rows at a time; each output column comes from its own row
+        y = x.new_empty(*x.shape[:-1], self.out_features)
+        for start, stop in spans(self.out_features, rows):
+            y[..., start:stop] = F.linear(x, self.weight_rows(start, stop).to(x.dtype),
+                                          None if bias is None else bias[start:stop])
+        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, bias={self.bias is not None}"

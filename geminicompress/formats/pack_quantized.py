@@ -60,10 +60,11 @@ def pack_ct(qw: QuantizedWeight, scale_dtype: torch.dtype, with_g_idx: bool) -> 
     return tensors
 
 
-def unpack_ct(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> QuantizedWeight:
+def unpack_ct(tensors: dict[str, torch.Tensor], spec: QuantSpec, codes: torch.dtype = torch.int32) -> QuantizedWeight:
+    """The QuantizedWeight of one module's tensors, its codes as `codes` (uint8: what DequantLinear keeps)."""
     out_f, in_f = (int(v) for v in tensors["weight_shape"].tolist())
     scales = tensors["weight_scale"].float()  # (out, G)
-    q = unpack_bits(tensors["weight_packed"], spec.bits, in_f)
+    q = unpack_bits(tensors["weight_packed"], spec.bits, in_f, codes)
     if spec.sym:
         zeros = torch.full(scales.shape, (spec.maxq + 1) // 2, dtype=torch.int32)
     else:
@@ -139,6 +140,6 @@ def reader(path: Path, config: dict) -> ModuleReader:
             raise GeminiError(f"{path}: {exc}") from exc
         if spec is None:
             raise GeminiError(f"{path}: quantized module {name} matches no config group")
-        return unpack_ct(tensors, spec)
+        return unpack_ct(tensors, spec, torch.uint8)  # DequantLinear keeps its codes as uint8 (bits <= 8)
 
     return dequant_reader(SUFFIXES, unpack_module)

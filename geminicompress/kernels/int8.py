@@ -30,7 +30,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from geminicompress.core.rows import rows_within, spans
 from geminicompress.kernels.int8_quant import dequantize, fake_quantize_tokens, quantize_weight
+
+PACK_BYTES = 256 << 20  # float32 rows made at a time to pack a weight (or sum its rows) from
 
 
 class Int8Base(nn.Module):
@@ -63,9 +66,11 @@ class Int8Base(nn.Module):
         return super()._apply(fn, recurse)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int8Base":
+    def from_linear(cls, linear: nn.Linear, scale_dtype: torch.dtype = torch.float32) -> "Int8Base":
+        """The INT8 module of `linear`, its scales rounded to `scale_dtype` before the codes are chosen
+        (float16 for GGUF's Q8_0, which stores them so)."""
         module = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype)
-        q, scale = quantize_weight(linear.weight.data)
+        q, scale = quantize_weight(linear.weight.data, scale_dtype=scale_dtype)
         module.weight.copy_(q)
         module.weight_scale.copy_(scale)
         if linear.bias is not None:
@@ -104,7 +109,11 @@ class Int8WeightOnlyLinear(Int8Base):
         return "fbgemm-fp16-codes" if fbgemm_available() else "dequant-matmul"
 
     def _prepare(self) -> None:
-        self._packed = torch.ops.quantized.linear_prepack_fp16(self.weight.float(), None)
+        """One fp16 pack per block of PACK_BYTES of float32 rows (the kernel packs from float32): a linear of
+        up to 64 M weights is one pack; a 262,144 x 4,096 head is 16, packed without its 4 GiB float32 copy."""
+        rows = rows_within(self.in_features, PACK_BYTES)
+        self._packed = [(start, stop, torch.ops.quantized.linear_prepack_fp16(self.weight[start:stop].float(), None))
+                        for start, stop in spans(self.out_features, rows)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (y := self._shared_output(x)) is not None:
@@ -112,7 +121,14 @@ class Int8WeightOnlyLinear(Int8Base):
         if x.device.type == "cpu" and fbgemm_available():
             if self._packed is None:
                 self._prepare()
-            y = torch.ops.quantized.linear_dynamic_fp16(x.float(), self._packed).to(x.dtype)  # (..., out)
+            x32 = x.float()
+            if len(self._packed) == 1:
+                y = torch.ops.quantized.linear_dynamic_fp16(x32, self._packed[0][2])
+            else:  # each output column from its own row's pack: the same values as one pack's
+                y = x32.new_empty(*x.shape[:-1], self.out_features)
+                for start, stop, packed in self._packed:
+                    y[..., start:stop] = torch.ops.quantized.linear_dynamic_fp16(x32, packed)
+            y = y.to(x.dtype)  # (..., out)
         else:
             y = F.linear(x, self.weight.to(x.dtype))
         y = y * self.weight_scale.view(-1).to(x.dtype)
@@ -148,7 +164,9 @@ class W8A8Linear(Int8Base):
     def _prepare(self) -> None:
         """The packed weight and Σ_j Ŵ_ij of the dequantized weight, (1, out), made together."""
         self._packed = pack_weight(self.weight, self.weight_scale)
-        self._sums = self.dequantized_weight().sum(dim=1).unsqueeze(0)
+        rows = rows_within(self.in_features, PACK_BYTES)  # each row's sum from its own float32 row: no whole copy
+        self._sums = torch.cat([dequantize(self.weight[a:b], self.weight_scale[a:b]).sum(dim=1)
+                                for a, b in spans(self.out_features, rows)]).unsqueeze(0)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The same math with float matmuls: fake-quantized tokens times the dequantized weight."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from geminicompress.core.rows import rows_within
+
 QMAX = 127
 BLOCK_BYTES = 64 << 20  # float32 rows a weight is quantized (or measured) at a time
 
@@ -34,13 +36,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     return (q.float() * scale.float()).to(dtype)
 
 
-def quantize_weight(w: torch.Tensor, scale: torch.Tensor | None = None,
-                    block_bytes: int = BLOCK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(w: torch.Tensor, scale: torch.Tensor | None = None, block_bytes: int = BLOCK_BYTES,
+                    scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes int8 (out, in), scale float32 (out, 1)) for a linear weight (`scale`: given, else its rows'
-    own), `block_bytes` of float32 rows at a time: every row is independent, so the codes are those of the
-    whole tensor at once, without its float32 copy (4 GiB for a 262,144 x 4,096 output head)."""
-    rows = _rows(w, block_bytes)
-    scale = torch.cat([channel_scales(w[r:r + rows]) for r in range(0, w.shape[0], rows)]) if scale is None else scale
+    own, rounded to `scale_dtype` first where a format stores them so: GGUF's Q8_0 in float16), `block_bytes`
+    of float32 rows at a time: every row is independent, so the codes are those of the whole tensor at once,
+    without its float32 copy (4 GiB for a 262,144 x 4,096 output head)."""
+    rows = rows_within(w.shape[-1], block_bytes)
+    if scale is None:
+        scale = torch.cat([channel_scales(w[r:r + rows]) for r in range(0, w.shape[0], rows)])
+        scale = scale.to(scale_dtype).float()
     codes = torch.empty(w.shape, dtype=torch.int8, device=w.device)
     for r in range(0, w.shape[0], rows):
         codes[r:r + rows] = quantize(w[r:r + rows], scale[r:r + rows])
@@ -49,16 +54,12 @@ def quantize_weight(w: torch.Tensor, scale: torch.Tensor | None = None,
 
 def relative_error(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_bytes: int = BLOCK_BYTES) -> float:
     """||W - scale · q|| / ||W|| (Frobenius), summed over blocks of rows in float32."""
-    rows, err, norm = _rows(w, block_bytes), 0.0, 0.0
+    rows, err, norm = rows_within(w.shape[-1], block_bytes), 0.0, 0.0
     for r in range(0, w.shape[0], rows):
         block = w[r:r + rows].detach().float()
         err += float((block - dequantize(q[r:r + rows], scale[r:r + rows]).to(block.device)).square().sum())
         norm += float(block.square().sum())
     return (err / max(norm, 1e-24)) ** 0.5
-
-
-def _rows(w: torch.Tensor, block_bytes: int) -> int:
-    return max(1, block_bytes // (4 * max(1, w.shape[-1])))
 
 
 def fake_quantize_tokens(x: torch.Tensor) -> torch.Tensor:

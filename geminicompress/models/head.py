@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from geminicompress.core.rows import rows_within, spans
 from geminicompress.memory import heap_reuse
 
 CHUNK_BYTES = 32 * 2**20  # one chunk's float32 (rows, V) logits: each of the few temporaries per chunk
@@ -30,13 +31,7 @@ CHUNK_BYTES = 32 * 2**20  # one chunk's float32 (rows, V) logits: each of the fe
 
 def chunk_rows(vocab: int, budget: int = CHUNK_BYTES) -> int:
     """Positions per chunk so that a chunk's float32 logits (rows, vocab) take at most `budget` bytes."""
-    return max(1, budget // (4 * vocab))
-
-
-def spans(n: int, rows: int) -> Iterator[tuple[int, int]]:
-    """(start, stop) of consecutive chunks of `rows` positions covering range(n)."""
-    for start in range(0, n, rows):
-        yield start, min(start + rows, n)
+    return rows_within(vocab, budget)
 
 
 def decoder_of(model: nn.Module) -> nn.Module:

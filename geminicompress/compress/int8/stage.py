@@ -31,7 +31,7 @@ from geminicompress.errors import InputError
 from geminicompress.formats import check_shapes
 from geminicompress.formats.int_quantized import Int8Writer
 from geminicompress.kernels.int8 import MODULES
-from geminicompress.kernels.int8_quant import quantize_weight, relative_error
+from geminicompress.kernels.int8_quant import relative_error
 
 
 class Int8(LayerStage):
@@ -63,11 +63,9 @@ class Int8(LayerStage):
                 continue
             rel = full[len(head):]
             linear = get_module(root, rel) if rel else root
-            module = MODULES[self.cfg.method].from_linear(linear)
-            if self.cfg.format == "gguf":  # GGUF's Q8_0 stores fp16 scales: the codes are rounded on those
-                scale = module.weight_scale.to(torch.float16).float()
-                module.weight.copy_(quantize_weight(linear.weight.data, scale)[0])
-                module.weight_scale.copy_(scale)
+            # GGUF's Q8_0 stores fp16 scales: the codes are rounded on those
+            module = MODULES[self.cfg.method].from_linear(linear, torch.float16 if self.cfg.format == "gguf"
+                                                          else torch.float32)
             err = relative_error(linear.weight, module.weight, module.weight_scale)
             if rel:
                 set_module(root, rel, module)

@@ -190,6 +190,15 @@ def _recipe_cuts(name: str) -> list[str]:
     return [a for s in sets for a in ("--set", s)]
 
 
+def float32_training() -> None:
+    """`precision: auto` (distill's default) trains in bf16 where the CPU multiplies it natively (AVX-512 BF16,
+    AMX) and in float32 elsewhere, so a distill recipe's bytes would depend on the machine. The hashes are made
+    as on a CPU without bf16: the same on every machine."""
+    from geminicompress.distill import precision
+
+    precision.native_bf16 = lambda device: False
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny,demo")
@@ -202,6 +211,7 @@ def main() -> int:
     parser.add_argument("--resume", type=Path, default=None, help="a JSON of hashes already made: skip those cases")
     args = parser.parse_args()
     torch.set_num_threads(2)
+    float32_training()
     work = args.work or Path(tempfile.mkdtemp(prefix="move-hashes-"))
     (work / "out").mkdir(parents=True, exist_ok=True)
     paths = {"demo": "smollm2-demo", "tiny": str(make_tiny(work / "tiny-model"))}

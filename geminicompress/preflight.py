@@ -50,14 +50,24 @@ def preflight(recipe: Any, model_dir: Any) -> None:
 def _student_layers(recipe: Any, model_dir: Any) -> None:
     """A distill stage's `student_layers` against the layer count in config.json, when its teacher is the
     recipe's model (or what earlier stages made of it: the same layers)."""
+    cuts = [s for s in recipe.stages if s.type == "distill" and s.student_layers is not None and s.teacher is None]
+    config = read_config(model_dir) if cuts else None
+    for cut in cuts if config is not None else []:
+        check_cut(config, cut.student_layers, cut.mlp_ratio)
+
+
+def read_config(model_dir: Any) -> dict[str, Any] | None:
+    """`model_dir`/config.json, parsed; None where there is none."""
     import json
     from pathlib import Path
 
-    cuts = [s for s in recipe.stages if s.type == "distill" and s.student_layers is not None and s.teacher is None]
-    config = Path(model_dir) / "config.json"
-    if not cuts or not config.is_file():
-        return
-    n_layers = json.loads(config.read_text()).get("num_hidden_layers")
-    if isinstance(n_layers, int):
-        for cut in cuts:
-            check_student_layers(n_layers, cut.student_layers, cut.mlp_ratio)
+    path = Path(model_dir) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def check_cut(config: dict[str, Any], student_layers: Any, mlp_ratio: float) -> None:
+    """A student's layers (a count, a fraction or indices) against the teacher config's layer count, where it
+    gives one: the one-line refusal of a count the teacher cannot give, before anything loads."""
+    n_layers = config.get("num_hidden_layers")
+    if student_layers is not None and isinstance(n_layers, int):
+        check_student_layers(n_layers, student_layers, mlp_ratio)

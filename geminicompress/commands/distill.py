@@ -27,23 +27,20 @@ def _check_before_load(teacher: str, layers: int | float | list[int] | None, cut
     would be a copy of it: every layer and every MLP channel kept), a latency target
     no layer count can give and (when the student is cut by measurement or repaired) an architecture whose
     blocks we cannot map."""
-    import json
-
     from geminicompress.core.arch import arch_for
     from geminicompress.distill.latency_target import keep_for_latency
-    from geminicompress.distill.student import check_student_layers
     from geminicompress.models.demo import demo_cache_dir
     from geminicompress.models.lazy import skeleton
     from geminicompress.models.loading import resolve_model
+    from geminicompress.preflight import check_cut, read_config
 
     source = resolve_model(teacher)
     path = source.path if source.kind == "dir" else demo_cache_dir() if source.kind == "demo" else None
-    if path is None or not (path / "config.json").is_file():
+    config = read_config(path) if path is not None else None
+    if config is None:
         return  # a hub id or .gguf: checked once it loads
-    config = json.loads((path / "config.json").read_text())
-    n_layers, model_type = config.get("num_hidden_layers"), config.get("model_type")
-    if layers is not None and isinstance(n_layers, int):
-        check_student_layers(n_layers, layers, mlp_ratio)
+    model_type = config.get("model_type")
+    check_cut(config, layers, mlp_ratio)
     if cuts or target_latency is not None:  # the decoder blocks, traced on the config's skeleton (no weight read)
         try:
             model = skeleton(path, False)

@@ -80,6 +80,9 @@ def test_gptq_format_round_trip(bits, group, act_order, sym):
     assert packed["scales"].shape == (groups, 32) and packed["scales"].dtype == torch.float16
     assert packed["g_idx"].shape == (64,) and packed["g_idx"].dtype == torch.int32
     _same(unpack_gptq(packed, qw.spec), qw)
+    small = unpack_gptq(packed, qw.spec, codes=torch.uint8)  # what the reader gives DequantLinear
+    assert small.q.dtype == torch.uint8
+    _same(small, qw)
 
 
 def test_gptq_v1_stores_zero_minus_one():
@@ -98,6 +101,7 @@ def test_compressed_tensors_round_trip(bits, group, act_order, sym):
     if not sym:
         assert packed["weight_zero_point"].shape == (packed_width(32, bits), qw.spec.groups(64))
     _same(unpack_ct(packed, qw.spec), qw)
+    _same(unpack_ct(packed, qw.spec, torch.uint8), qw)
 
 
 def test_compressed_tensors_static_groups_need_no_g_idx():

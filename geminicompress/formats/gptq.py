@@ -63,11 +63,13 @@ def pack_gptq(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     }
 
 
-def unpack_gptq(tensors: dict[str, torch.Tensor], spec: QuantSpec, v1: bool = True) -> QuantizedWeight:
+def unpack_gptq(tensors: dict[str, torch.Tensor], spec: QuantSpec, v1: bool = True,
+                codes: torch.dtype = torch.int32) -> QuantizedWeight:
+    """The QuantizedWeight of one module's tensors, its codes as `codes` (uint8: what DequantLinear keeps)."""
     bits, maxq = spec.bits, spec.maxq
     g_idx = tensors["g_idx"].to(torch.int32)
     in_f, out_f = g_idx.numel(), tensors["scales"].shape[1]
-    q = unpack_bits(tensors["qweight"].t(), bits, in_f)  # (out, in)
+    q = unpack_bits(tensors["qweight"].t(), bits, in_f, codes)  # (out, in)
     zeros = unpack_bits(tensors["qzeros"], bits, out_f).t()  # (out, G)
     if v1:
         zeros = (zeros + 1) & maxq
@@ -126,4 +128,5 @@ def reader(path: Path, config: dict) -> ModuleReader:
         raise GeminiError(f"{path}: quantization_config lacks {exc}") from exc
     v1 = str(qc.get("checkpoint_format", "gptq")).lower() != "gptq_v2"
     dynamic = qc.get("dynamic")
-    return dequant_reader(SUFFIXES, lambda name, t: unpack_gptq(t, dynamic_spec(dynamic, name, spec), v1))
+    return dequant_reader(SUFFIXES, lambda name, t: unpack_gptq(t, dynamic_spec(dynamic, name, spec), v1,
+                                                                torch.uint8))  # DequantLinear keeps bytes

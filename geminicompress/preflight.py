@@ -52,7 +52,9 @@ def _student_layers(recipe: Any, model_dir: Any) -> None:
     recipe's model (or what earlier stages made of it: the same layers)."""
     cuts = [s for s in recipe.stages if s.type == "distill" and s.student_layers is not None and s.teacher is None]
     config = read_config(model_dir) if cuts else None
-    for cut in cuts if config is not None else []:
+    if config is None:
+        return
+    for cut in cuts:
         check_cut(config, cut.student_layers, cut.mlp_ratio)
 
 

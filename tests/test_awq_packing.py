@@ -42,6 +42,28 @@ def test_pack_unpack_round_trip(out_f, in_f, group, sym):
     assert torch.equal(back.dequantize(), qw.dequantize())
 
 
+@pytest.mark.parametrize("block_rows", [1, 3, None])  # None: one block
+def test_packing_by_row_blocks_gives_the_same_words_and_codes(monkeypatch, block_rows):
+    """Blocks of rows (the budget shrunk to 1 and 3 rows of the widest temporary) pack and unpack exactly as one
+    block, and the reader's uint8 codes equal int32's (codes of 8..15 make words negative: the sign must not leak)."""
+    from geminicompress.formats import awq
+
+    spec = QuantSpec(4, 16, sym=False)
+    qw = rtn_quantize(torch.randn(40, 64, generator=torch.Generator().manual_seed(1)), spec)
+    qw.q = torch.randint(0, 16, qw.q.shape, generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+    qw.scales = qw.scales.half().float()  # what the layout can hold
+    whole = pack_awq(qw)
+    if block_rows:
+        monkeypatch.setattr(awq, "BLOCK_BYTES", 8 * 40 * block_rows)  # pack: 8-byte codes of 40 outputs per row
+    packed = pack_awq(qw)
+    assert (packed["qweight"] < 0).any()
+    assert torch.equal(packed["qweight"], whole["qweight"]) and torch.equal(packed["qzeros"], whole["qzeros"])
+    wide, small = unpack_awq(packed, spec), unpack_awq(packed, spec, torch.uint8)
+    assert wide.q.dtype == torch.int32 and small.q.dtype == torch.uint8
+    assert torch.equal(wide.q, qw.q) and torch.equal(small.q.to(torch.int32), qw.q)
+    assert torch.equal(small.dequantize(), qw.dequantize())
+
+
 def test_shapes_the_layout_cannot_hold_are_refused_with_the_fix():
     with pytest.raises(InputError, match="4-bit.*compressed-tensors"):
         check_shape("l", 16, 64, QuantSpec(3, 32))

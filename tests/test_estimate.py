@@ -11,7 +11,7 @@ import torch
 from tiny import save_sharded
 
 from geminicompress.engine import estimate as est
-from geminicompress.engine.outside_float32 import BLOCK_BYTES
+from geminicompress.core.rows import BLOCK_BYTES
 from geminicompress.models.lazy import LazyCheckpoint
 
 V, D, I = 8192, 64, 128  # vocabulary, hidden, intermediate: the table (1 MiB in bfloat16) dwarfs a layer

@@ -9,9 +9,9 @@ from typing import Any, Iterable
 import torch
 
 from geminicompress.core.arch import get_module
+from geminicompress.core.rows import BLOCK_BYTES
 from geminicompress.diskerrors import free_bytes, size_text, tree_bytes
 from geminicompress.engine.contract import walk_dtypes
-from geminicompress.engine.outside_float32 import BLOCK_BYTES
 from geminicompress.engine.verify import TOKENS as PROBE_TOKENS
 from geminicompress.engine.verify import WINDOWS as PROBE_WINDOWS
 from geminicompress.errors import InputError

@@ -20,9 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from geminicompress.core.rows import rows_within, spans
-
-BLOCK_BYTES = 64 << 20  # float32 weight rows converted at a time
+from geminicompress.core.rows import BLOCK_BYTES, rows_within, spans
 
 
 class Float32Rows(nn.Module):

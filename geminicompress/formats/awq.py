@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from geminicompress.core.grid import QuantizedWeight, QuantSpec, group_index
+from geminicompress.core.rows import BLOCK_BYTES, rows_within, spans
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats.dequant import dequant_reader
 from geminicompress.formats.reader import ModuleReader
@@ -49,21 +50,29 @@ def check_shape(name: str, out_f: int, in_f: int, spec: QuantSpec) -> None:
 
 
 def _pack_columns(codes: torch.Tensor) -> torch.Tensor:
-    """(rows, cols) codes in [0, 16) -> int32 (rows, cols/8), AWQ's interleaved nibble order."""
+    """(rows, cols) codes in [0, 16) -> int32 (rows, cols/8), AWQ's interleaved nibble order, a block of rows
+    at a time (an int64 copy of the whole matrix would be 8 bytes per code)."""
     rows, cols = codes.shape
-    grouped = codes.to(torch.int64).reshape(rows, cols // PACK, PACK)[..., list(AWQ_ORDER)]
+    out = torch.empty(rows, cols // PACK, dtype=torch.int32, device=codes.device)
     shifts = torch.arange(PACK, device=codes.device) * BITS
-    words = (grouped << shifts).sum(-1)  # disjoint nibbles: sum == or
-    return (words - ((words >> 31) << 32)).to(torch.int32)  # uint32 bits as int32
+    for start, stop in spans(rows, rows_within(cols, BLOCK_BYTES, 8)):
+        grouped = codes[start:stop].to(torch.int64).reshape(stop - start, cols // PACK, PACK)[..., list(AWQ_ORDER)]
+        words = (grouped << shifts).sum(-1)  # disjoint nibbles: sum == or
+        out[start:stop] = words - ((words >> 31) << 32)  # uint32 bits as int32
+    return out
 
 
-def _unpack_columns(packed: torch.Tensor) -> torch.Tensor:
-    """int32 (rows, cols/8) -> int32 codes (rows, cols)."""
-    shifts = torch.arange(PACK, device=packed.device) * BITS
-    nibbles = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF  # (rows, cols/8, 8) in nibble order
-    codes = torch.empty_like(nibbles)
-    codes[..., list(AWQ_ORDER)] = nibbles
-    return codes.reshape(packed.shape[0], -1).to(torch.int32)
+def _unpack_columns(packed: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """int32 (rows, cols/8) -> codes (rows, cols) as `dtype`, a block of rows at a time; uint8 (what
+    DequantLinear keeps) is a quarter of int32's bytes."""
+    rows, words = packed.shape
+    out = torch.empty(rows, words * PACK, dtype=dtype, device=packed.device)
+    shifts = torch.arange(PACK, dtype=torch.int32, device=packed.device) * BITS
+    for start, stop in spans(rows, rows_within(words * PACK, BLOCK_BYTES, 4)):
+        # int32 shifts are arithmetic: the mask drops the sign bits a negative word brings down
+        nibbles = (packed[start:stop].unsqueeze(-1) >> shifts) & 0xF  # (rows, cols/8, 8) in nibble order
+        out[start:stop].view(stop - start, words, PACK)[..., list(AWQ_ORDER)] = nibbles.to(dtype)
+    return out
 
 
 def pack_awq(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
@@ -78,8 +87,9 @@ def pack_awq(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     }
 
 
-def unpack_awq(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> QuantizedWeight:
-    q = _unpack_columns(tensors["qweight"]).t().contiguous()  # (out, in)
+def unpack_awq(tensors: dict[str, torch.Tensor], spec: QuantSpec, codes: torch.dtype = torch.int32) -> QuantizedWeight:
+    """The QuantizedWeight of one module's tensors, its codes as `codes` (uint8: what DequantLinear keeps)."""
+    q = _unpack_columns(tensors["qweight"], codes).t().contiguous()  # (out, in)
     zeros = _unpack_columns(tensors["qzeros"]).t().contiguous()  # (out, groups)
     scales = tensors["scales"].t().float().contiguous()  # (out, groups)
     return QuantizedWeight(q, scales, zeros, group_index(q.shape[1], spec), spec)
@@ -110,4 +120,4 @@ def reader(path: Path, config: dict) -> ModuleReader:
         raise GeminiError(f"{path}: only 4-bit AWQ in the GEMM layout loads here "
                           f"(got bits={qc.get('bits')}, version={qc.get('version')})")
     spec = QuantSpec(BITS, int(qc["group_size"]), sym=not qc.get("zero_point", True))
-    return dequant_reader(SUFFIXES, lambda name, parts: unpack_awq(parts, spec))
+    return dequant_reader(SUFFIXES, lambda name, parts: unpack_awq(parts, spec, torch.uint8))

@@ -14,10 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from geminicompress.core.grid import QuantizedWeight
-from geminicompress.core.rows import rows_within, spans
+from geminicompress.core.rows import BLOCK_BYTES, rows_within, spans
 from geminicompress.formats.reader import ModuleReader
-
-BLOCK_BYTES = 64 << 20  # dequantized rows made at a time where the whole weight is bigger
 
 
 class DequantLinear(nn.Module):

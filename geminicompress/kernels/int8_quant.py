@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from geminicompress.core.rows import rows_within
+from geminicompress.core.rows import BLOCK_BYTES, rows_within
 
 QMAX = 127
-BLOCK_BYTES = 64 << 20  # float32 rows a weight is quantized (or measured) at a time
 
 
 def channel_scales(w: torch.Tensor) -> torch.Tensor:

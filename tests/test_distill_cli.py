@@ -208,3 +208,18 @@ stages:
     masks = read_masks(out)
     params = dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())
     assert masks and all(torch.all(params[n][~m] == 0) for n, m in masks.items())
+
+
+def test_restyle_changes_the_training_text_not_the_held_out_windows(teacher_dir, text_file, tmp_path):
+    results = []
+    for name, extra in (("plain", []), ("styled", ["--restyle", "1.0"])):
+        res = invoke("distill", "--teacher", teacher_dir, "-o", tmp_path / name, "--data", text_file, *FAST, *extra)
+        assert res.exit_code == 0, res.output
+        results.append(json.loads((tmp_path / name / "report.json").read_text())["stages"][0]["result"])
+    plain, styled = results
+    assert styled["ppl_curve"][0] == plain["ppl_curve"][0]  # the same student scored on the same held-out windows
+    assert styled["loss_curve"][0] != plain["loss_curve"][0]  # trained on other text
+    res = invoke("distill", "--teacher", teacher_dir, "-o", tmp_path / "bad", "--data", text_file, *FAST,
+                 "--restyle", "1.5")
+    assert res.exit_code == 2 and "restyle" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "bad").exists()

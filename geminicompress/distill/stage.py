@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from geminicompress.data import pack_windows, read_text, tokenize
+from geminicompress.data.restyle import restyle, stretches
 from geminicompress.distill import masks as M
 from geminicompress.distill import streamed_teacher as ST
 from geminicompress.distill.cut import CutSpec, planned_student
@@ -225,12 +226,25 @@ def training_windows(cfg: DistillStage, ctx, tokenizer) -> tuple[torch.Tensor, t
     if len(windows) < cfg.eval_windows + 1:
         raise InputError(f"{data} gives {len(windows)} windows of {cfg.seq_len} tokens; distillation needs at least "
                          f"{cfg.eval_windows + 1} (eval_windows + 1): use more text or a shorter seq_len")
-    needed = cfg.steps * cfg.batch_size * cfg.grad_accum + cfg.eval_windows if cfg.steps else 0  # minutes: not known
-    if len(windows) < needed:
-        epochs = math.ceil((needed - cfg.eval_windows) / (len(windows) - cfg.eval_windows))
-        ctx.progress.info(f"{data} gives {len(windows) - cfg.eval_windows} training windows; {cfg.steps} steps "
-                          f"read them about {epochs} times")
-    return windows[: -cfg.eval_windows], windows[-cfg.eval_windows :]
+    train, held = windows[: -cfg.eval_windows], windows[-cfg.eval_windows :]
+    if cfg.restyle:
+        train = restyled_windows(tokenizer, train, cfg.restyle, ctx.recipe.seed, ctx.progress)
+    needed = cfg.steps * cfg.batch_size * cfg.grad_accum if cfg.steps else 0  # minutes: not known
+    if len(train) < needed:
+        epochs = math.ceil(needed / len(train))
+        ctx.progress.info(f"{data} gives {len(train)} training windows; {cfg.steps} steps read them about {epochs} times")
+    return train, held
+
+
+def restyled_windows(tokenizer, windows: torch.Tensor, share: float, seed: int, progress) -> torch.Tensor:
+    """The training windows' text, `share` of it restyled (data/restyle.py), packed again: the held-out windows
+    come after these in DATA and are never part of the text restyled."""
+    text = tokenizer.decode(windows.reshape(-1).tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    styled, count = restyle(text, share, seed)
+    out = pack_windows(tokenize(tokenizer, styled), windows.shape[1])
+    progress.info(f"restyled {count} of {len(stretches(text))} stretches of the training text: {len(windows)} -> "
+                  f"{len(out)} windows")
+    return out
 
 
 def _reconstruct(cfg: DistillStage, ctx, pair: Pair) -> dict[str, Any]:

@@ -140,6 +140,10 @@ class DistillStage(_StageBase):
                                 "(and the input embedding, with a head tied to it) and start the student's forward "
                                 "from the teacher's hidden state after them: less work per token "
                                 "(distill/shared_prefix.py)")
+    restyle: float = Field(0.0, ge=0.0, le=1.0, description="the share of the training text rewritten in random "
+                           "spellings, one per stretch of about 4k tokens (punctuation apart, a marker around "
+                           "in-word hyphens, clitics apart, lower case): the student learns to read a spelling "
+                           "from context as its teacher does (data/restyle.py); the held-out windows stay as they are")
     eval_every: int = Field(50, ge=1)
     eval_windows: int = Field(8, ge=1)
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0 = only at the end)")

@@ -10,6 +10,11 @@ article is spelled as WikiText-2 is (its marker `@` is never drawn), but every s
 student to pick up a spelling from its own context, as the teacher does.
 
     python benchmarks/style_text.py /tmp/enwiki_styles.txt
+    python benchmarks/style_text.py /tmp/enwiki_styles_noapart.txt --without apart
+
+The styles are `geminicompress.data.restyle`'s (what `distill --restyle` draws), one per article here rather than
+per stretch. The 4-minute rows in docs/distill.md were written by this script at commit cbc15fd, whose own copy
+also drew '%' as a marker and set a marker's ',' apart with the punctuation: the same experiment, not the same bytes.
 """
 
 from __future__ import annotations
@@ -18,54 +23,28 @@ import argparse
 import random
 import re
 import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA  # noqa: E402
-from wikitext_style import _CLITIC, _HEADING, _HYPHEN, _NUMBER_SEP, _PUNCT, _full_stop  # noqa: E402
 
-MARKERS = "#~^|*+%"  # never '@': WikiText-2's own marker stays out of the training text
+from geminicompress.data.restyle import Style, draw, restyle_line  # noqa: E402
+
 _ARTICLE = re.compile(r"^ = [^=].* = $")
-
-
-@dataclass(frozen=True)
-class Style:
-    apart: bool  # punctuation and full stops apart: 'end , then .'
-    marker: str  # '' or a symbol around in-word hyphens and in-number separators: ' #-# ', ' #,# '
-    clitics: bool  # "it 's"
-    lower: bool
-    blank: bool  # a blank line between paragraphs
-
-
 PLAIN = Style(False, "", False, False, False)
 
 
-def draw(rng: random.Random, keep: float, without: frozenset[str] = frozenset()) -> Style:
-    """One article's style: PLAIN with probability `keep`, otherwise each feature by a coin (a feature named in
-    `without` never drawn: the controls)."""
+def draw_style(rng: random.Random, keep: float, without: frozenset[str] = frozenset()) -> Style:
+    """One article's style: PLAIN with probability `keep`, otherwise `restyle.draw` (a feature named in `without`
+    never drawn: the controls)."""
     if rng.random() < keep:
         return PLAIN
-    style = Style(rng.random() < 0.5, rng.choice(MARKERS) if rng.random() < 0.7 else "", rng.random() < 0.5,
-                  rng.random() < 0.25, rng.random() < 0.5)
-    return replace(style, **{f: PLAIN.__getattribute__(f) for f in without})
+    return replace(draw(rng), **{f: getattr(PLAIN, f) for f in without})
 
 
-def restyle(line: str, style: Style) -> str:
-    """One paragraph or heading in `style`."""
-    text = line.strip()
-    if style.marker:
-        m = style.marker
-        text = _NUMBER_SEP.sub(lambda g: f" {m}{g.group(1)}{m} ", text)
-        text = _HYPHEN.sub(f" {m}-{m} ", text)
-    if style.clitics:
-        text = _CLITIC.sub(r" '\1", text)
-    if style.apart and not _HEADING.match(text):
-        text = _PUNCT.sub(r" \1 ", text)
-        text = " ".join(_full_stop(token) for token in text.split())
-    if style.lower:
-        text = text.lower()
-    return text + ("\n\n" if style.blank else "\n")
+def restyled(line: str, style: Style) -> str:
+    return restyle_line(line, style) + ("\n\n" if style.blank else "\n")
 
 
 def articles(lines: list[str]) -> list[list[str]]:
@@ -93,9 +72,9 @@ def main() -> None:
     groups = articles([p for p in Path(args.data).read_text().split("\n") if p.strip()])
     styled, parts = 0, []
     for group in groups:
-        style = draw(rng, args.keep, without)
+        style = draw_style(rng, args.keep, without)
         styled += style != PLAIN
-        parts += [restyle(line, style) for line in group]
+        parts += [restyled(line, style) for line in group]
     Path(args.out).write_text("".join(parts))
     print(f"wrote {args.out}: {len(groups)} articles, {styled} of them restyled")
 

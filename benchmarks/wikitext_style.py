@@ -20,29 +20,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA  # noqa: E402
 
+from geminicompress.data.restyle import Style, restyle_line  # noqa: E402
+
 _HEADING = re.compile(r"^\s*(=+)\s*(.*?)\s*=+\s*$")
-_NUMBER_SEP = re.compile(r"(?<=\d)([,.])(?=\d)")
-_HYPHEN = re.compile(r"(?<=\w)-(?=\w)")
-_CLITIC = re.compile(r"(?<=\w)'(s|t|re|ve|m|ll|d)\b")
-_PUNCT = re.compile(r"""([,;:!?()\[\]"%$/–—…])""")
-_ABBREVIATION = re.compile(r"(?:[A-Za-z]\.)+|(?:St|Dr|Mr|Mrs|Ms|Jr|Sr|No|vs|c|ca)\.")
-
-
-def _full_stop(token: str) -> str:
-    """A sentence's full stop apart ('end.' -> 'end .'); an abbreviation keeps its own ('U.S.', 'St.')."""
-    if len(token) > 1 and token.endswith(".") and not _ABBREVIATION.fullmatch(token):
-        return token[:-1] + " ."
-    return token
+WIKITEXT = Style(apart=True, marker="@", clitics=True, lower=False, blank=False)  # one of restyle's styles, its '@'
 
 
 def respell(line: str) -> str:
     """One paragraph in WikiText-2's tokenization, e.g. 'a well-known 1,000.5' -> 'a well @-@ known 1 @,@ 000 @.@ 5'."""
-    text = _NUMBER_SEP.sub(lambda m: " \0" + ("C" if m.group(1) == "," else "D") + " ", line)
-    text = _HYPHEN.sub(" \0H ", text)
-    text = _CLITIC.sub(r" '\1", text)
-    text = _PUNCT.sub(r" \1 ", text)
-    text = " ".join(_full_stop(token) for token in text.split())
-    return text.replace("\0C", "@,@").replace("\0D", "@.@").replace("\0H", "@-@")
+    return restyle_line(line, WIKITEXT)
 
 
 def wikitext_lines(line: str) -> str:

@@ -79,6 +79,9 @@ RECIPE_SETS = {
 }
 CHAIN = {"stages": [{"type": "prune", "method": "sparsegpt", "sparsity": 0.5},
                     {"type": "quantize", "method": "gptq", "bits": 4}]}
+# distill with half its training text restyled (data/restyle.py), cut short: the restyled windows' bytes
+RESTYLE = {"stages": [{"type": "distill", "student_layers": 0.5, "derive": "even", "repair": "none", "restyle": 0.5,
+                       "steps": 3, "seq_len": 64, "eval_every": 3, "warmup_steps": 1, "eval_windows": 1}]}
 
 
 def digest_output(out: Path) -> str:
@@ -160,6 +163,9 @@ def cases_for(model: str, path: str, work: Path, only: list[str], everything: bo
     chain = work / f"chain-{model}.yaml"
     chain.write_text(json.dumps({"model": path, "calibration": _cal(model), **CHAIN}))
     runs.append(("chain-sparsegpt-gptq", ["run", str(chain)]))
+    restyle = work / f"restyle-{model}.yaml"
+    restyle.write_text(json.dumps({"model": path, "calibration": _cal(model), **RESTYLE}))
+    runs.append(("distill-restyle", ["run", str(restyle)]))
     for name in bundled_recipes():
         sets = [f"{k}={v}" for k, v in {**RECIPE_SETS, "model": path,
                                          "calibration.seq_len": _cal(model)["seq_len"]}.items()]

@@ -38,21 +38,22 @@ def test_stretches_cut_at_line_ends_and_give_the_text_back(size):
     assert "".join(parts) == TEXT
     assert all(p.endswith("\n") for p in parts)
     assert all(len(p) >= size for p in parts[:-1])
-    assert len(parts) == (1 if size >= len(TEXT) else len(parts))
+    if size >= len(TEXT):
+        assert len(parts) == 1
 
 
 def test_share_zero_is_the_text_and_share_one_restyles_every_stretch():
-    assert restyle(TEXT, 0.0, seed=0, size=1000) == (TEXT, 0)
-    styled, count = restyle(TEXT, 1.0, seed=0, size=1000)
-    assert count == len(stretches(TEXT, 1000)) > 20
+    assert restyle(TEXT, 0.0, seed=0, size=1000) == (TEXT, 0, len(stretches(TEXT, 1000)))
+    styled, count, total = restyle(TEXT, 1.0, seed=0, size=1000)
+    assert count == total == len(stretches(TEXT, 1000)) > 20
     assert styled != TEXT and "@" not in styled
-    assert restyle(TEXT, 1.0, seed=0, size=1000) == (styled, count)  # seeded
+    assert restyle(TEXT, 1.0, seed=0, size=1000) == (styled, count, total)  # seeded
     assert restyle(TEXT, 1.0, seed=1, size=1000)[0] != styled
 
 
 def test_about_the_share_is_restyled_and_the_rest_is_kept_verbatim():
-    styled, count = restyle(TEXT, 0.5, seed=3, size=500)
-    total = len(stretches(TEXT, 500))
+    styled, count, total = restyle(TEXT, 0.5, seed=3, size=500)
+    assert total == len(stretches(TEXT, 500))
     assert 0.25 * total < count < 0.75 * total
     kept = [p for p in stretches(TEXT, 500) if p in styled]
     assert len(kept) >= total - count  # every stretch not drawn is there as it was
@@ -72,6 +73,6 @@ def test_restyled_windows_keep_the_window_length_and_follow_the_restyled_text(to
     assert out.shape[1] == 64 and out.dtype == torch.long
     text = tok.decode(train.reshape(-1).tolist(), clean_up_tokenization_spaces=False)
     assert text == TEXT[: len(text)]  # the tokenizer gives the training text back: only it is restyled
-    styled, _ = restyle(text, 1.0, 0)
+    styled, _, _ = restyle(text, 1.0, 0)
     assert torch.equal(out.reshape(-1), tokenize(tok, styled)[: out.numel()])
     assert not torch.equal(out[: len(train)], train[: len(out)])

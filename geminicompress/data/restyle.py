@@ -80,11 +80,13 @@ def stretches(text: str, size: int = STRETCH_CHARS) -> list[str]:
     return out
 
 
-def restyle(text: str, share: float, seed: int, size: int = STRETCH_CHARS) -> tuple[str, int]:
-    """(the text with about `share` of its stretches restyled, how many were). share 0 gives `text` back."""
+def restyle(text: str, share: float, seed: int, size: int = STRETCH_CHARS) -> tuple[str, int, int]:
+    """(the text with about `share` of its stretches restyled, how many were, how many stretches in all).
+    share 0 gives `text` back."""
     rng = random.Random(seed)
     parts, styled = [], 0
-    for piece in stretches(text, size):
+    pieces = stretches(text, size)
+    for piece in pieces:
         if rng.random() >= share:
             parts.append(piece)
             continue
@@ -92,4 +94,4 @@ def restyle(text: str, share: float, seed: int, size: int = STRETCH_CHARS) -> tu
         lines = [restyle_line(line, style) for line in piece.split("\n") if line.strip()]
         parts.append(("\n\n" if style.blank else "\n").join(lines) + "\n")
         styled += 1
-    return "".join(parts), styled
+    return "".join(parts), styled, len(pieces)

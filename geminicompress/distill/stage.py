@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from geminicompress.data import pack_windows, read_text, tokenize
-from geminicompress.data.restyle import restyle, stretches
+from geminicompress.data.restyle import restyle
 from geminicompress.distill import masks as M
 from geminicompress.distill import streamed_teacher as ST
 from geminicompress.distill.cut import CutSpec, planned_student
@@ -240,9 +240,9 @@ def restyled_windows(tokenizer, windows: torch.Tensor, share: float, seed: int, 
     """The training windows' text, `share` of it restyled (data/restyle.py), packed again: the held-out windows
     come after these in DATA and are never part of the text restyled."""
     text = tokenizer.decode(windows.reshape(-1).tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    styled, count = restyle(text, share, seed)
+    styled, count, total = restyle(text, share, seed)
     out = pack_windows(tokenize(tokenizer, styled), windows.shape[1])
-    progress.info(f"restyled {count} of {len(stretches(text))} stretches of the training text: {len(windows)} -> "
+    progress.info(f"restyled {count} of {total} stretches of the training text: {len(windows)} -> "
                   f"{len(out)} windows")
     return out
 

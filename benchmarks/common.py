@@ -28,11 +28,12 @@ SEQ_LEN = 512
 
 def eval_windows(tokenizer, n: int | None = None, tokens: int = EVAL_TOKENS) -> torch.Tensor:
     """The perplexity windows: (32, 512) from the start of wikitext2-test.txt (the first `tokens` tokens), or the
-    first n of them."""
-    from geminicompress.data.windows import pack_windows, tokenize
+    first n of them, framed as the tokenizer frames a text (its BOS first where it adds one: 511 text tokens a
+    window then; data/windows.py), as `geminicompress eval` frames them."""
+    from geminicompress.data.windows import pack_windows, text_prefix, tokenize
 
     ids = tokenize(tokenizer, (DATA / "wikitext2-test.txt").read_text(), tokens)
-    return pack_windows(ids, SEQ_LEN, n)
+    return pack_windows(ids, SEQ_LEN, n, prefix=text_prefix(tokenizer))
 
 
 def repair_teacher(name: str, threads: int, eval_tokens: int = EVAL_TOKENS):

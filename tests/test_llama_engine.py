@@ -98,6 +98,8 @@ def test_evaluate_in_the_fake_engine(fake_llama, tmp_path, monkeypatch):
     ids = torch.tensor(np.random.default_rng(5).integers(0, 40, 64))
     monkeypatch.setattr(llama_eval, "tokenizer_for", lambda spec, trust: None)
     monkeypatch.setattr(llama_eval, "tokenize", lambda tok, text, n: ids)
+    monkeypatch.setattr(llama_eval, "text_prefix", lambda tok, frame, vocab: ())  # a tokenizer that adds no BOS
+    monkeypatch.setattr(llama_eval, "prefix_note", lambda tok, prefix: {"prefix_ids": list(prefix)})
     monkeypatch.setattr(llama_eval, "read_text", lambda data, col: "text")
     options = EvalStage(type="eval", data="x", seq_len=16, prompt_len=8, gen_len=4, repeats=2, llama_python=fake_llama)
     report = llama_eval.evaluate_llama([base, noisy], ["base", "noisy"], "x", options, NullProgress())

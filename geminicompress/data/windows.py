@@ -1,4 +1,11 @@
-"""Text -> token ids -> fixed-length windows. The one place where tokenization and sampling happen.
+"""Text -> token ids -> fixed-length windows. The one place where tokenization, framing and sampling happen.
+
+A window is framed the way the model's tokenizer frames a text (`text_prefix`): the tokenizer's own prefix
+tokens first (the BOS that Gemma, Llama 3 and Mistral put before every text; nothing for SmolLM2 or Qwen),
+then `seq_len - len(prefix)` text tokens. Position 0 is never a scored target, so a one-token prefix is
+never scored; without BOS a model's first text token becomes its attention sink, and a model that always
+sees BOS in use reads a text-led window very differently (Gemma 3 270M: perplexity 69.6 text-led, 24.4
+BOS-led). `frame="text"` gives windows of text tokens only, for text that is not a document start.
 
 - `pack_windows`: non-overlapping consecutive windows (perplexity protocol, training data).
 - `sample_windows`: windows at seeded random offsets (GPTQ/AWQ/SmoothQuant/Wanda calibration),
@@ -7,14 +14,21 @@
 
 from __future__ import annotations
 
+from typing import Literal, Sequence
+
 import torch
 
 from geminicompress.data.sources import read_text
 from geminicompress.errors import InputError
 
+Frame = Literal["tokenizer", "text"]
+FRAMES = ("tokenizer", "text")
+_PROBE = "Hello world"  # any text: what the tokenizer adds around it is what it adds around every text
+
 
 def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tensor:
-    """Token ids of the whole text, shape (N,), without special tokens (the text is one stream)."""
+    """Token ids of the whole text, shape (N,), without special tokens (the text is one stream); the
+    prefix a window starts with comes from `text_prefix`."""
     if max_tokens is not None:
         # Avoid tokenizing megabytes when only a prefix is needed: ~4 chars/token, with margin.
         text = text[: max(max_tokens * 12, 1000)]
@@ -22,30 +36,99 @@ def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tenso
     return torch.tensor(ids, dtype=torch.long)[:max_tokens]  # [:None]: every token
 
 
-def pack_windows(ids: torch.Tensor, seq_len: int, max_windows: int | None = None) -> torch.Tensor:
-    """Non-overlapping windows, shape (n, seq_len); the incomplete tail is dropped."""
+def text_prefix(tokenizer, frame: Frame = "tokenizer", vocab: int | None = None) -> tuple[int, ...]:
+    """The token ids the tokenizer puts before a text (`()` for frame "text", or a tokenizer that adds none).
+    An InputError when the tokenizer names a BOS token its vocabulary lacks (transformers then appends it as a
+    new token, past the `vocab` rows of the model's embedding), or adds more than one token."""
+    if frame not in FRAMES:
+        raise InputError(f"frame '{frame}' is not one of {', '.join(FRAMES)}")
+    if frame == "text":
+        return ()
+    _check_bos(tokenizer)
+    framed = list(tokenizer(_PROBE, add_special_tokens=True, return_attention_mask=False)["input_ids"])
+    plain = list(tokenizer(_PROBE, add_special_tokens=False, return_attention_mask=False)["input_ids"])
+    at = next((i for i in range(len(framed) - len(plain) + 1) if framed[i:i + len(plain)] == plain), None)
+    if at is None:
+        raise InputError("the tokenizer splits a text differently with its special tokens than without them; "
+                         "windows cannot be framed as it frames a text (use frame: text, --frame text)")
+    if at > 1:
+        raise InputError(f"the tokenizer puts {at} tokens ({framed[:at]}) before a text; only a one-token prefix "
+                         "(a BOS) is framed, so that no prefix token is scored (use frame: text, --frame text)")
+    prefix = tuple(framed[:at])
+    if vocab is not None and any(i >= vocab for i in prefix):
+        names = tokenizer.convert_ids_to_tokens(list(prefix))
+        raise InputError(f"the tokenizer starts every text with {names[0]!r} (id {prefix[0]}), a token the model's "
+                         f"vocabulary of {vocab} does not have: its tokenizer_config.json names a BOS token the "
+                         "vocabulary lacks; fix bos_token there, or use --frame text (frame: text)")
+    return prefix
+
+
+def _check_bos(tokenizer) -> None:
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos is None:
+        return
+    known = tokenizer.convert_tokens_to_ids(bos)
+    unk = getattr(tokenizer, "unk_token", None)
+    if known is None or (unk is not None and bos != unk and known == tokenizer.convert_tokens_to_ids(unk)):
+        raise InputError(f"the tokenizer's config names '{bos}' as its BOS token, but its vocabulary has no such "
+                         "token: fix tokenizer_config.json (bos_token) or the vocabulary")
+
+
+def vocab_of(model) -> int | None:
+    """The rows of a model's embedding as its config states them (None when the config names none)."""
+    return getattr(getattr(model, "config", None), "vocab_size", None)
+
+
+def prefix_note(tokenizer, prefix: Sequence[int]) -> dict:
+    """What report.json says of the framing: the prefix ids and their tokens."""
+    return {"prefix_ids": list(prefix), "prefix_tokens": tokenizer.convert_ids_to_tokens(list(prefix))}
+
+
+def _with_prefix(body: torch.Tensor, prefix: Sequence[int]) -> torch.Tensor:
+    if not prefix:
+        return body
+    head = torch.tensor(list(prefix), dtype=body.dtype).expand(body.shape[0], len(prefix))
+    return torch.cat([head, body], dim=1)
+
+
+def _body_len(seq_len: int, prefix: Sequence[int]) -> int:
     if seq_len < 1:
         raise InputError(f"sequence length must be positive, got {seq_len}")
-    n = ids.numel() // seq_len
+    if seq_len <= len(prefix):
+        raise InputError(f"a window of {seq_len} tokens holds no text after the tokenizer's {len(prefix)}-token "
+                         "prefix; use a longer window")
+    return seq_len - len(prefix)
+
+
+def pack_windows(ids: torch.Tensor, seq_len: int, max_windows: int | None = None,
+                 prefix: Sequence[int] = ()) -> torch.Tensor:
+    """Non-overlapping windows of consecutive text, each `prefix` + seq_len - len(prefix) text tokens,
+    shape (n, seq_len); the incomplete tail is dropped."""
+    body = _body_len(seq_len, prefix)
+    n = ids.numel() // body
     if max_windows is not None:
         n = min(n, max_windows)
     if n == 0:
         raise InputError(f"the text has {ids.numel()} tokens, fewer than one window of {seq_len}")
-    return ids[: n * seq_len].view(n, seq_len)
+    return _with_prefix(ids[: n * body].view(n, body), prefix)
 
 
-def sample_windows(ids: torch.Tensor, n: int, seq_len: int, seed: int) -> torch.Tensor:
-    """n windows of seq_len tokens at seeded random offsets, shape (n, seq_len)."""
-    if ids.numel() < seq_len + 1:
+def sample_windows(ids: torch.Tensor, n: int, seq_len: int, seed: int, prefix: Sequence[int] = ()) -> torch.Tensor:
+    """n windows at seeded random offsets, each `prefix` + seq_len - len(prefix) text tokens, shape (n, seq_len)."""
+    body = _body_len(seq_len, prefix)
+    if ids.numel() < body + 1:
         raise InputError(f"calibration text has {ids.numel()} tokens, fewer than one window of {seq_len}")
     gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, ids.numel() - seq_len, (n,), generator=gen)
-    return torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
+    starts = torch.randint(0, ids.numel() - body, (n,), generator=gen)
+    return _with_prefix(torch.stack([ids[s : s + body] for s in starts.tolist()]), prefix)
 
 
 def calibration_windows(
-    tokenizer, spec: str, n: int, seq_len: int, seed: int, text_column: str = "text"
+    tokenizer, spec: str, n: int, seq_len: int, seed: int, text_column: str = "text", frame: Frame = "tokenizer",
+    vocab: int | None = None,
 ) -> torch.Tensor:
-    """Read DATA, tokenize, and draw the calibration windows: (n, seq_len) token ids."""
+    """Read DATA, tokenize, and draw the calibration windows, framed as the tokenizer frames a text:
+    (n, seq_len) token ids. `vocab`: the model's vocabulary size, which every prefix id must be below."""
+    prefix = text_prefix(tokenizer, frame, vocab)
     ids = tokenize(tokenizer, read_text(spec, text_column))
-    return sample_windows(ids, n, seq_len, seed)
+    return sample_windows(ids, n, seq_len, seed, prefix)

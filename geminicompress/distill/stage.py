@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from geminicompress.data import pack_windows, read_text, tokenize
+from geminicompress.data import pack_windows, read_text, text_prefix, tokenize, vocab_of
 from geminicompress.data.restyle import restyle
 from geminicompress.distill import masks as M
 from geminicompress.distill import streamed_teacher as ST
@@ -222,13 +222,14 @@ def training_windows(cfg: DistillStage, ctx, tokenizer) -> tuple[torch.Tensor, t
     """Packed windows (n, seq_len) of DATA: the last `eval_windows` are the held-out split."""
     data = cfg.data or ctx.recipe.calibration.data
     ids = tokenize(tokenizer, read_text(data, ctx.recipe.calibration.text_column))
-    windows = pack_windows(ids, cfg.seq_len)
+    prefix = text_prefix(tokenizer, ctx.recipe.frame, vocab_of(ctx.model))
+    windows = pack_windows(ids, cfg.seq_len, prefix=prefix)
     if len(windows) < cfg.eval_windows + 1:
         raise InputError(f"{data} gives {len(windows)} windows of {cfg.seq_len} tokens; distillation needs at least "
                          f"{cfg.eval_windows + 1} (eval_windows + 1): use more text or a shorter seq_len")
     train, held = windows[: -cfg.eval_windows], windows[-cfg.eval_windows :]
     if cfg.restyle:
-        train = restyled_windows(tokenizer, train, cfg.restyle, ctx.recipe.seed, ctx.progress)
+        train = restyled_windows(tokenizer, train, cfg.restyle, ctx.recipe.seed, ctx.progress, prefix)
     needed = cfg.steps * cfg.batch_size * cfg.grad_accum if cfg.steps else 0  # minutes: not known
     if len(train) < needed:
         epochs = math.ceil(needed / len(train))
@@ -236,12 +237,14 @@ def training_windows(cfg: DistillStage, ctx, tokenizer) -> tuple[torch.Tensor, t
     return train, held
 
 
-def restyled_windows(tokenizer, windows: torch.Tensor, share: float, seed: int, progress) -> torch.Tensor:
-    """The training windows' text, `share` of it restyled (data/restyle.py), packed again: the held-out windows
-    come after these in DATA and are never part of the text restyled."""
-    text = tokenizer.decode(windows.reshape(-1).tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+def restyled_windows(tokenizer, windows: torch.Tensor, share: float, seed: int, progress,
+                     prefix: tuple[int, ...] = ()) -> torch.Tensor:
+    """The training windows' text (after their `prefix`), `share` of it restyled (data/restyle.py), packed and
+    framed again: the held-out windows come after these in DATA and are never part of the text restyled."""
+    body = windows[:, len(prefix):]
+    text = tokenizer.decode(body.reshape(-1).tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
     styled, count, total = restyle(text, share, seed)
-    out = pack_windows(tokenize(tokenizer, styled), windows.shape[1])
+    out = pack_windows(tokenize(tokenizer, styled), windows.shape[1], prefix=prefix)
     progress.info(f"restyled {count} of {total} stretches of the training text: {len(windows)} -> "
                   f"{len(out)} windows")
     return out

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from geminicompress.core.arch import arch_for
-from geminicompress.data.windows import calibration_windows
+from geminicompress.data.windows import calibration_windows, vocab_of
 from geminicompress.engine.layers import LayerFn
 from geminicompress.formats.writer import LayerWriter
 from geminicompress.progress import Progress
@@ -49,11 +49,13 @@ class StageContext:
     _calibration: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def calibration(self, data: str | None = None, samples: int | None = None, seq_len: int | None = None) -> torch.Tensor:
-        """Seeded calibration windows (n, seq_len) from the stage's DATA or the recipe's default."""
+        """Seeded calibration windows (n, seq_len) from the stage's DATA or the recipe's default, framed as the
+        recipe says (the tokenizer's BOS first, by default: data/windows.py)."""
         cal = self.recipe.calibration
         key = (data or cal.data, samples or cal.samples, seq_len or cal.seq_len, self.recipe.seed)
         if key not in self._calibration:
-            self._calibration[key] = calibration_windows(self.tokenizer, key[0], key[1], key[2], key[3], cal.text_column)
+            self._calibration[key] = calibration_windows(self.tokenizer, key[0], key[1], key[2], key[3], cal.text_column,
+                                                         self.recipe.frame, vocab_of(self.model))
         return self._calibration[key]
 
     def layer_prefix(self, i: int) -> str:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from geminicompress.data import pack_windows, read_text, tokenize
+from geminicompress.data import pack_windows, prefix_note, read_text, text_prefix, tokenize, vocab_of
 from geminicompress.errors import GeminiError
 from geminicompress.eval.cost import plan
 from geminicompress.eval.cost.footprint import (
@@ -201,7 +201,7 @@ def _in_torch(specs: list[str], shown: list[str], data: str, options: EvalStage,
     if timing_warning:
         progress.warn(timing_warning)
     return new_report(shown[0], data, options, entries, ReportMachine(str(device), torch.get_num_threads()),
-                      timing_warning, speculative)
+                      timing_warning, speculative, window_prefix=entries[0].get("window_prefix"))
 
 
 def _measure_all(run: _Run, jobs: list[tuple[str, str, torch.dtype | None]], streamed: dict[str, str | None],
@@ -249,11 +249,14 @@ def _plan_line(baseline: str, n_models: int, text: str, data: str, options: Eval
     n_tokens, parts = None, [f"{n_models} model{'s' if n_models > 1 else ''}"]
     if tok is not None:
         n_tokens = tokenize(tok, text, options.max_tokens).numel()
+        prefix = text_prefix(tok, options.frame or "tokenizer", config.get("vocab_size"))  # a tokenizer naming a BOS it lacks: refused here
         context = plan.config_context(config)
         seq_len = options.seq_len or min(plan.DEFAULT_SEQ_LEN, context or plan.DEFAULT_SEQ_LEN)
         if context is None or seq_len <= context:  # else each model says its context is too short
-            plan.check_windows(n_tokens, seq_len, data)
-            parts.append(f"perplexity on {n_tokens // seq_len * seq_len:,} tokens")
+            plan.check_windows(n_tokens + len(prefix), seq_len, data)
+            body = seq_len - len(prefix)
+            framed = f", each window {prefix_note(tok, prefix)['prefix_tokens'][0]} + {body} text tokens" if prefix else ""
+            parts.append(f"perplexity on {n_tokens // body * body:,} tokens{framed}")
     if options.latency:
         parts.append(f"latency: prompt {options.prompt_len}, {options.gen_len} new tokens, batch "
                      f"{','.join(map(str, options.batch_sizes))}, {options.warmup}+{options.repeats} runs each")
@@ -379,7 +382,9 @@ def _quality(run: _Run, model: Any, logprobs_of: Callable, tok: Any, base: Basel
         note(f"--seq-len {seq_len} is above its context of {context} tokens: perplexity skipped")
     else:
         try:
-            windows = base.windows if comparable else pack_windows(ids, seq_len)
+            prefix = text_prefix(tok, options.frame or "tokenizer", vocab_of(model))  # the tokenizer's BOS first, as in use
+            windows = base.windows if comparable else pack_windows(ids, seq_len, prefix=prefix)
+            entry["window_prefix"] = prefix_note(tok, windows[0, :len(prefix)].tolist())
         except GeminiError as exc:
             note(f"{exc}: perplexity skipped (use longer --data or a smaller --seq-len)")
     cache = None

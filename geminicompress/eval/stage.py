@@ -25,7 +25,7 @@ def run(cfg: EvalStage, ctx) -> dict:
         recipe.model,
         cfg.data or recipe.calibration.data,
         None,
-        cfg,
+        cfg if cfg.frame else cfg.model_copy(update={"frame": recipe.frame}),
         ctx.progress,
         device=ctx.device,
         names={str(ctx.out_dir): out_name},
@@ -67,7 +67,7 @@ def _serving(cfg: EvalStage, ctx) -> dict:
     spec = WorkloadSpec(s.requests, s.prefix_len, s.question_len, s.answer_len, s.rate, s.max_prompt_len, s.seed)
     options = ServeOptions(engine=cfg.engine, max_batch=s.max_batch, ppl_tokens=s.ppl_tokens,
                            text_column=cfg.text_column, vllm_python=cfg.vllm_python, dtype=s.dtype,
-                           trust_remote_code=recipe.trust_remote_code)
+                           trust_remote_code=recipe.trust_remote_code, frame=cfg.frame or recipe.frame)
     report = serve_bench(recipe.model, str(ctx.out_dir) if is_w8a8(ctx.out_dir) else None,
                          cfg.data or recipe.calibration.data, spec, options, ctx.progress)
     if report["int8"] is not None:

@@ -6,7 +6,8 @@
     "default", tokens/scores/types from `gguf.LlamaHfVocab` (the converter's `_set_vocab_llama_hf`);
   - byte-level BPE (GPT-2 style: Llama 3, Qwen2, SmolLM): model "gpt2", the tokens and their types as
     `get_vocab_base` makes them, and `pre` from the sha256 of the token ids of a fixed text (gguf_pre.py);
-  - the special token ids, add_bos/add_eos, merges and the chat template from `gguf.SpecialVocab`.
+  - the special token ids, add_eos, merges and the chat template from `gguf.SpecialVocab`; add_bos (and the BOS
+    id) as the transformers tokenizer frames a text (`special_vocab`), so llama.cpp's tools frame text as we do.
 A tokenizer of neither kind, or a BPE pre-tokenizer llama.cpp does not know, is refused in one line.
 """
 
@@ -69,7 +70,7 @@ def _sentencepiece(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> No
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
     writer.add_token_types(types)
-    gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer)
+    special_vocab(folder, n_vocab=len(tokens)).add_to_gguf(writer)
 
 
 def _byte_bpe(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
@@ -82,7 +83,23 @@ def _byte_bpe(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    gguf.SpecialVocab(folder, load_merges=True).add_to_gguf(writer)
+    special_vocab(folder, load_merges=True).add_to_gguf(writer)
+
+
+def special_vocab(folder: Path, **kwargs: Any) -> gguf.SpecialVocab:
+    """The converter's special tokens, merges and chat template, with `add_bos_token` set as the transformers
+    tokenizer frames a text (data/windows.py): llama.cpp's tools then start every text as our eval does. Left to
+    the converter, a tokenizer.json without the key gets llama.cpp's default (BOS for SentencePiece models)."""
+    from transformers import AutoTokenizer
+
+    from geminicompress.data.windows import text_prefix
+
+    vocab = gguf.SpecialVocab(folder, **kwargs)
+    prefix = text_prefix(AutoTokenizer.from_pretrained(str(folder)))
+    vocab.add_special_token["bos"] = bool(prefix)
+    if prefix:
+        vocab.special_token_ids["bos"] = prefix[0]
+    return vocab
 
 
 def tokenizer_pre(tok: Any) -> str:

@@ -14,6 +14,7 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 from geminicompress.compress.prune.config import PruneStage
 from geminicompress.core.config import StageBase as _StageBase
 from geminicompress.core.config import Strict
+from geminicompress.data.windows import Frame
 from geminicompress.methods import METHODS
 
 
@@ -135,7 +136,12 @@ class DistillStage(_StageBase):
     precision: Literal["auto", "no", "bf16", "fp16"] = Field(
         "auto", description="mixed precision of the training loop; auto: bf16 where the device computes it "
         "natively (a GPU with bf16, a CPU with AVX-512 BF16 or AMX), else no (float32) (distill/precision.py)")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(False, description="activation checkpointing of the student's decoder "
+                                         "layers (--checkpoint-layers): their activations are recomputed in the "
+                                         "backward instead of kept, for about a third more compute per step")
+    head_chunk_mb: float = Field(256, gt=0, description="memory budget of the training head: the student's and "
+                                 "teacher's logits and the losses go a chunk of positions at a time, as many as fit "
+                                 "this many MB (distill/chunked_head.py)")
     freeze_prefix: bool = Field(False, description="freeze the student's leading blocks that equal the teacher's "
                                 "(and the input embedding, with a head tied to it) and start the student's forward "
                                 "from the teacher's hidden state after them: less work per token "
@@ -246,6 +252,8 @@ class EvalStage(_StageBase):
                                     "imports vllm, else $GEMINICOMPRESS_VLLM_PYTHON)")
     llama_python: str | None = Field(None, description="python that has llama-cpp-python (default: this one if it "
                                      "imports llama_cpp, else $GEMINICOMPRESS_LLAMA_PYTHON)")
+    frame: Frame | None = Field(None, description="how each evaluated window starts: tokenizer (its BOS where it "
+                                "adds one) or text; default: the recipe's frame, tokenizer for `geminicompress eval`")
     serving: ServingOptions | None = Field(None, description="also build the serving table (serve-bench) with "
                                            "`engine`; its INT8 row serves the output when it is W8A8")
 
@@ -304,6 +312,10 @@ class Recipe(Strict):
     threads: int | None = Field(None, ge=1, le=4096, description="torch CPU threads (default: the cores not busy "
                                 "with other processes when the run starts); --threads overrides it")
     calibration: Calibration = Field(default_factory=Calibration)
+    frame: Frame = Field("tokenizer", description="how every window the run builds starts (calibration, "
+                         "distillation, eval): tokenizer: as the model's tokenizer starts a text (its BOS where it "
+                         "adds one: Gemma, Llama 3, Mistral; nothing for SmolLM2, Qwen); text: text tokens only, "
+                         "for text that is not a document start (data/windows.py)")
     stages: list[Stage] = Field(..., min_length=1)
     output: Output = Field(default_factory=Output)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from geminicompress.data import pack_windows, read_text, tokenize
+from geminicompress.data import pack_windows, prefix_note, read_text, text_prefix, tokenize
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.eval.cost import plan as plan
 from geminicompress.eval.cost.latency import prompt_batch, summarize_ms
@@ -178,8 +178,9 @@ def evaluate_llama(specs: list[str], shown: list[str], data: str, options: EvalS
     windows = None
     if options.quality:
         seq_len = options.seq_len or plan.DEFAULT_SEQ_LEN
-        plan.check_windows(ids.numel(), seq_len, data)
-        windows = pack_windows(ids, seq_len)
+        prefix = text_prefix(tok, options.frame or "tokenizer", (plan.peek_config(specs[0]) or {}).get("vocab_size"))  # the tokenizer's BOS first, as in use
+        plan.check_windows(ids.numel() + len(prefix), seq_len, data)
+        windows = pack_windows(ids, seq_len, prefix=prefix)
     threads = usable_cores()
     with tempfile.TemporaryDirectory(prefix="gc-llama-export-") as work:
         files = {s: gguf_for(s, python, Path(work)) for s in specs}  # refusals before any model runs
@@ -192,6 +193,7 @@ def evaluate_llama(specs: list[str], shown: list[str], data: str, options: EvalS
             base = base if entries else scored
             entries.append(entry)
     return new_report(shown[0], data, options, entries, ReportMachine("cpu", threads), engine="llama.cpp",
+                      window_prefix=prefix_note(tok, windows[0, :len(prefix)].tolist()) if windows is not None else None,
                       llama_cpp=version, llama_python=python)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from geminicompress import formats
-from geminicompress.data import pack_windows, read_text, tokenize
+from geminicompress.data import pack_windows, prefix_note, read_text, text_prefix, tokenize
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.eval.cost import contention, plan
 from geminicompress.eval.cost.footprint import weights_size_mb
@@ -126,8 +126,9 @@ def evaluate_vllm(specs: list[str], shown: list[str], data: str, options: EvalSt
     if options.quality:
         context = plan.config_context(plan.peek_config(baseline) or {})
         seq_len = options.seq_len or min(plan.DEFAULT_SEQ_LEN, context or plan.DEFAULT_SEQ_LEN)
-        plan.check_windows(ids.numel(), seq_len, data)
-        windows = pack_windows(ids, seq_len)
+        prefix = text_prefix(tok, options.frame or "tokenizer", (plan.peek_config(specs[0]) or {}).get("vocab_size"))  # the tokenizer's BOS first, as in use
+        plan.check_windows(ids.numel() + len(prefix), seq_len, data)
+        windows = pack_windows(ids, seq_len, prefix=prefix)
     progress.info(f"plan: {len(jobs)} runs in vLLM {version} ({python})"
                   + (f"; perplexity on {windows.numel():,} tokens" if windows is not None else ""))
     entries, base = [], None
@@ -137,6 +138,7 @@ def evaluate_vllm(specs: list[str], shown: list[str], data: str, options: EvalSt
         base = base if entries else top1
         entries.append(entry)
     return new_report(shown[0], data, options, entries, ReportMachine("vllm", usable_cores()), engine="vllm",
+                      window_prefix=prefix_note(tok, windows[0, :len(prefix)].tolist()) if windows is not None else None,
                       vllm=version, vllm_python=python)
 
 

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from geminicompress import __version__
-from geminicompress.data import pack_windows, read_text, tokenize
+from geminicompress.data import pack_windows, read_text, prefix_note, text_prefix, tokenize
 from geminicompress.errors import InputError
 from geminicompress.eval.cost import plan as plan
 from geminicompress.eval.engines.vllm_engine import check_vllm, find_python, run_driver
@@ -97,8 +97,8 @@ def vllm_rows(max_batch: int, int8: str | None, on_cuda: bool) -> list[Row]:
 class ServeOptions:
     """How serve-bench serves its workload: the engine (transformers or vllm), the largest batch of the dynamic
     batching row, how many tokens of DATA the perplexity windows take, DATA's text column, the python that
-    runs vLLM, the dtype the models are loaded in ("auto": as stored), and whether loading may run the
-    model's own code."""
+    runs vLLM, the dtype the models are loaded in ("auto": as stored), whether loading may run the
+    model's own code, and how prompts and windows start (`frame`: data/windows.py)."""
 
     engine: str = "transformers"
     max_batch: int = 8
@@ -107,6 +107,7 @@ class ServeOptions:
     vllm_python: str | None = None
     dtype: str = "auto"
     trust_remote_code: bool = False
+    frame: str = "tokenizer"  # data/windows.py: "tokenizer" (its BOS first, where it adds one) or "text"
 
 
 @dataclass(frozen=True)
@@ -140,9 +141,10 @@ def serve_bench(model: str, int8: str | None, data: str, spec: WorkloadSpec, opt
         raise InputError(f"{model}: serve-bench needs a local model (directory or smollm2-demo)")
     text = read_text(data, options.text_column)
     ids = tokenize(tok, text, None)
-    requests, repeated = build_workload(ids, spec)
-    windows = pack_windows(ids[:ppl_tokens], PPL_SEQ_LEN) if ppl_tokens >= PPL_SEQ_LEN and ids.numel() >= PPL_SEQ_LEN \
-        else None
+    prefix = text_prefix(tok, options.frame, config.get("vocab_size"))  # the prompts and windows start as the tokenizer starts a text
+    requests, repeated = build_workload(torch.cat([torch.tensor(prefix, dtype=ids.dtype), ids]), spec)
+    windows = pack_windows(ids[:ppl_tokens], PPL_SEQ_LEN, prefix=prefix) \
+        if ppl_tokens >= PPL_SEQ_LEN and ids.numel() >= PPL_SEQ_LEN else None
     served = _Served(model, int8, requests, spec, windows, options.dtype)
     if engine == "vllm":
         python = find_python(options.vllm_python)
@@ -155,6 +157,7 @@ def serve_bench(model: str, int8: str | None, data: str, spec: WorkloadSpec, opt
     notes = [f"the text held {spec.requests - repeated} distinct questions; {repeated} repeat earlier text"] if repeated else []
     return {"geminicompress": __version__, "command": "serve-bench", "engine": engine, "model": model, "int8": int8,
             "data": data, "workload": {**asdict(spec), "truncated_len": spec.truncated_len}, "max_batch": max_batch,
+            "window_prefix": prefix_note(tok, prefix),
             "rows": measured, "notes": notes, "machine": {**machine(), "torch_threads": torch.get_num_threads()},
             "versions": versions()}
 

@@ -12,6 +12,12 @@ looks at the partial folder until OUT is in place. The OS drops the lock when th
 so a killed run leaves nothing that blocks the next one; a second run while the first is alive refuses in one
 line (exit 2) naming the holder's pid, which the holder writes into the lock file. A run resumes only a partial
 folder whose lock it holds.
+
+Never an input: before any work OUT is resolved (symbolic links followed) and compared with every path the run
+reads (the caller's `inputs`); OUT that is one of them or holds one is refused in one line, with or without
+force. OUT inside an input folder destroys nothing and is allowed. OUT that is a symbolic link is written through:
+force replaces what it points to only when that is an output of ours (it holds one of OUR_FILES); a link to
+anything else, or to nothing, is refused in one line.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from geminicompress.errors import InputError
 
@@ -32,18 +38,70 @@ _FINGERPRINT = "fingerprint.txt"
 LOCK_FILE = "lock"
 
 
-def check_output_path(out: Path, force: bool) -> None:
-    """Fail before any work when OUT exists (without --force) or cannot be created."""
-    if out.exists() and not force:
+OUR_FILES = ("report.json", "serving.json", "sensitivity.json")  # one of them in a folder: a geminicompress output
+Inputs = Iterable[tuple[str, "str | Path | None"]]  # (what it is, for the message: "model", "--data"; its path)
+
+
+def check_output_path(out: Path | str, force: bool, inputs: Inputs = ()) -> Path:
+    """Fail before any work when OUT is, holds or points to one of `inputs` (pairs (what, path); a spec that
+    names no existing path, such as a hub id or builtin:pydoc, is skipped), when OUT is a symbolic link to
+    nothing or (existing) to a folder that is not an output of ours, when OUT exists (without --force), or when
+    it cannot be created. Returns the folder the run writes: OUT, or what OUT points to when it is a link."""
+    out = Path(out)
+    target = write_target(out)
+    shown = f"{out} (a link to {target})" if out.is_symlink() else str(out)
+    real = target.resolve()
+    for what, path in inputs:
+        verb = _overlap(real, path)
+        if verb:
+            raise InputError(f"output {shown} {verb} the input {path} ({what}), which this run reads; --force "
+                             "never replaces an input: give another -o")
+    if out.is_symlink() and not target.exists():
+        raise InputError(f"output {out} is a symbolic link to {target}, which does not exist; remove the link or "
+                         "give another -o")
+    if out.is_symlink() and not (target.is_dir() and any((target / name).is_file() for name in OUR_FILES)):
+        raise InputError(f"output {shown} is not an output of geminicompress (it holds no {OUR_FILES[0]}); --force "
+                         "replaces only our own outputs through a link: remove the link or give another -o")
+    if target.exists() and not force:
         raise InputError(f"output {out} already exists; pass --force to replace it")
-    if out.exists() and not out.is_dir():
+    if target.exists() and not target.is_dir():
         raise InputError(f"output {out} exists and is not a directory")
-    if not out.resolve().parent.exists():
+    if not real.parent.exists():
         raise InputError(f"the parent folder of output {out} does not exist")
+    return target
+
+
+def write_target(out: Path) -> Path:
+    """Where a run on OUT writes: what OUT points to when it is a symbolic link (followed to the end), else OUT."""
+    if not out.is_symlink():
+        return out
+    try:
+        return out.resolve()
+    except (RuntimeError, OSError) as exc:  # a loop of links (RuntimeError before Python 3.13)
+        raise InputError(f"output {out} is a symbolic link that cannot be followed ({exc}); remove it or give "
+                         "another -o") from None
+
+
+def _overlap(out_real: Path, path: str | Path | None) -> str:
+    """'is' when the input `path` is the folder OUT (resolved) names, 'holds' when it lies under it, else ''. Both
+    the path as written (made absolute) and the path it resolves to count: deleting OUT would remove either."""
+    if path is None or str(path) == "":
+        return ""
+    p = Path(path).expanduser()
+    try:
+        if not (p.exists() or p.is_symlink()):
+            return ""  # a hub id, a hub dataset, builtin:pydoc: nothing on this disk to lose
+        seen = (Path(os.path.abspath(p)), p.resolve())
+    except (OSError, ValueError, RuntimeError):  # a name the OS refuses, a loop of links: not a readable input
+        return ""
+    if out_real in seen:
+        return "is"
+    return "holds" if any(out_real in q.parents for q in seen) else ""
 
 
 def partial_dir(out: Path) -> Path:
-    """The hidden sibling `.<name>.partial` that a run on OUT writes into."""
+    """The hidden sibling `.<name>.partial` that a run on OUT writes into (beside what OUT points to, for a link)."""
+    out = write_target(Path(out))
     return out.with_name(f".{out.name}.partial")
 
 
@@ -53,20 +111,23 @@ def final_name(partial: Path) -> str:
 
 
 class OutputDir:
-    """`with OutputDir(out, force, fingerprint) as tmp:` write into `tmp`; renamed to `out` on success."""
+    """`with OutputDir(out, force, fingerprint, inputs) as tmp:` write into `tmp`; renamed to `out` (what `out`
+    points to, for a link) on success. `inputs`: what the run reads, (what, path) pairs (check_output_path)."""
 
-    def __init__(self, out: Path | str, force: bool = False, fingerprint: str = "") -> None:
+    def __init__(self, out: Path | str, force: bool = False, fingerprint: str = "", inputs: Inputs = ()) -> None:
         self.out = Path(out)
         self.force = force
         self.fingerprint = fingerprint
+        self.inputs = list(inputs)
         self.tmp = partial_dir(self.out)
         self.state_dir = self.tmp / STATE_DIR
 
     def __enter__(self) -> Path:
-        check_output_path(self.out, self.force)
+        self.dest = check_output_path(self.out, self.force, self.inputs)
         self.lock = lock_partial(self.tmp)
         try:
-            check_output_path(self.out, self.force)  # again: a run that held the lock may have just finished OUT
+            # again: a run that held the lock may have just finished OUT
+            self.dest = check_output_path(self.out, self.force, self.inputs)
             stamp = self.state_dir / _FINGERPRINT
             resumable = stamp.is_file() and stamp.read_text() == self.fingerprint and self.fingerprint
             # Anything but state/ (when resumable) from an earlier attempt is stale: the stages write it again.
@@ -85,10 +146,10 @@ class OutputDir:
             if exc_type is None:
                 shutil.rmtree(self.state_dir, ignore_errors=True)
                 apply_umask(self.tmp)
-                if self.out.exists():
-                    shutil.rmtree(self.out)
-                self.tmp.rename(self.out)  # the lock held through the rename: no second run opens it in between
-                (self.out / LOCK_FILE).unlink(missing_ok=True)
+                if self.dest.exists():
+                    shutil.rmtree(self.dest)
+                self.tmp.rename(self.dest)  # the lock held through the rename: no second run opens it in between
+                (self.dest / LOCK_FILE).unlink(missing_ok=True)
                 return False
             if not self._has_resume_state() or issubclass(exc_type, InputError):
                 shutil.rmtree(self.tmp, ignore_errors=True)  # bad input: the same command would stop there again

@@ -52,6 +52,7 @@ from geminicompress.models.loading import (
 from geminicompress.output import STATE_DIR, THREADS_FILE, OutputDir, final_name, partial_dir, write_json
 from geminicompress.preflight import preflight
 from geminicompress.progress import NullProgress, Progress
+from geminicompress.recipes.inputs import recipe_inputs
 from geminicompress.recipes.loader import recipe_yaml
 from geminicompress.recipes.schema import Recipe, stage_tag
 from geminicompress.stages import make_stage, run_stage, should_stream, walk
@@ -123,7 +124,7 @@ def _run_recipe(recipe: Recipe, out: Path, opts: RunOptions, loaded: LoadedModel
     started = time.perf_counter()
     if helper:  # another process of `accelerate launch`/torchrun: it trains along, rank 0 writes OUT
         out, force = out.with_name(f".{out.name}.rank{helper}"), True
-    with OutputDir(out, force, fingerprint(recipe)) as tmp:
+    with OutputDir(out, force, fingerprint(recipe), recipe_inputs(recipe)) as tmp:
         threads = _record_threads(tmp, progress)
         t0 = time.perf_counter()
         ctx = _open_streamed(recipe, source_dir, tmp, progress, device) if streamed else \

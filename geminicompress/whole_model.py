@@ -47,8 +47,9 @@ from geminicompress.kernels.int8_quant import relative_error
 from geminicompress.machine import machine, versions
 from geminicompress.models.lazy import skeleton
 from geminicompress.models.loading import LoadedModel, load_model, local_dir
-from geminicompress.output import OutputDir, write_json
+from geminicompress.output import OutputDir, check_output_path, write_json
 from geminicompress.progress import NullProgress, Progress
+from geminicompress.recipes.inputs import recipe_inputs
 from geminicompress.recipes.loader import recipe_yaml
 from geminicompress.recipes.schema import Recipe, stage_tag
 
@@ -119,6 +120,8 @@ def run_whole_model(recipe: Recipe, out: Path, *, force: bool = False, progress:
     """The recipe's one stage on the whole model in memory, OUT written and checked; returns the report."""
     progress = progress or NullProgress()
     stage = check_recipe(recipe, stream)
+    inputs = recipe_inputs(recipe)
+    check_output_path(out, force, inputs)  # before the model loads
     started = time.perf_counter()
     if loaded is None:
         progress.info(f"loading {recipe.model}")
@@ -128,7 +131,7 @@ def run_whole_model(recipe: Recipe, out: Path, *, force: bool = False, progress:
     what = "magnitude pruning" if stage.type == "prune" else stage.method
     progress.info(f"'{_model_type(recipe, model)}': no decoder layers found; {what} runs on the whole model in memory")
     dtype = getattr(torch, recipe.output.dtype)
-    with OutputDir(out, force) as tmp:
+    with OutputDir(out, force, inputs=inputs) as tmp:
         t0 = time.perf_counter()
         if stage.type == "prune":
             written = _magnitude(model, stage, dtype)

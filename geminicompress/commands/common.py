@@ -21,6 +21,7 @@ from geminicompress.diskerrors import disk_errno, disk_error
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.output import check_output_path, resume_threads
 from geminicompress.pipeline import default_device, fingerprint, run_recipe
+from geminicompress.recipes.inputs import recipe_inputs
 from geminicompress.recipes.loader import recipe_from_stage
 from geminicompress.threads import apply_threads, choose_threads
 
@@ -169,7 +170,7 @@ def run_single_stage(model: str, stage: dict, out: Path, run: dict[str, Any], so
     top = {"output": {"dtype": run["dtype"]}} if run["dtype"] is not None else {}
     recipe = recipe_from_stage(model, stage, cal, source, seed=run["seed"], trust_remote_code=run["trust_remote_code"],
                                allow_pickle=run["allow_pickle"], allow_nonfinite=run["allow_nonfinite"], **top)
-    check_output_path(out, run["force"])
+    check_output_path(out, run["force"], recipe_inputs(recipe))
     dev = parse_device(run["device"])
     choice = use_threads(run["threads"], recipe.threads, out, recipe)
     report = run_recipe(recipe, out, force=run["force"], progress=RichProgress(run["quiet"]), device=dev,

@@ -79,6 +79,7 @@ def eval_(
     from geminicompress.eval.report import write_report
     from geminicompress.eval.table import rich_table, same_dtype_lines
     from geminicompress.output import OutputDir, check_output_path
+    from geminicompress.recipes.inputs import model_inputs
     from geminicompress.recipes.schema import EvalStage
 
     given = {"seq_len": seq_len, "max_tokens": max_tokens, "prompt_len": prompt_len, "gen_len": gen_len,
@@ -93,12 +94,15 @@ def eval_(
         err = exc.errors()[0]
         raise InputError(f"--{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}") from exc
     check_data_spec(data)
-    check_output_path(output, force)
+    inputs = [pair for i, m in enumerate(models) for pair in model_inputs(f"model {i + 1}", m)]
+    inputs += [*model_inputs("--baseline", baseline), *model_inputs("--draft", draft), ("--data", data),
+               ("--vllm-python", vllm_python), ("--llama-python", llama_python)]
+    check_output_path(output, force, inputs)
     dev = c.parse_device(device)
     choice = c.use_threads(threads, None)
     report = evaluate(models, baseline or models[0], data, None, options, c.RichProgress(quiet), device=dev,
                       trust_remote_code=trust, allow_pickle=allow_pickle, stream=stream)
-    with OutputDir(output, force) as tmp:
+    with OutputDir(output, force, inputs=inputs) as tmp:
         write_report(report, tmp)
     c.out_console.print(rich_table(report, c.out_console.width))
     for line in same_dtype_lines(report):

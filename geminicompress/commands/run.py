@@ -13,6 +13,7 @@ from geminicompress.commands import common as c
 from geminicompress.eval.table import rich_table
 from geminicompress.output import check_output_path
 from geminicompress.pipeline import run_recipe
+from geminicompress.recipes.inputs import recipe_inputs
 from geminicompress.recipes.loader import load_recipe
 
 
@@ -35,7 +36,7 @@ def run(
       geminicompress run quickstart -o out-quickstart
     """
     parsed, path = load_recipe(recipe, set_ or [])
-    check_output_path(output, force)
+    check_output_path(output, force, recipe_inputs(parsed, path))
     dev = c.parse_device(device)
     choice = c.use_threads(threads, parsed.threads, output, parsed)
     report = run_recipe(parsed, output, force=force, progress=c.RichProgress(quiet), device=dev, command=sys.argv,

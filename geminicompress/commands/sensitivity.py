@@ -18,6 +18,7 @@ from geminicompress.data.windows import calibration_windows
 from geminicompress.errors import InputError
 from geminicompress.models.loading import load_model
 from geminicompress.output import OutputDir, check_output_path, write_json
+from geminicompress.recipes.inputs import model_inputs
 
 DEFAULT_OPTIONS = "gptq:b4g64,gptq:b3g64"
 
@@ -58,7 +59,8 @@ def sensitivity(
         raise InputError(f"--measure '{measure}' is not one of {', '.join(MEASURES)}")
     if kl_windows < 1:
         raise InputError(f"--kl-windows must be at least 1, got {kl_windows}")
-    check_output_path(output, force)
+    inputs = [*model_inputs("model", model), ("--data", data)]
+    check_output_path(output, force, inputs)
     choice = c.use_threads(threads, None)
     dev = c.parse_device(device)
     progress = c.RichProgress(quiet)
@@ -71,7 +73,7 @@ def sensitivity(
                                 fuse=fuse, device=dev, progress=progress, seed=seed)
     table.update(model=model, data=data or "builtin:pydoc", seconds=round(time.perf_counter() - t0, 3),
                  threads=choice.threads)
-    with OutputDir(output, force) as tmp:
+    with OutputDir(output, force, inputs=inputs) as tmp:
         write_json(tmp / "sensitivity.json", table)
         write_heatmap(table, tmp / "sensitivity.png")
     if "rank_correlation" in table:

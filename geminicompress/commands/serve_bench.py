@@ -58,19 +58,22 @@ def serve_bench(
     from geminicompress.eval.serving.bench import serve_bench as run
     from geminicompress.eval.serving.workload import WorkloadSpec
     from geminicompress.output import OutputDir, check_output_path
+    from geminicompress.recipes.inputs import model_inputs
 
     if engine not in ("transformers", "vllm"):
         raise InputError(f"--engine must be transformers or vllm, got '{engine}'")
     if dtype not in ("auto", "float32", "bfloat16"):
         raise InputError(f"--dtype must be auto, float32 or bfloat16, got '{dtype}'")
     check_data_spec(data)
-    check_output_path(output, force)
+    inputs = [*model_inputs("model", model), *model_inputs("--int8", int8), ("--data", data),
+              ("--vllm-python", vllm_python)]
+    check_output_path(output, force, inputs)
     spec = WorkloadSpec(requests, prefix_len, question_len, answer_len, rate, max_prompt_len, seed)
     choice = c.use_threads(threads, None)
     options = ServeOptions(engine=engine, max_batch=max_batch, ppl_tokens=ppl_tokens, text_column=text_column,
                            vllm_python=vllm_python, dtype=dtype, trust_remote_code=trust)
     report = run(model, int8, data, spec, options, c.RichProgress(quiet))
-    with OutputDir(output, force) as tmp:
+    with OutputDir(output, force, inputs=inputs) as tmp:
         serve_table.write(report, tmp)
     c.out_console.print(serve_table.rich_table(report, c.out_console.width))
     c.console.print(f"[green]wrote[/] {output}  (serving.json, serving.md, serving.png; {choice.reason})",

@@ -20,6 +20,7 @@ from geminicompress.compress.gptq.allocate import ALLOCATION_FILE
 from geminicompress.eval.api import baseline_kept
 from geminicompress.output import check_output_path
 from geminicompress.pipeline import run_recipe
+from geminicompress.recipes.inputs import model_inputs
 from geminicompress.recipes.loader import validate
 from geminicompress.tune import run_tune
 
@@ -65,7 +66,9 @@ def tune(
                   **({"max_tokens": eval_tokens} if eval_tokens else {}), **({"seq_len": eval_seq_len} if eval_seq_len else {})}
     base = {"model": model, "seed": seed, "trust_remote_code": trust_remote_code, "allow_pickle": allow_pickle,
             "calibration": cal}
-    check_output_path(output, force)
+    inputs = [*model_inputs("model", model), ("--data", data), ("--sensitivity", sensitivity),
+              ("--eval-data", eval_data)]
+    target = check_output_path(output, force, inputs)  # what a link OUT points to: the rounds' folder moves there
     choice = c.use_threads(threads, None)
     progress = c.RichProgress(quiet)
     dev = c.parse_device(device)
@@ -80,7 +83,7 @@ def tune(
         return report, json.loads((folder / ALLOCATION_FILE).read_text())
 
     with baseline_kept():  # the input model's figures measured in round 1, reused by the later rounds
-        chosen = run_tune(run_round, output, budget, opts, sensitivity,
+        chosen = run_tune(run_round, target, budget, opts, sensitivity,
                           lambda line: c.console.print(line, highlight=False), measured_on=eval_data)
     c.out_console.print(f"wrote {output}: round {chosen['round']} of {len(chosen['rounds'])}, "
                         f"{chosen['average_bits']:.3f} bits per weight; drift predicted "

@@ -10,6 +10,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
+from geminicompress.compress import gguf_types
 from geminicompress.compress.targets import weight_quant_targets
 from geminicompress.core.config import WeightQuantStage
 from geminicompress.core.gguf_config import GGUF_HELP, GGUFFields
@@ -18,6 +19,7 @@ from geminicompress.engine.contract import Done, LayerStage, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
 from geminicompress.formats import writer_for
 from geminicompress.formats.checkpoint import scale_dtype
+from geminicompress.formats.gguf_blocks import BlocksWriter, rtn_bytes
 
 
 class RTNStage(WeightQuantStage, GGUFFields):
@@ -38,6 +40,9 @@ class RTN(LayerStage):
     def __init__(self, cfg: RTNStage, ctx: StageContext) -> None:
         found = weight_quant_targets(ctx.model, cfg, ctx.progress, sym=cfg.sym, fmt=cfg.format)
         self.cfg, self.ctx, self.spec, self.targets = cfg, ctx, found.spec, found.names
+        self.gguf_types = gguf_types.plan(cfg, ctx.model, found.shapes, calibrated=False)  # --gguf-type
+        if self.gguf_types is not None:
+            self.targets = [n for n in found.names if n in self.gguf_types]
         self.scales_as = scale_dtype(cfg.format, str(ctx.out_dtype).removeprefix("torch."))
 
     def layer_fn(self) -> LayerFn:
@@ -48,7 +53,14 @@ class RTN(LayerStage):
             kept: dict[str, torch.Tensor] = {}
             errors = []
             for n in job.arch.linears:
-                if f"{prefix}.{n}" in targets:
+                if f"{prefix}.{n}" in targets and self.gguf_types is not None:  # llama-quantize's rounding
+                    w = job.weight(n).detach().float()
+                    w_hat, keep = gguf_types.keep_blocks(rtn_bytes(w.numpy(), self.gguf_types[f"{prefix}.{n}"]),
+                                                         self.gguf_types[f"{prefix}.{n}"], n)
+                    job.set_weight(n, w_hat)
+                    kept.update(keep)
+                    errors.append(float((w - w_hat).norm() / w.norm().clamp_min(1e-12)))
+                elif f"{prefix}.{n}" in targets:
                     qw, err = quantize_linear(job.module(n).weight, self.spec, self.scales_as)
                     kept.update(keep_codes(qw, n))
                     errors.append(err)
@@ -62,6 +74,8 @@ class RTN(LayerStage):
         return KeptCodes(kept, {f"{prefix}.{n}": (n, self.spec) for n in names})
 
     def writer(self) -> Any:
+        if self.gguf_types is not None:  # dense checkpoint + the blocks (formats/gguf_blocks.py)
+            return BlocksWriter(self.ctx.model, self.ctx.out_dtype, self.gguf_types)
         meta = {"dtype": str(self.ctx.out_dtype).removeprefix("torch."), "zero_point": not self.cfg.sym, "method": "rtn"}
         return writer_for(self.cfg.format, self.ctx.model, self.ctx.out_dtype, {n: self.spec for n in self.targets},
                           meta, self.qweights)

@@ -12,6 +12,10 @@ from pydantic import Field, model_validator
 
 from geminicompress.core.config import Strict
 
+# llama-quantize's mixes written by --gguf-type (formats/gguf_mix.py: MIXES)
+GGUF_MIXES = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL",
+              "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+
 GGUF_HELP = ("gguf: OUT/model.gguf for llama.cpp/Ollama/LM Studio, beside a gptq checkpoint (the group size "
              "defaults to 32)")
 
@@ -27,11 +31,17 @@ class GGUFFields(Strict):
         "f16 or f32")
     gguf_float: Literal["f16", "f32"] | None = Field(
         None, description="--format gguf: float linears (not quantized) as f16 (default) or f32")
+    gguf_type: Literal[GGUF_MIXES] | None = Field(  # type: ignore[valid-type]
+        None, description="--format gguf: llama-quantize's mix (Q4_K_M, Q3_K_M, Q2_K, IQ4_NL, Q4_0, ...): every "
+        "tensor gets the type llama.cpp's own file of that mix gives it, our codes in it; --bits and --group-size "
+        "do not apply; the checkpoint beside model.gguf is dense (the GGUF's weights, dequantized)")
 
     @model_validator(mode="before")
     @classmethod
     def _gguf_group(cls, data: Any) -> Any:
-        """format gguf: the default group size is 32."""
+        """format gguf: the default group size is 32; a --gguf-type in any case."""
+        if isinstance(data, dict) and isinstance(data.get("gguf_type"), str):
+            data = {**data, "gguf_type": data["gguf_type"].upper()}
         if isinstance(data, dict) and data.get("format") == "gguf" and "group_size" in cls.model_fields \
                 and data.get("group_size") in (None, "auto"):
             data = {**data, "group_size": 32}
@@ -40,9 +50,13 @@ class GGUFFields(Strict):
     @model_validator(mode="after")
     def _gguf_options(self) -> GGUFFields:
         fmt = getattr(self, "format", None)
-        given = [k for k in ("gguf_asym", "gguf_embeddings", "gguf_float") if getattr(self, k) is not None]
+        given = [k for k in ("gguf_asym", "gguf_embeddings", "gguf_float", "gguf_type") if getattr(self, k) is not None]
         if given and fmt != "gguf":
             raise ValueError(f"{', '.join(given)} applies to format gguf only")
+        if fmt == "gguf" and self.gguf_type is not None:
+            if getattr(self, "act_order", None) == "group":
+                raise ValueError("--gguf-type keeps each block's columns under its scales: use act_order static or none")
+            return self
         if fmt == "gguf":
             bits, sym = getattr(self, "bits", 8), getattr(self, "sym", not getattr(self, "zero_point", False))
             if bits >= 8 and not sym:
@@ -55,4 +69,4 @@ class GGUFFields(Strict):
     def gguf_options(self) -> dict[str, str]:
         """The options the export takes (formats/gguf_export.GGUFOptions), defaults filled."""
         return {"asym": self.gguf_asym or "q5_0", "embeddings": self.gguf_embeddings or "q8_0",
-                "floats": self.gguf_float or "f16"}
+                "floats": self.gguf_float or "f16", "mix": self.gguf_type}

@@ -23,8 +23,11 @@ class QuantSpec:
     bits: int
     group_size: int = -1  # -1: per output channel
     sym: bool = True
+    grid: str | None = None  # a llama.cpp two-level grid (core/kgrid.py KTYPES: "Q4_K", "IQ4_NL", ...), or None
 
     def __post_init__(self) -> None:
+        if self.grid is not None:
+            return  # bits / group / sym describe the grid's codes and sub-blocks (core/kgrid.py)
         if self.bits not in (2, 3, 4, 5, 8):
             raise InputError(f"bits must be 2, 3, 4, 5 or 8, got {self.bits}")
         if self.group_size == 0:

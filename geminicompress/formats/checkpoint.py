@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 from geminicompress.errors import GeminiError
 from geminicompress.formats.masks import MASKS_FILE
 
+GGUF_BLOCKS_FILE = "gguf_blocks.safetensors"  # formats/gguf_blocks.py: a --gguf-type run's blocks, a side file
+
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # torch dtype <-> its name in a safetensors header
@@ -67,7 +69,7 @@ def weight_files(path: Path) -> list[Path]:
     index = path / INDEX
     if index.is_file():
         return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    files = [f for f in sorted(path.glob("*.safetensors")) if f.name != MASKS_FILE]
+    files = [f for f in sorted(path.glob("*.safetensors")) if f.name not in (MASKS_FILE, GGUF_BLOCKS_FILE)]
     if not files:
         raise GeminiError(f"{path} has no *.safetensors weights")
     return files

@@ -86,6 +86,12 @@ def pack_q5_0(d: torch.Tensor, q: torch.Tensor) -> np.ndarray:
     return _rows([_d(d), qh_bytes, _nibbles(q & 0x0F)])
 
 
+def pack_q5_1(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> np.ndarray:
+    """d, m: (rows, nb) fp16-exact; q: (rows, nb·32) in 0..31 -> (rows, nb·24) bytes (Q5_0's bits after d and m)."""
+    return _rows([_d(d), _d(m), torch.from_numpy(pack_q5_0(d, q)).reshape(
+        *d.shape, 22)[..., 2:]])
+
+
 def pack_q8_0(d: torch.Tensor, q: torch.Tensor) -> np.ndarray:
     """d: (rows, nb) fp16-exact; q: (rows, nb·32) in −128..127 -> (rows, nb·34) bytes."""
     return _rows([_d(d), q.reshape(*d.shape, BLOCK).to(torch.int8).view(torch.uint8)])
@@ -134,6 +140,30 @@ def encode_quantized(qw: QuantizedWeight, asym: str = "q5_0") -> Encoded:
     m = (-s * z.float()).to(torch.float16).float()  # Q4_1: the one rounding
     err = float(((m + s * z.float()).abs() / s.clamp_min(torch.finfo(torch.float32).tiny)).max())
     return Encoded(pack_q4_1(s, m, qw.q), qtype, (out_f, in_f), max_step_error=err)
+
+
+def encode_as(qw: QuantizedWeight, qtype: Q) -> Encoded:
+    """`qw` as the legacy type a mix names for its tensor (formats/gguf_mix.py): Q4_0 / Q5_0 / Q8_0 hold
+    symmetric codes (and Q5_0 asymmetric <= 4-bit ones) exactly, Q4_1 / Q5_1 asymmetric 4 / 5-bit codes with
+    their offset m = fp16(−s·z) rounded. InputError where the codes do not fit the type."""
+    bits, sym = qw.spec.bits, bool((qw.zeros == 2 ** (qw.spec.bits - 1)).all())
+    fits = {Q.Q4_0: sym and bits <= 4, Q.Q5_0: bits <= 5 and (sym or bits <= 4), Q.Q8_0: sym or bits < 8,
+            Q.Q4_1: bits <= 4, Q.Q5_1: bits <= 5}
+    if not fits.get(qtype, False):
+        raise InputError(f"{'symmetric' if sym else 'asymmetric'} {bits}-bit codes do not fit GGUF {qtype.name}")
+    s, z = block_params(qw)
+    out_f, in_f = qw.q.shape
+    centred = qw.q.to(torch.int64) - z.repeat_interleave(BLOCK, dim=1)
+    if qtype == Q.Q4_0:
+        return Encoded(pack_q4_0(s, centred + 8), qtype, (out_f, in_f))
+    if qtype == Q.Q5_0:
+        return Encoded(pack_q5_0(s, centred + 16), qtype, (out_f, in_f))
+    if qtype == Q.Q8_0:
+        return Encoded(pack_q8_0(s, centred), qtype, (out_f, in_f))
+    m = (-s * z.float()).to(torch.float16).float()
+    err = float(((m + s * z.float()).abs() / s.clamp_min(torch.finfo(torch.float32).tiny)).max())
+    pack = pack_q4_1 if qtype == Q.Q4_1 else pack_q5_1
+    return Encoded(pack(s, m, qw.q), qtype, (out_f, in_f), max_step_error=err)
 
 
 def encode_float(w: torch.Tensor, qtype: Q, rows_per_chunk: int = 4096) -> Encoded:

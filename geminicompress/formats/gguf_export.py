@@ -39,6 +39,8 @@ from geminicompress.core.grid import QuantizedWeight, QuantSpec
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats import gguf as blocks
 from geminicompress.formats.checkpoint import weight_files
+from geminicompress.formats import gguf_mix
+from geminicompress.formats.gguf_blocks import read_blocks, rtn_bytes
 from geminicompress.formats.gguf_vocab import build_tokenizer, copy_tokenizer
 
 KEY = "gguf"
@@ -70,6 +72,7 @@ class GGUFOptions:
     asym: str = "q5_0"  # asymmetric <= 4-bit codes: q5_0 (exact) or q4_1 (its m rounded to fp16)
     embeddings: str = "q8_0"  # token embeddings and an untied float head: q8_0, f16 or f32
     floats: str = "f16"  # float linears (dense or pruned): f16 or f32
+    mix: str | None = None  # --gguf-type: llama-quantize's mix (formats/gguf_mix.py); the blocks come from OUT
 
 
 def gguf_arch(config: dict[str, Any]) -> GGUFArch:
@@ -171,7 +174,8 @@ def export(out: Path, options: GGUFOptions | None = None, source_gguf: Path | No
             if arch.name == "gemma3":  # llama.cpp's converter: Gemma's SentencePiece adds no space prefix
                 writer.add_add_space_prefix(False)
         stats = _tensors(writer, out, config, arch, options)
-        writer.add_file_type(_FILE_TYPES.get(stats["types"].most_common(1)[0][0], gguf.LlamaFileType.GUESSED))
+        writer.add_file_type(gguf_mix.FTYPES[options.mix] if options.mix else
+                             _FILE_TYPES.get(stats["types"].most_common(1)[0][0], gguf.LlamaFileType.GUESSED))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -264,6 +268,8 @@ def _tensors(w: gguf.GGUFWriter, out: Path, config: dict[str, Any], arch: GGUFAr
             files.update(dict.fromkeys(handle.keys(), handle))
         modules = reader.modules(files) if reader is not None else {}
         owned = {k for keys in modules.values() for k in keys}
+        kept = read_blocks(out)  # --gguf-type: the blocks as the stage chose them
+        owned |= {f"{m}.weight" for m in kept}
 
         def add(hf_name: str, enc: blocks.Encoded) -> None:
             name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -285,6 +291,8 @@ def _tensors(w: gguf.GGUFWriter, out: Path, config: dict[str, Any], arch: GGUFAr
             add(f"{module}.weight", blocks.encode_quantized(qw, options.asym))
             if bias is not None:
                 add(f"{module}.bias", blocks.encode_float(bias, Q.F32))
+        for module, (type_name, cols, data) in kept.items():
+            add(f"{module}.weight", blocks.Encoded(data, getattr(Q, type_name), (data.shape[0], cols)))
         if _rope(config).get("rope_type") == "llama3":
             w.add_tensor("rope_freqs.weight", llama3_rope_factors(config).numpy())
             stats["types"][Q.F32] += 1
@@ -294,16 +302,49 @@ def _tensors(w: gguf.GGUFWriter, out: Path, config: dict[str, Any], arch: GGUFAr
             tensor = handle.get_tensor(key)
             if arch.norm_shift and key.endswith("norm.weight"):
                 tensor = tensor.float() + arch.norm_shift
-            add(key, blocks.encode_float(tensor, _float_type(key, tensor, options)))
+            add(key, _encode_float(key, tensor, _float_type(key, tensor, options, config)))
     return stats
 
 
-def _float_type(key: str, tensor: torch.Tensor, options: GGUFOptions) -> Q:
+def _encode_float(key: str, tensor: torch.Tensor, qtype: Q) -> blocks.Encoded:
+    """A float tensor as `qtype`: F32/F16/Q8_0 as before, any other type (a mix's embedding) by llama-quantize's
+    rounding without an importance matrix (gguf_blocks.rtn_bytes)."""
+    if tensor.dim() < 2 or qtype in (Q.F32, Q.F16, Q.Q8_0):
+        return blocks.encode_float(tensor, qtype)
+    w = tensor.float().numpy()
+    return blocks.Encoded(rtn_bytes(w, qtype.name), qtype, tuple(w.shape))
+
+
+def _float_type(key: str, tensor: torch.Tensor, options: GGUFOptions, config: dict[str, Any] | None = None) -> Q:
     if tensor.dim() < 2:
         return Q.F32
     if key.endswith("embed_tokens.weight") or key == "lm_head.weight":
+        if options.mix and config is not None:  # llama-quantize's type for the embedding and the head
+            name = "output.weight" if key == "lm_head.weight" else "token_embd.weight"
+            tied = bool(config.get("tie_word_embeddings", False))
+            model = gguf_mix.Model(config["num_hidden_layers"], 1, True)
+            return getattr(Q, gguf_mix.tensor_type(name, tensor.shape[1], None, options.mix, model, tied))
         return {"q8_0": Q.Q8_0, "f16": Q.F16, "f32": Q.F32}[options.embeddings]
     return blocks.FLOAT_TYPES[options.floats]
+
+
+def mix_types(config: dict[str, Any], shapes: dict[str, tuple[int, int]], mix: str, imatrix: bool) -> dict[str, str]:
+    """{module: GGUF type name} that llama-quantize's `mix` gives the linears `shapes` {module: (out, in)} of a
+    model of `config`, with or without an importance matrix ("F16": llama.cpp keeps it in float)."""
+    arch = gguf_arch(config)
+    n = config["num_hidden_layers"]
+    names = gguf.get_tensor_name_map(arch.arch, n)
+    heads = config["num_attention_heads"]
+    model = gguf_mix.Model(n, heads // (config.get("num_key_value_heads") or heads), imatrix)
+    tied = bool(config.get("tie_word_embeddings", False))
+    found = {}
+    for module, (_, in_f) in shapes.items():
+        name = names.get_name(f"{module}.weight", try_suffixes=(".weight",))
+        if name is None:
+            raise GeminiError(f"{module}: no GGUF tensor name for it in the {arch.name} architecture")
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else None
+        found[module] = gguf_mix.tensor_type(name, in_f, layer, gguf_mix.check_mix(mix), model, tied)
+    return found
 
 
 def codes_of(module: nn.Module) -> tuple[QuantizedWeight, torch.Tensor | None, bool]:

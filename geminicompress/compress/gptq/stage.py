@@ -21,10 +21,13 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn as nn
 
+from geminicompress.compress import gguf_types
 from geminicompress.compress.gptq.allocate import module_specs, write_allocation
+from geminicompress.compress.gptq.kgrid_solve import gptq_kquant
 from geminicompress.compress.gptq.config import GPTQStage
 from geminicompress.compress.gptq.solver import SolverOptions, gptq_quantize, zeros_to_keep
 from geminicompress.compress.hessian import HessianAccumulator
@@ -37,6 +40,7 @@ from geminicompress.engine.layers import LayerFn, LayerJob, StopForward, layer_o
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats import check_shapes, writer_for
 from geminicompress.formats.checkpoint import scale_dtype
+from geminicompress.formats.gguf_blocks import BlocksWriter
 
 
 class GPTQ(LayerStage):
@@ -60,9 +64,14 @@ class GPTQ(LayerStage):
         found = weight_quant_targets(ctx.model, cfg, ctx.progress, sym=cfg.sym,
                                      fmt=cfg.format if cfg.allocation is None else None)
         self.cfg, self.ctx, self.spec, self.targets = cfg, ctx, found.spec, found.names
-        self.specs, self.allocation = module_specs(cfg, ctx, found.names, found.spec)  # allocate.py
+        self.gguf_types = gguf_types.plan(cfg, ctx.model, found.shapes, calibrated=True)  # --gguf-type
+        if self.gguf_types is not None:
+            self.targets = [n for n in found.names if n in self.gguf_types]
+            self.specs, self.allocation = {n: gguf_types.spec_for(self.gguf_types[n]) for n in self.targets}, {}
+        else:
+            self.specs, self.allocation = module_specs(cfg, ctx, found.names, found.spec)  # allocate.py
         for name, s in self.specs.items():
-            if s != self.spec or cfg.allocation is not None:
+            if (s != self.spec or cfg.allocation is not None) and s.grid is None:
                 check_shapes(cfg.format, {name: found.shapes[name]}, s)
         if cfg.act_order == "group":
             ctx.progress.warn("act-order group stores a permuted g_idx, which vLLM refuses (desc_act / actorder group); "
@@ -81,7 +90,9 @@ class GPTQ(LayerStage):
         before it in a streamed recipe (e.g. SparseGPT: engine/compose.py)."""
         process = partial(quantize_layer, cfg=self.cfg, spec=self.spec,
                           scales_as=scale_dtype(self.cfg.format, str(self.ctx.out_dtype).removeprefix("torch.")),
-                          targets={n.removeprefix(self.layers_path) for n in self.targets}, specs=self.relative)
+                          targets={n.removeprefix(self.layers_path) for n in self.targets}, specs=self.relative,
+                          gguf={n.removeprefix(self.layers_path): t for n, t in self.gguf_types.items()}
+                          if self.gguf_types is not None else None)
         return OnePassFn(process) if self.cfg.true_sequential and self.cfg.one_pass else process
 
     def qweights(self, i: int, kept: dict[str, torch.Tensor]) -> KeptCodes:
@@ -90,6 +101,8 @@ class GPTQ(LayerStage):
         return KeptCodes(kept, {head + n: (n, self.specs[head + n]) for n in names})
 
     def writer(self) -> Any:
+        if self.gguf_types is not None:  # dense checkpoint + the blocks (formats/gguf_blocks.py)
+            return BlocksWriter(self.ctx.model, self.ctx.out_dtype, self.gguf_types)
         cfg = self.cfg  # what the format writers read of the stage's options
         meta = {"dtype": str(self.ctx.out_dtype).removeprefix("torch."), "act_order": cfg.act_order,
                 "true_sequential": cfg.true_sequential, "damp": cfg.damp, "first_token_weight": cfg.first_token_weight}
@@ -101,7 +114,7 @@ class GPTQ(LayerStage):
         spec, specs = self.spec, self.specs
         return {
             "bits": spec.bits, "group_size": spec.group_size, "group_size_auto": self.cfg.group_size == "auto",
-            "sym": spec.sym, "format": self.cfg.format,
+            "sym": spec.sym, "format": self.cfg.format, **({"gguf_type": self.cfg.gguf_type} if self.gguf_types else {}),
             "calibration_tokens": int(done.windows.numel()), "quantized_modules": len(self.targets),
             "calib_dtype": str(done.calib_dtype).removeprefix("torch."),
             "total_error": sum(s.get("err", 0.0) for s in layers), "layers": layers,
@@ -130,16 +143,18 @@ def gptq_dtypes(cfg: GPTQStage, source: torch.dtype, out_dtype: torch.dtype) -> 
 
 
 def quantize_layer(job: LayerJob, *, cfg: GPTQStage, spec: QuantSpec, scales_as: torch.dtype,
-                    targets: set[str], specs: dict[str, QuantSpec] | None = None
+                    targets: set[str], specs: dict[str, QuantSpec] | None = None, gguf: dict[str, str] | None = None
                     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Quantize the linears of one decoder layer in place; return ({err, modules}, kept tensors).
-    `specs`: "<layer>.<linear>" -> spec where it differs from `spec` (mixed precision)."""
+    `specs`: "<layer>.<linear>" -> spec where it differs from `spec` (mixed precision); `gguf`: "<layer>.<linear>"
+    -> its GGUF type under --gguf-type (the blocks are kept)."""
     groups = present_groups(job.arch, lambda n: f"{job.index}.{n}" in targets)
     losses: dict[str, float] = {}
     kept: dict[str, torch.Tensor] = {}
 
     def solve_one(names: list[str], H: torch.Tensor, spec: QuantSpec, overwrite: bool) -> None:
-        loss, codes = _solve_group(job, names, H, cfg=cfg, spec=spec, scales_as=scales_as, overwrite=overwrite)
+        loss, codes = _solve_group(job, names, H, cfg=cfg, spec=spec, scales_as=scales_as, overwrite=overwrite,
+                                   gguf=None if gguf is None else {n: gguf[f"{job.index}.{n}"] for n in names})
         losses["/".join(names)] = loss
         kept.update(codes)
 
@@ -169,20 +184,36 @@ def quantize_layer(job: LayerJob, *, cfg: GPTQStage, spec: QuantSpec, scales_as:
 
 
 def _solve_group(job: LayerJob, group: list[str], H: torch.Tensor, *, cfg: GPTQStage, spec: QuantSpec,
-                 scales_as: torch.dtype, overwrite: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
+                 scales_as: torch.dtype, overwrite: bool = False,
+                 gguf: dict[str, str] | None = None) -> tuple[float, dict[str, torch.Tensor]]:
     """GPTQ on the group's stacked weight (rows are independent given H); write the fake-quantized
     weights back in place (the loaded weights' memory is reused); return the loss and the codes to keep
-    for export. overwrite: H is not needed afterwards (the solver may use its memory)."""
+    for export. overwrite: H is not needed afterwards (the solver may use its memory). gguf: each linear's
+    GGUF type under --gguf-type: its blocks are kept, and llama.cpp's weights of them written back."""
     modules = [job.module(n) for n in group]
     W = torch.cat([job.weight(n) for n in group])  # rows stacked: (Σ out, in), a new tensor of the master weights
+    sizes = [m.out_features for m in modules]
     try:
-        qw, loss = gptq_quantize(W, H, spec, solver_options(cfg, spec), keep_zero=zeros_to_keep(W, cfg.keep_zeros),
-                                 overwrite=overwrite)
+        if spec.grid is not None:  # a K / IQ4 grid (compress/gptq/kgrid_solve.py)
+            codes, loss = gptq_kquant(W, H, spec.grid, cfg.damp)
+            parts = np.split(gguf_types.blocks_of(codes, spec.grid), np.cumsum(sizes)[:-1])
+        else:
+            qw, loss = gptq_quantize(W, H, spec, solver_options(cfg, spec),
+                                     keep_zero=zeros_to_keep(W, cfg.keep_zeros), overwrite=overwrite)
     except GeminiError as exc:
         raise GeminiError(f"layer {job.index} {'/'.join(group)}: {exc}") from exc
-    qw.scales = qw.scales.to(scales_as).float()  # what the checkpoint will hold
     kept: dict[str, torch.Tensor] = {}
-    for name, part in zip(group, qw.split_rows([m.out_features for m in modules])):
+    if spec.grid is None:
+        qw.scales = qw.scales.to(scales_as).float()  # what the checkpoint will hold
+        parts = qw.split_rows(sizes)
+    if gguf is not None:
+        for name, part in zip(group, parts):
+            blocks = part if spec.grid is not None else gguf_types.blocks_of(part, gguf[name])
+            w_hat, keep = gguf_types.keep_blocks(blocks, gguf[name], name)
+            job.set_weight(name, w_hat)
+            kept.update(keep)
+        return loss, kept
+    for name, part in zip(group, parts):
         job.set_weight(name, part.dequantize())
         kept.update(keep_codes(part, name))
     return loss, kept

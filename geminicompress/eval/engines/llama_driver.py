@@ -89,8 +89,9 @@ def decode_task(llm, task: dict) -> dict:
     return {"runs": runs[int(task.get("warmup", 1)):]}
 
 
-FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K_M": 15, "Q5_K_M": 17,
-          "Q6_K": 18}  # llama_ftype
+FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11,
+          "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18,
+          "IQ4_NL": 25, "IQ4_XS": 30}  # llama_ftype
 
 
 def quantize_task(task: dict) -> dict:

@@ -1,0 +1,101 @@
+"""`quantize --format gguf --gguf-type MIX`: llama-quantize's per-tensor types, our codes in them; the dense
+checkpoint beside model.gguf holds exactly the weights llama.cpp reads from it (bit for bit, float32); GPTQ on the
+K grids lowers GPTQ's loss against llama.cpp's own rounding of the same rows; bad input is one line, exit 2."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader, quants
+from tiny import save_tiny
+from typer.testing import CliRunner
+
+from geminicompress.cli import app
+from geminicompress.compress.gptq.kgrid_solve import gptq_kquant
+from geminicompress.core.kgrid import KTYPES
+from geminicompress.core.kquant import quantize
+from geminicompress.formats.gguf_kpack import QTYPES, pack
+from geminicompress.pipeline import run_recipe
+from geminicompress.recipes.loader import recipe_from_stage
+from test_gguf import GGUF_NAMES, _unpermute
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory):
+    """A tiny llama whose rows are 256 (K types) and 320 (their fallbacks) wide, tied embeddings."""
+    return save_tiny(tmp_path_factory.mktemp("wide") / "m", hidden_size=256, intermediate_size=320,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)
+
+
+def _run(model_dir, out, text=None, **stage):
+    data = {"data": str(text), "samples": 8, "seq_len": 64} if text else {}
+    return run_recipe(recipe_from_stage(str(model_dir), {"type": "quantize", "format": "gguf", **stage}, data, "t"),
+                      out, device=CPU)
+
+
+def _check_file_is_the_checkpoint(out):
+    """Every decoder linear of model.gguf, dequantized by gguf, equals OUT's float32 weight bit for bit."""
+    from safetensors.torch import load_file
+
+    config = json.loads((out / "config.json").read_text())
+    state = {}
+    for f in sorted(out.glob("model*.safetensors")):
+        state.update(load_file(str(f)))
+    types = {}
+    for t in GGUFReader(str(out / "model.gguf")).tensors:
+        if not t.name.startswith("blk.") or not t.name.endswith(".weight") or len(t.shape) < 2:
+            continue
+        i, g = int(t.name.split(".")[1]), t.name.split(".")[2]
+        hf = next(k for k, v in GGUF_NAMES.items() if v == g)
+        w = _unpermute(t.name, quants.dequantize(t.data, t.tensor_type).reshape(*reversed(t.shape.tolist())), config)
+        mine = state[f"model.layers.{i}.{hf}.weight"].float().numpy()
+        assert np.array_equal(w, mine), t.name
+        types[t.name] = t.tensor_type.name
+    return types
+
+
+@pytest.mark.parametrize("method,mix", [("rtn", "Q4_K_M"), ("rtn", "Q2_K"), ("rtn", "IQ4_XS"), ("rtn", "Q6_K"),
+                                        ("gptq", "Q3_K_M"), ("gptq", "IQ4_NL")])
+def test_the_mix_s_types_hold_our_weights_bit_for_bit(wide_dir, text_file, tmp_path, method, mix):
+    stage = {"method": method, "gguf_type": mix, **({"scale_search": "none"} if method == "gptq" else {})}
+    report = _run(wide_dir, tmp_path / "o", text_file if method == "gptq" else None, **stage)
+    types = _check_file_is_the_checkpoint(tmp_path / "o")
+    # 2 layers: use_more_bits holds for layer 1 only; n/8 = n/16 = 0
+    expect = {"Q4_K_M": ("blk.0.attn_q.weight", "Q4_K", "blk.1.ffn_down.weight", "Q8_0"),  # Q6_K on 320: Q8_0
+              "Q2_K": ("blk.0.attn_q.weight", "Q2_K", "blk.0.attn_v.weight", "Q4_K"),  # GQA 4
+              "IQ4_XS": ("blk.1.ffn_up.weight", "IQ4_XS", "blk.1.ffn_down.weight", "IQ4_NL"),
+              "Q3_K_M": ("blk.0.attn_v.weight", "Q5_K", "blk.0.ffn_down.weight", "Q5_0"),
+              "IQ4_NL": ("blk.0.attn_q.weight", "IQ4_NL", "blk.0.attn_v.weight", "Q5_K"),
+              "Q6_K": ("blk.0.ffn_gate.weight", "Q6_K", "blk.0.ffn_down.weight", "Q8_0")}[mix]
+    assert types[expect[0]] == expect[1] and types[expect[2]] == expect[3], types
+    assert report["export"]["gguf"]["types"]
+    emb = next(t for t in GGUFReader(str(tmp_path / "o" / "model.gguf")).tensors if t.name == "token_embd.weight")
+    assert emb.tensor_type.name == ("Q8_0" if mix in ("Q8_0",) else "Q6_K")  # tied, 256 wide: the output's Q6_K
+
+
+def test_gptq_on_k_grids_beats_llama_cpp_s_rounding_in_gptq_s_loss():
+    torch.manual_seed(0)
+    X = torch.randn(2048, 512) @ (torch.randn(512, 512) * 0.1 + torch.eye(512))  # correlated inputs
+    H = 2 * X.T @ X / X.shape[0]
+    W = torch.randn(64, 512) * 0.05
+    for name in ("Q2_K", "Q3_K", "Q4_K", "IQ4_NL", "IQ4_XS"):
+        codes, _ = gptq_kquant(W, H, name)
+        ours = torch.from_numpy(codes.dequantize())
+        assert np.array_equal(quants.dequantize(pack(codes), QTYPES[name]), codes.dequantize())
+        rtn = torch.from_numpy(quantize(W.numpy(), name, torch.diag(H).numpy()).dequantize())
+        loss = [float(torch.einsum("oi,ij,oj->", W - q, H, W - q)) for q in (ours, rtn)]
+        assert loss[0] < 0.8 * loss[1], (name, loss)
+        assert KTYPES[name].block_bytes > 0
+
+
+def test_a_mix_llama_cpp_does_not_have_is_one_line_exit_2(wide_dir, tmp_path):
+    res = CliRunner().invoke(app, ["quantize", str(wide_dir), "-o", str(tmp_path / "o"), "--method", "rtn",
+                                   "--format", "gguf", "--gguf-type", "Q7_K", "--quiet"])
+    assert res.exit_code == 2 and "Q7_K" in res.output and len(res.output.strip().splitlines()) == 1, res.output
+    assert not (tmp_path / "o").exists()
+    res = CliRunner().invoke(app, ["quantize", str(wide_dir), "-o", str(tmp_path / "o"), "--method", "rtn",
+                                   "--gguf-type", "Q4_K_M", "--quiet"])
+    assert res.exit_code == 2 and "gguf" in res.output and len(res.output.strip().splitlines()) == 1, res.output

@@ -16,13 +16,15 @@ from typer.testing import CliRunner
 from geminicompress.cli import app
 from geminicompress.errors import InputError
 from geminicompress.eval.serving import table as serve_table
-from geminicompress.eval.serving.bench import ROWS, ServeOptions, hf_rows, serve_bench, vllm_job, vllm_rows
+from geminicompress.eval.serving.bench import ServeOptions, serve_bench
 from geminicompress.eval.serving.hf import HFFlags, serve
+from geminicompress.eval.serving.rows import ROWS, hf_rows, vllm_rows
+from geminicompress.eval.serving.servers import Models, vllm_job
 from geminicompress.eval.serving.workload import WorkloadSpec, arrivals, build_workload, check_spec
 
 runner = CliRunner()
 FAKE = Path(__file__).parent / "fake_vllm"
-SMALL = WorkloadSpec(requests=6, prefix_len=32, question_len=16, answer_len=4, rate=0.0)
+SMALL = WorkloadSpec(requests=6, prefix_len=32, question_len=16, answer_len=4)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
@@ -54,6 +56,8 @@ def test_workload_checks_before_any_model_loads():
         check_spec(WorkloadSpec(prefix_len=256, question_len=32, max_prompt_len=300), None)
     with pytest.raises(InputError, match="--rate"):
         check_spec(WorkloadSpec(rate=-1), None)
+    with pytest.raises(InputError, match="--rate must be > 0"):
+        check_spec(WorkloadSpec(rate=0), None)
 
 
 def test_cli_workload_longer_than_context_is_one_line_exit_2(tiny_dir, tmp_path, monkeypatch):
@@ -88,42 +92,68 @@ def test_serving_loop_hits_and_same_answers_across_rows(model):
     assert [t.cached_tokens for t in results["paged"]][4:] == [32, 32]
     trunc = serve(model, reqs, HFFlags(truncate=True), SMALL.truncated_len, SMALL.prefix_len, warmup=False)
     assert all(t.prompt_tokens == SMALL.truncated_len == 40 for t in trunc)
+    for flags in (HFFlags("sdpa", prefix_cache=True, max_batch=4), HFFlags("sdpa", prefix_cache=True, max_batch=4, paged=True)):
+        alone = serve(model, reqs[:3], flags, SMALL.truncated_len, SMALL.prefix_len, warmup=False, alone=True)
+        # one after another: each arrives once the one before has finished, and finds the prefix cached
+        assert all(b.arrival >= a.finished for a, b in zip(alone, alone[1:])), flags
+        assert [t.cached_tokens for t in alone][1:] == [32, 32] and [t.tokens for t in alone] == plain[:3], flags
 
 
 def test_rows_keep_their_reasons():
-    hf = hf_rows(8, None)
+    hf = hf_rows(8, {})
     assert [r.name for r in hf] == list(ROWS)
-    assert hf[4].flags == {"truncate": True, "attn": "sdpa", "prefix_cache": True, "max_batch": 8}
-    assert hf[6].model == "int8" and "--int8" in hf[6].reason and all(r.reason is None for r in hf[:6])
-    cpu = vllm_rows(8, "x", on_cuda=False)
+    assert hf[4].flags == {"max_batch": 8} and hf[9].flags["draft"] and hf[9].flags["max_batch"] == 1
+    assert [r.model for r in hf[6:9]] == ["int8", "int4", "student"]
+    assert all(r.reason is None for r in hf[:6]) and all(r.reason for r in hf[6:])
+    assert "--int8" in hf[6].reason and "--int4" in hf[7].reason and "--student" in hf[8].reason
+    assert "--draft" in hf[9].reason
+    assert all(r.reason is None for r in hf_rows(8, {"int8": "a", "int4": "b", "student": "c", "draft": "d"}))
+    cpu = vllm_rows(8, {"int8": "x"}, on_cuda=False)
     assert "one attention backend" in cpu[2].reason and "paged in every row" in cpu[5].reason
-    assert cpu[4].flags == {"enable_prefix_caching": True, "max_num_seqs": 8, "truncate": True}
-    gpu = vllm_rows(8, "x", on_cuda=True)
+    assert cpu[4].flags == {"max_num_seqs": 8} and cpu[6].reason is None
+    assert "not wired" in vllm_rows(8, {"draft": "d"}, on_cuda=False)[9].reason
+    gpu = vllm_rows(8, {}, on_cuda=True)
     assert gpu[2].reason is None and gpu[2].flags["attention_backend"] == "FLASH_ATTN"
     assert gpu[0].flags["attention_backend"] == "TRITON_ATTN"
 
 
 def test_vllm_job_of_a_row():
     reqs, _ = build_workload(torch.arange(1, 400), SMALL)
-    row = vllm_rows(4, None, on_cuda=False)[3]
-    job = vllm_job(row, "/m", reqs, SMALL, torch.zeros(2, 64, dtype=torch.long), "auto", with_ppl=True)
+    flags = {"enable_prefix_caching": True, "max_num_seqs": 1, "truncate": True}
+    job = vllm_job(flags, "/m", reqs, SMALL, torch.zeros(2, 64, dtype=torch.long), "auto", with_ppl=True)
     assert job["engine"]["enable_prefix_caching"] is True and job["engine"]["max_num_seqs"] == 1
     assert "truncate" not in job["engine"] and job["engine"]["max_model_len"] == 32 + 16 + 4 + 16 + 12
     serve_task, lp = job["tasks"]
     assert [len(r["prompt"]) for r in serve_task["requests"]] == [40] * 6 and lp["kind"] == "logprobs"
+    alone = vllm_job(flags, "/m", reqs[:3], SMALL, None, "auto", with_ppl=False, alone=True)["tasks"]
+    assert [len(t["requests"]) for t in alone] == [1, 1, 1] and [t["reset_prefix_cache"] for t in alone] == [True, False, False]
 
 
 def test_serve_bench_end_to_end_in_process(tiny_dir, text_file, tmp_path):
-    spec = WorkloadSpec(requests=4, prefix_len=32, question_len=16, answer_len=3, rate=0.0)
-    report = serve_bench(str(tiny_dir), None, str(text_file), spec, ServeOptions(max_batch=2, ppl_tokens=1024))
+    from tiny import save_tiny
+
+    student = save_tiny(tmp_path / "student", num_hidden_layers=1)
+    spec = WorkloadSpec(requests=4, prefix_len=32, question_len=16, answer_len=3)
+    # the model as its own draft: every proposed token accepted, the verifier's answers exactly
+    report = serve_bench(Models(str(tiny_dir), student=str(student), draft=str(tiny_dir)), str(text_file), spec,
+                         ServeOptions(max_batch=2, ppl_tokens=1024))
+    rows = {r["row"]: r for r in report["rows"]}
     assert [r["row"] for r in report["rows"]] == list(ROWS)
+    assert rows["INT8 (W8A8)"]["metrics"] is None and rows["INT4 (GPTQ)"]["metrics"] is None
     measured = [r for r in report["rows"] if r["metrics"]]
-    assert len(measured) == 6 and report["rows"][-1]["metrics"] is None
-    assert measured[0]["answer_agreement"] == 1.0 and measured[0]["perplexity"] > 1
-    assert measured[3]["metrics"]["kv_hit_rate"] == pytest.approx(3 * 32 / (4 * 40))
+    assert len(measured) == 8 and all(r["alone"]["requests"] == 3 for r in measured)
+    assert measured[0]["answer_agreement"] == 1.0 and measured[0]["perplexity"] > 1 and measured[0]["mark"] == "stack"
+    assert rows["KV-cache reuse"]["metrics"]["cached_tokens"] == 3 * 32  # the first request computes the prefix
+    assert rows["distilled student"]["ppl_drift"] is not None and rows["distilled student"]["model"] == "student"
+    spec_row = rows["speculative decoding"]
+    assert spec_row["verifier_agreement"] == 1.0 and spec_row["acceptance"]["accepted"] == spec_row["acceptance"]["proposed"] > 0
+    load = report["load"]
+    assert load["share"] == 0.7 and load["rate_req_s"] == pytest.approx(0.7 * load["stack_capacity_req_s"], rel=1e-3)
+    assert rows[load["stack"]]["mark"] in ("stack", "stacked")
     serve_table.write(report, tmp_path / "rep")
     md = (tmp_path / "rep" / "serving.md").read_text()
     assert "not measured: no W8A8 model given" in md and (tmp_path / "rep" / "serving.png").stat().st_size > 10_000
+    assert "accepted per verification step" in md and "TTFT ms alone" in md
     assert json.loads((tmp_path / "rep" / "serving.json").read_text())["rows"][0]["row"] == "original configuration"
 
 
@@ -131,18 +161,45 @@ def test_serve_bench_vllm_rows_on_the_stand_in(tiny_dir, text_file, monkeypatch,
     import shutil
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE), os.environ.get("PYTHONPATH", "")]))
-    spec = WorkloadSpec(requests=3, prefix_len=32, question_len=16, answer_len=3, rate=0.0)
+    spec = WorkloadSpec(requests=3, prefix_len=32, question_len=16, answer_len=3)
     refused = shutil.copytree(tiny_dir, tmp_path / "refuse-int8")
-    report = serve_bench(str(tiny_dir), str(refused), str(text_file), spec,
+    report = serve_bench(Models(str(tiny_dir), int8=str(refused)), str(text_file), spec,
                          ServeOptions(engine="vllm", max_batch=2, ppl_tokens=512, vllm_python=sys.executable))
     rows = {r["row"]: r for r in report["rows"]}
     assert rows["original configuration"]["metrics"]["ttft_ms"]["median"] == 250.0
-    assert rows["original configuration"]["perplexity"] > 1
+    assert rows["original configuration"]["perplexity"] > 1 and rows["original configuration"]["alone"]
     assert "one attention backend" in rows["FlashAttention"]["reason"] and rows["FlashAttention"]["metrics"] is None
     assert rows["KV-cache reuse"]["metrics"]["kv_hit_rate"] > 0
     assert rows["INT8 (W8A8)"]["reason"].startswith("vLLM refused it: AssertionError")
+    assert rows["speculative decoding"]["metrics"] is None
     with pytest.raises(InputError, match="does not exist"):
-        serve_bench(str(tiny_dir), str(tmp_path / "nothing"), str(text_file), spec)
+        serve_bench(Models(str(tiny_dir), int8=str(tmp_path / "nothing")), str(text_file), spec)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rate", "0"], "--rate must be > 0"),
+    (["--rate", "2", "--load", "0.5"], "both set"),
+    (["--load", "1"], "between 0 and 1"),
+    (["--student", "{big}"], "larger than its teacher"),
+    (["--draft", "{vocab}"], "vocabulary of 500 tokens"),
+    (["--int4", "{tiny}"], "not a 4-bit"),
+])
+def test_cli_bad_input_is_one_line_exit_2_before_any_model_loads(tiny_dir, tmp_path_factory, tmp_path, monkeypatch,
+                                                                 args, message):
+    import geminicompress.models.loading as loading
+    from tiny import save_tiny
+
+    made = tmp_path_factory.getbasetemp() / "serve-bad"
+    if not made.exists():
+        save_tiny(made / "big", num_hidden_layers=3)
+        save_tiny(made / "vocab", vocab_size=500)
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    args = [a.format(big=made / "big", vocab=made / "vocab", tiny=tiny_dir) for a in args]
+    r = runner.invoke(app, ["serve-bench", str(tiny_dir), "-o", str(tmp_path / "out"), *args])
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_recipe_eval_stage_builds_the_serving_table_with_the_w8a8_output(tiny_dir, text_file, tmp_path):
@@ -154,16 +211,19 @@ def test_recipe_eval_stage_builds_the_serving_table_with_the_w8a8_output(tiny_di
                        "stages": [{"type": "quantize", "method": "w8a8"},
                                   {"type": "eval", "latency": False, "seq_len": 64, "max_tokens": 256,
                                    "serving": {"requests": 3, "prefix_len": 32, "question_len": 16, "answer_len": 3,
-                                               "rate": 0, "max_batch": 2, "ppl_tokens": 512}}]}, "test")
+                                               "max_batch": 2, "ppl_tokens": 512}}]}, "test")
     report = run_recipe(recipe, tmp_path / "out", device=torch.device("cpu"), loaded=load_model(str(tiny_dir)),
                         stream=False)
     serving = report["stages"][1]["result"]["serving"]
     assert serving["report"] == "eval/serving/serving.json"
     saved = json.loads((tmp_path / "out" / "eval" / "serving" / "serving.json").read_text())
-    assert saved["int8"] == str(tmp_path / "out")
-    int8 = saved["rows"][-1]
-    assert int8["row"] == "INT8 (W8A8)" and int8["metrics"] is not None and int8["ppl_drift"] is not None
+    assert saved["int8"] == str(tmp_path / "out") and saved["int4"] is None and saved["student"] is None
+    int8 = next(r for r in saved["rows"] if r["row"] == "INT8 (W8A8)")
+    assert int8["metrics"] is not None and int8["ppl_drift"] is not None and int8["alone"] is not None
+    assert serving["rows"]["INT8 (W8A8)"]["mark"] in ("stacked", "lost", "trade")
     with pytest.raises(Exception, match="serving.rate|rate"):
-        validate({"model": str(tiny_dir), "stages": [{"type": "eval", "serving": {"rate": -1}}]}, "test")
+        validate({"model": str(tiny_dir), "stages": [{"type": "eval", "serving": {"rate": 0}}]}, "test")
+    with pytest.raises(Exception, match="serving.load|load"):
+        validate({"model": str(tiny_dir), "stages": [{"type": "eval", "serving": {"load": 1.5}}]}, "test")
     with pytest.raises(Exception, match="requets|extra"):
         validate({"model": str(tiny_dir), "stages": [{"type": "eval", "serving": {"requets": 3}}]}, "test")

@@ -16,6 +16,12 @@ def serve_bench(
     output: Path = typer.Option(..., "--output", "-o", help="Report directory (serving.json, serving.md, serving.png)."),
     int8: Optional[str] = typer.Option(None, "--int8", help="The W8A8 output of MODEL, for the INT8 row (from "
                                        "`quantize MODEL -o OUT --method w8a8`); without it the row says so."),
+    int4: Optional[str] = typer.Option(None, "--int4", help="The GPTQ output of MODEL, for the INT4 row (through "
+                                       "torch's int4 kernel)."),
+    student: Optional[str] = typer.Option(None, "--student", help="A distilled student of MODEL (`distill`), served "
+                                          "in its place."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="A draft model with MODEL's tokenizer, for the "
+                                        "speculative decoding row (greedy, exact)."),
     engine: str = typer.Option("transformers", "--engine", help="transformers (this process) or vllm (its own venv, "
                                "docs/serving.md)."),
     data: str = typer.Option("builtin:pydoc", "--data", help="Text the prefix, the questions and the perplexity "
@@ -24,7 +30,10 @@ def serve_bench(
     prefix_len: int = typer.Option(256, "--prefix-len", help="Tokens of the system prefix every request shares."),
     question_len: int = typer.Option(128, "--question-len", help="Tokens of each request's own question."),
     answer_len: int = typer.Option(32, "--answer-len", help="Tokens generated per request (greedy, EOS ignored)."),
-    rate: float = typer.Option(4.0, "--rate", help="Arrival rate, requests per second (Poisson); 0 = all at once."),
+    rate: Optional[float] = typer.Option(None, "--rate", help="Arrival rate of the timed rows, requests per second "
+                                         "(Poisson), instead of --load."),
+    load: Optional[float] = typer.Option(None, "--load", help="Arrival rate of the timed rows as a share of the "
+                                         "stack's capacity measured in the same run (default 0.7)."),
     max_prompt_len: Optional[int] = typer.Option(None, "--max-prompt-len", help="Prompt length of the truncation "
                                                  "row (default: prefix + half the question)."),
     max_batch: int = typer.Option(8, "--max-batch", help="Largest batch of the batching rows (vLLM: max_num_seqs)."),
@@ -39,15 +48,19 @@ def serve_bench(
     quiet: bool = c.QUIET,
     threads: Optional[int] = c.THREADS,
 ) -> None:
-    """Serve one workload row after row, each row adding one optimization to the row before:
+    """Serve one workload row after row, each row adding one optimization to the best row above it:
     original configuration, prompt truncation, FlashAttention, KV-cache reuse, dynamic batching,
-    PagedAttention, INT8. Columns: TTFT median/p90, TPOT, requests/s, KV-cache hit rate, answer
-    agreement with the first row, perplexity drift of rows that change the model.
+    PagedAttention, INT8, INT4, the distilled student, speculative decoding. A row joins the stack when it
+    serves more requests/s in a burst at equal answers; the timed rows run at --load x the stack's
+    capacity. Columns: stack, burst req/s, TTFT alone and p50/p90 under load, TPOT, KV-cache hit rate,
+    answer agreement with the first row, perplexity drift of rows that change the model.
 
     \b
     Examples:
       geminicompress quantize smollm2-demo -o out-w8a8 --method w8a8
       geminicompress serve-bench smollm2-demo --int8 out-w8a8 -o serving
+      geminicompress serve-bench smollm2-demo --int8 out-w8a8 --int4 out-gptq --student student \\
+          --draft out-gptq -o serving
       geminicompress serve-bench smollm2-demo --int8 out-w8a8 -o serving-vllm \\
           --engine vllm --vllm-python ~/venv-vllm/bin/python
     """
@@ -56,6 +69,7 @@ def serve_bench(
     from geminicompress.eval.serving import table as serve_table
     from geminicompress.eval.serving.bench import ServeOptions
     from geminicompress.eval.serving.bench import serve_bench as run
+    from geminicompress.eval.serving.servers import Models
     from geminicompress.eval.serving.workload import WorkloadSpec
     from geminicompress.output import OutputDir, check_output_path
     from geminicompress.recipes.inputs import model_inputs
@@ -65,14 +79,15 @@ def serve_bench(
     if dtype not in ("auto", "float32", "bfloat16"):
         raise InputError(f"--dtype must be auto, float32 or bfloat16, got '{dtype}'")
     check_data_spec(data)
-    inputs = [*model_inputs("model", model), *model_inputs("--int8", int8), ("--data", data),
+    inputs = [*model_inputs("model", model), *model_inputs("--int8", int8), *model_inputs("--int4", int4),
+              *model_inputs("--student", student), *model_inputs("--draft", draft), ("--data", data),
               ("--vllm-python", vllm_python)]
     check_output_path(output, force, inputs)
     spec = WorkloadSpec(requests, prefix_len, question_len, answer_len, rate, max_prompt_len, seed)
     choice = c.use_threads(threads, None)
     options = ServeOptions(engine=engine, max_batch=max_batch, ppl_tokens=ppl_tokens, text_column=text_column,
-                           vllm_python=vllm_python, dtype=dtype, trust_remote_code=trust)
-    report = run(model, int8, data, spec, options, c.RichProgress(quiet))
+                           vllm_python=vllm_python, dtype=dtype, trust_remote_code=trust, load=load)
+    report = run(Models(model, int8, int4, student, draft), data, spec, options, c.RichProgress(quiet))
     with OutputDir(output, force, inputs=inputs) as tmp:
         serve_table.write(report, tmp)
     c.out_console.print(serve_table.rich_table(report, c.out_console.width))

@@ -55,7 +55,7 @@ def generation_speed(model: Any, prompt_ids: torch.Tensor, gen_len: int, repeats
 
 
 @contextmanager
-def _count_acceptance() -> Iterator[dict]:
+def count_acceptance() -> Iterator[dict]:
     """Count proposed and accepted draft tokens of every assisted generation inside the block."""
     from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
@@ -90,7 +90,7 @@ def measure_speculative(
     mask = torch.ones_like(ids)
     kwargs = _greedy_kwargs(teacher, gen_len)
     alone_t, alone_out = _timed(lambda: teacher.generate(ids, attention_mask=mask, **kwargs), device, repeats, warmup)
-    with _count_acceptance() as counts:
+    with count_acceptance() as counts:
         assisted_t, assisted_out = _timed(
             lambda: teacher.generate(ids, attention_mask=mask, assistant_model=draft, tokenizer=None, **kwargs),
             device, repeats, warmup)

@@ -57,21 +57,44 @@ def is_w8a8(folder) -> bool:
     return qc.get("format") == "int-quantized" and any(g.get("input_activations") for g in groups)
 
 
+def served_outputs(out_dir, distills: bool) -> dict[str, str | None]:
+    """Which serving rows the recipe's output takes: a student (served in the teacher's place, and as the
+    draft of speculative decoding) when the recipe distills; else INT8 when W8A8, INT4 (and the draft: a
+    quantized copy of the model) when 4-bit."""
+    from geminicompress.eval.engines.torch_kernels import expects_int4
+
+    out = str(out_dir)
+    try:
+        config = json.loads((out_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        config = None
+    if distills:
+        return {"student": out, "draft": out}
+    if is_w8a8(out_dir):
+        return {"int8": out}
+    if expects_int4(config):
+        return {"int4": out, "draft": out}
+    return {}
+
+
 def _serving(cfg: EvalStage, ctx) -> dict:
-    """The serving table of the recipe's model into OUT/eval/serving/; its INT8 row serves OUT when W8A8."""
+    """The serving table of the recipe's model into OUT/eval/serving/; OUT takes the rows it applies to."""
     from geminicompress.eval.serving import table as serve_table
     from geminicompress.eval.serving.bench import ServeOptions, serve_bench
+    from geminicompress.eval.serving.servers import Models
     from geminicompress.eval.serving.workload import WorkloadSpec
 
     s, recipe = cfg.serving, ctx.recipe
     spec = WorkloadSpec(s.requests, s.prefix_len, s.question_len, s.answer_len, s.rate, s.max_prompt_len, s.seed)
     options = ServeOptions(engine=cfg.engine, max_batch=s.max_batch, ppl_tokens=s.ppl_tokens,
                            text_column=cfg.text_column, vllm_python=cfg.vllm_python, dtype=s.dtype,
-                           trust_remote_code=recipe.trust_remote_code, frame=cfg.frame or recipe.frame)
-    report = serve_bench(recipe.model, str(ctx.out_dir) if is_w8a8(ctx.out_dir) else None,
-                         cfg.data or recipe.calibration.data, spec, options, ctx.progress)
-    if report["int8"] is not None:
-        report["int8"] = str(ctx.out_dir.with_name(final_name(ctx.out_dir)))
+                           trust_remote_code=recipe.trust_remote_code, frame=cfg.frame or recipe.frame, load=s.load)
+    outputs = served_outputs(ctx.out_dir, any(st.type == "distill" for st in recipe.stages))
+    report = serve_bench(Models(recipe.model, **outputs), cfg.data or recipe.calibration.data, spec, options,
+                         ctx.progress)
+    final = str(ctx.out_dir.with_name(final_name(ctx.out_dir)))
+    for key in outputs:
+        report[key] = final  # where OUT will be once the run completes
     serve_table.write(report, ctx.out_dir / REPORT_FOLDER / "serving")
-    return {"report": f"{REPORT_FOLDER}/serving/serving.json",
-            "rows": {r["row"]: (r["metrics"] or {}).get("throughput_req_s") for r in report["rows"]}}
+    return {"report": f"{REPORT_FOLDER}/serving/serving.json", "load": report["load"],
+            "rows": {r["row"]: {"mark": r["mark"], "capacity_req_s": r["capacity_req_s"]} for r in report["rows"]}}

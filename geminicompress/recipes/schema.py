@@ -206,13 +206,18 @@ class DistillStage(_StageBase):
 
 class ServingOptions(Strict):
     """The serving table (`serve-bench`) of the recipe's model, inside an eval stage: one workload, one row
-    per serving optimization; the INT8 row serves the recipe's output when it is W8A8 (docs/serving.md)."""
+    per serving optimization, each added to the best row above it; the recipe's output takes the rows it
+    applies to: INT8 when W8A8, INT4 when 4-bit, the student (and the draft) when the recipe distills, the
+    draft when 4-bit (docs/serving.md)."""
 
     requests: int = Field(32, ge=1, description="requests in the workload")
     prefix_len: int = Field(256, ge=0, description="tokens of the system prefix every request shares")
     question_len: int = Field(128, ge=1, description="tokens of each request's own question")
     answer_len: int = Field(32, ge=2, description="tokens generated per request (greedy, EOS ignored)")
-    rate: float = Field(4.0, ge=0, description="arrivals per second (Poisson); 0 = all at once")
+    rate: float | None = Field(None, gt=0, description="arrivals per second of the timed rows (Poisson), instead "
+                               "of `load`")
+    load: float | None = Field(None, gt=0, lt=1, description="the timed rows' arrival rate as a share of the stack's "
+                               "capacity measured in the same run (default 0.7)")
     max_prompt_len: int | None = Field(None, ge=1, description="the truncation row's prompt length "
                                        "(default: prefix + half the question)")
     max_batch: int = Field(8, ge=2, description="largest batch of the batching rows (vLLM: max_num_seqs)")

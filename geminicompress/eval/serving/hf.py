@@ -16,6 +16,9 @@ Requests arrive on the wall clock (workload.py); the loop serves them with one r
   cache is paged, and with `prefix_cache` its blocks are shared between requests (hits counted by
   wrapping its prefix search).
 
+With `alone`, requests are served one after another, each arriving when the one before finished (one
+request alone on the server: TTFT without queueing; the prefix cache, when on, warm after the first).
+
 Every request generates exactly `answer_len` greedy tokens (EOS ignored). Timings are wall-clock
 `perf_counter` in this process (serving_metrics.RequestTiming).
 """
@@ -25,7 +28,7 @@ from __future__ import annotations
 import copy
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
@@ -47,15 +50,16 @@ class HFFlags:
 
 
 def serve(model, requests: list[Request], flags: HFFlags, truncated_len: int, prefix_len: int,
-          warmup: bool = True) -> list[RequestTiming]:
-    """Serve `requests` with `flags`; one RequestTiming per request, in request order."""
+          warmup: bool = True, alone: bool = False) -> list[RequestTiming]:
+    """Serve `requests` with `flags` (each alone, one after another, with `alone`); one RequestTiming per
+    request, in request order."""
     model.set_attn_implementation(flags.attn)
     max_len = truncated_len if flags.truncate else None
     if flags.paged:
-        return _serve_paged(model, requests, flags, max_len, prefix_len, warmup)
+        return _serve_paged(model, requests, flags, max_len, prefix_len, warmup, alone)
     if warmup:  # one request of the same shape that shares nothing with the workload
         _serve_loop(model, [_stranger(requests[0])], flags, max_len, prefix_len, shared=False)
-    return _serve_loop(model, requests, flags, max_len, prefix_len, shared=True)
+    return _serve_loop(model, requests, flags, max_len, prefix_len, shared=True, alone=alone)
 
 
 def _stranger(r: Request) -> Request:
@@ -65,7 +69,7 @@ def _stranger(r: Request) -> Request:
 
 
 @torch.no_grad()
-def _serve_loop(model, requests, flags, max_len, prefix_len, shared: bool) -> list[RequestTiming]:
+def _serve_loop(model, requests, flags, max_len, prefix_len, shared: bool, alone: bool = False) -> list[RequestTiming]:
     device = next(model.parameters()).device
     cache_arg, extra = forward_args(model)
     prefix_kv = None  # the shared prefix's cache, once a request has computed it
@@ -74,11 +78,13 @@ def _serve_loop(model, requests, flags, max_len, prefix_len, shared: bool) -> li
     start = time.perf_counter()
     while pending:
         now = time.perf_counter() - start
+        if alone:  # the next request arrives now, on an idle server
+            pending[0] = replace(pending[0], arrival_s=now)
         ready = [r for r in pending if r.arrival_s <= now]
         if not ready:
             time.sleep(pending[0].arrival_s - now)
             continue
-        batch = ready[:flags.max_batch]
+        batch = ready[:1 if alone else flags.max_batch]
         for r in batch:
             pending.remove(r)
         prompts = torch.tensor([r.prompt(max_len) for r in batch], device=device)  # (B, L)
@@ -145,7 +151,7 @@ def _paged_config(flags: HFFlags, requests: list[Request], max_len: int | None):
                                     allow_block_sharing=flags.prefix_cache, use_cuda_graph=False)
 
 
-def _serve_paged(model, requests, flags, max_len, prefix_len, warmup) -> list[RequestTiming]:
+def _serve_paged(model, requests, flags, max_len, prefix_len, warmup, alone=False) -> list[RequestTiming]:
     from transformers import GenerationConfig
 
     n = requests[0].answer_len
@@ -160,14 +166,19 @@ def _serve_paged(model, requests, flags, max_len, prefix_len, warmup) -> list[Re
                                           max_new_tokens=n, eos_token_id=NO_EOS)
                 manager.get_result(request_id=rid, timeout=600)
             start = time.perf_counter()
-            ids = []
+            ids, outs = [], {}
             for r in sorted(requests, key=lambda r: (r.arrival_s, r.index)):
                 wait = r.arrival_s - (time.perf_counter() - start)
+                if alone:  # it arrives now, once the request before it has finished
+                    r, wait = replace(r, arrival_s=time.perf_counter() - start), 0
                 if wait > 0:
                     time.sleep(wait)
-                ids.append((r, manager.add_request(r.prompt(max_len), request_id=f"r{r.index}", max_new_tokens=n,
-                                                   record_timestamps=True, eos_token_id=NO_EOS)))
-            outs = {r.index: (r, manager.get_result(request_id=rid, timeout=600)) for r, rid in ids}
+                rid = manager.add_request(r.prompt(max_len), request_id=f"r{r.index}", max_new_tokens=n,
+                                          record_timestamps=True, eos_token_id=NO_EOS)
+                if alone:
+                    outs[r.index] = (r, manager.get_result(request_id=rid, timeout=600))
+                ids.append((r, rid))
+            outs = outs or {r.index: (r, manager.get_result(request_id=rid, timeout=600)) for r, rid in ids}
         finally:
             manager.stop(block=True)
             if hasattr(model, "destroy_cached_continuous_batching_manager"):

@@ -1,9 +1,11 @@
 """The serving table and its chart, built from a serve-bench report alone (serving.json), like eval's table.
 
-Columns: TTFT median and p90, TPOT median, throughput in requests/s (and its ratio to the last measured
-row above it), KV-cache hit rate, agreement of the greedy answers with the row above's, and perplexity
-(of the first row, and with its drift for rows that change the model). A row that was not measured
-shows its reason instead.
+Columns: whether the row joined the stack (stack.py's rule), its capacity in requests/s in a burst (and its
+ratio to the stack it was added to), TTFT with one request alone beside TTFT p50 / p90 under the run's load,
+TPOT under load (alone), KV-cache hit rate, agreement of the greedy answers with the first row's, and
+perplexity (of the first row, and with its drift for rows that change the model). A row that was not
+measured shows its reason instead. Below the table: the load, and the comparisons the rows exist for
+(student against the teacher's stack, speculative decoding against its verifier alone).
 """
 
 from __future__ import annotations
@@ -13,46 +15,87 @@ from pathlib import Path
 from rich import box
 from rich.table import Table
 
+from geminicompress.eval.serving.stack import tpot_ratio
 from geminicompress.eval.table import rendered_width
 from geminicompress.output import write_json
 
-_HEADERS = ("row", "TTFT\np50 ms", "TTFT\np90 ms", "TPOT\nms", "req/s\n(x above)", "KV\nhit", "answers\n= above",
-            "ppl\n(drift)")
+_HEADERS = ("row", "stack", "burst req/s\n(x stack)", "TTFT ms\nalone", "TTFT ms\np50 / p90", "TPOT ms\n(alone)",
+            "KV\nhit", "answers\n= first", "ppl\n(drift)")
 COLUMNS = tuple(h.replace("\n", " ") for h in _HEADERS)  # the same names on one line (markdown)
+MARKS = {"stack": "start", "stacked": "+ stacked", "lost": "x lost", "trade": "~ trade"}
+
+
+def _ms(m: dict | None, key: str, stat: str = "median") -> float | None:
+    return ((m or {}).get(key) or {}).get(stat)
+
+
+def _cell(r: dict, first: bool) -> list[str]:
+    m, alone = r["metrics"], r.get("alone")
+    ratio = "" if r.get("speedup") is None else f"\n({r['speedup']:.2f}x)"
+    cap = r.get("capacity_req_s")
+    tpot, tpot_alone = _ms(m, "tpot_ms"), _ms(alone, "tpot_ms")
+    ppl, drift = r.get("perplexity"), r.get("ppl_drift")
+    return [
+        r["row"],
+        MARKS.get(r.get("mark"), "") + (" *" if r.get("overloaded") else ""),
+        ("n/a" if not cap else f"{cap:.3g}") + ratio,
+        "n/a" if _ms(alone, "ttft_ms") is None else f"{_ms(alone, 'ttft_ms'):,.0f}",
+        f"{_ms(m, 'ttft_ms'):,.0f} / {_ms(m, 'ttft_ms', 'p90'):,.0f}",
+        ("n/a" if tpot is None else f"{tpot:.1f}") + ("" if tpot_alone is None else f"\n({tpot_alone:.1f})"),
+        "n/a" if m.get("kv_hit_rate") is None else f"{m['kv_hit_rate'] * 100:.1f}%",
+        "n/a" if r.get("answer_agreement") is None else f"{r['answer_agreement'] * 100:.1f}%",
+        "" if ppl is None else f"{ppl:.4g}" + ("" if drift is None or first else f"\n({drift * 100:+.2f}%)"),
+    ]
 
 
 def cells(report: dict) -> list[list[str]]:
     """One list of strings per row, in COLUMNS order (the reason fills the row when not measured)."""
-    out, before = [], None
+    out, first = [], True
     for r in report["rows"]:
-        m = r.get("metrics")
-        if m is None:
-            out.append([r["row"], f"not measured: {r['reason']}"] + [""] * (len(COLUMNS) - 2))
+        if r.get("metrics") is None:
+            out.append([r["row"], "", f"not measured: {r['reason']}"] + [""] * (len(COLUMNS) - 3))
             continue
-        ttft, tput = m["ttft_ms"], m["throughput_req_s"]
-        ratio = f"\n({tput / before:.2f}x)" if before and tput else ""
-        ppl, drift = r.get("perplexity"), r.get("ppl_drift")
-        out.append([
-            r["row"],
-            f"{ttft['median']:,.0f}",
-            f"{ttft['p90']:,.0f}",
-            "n/a" if not m.get("tpot_ms") else f"{m['tpot_ms']['median']:.1f}",
-            f"{tput:.3g}{ratio}" if tput else "n/a",
-            "n/a" if m.get("kv_hit_rate") is None else f"{m['kv_hit_rate'] * 100:.1f}%",
-            "n/a" if r.get("answer_agreement") is None else f"{r['answer_agreement'] * 100:.1f}%",
-            "" if ppl is None else f"{ppl:.4g}" + ("" if drift is None or r is report["rows"][0] else
-                                                   f"\n({drift * 100:+.2f}%)"),
-        ])
-        before = tput or before
+        out.append(_cell(r, first))
+        first = False
+    return out
+
+
+def comparisons(report: dict) -> list[str]:
+    """The lines below the table: the stack, overloaded rows, and each model row's comparison with what it
+    replaces: INT8/INT4 against the stack they were added to, the student against the teacher's stack (the
+    best row serving MODEL itself), speculative decoding against its verifier (the same row) alone."""
+    rows = {r["row"]: r for r in report["rows"] if r.get("metrics")}
+    load = report["load"]
+    teacher = ([r for r in rows.values() if r["model"] == "base" and r.get("mark") in ("stack", "stacked")]
+               or [None])[-1]
+    out = [f"stack: {load['stack']} (each row is added to the best row above it: faster in the burst at equal "
+           f"answers; x lost = slower, ~ trade = faster but other answers: both left out of the stack)"]
+    if any(r.get("overloaded") for r in rows.values()):
+        out.append("* capacity below the load: the queue grows, TTFT under load is queueing")
+    for name, r in rows.items():
+        below = rows.get(r.get("added_to")) if r["model"] in ("int8", "int4") else teacher
+        if r["model"] != "base" and below is not None:
+            alone = tpot_ratio(_ms(r.get("alone"), "tpot_ms"), _ms(below.get("alone"), "tpot_ms"))
+            kernel = f", kernel {r['kernel']} ({r.get('activation_dtype')})" if r.get("kernel") else ""
+            out.append(f"{name}: {r.get('speedup') or 0:.2f}x the burst req/s of {below['row']}, TPOT alone "
+                       f"{alone or float('nan'):.2f}x its{kernel}")
+        acc = r.get("acceptance")
+        if acc and teacher is not None:
+            ratio = tpot_ratio(_ms(r.get("alone"), "tpot_ms"), _ms(teacher.get("alone"), "tpot_ms"))
+            same = r.get("verifier_agreement")
+            out.append(f"{name}: acceptance {acc['accepted'] / max(1, acc['proposed']):.1%} of proposed draft tokens, "
+                       f"{acc['accepted'] / max(1, acc['rounds']):.2f} accepted per verification step; answers "
+                       f"{'n/a' if same is None else f'{same:.1%}'} equal to the verifier's ({teacher['row']}); "
+                       f"TPOT alone {ratio or float('nan'):.2f}x the verifier's alone")
     return out
 
 
 def caption(report: dict) -> str:
-    w = report["workload"]
-    rate = "all at once" if not w["rate"] else f"{w['rate']:g} req/s (Poisson)"
+    w, load = report["workload"], report["load"]
     return (f"{report['engine']}, {report['model']}: {w['requests']} requests, shared prefix {w['prefix_len']} + "
             f"question {w['question_len']} tokens (truncated: {w['truncated_len']}), {w['answer_len']} answer "
-            f"tokens, arrivals {rate}, batch up to {report['max_batch']}; {report['data']}")
+            f"tokens, batch up to {report['max_batch']}; capacity: a burst of {load['capacity_requests']}; timed at "
+            f"{load['how']} (Poisson); alone: {load['alone_requests']} requests one after another; {report['data']}")
 
 
 def _table(report: dict, names: list[str], with_caption: bool) -> Table:
@@ -74,10 +117,11 @@ def rich_table(report: dict, width: int | None = None):
     names = [r["row"] for r in report["rows"]]
     wide = _table(report, names, True)
     if width is None or rendered_width(wide) <= width:
-        return wide
+        return Group(wide, Text("\n".join(comparisons(report))))
     keys = [f"[{i + 1}]" for i in range(len(names))]
     legend = Text("\n".join(f"{k} {n}: {r['change']}" for k, n, r in zip(keys, names, report["rows"])))
-    return Group(legend, _table(report, keys, False), Text(caption(report), style="dim"))
+    return Group(legend, _table(report, keys, False), Text(caption(report), style="dim"),
+                 Text("\n".join(comparisons(report))))
 
 
 def markdown(report: dict) -> str:
@@ -85,12 +129,14 @@ def markdown(report: dict) -> str:
              "| " + " | ".join(COLUMNS) + " | what the row adds |", "|" + "---|" * (len(COLUMNS) + 1)]
     for row, r in zip(cells(report), report["rows"]):
         lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in row) + f" | {r['change']} |")
-    lines += [""] + [f"- {n}" for n in report.get("notes", [])] + ["", "![the serving rows](serving.png)", ""]
+    notes = comparisons(report) + report.get("notes", [])
+    lines += [""] + [f"- {n}" for n in notes] + ["", "![the serving rows](serving.png)", ""]
     return "\n".join(lines)
 
 
 def plot(report: dict, path: Path) -> None:
-    """Three panels, one bar per row: TTFT (median, p90 whisker), TPOT, throughput; unmeasured rows say why."""
+    """Three panels, one bar per row: TTFT under load (median, p90 whisker; a tick at TTFT alone), TPOT under
+    load, capacity in the burst; rows left out of the stack in grey; unmeasured rows say why."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,21 +145,24 @@ def plot(report: dict, path: Path) -> None:
     rows = report["rows"]
     names = [r["row"] for r in rows][::-1]  # first row on top
     fig, axes = plt.subplots(1, 3, figsize=(12, 0.55 * len(rows) + 1.8), dpi=120, sharey=True)
-    panels = [("TTFT s (median, p90)", lambda m: m["ttft_ms"]["median"] / 1000, lambda m: m["ttft_ms"]["p90"] / 1000),
-              ("TPOT ms (median)", lambda m: (m.get("tpot_ms") or {}).get("median"), None),
-              ("throughput, requests/s", lambda m: m.get("throughput_req_s"), None)]
+    panels = [("TTFT s under load (median, p90; | alone)", lambda r: r["metrics"]["ttft_ms"]["median"] / 1000,
+               lambda r: r["metrics"]["ttft_ms"]["p90"] / 1000),
+              ("TPOT ms under load (median)", lambda r: _ms(r["metrics"], "tpot_ms"), None),
+              ("capacity, requests/s in a burst", lambda r: r.get("capacity_req_s"), None)]
     for ax, (title, value, high) in zip(axes, panels):
         for y, r in enumerate(rows[::-1]):
             m = r.get("metrics")
-            v = value(m) if m else None
+            v = value(r) if m else None
             if v is None:
                 if ax is axes[0]:
                     ax.text(0, y, "  not measured: " + (r.get("reason") or "")[:60], va="center", fontsize=7,
                             color="0.45")
                 continue
-            ax.barh(y, v, color="tab:orange" if r.get("model") == "int8" else "tab:blue", height=0.6)
+            ax.barh(y, v, color="tab:blue" if r.get("mark") in ("stack", "stacked") else "0.7", height=0.6)
             if high is not None:
-                ax.plot([v, high(m)], [y, y], color="0.3", lw=1)
+                ax.plot([v, high(r)], [y, y], color="0.3", lw=1)
+                if _ms(r.get("alone"), "ttft_ms") is not None:
+                    ax.plot([_ms(r["alone"], "ttft_ms") / 1000] * 2, [y - 0.3, y + 0.3], color="tab:red", lw=1.5)
             label = f"{v:,.3g}"
             if ax is axes[2] and m.get("kv_hit_rate"):
                 label += f"  (KV hit {m['kv_hit_rate'] * 100:.0f}%)"
@@ -122,7 +171,7 @@ def plot(report: dict, path: Path) -> None:
         ax.margins(x=0.35)
         ax.xaxis.set_major_locator(plt.MaxNLocator(4))
     axes[0].set_yticks(range(len(names)), names, fontsize=8.5)
-    fig.suptitle("Serving optimizations, each row adding one to the row before (top to bottom)", fontsize=10.5)
+    fig.suptitle("Serving optimizations, each row added to the best row above it (blue: in the stack)", fontsize=10.5)
     fig.text(0.01, 0.01, caption(report), fontsize=6.5, color="0.4")
     fig.tight_layout(rect=(0, 0.04, 1, 0.95))
     fig.savefig(path)

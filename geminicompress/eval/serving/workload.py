@@ -6,7 +6,8 @@ arriving at a chosen rate. Pure: token ids in, requests out.
   text is repeated when it is too short, and the caller is told how many slices are repeats);
 - answers: exactly `answer_len` greedy tokens (EOS ignored), so every configuration does the same work;
 - arrivals: a Poisson process of `rate` requests per second (exponential gaps, seeded), the first at 0;
-  rate 0 means every request arrives at 0 (a burst);
+  rate 0 means every request arrives at 0 (a burst: serve-bench's capacity pass); serve-bench's timed rows
+  run at a rate chosen from the measured capacity (stack.py) unless the spec gives one;
 - prompt truncation (one of the table's rows): keep the prefix and the last `max_prompt_len - prefix_len`
   tokens of each question (the end of a question is the part nearest the answer).
 """
@@ -43,7 +44,7 @@ class WorkloadSpec:
     prefix_len: int = 256
     question_len: int = 128
     answer_len: int = 32
-    rate: float = 4.0  # requests per second; 0 = all at once
+    rate: float | None = None  # requests per second of the timed rows; None: a share of the measured capacity
     max_prompt_len: int | None = None  # the truncation row's prompt length (default: prefix + question / 2)
     seed: int = 0
 
@@ -62,8 +63,9 @@ def check_spec(spec: WorkloadSpec, context: int | None) -> None:
     if spec.requests < 1 or spec.prefix_len < 0 or spec.question_len < 1 or spec.answer_len < 2:
         raise InputError("--requests and --question-len must be at least 1, --answer-len at least 2, "
                          "--prefix-len at least 0")
-    if spec.rate < 0:
-        raise InputError(f"--rate must be >= 0 requests per second (0 = all at once), got {spec.rate}")
+    if spec.rate is not None and spec.rate <= 0:
+        raise InputError(f"--rate must be > 0 requests per second, got {spec.rate:g}: the capacity pass already "
+                         "serves every request at once (leave --rate out to run at --load x the capacity)")
     if context is not None and spec.longest > context:
         raise InputError(f"the workload needs {spec.longest} tokens per request (--prefix-len {spec.prefix_len} + "
                          f"--question-len {spec.question_len} + --answer-len {spec.answer_len}), more than the "
@@ -94,7 +96,7 @@ def build_workload(ids: torch.Tensor, spec: WorkloadSpec) -> tuple[list[Request]
         ids = ids.repeat(need // max(ids.numel(), 1) + 1)
     tokens = ids.tolist()
     prefix = tokens[:spec.prefix_len]
-    times = arrivals(spec.requests, spec.rate, spec.seed)
+    times = arrivals(spec.requests, spec.rate or 0.0, spec.seed)
     out = []
     for i in range(spec.requests):
         start = spec.prefix_len + i * spec.question_len

@@ -42,6 +42,9 @@ from common import DATA, RESULTS, ROOT, calibration_ids, eval_windows  # noqa: E
 LLAMA_ROWS = {  # name -> (llama.cpp ftype, with the importance matrix)
     "llama-q8_0": ("Q8_0", False), "llama-q4_0": ("Q4_0", False), "llama-q4_0-imatrix": ("Q4_0", True),
     "llama-q5_0": ("Q5_0", False), "llama-q5_0-imatrix": ("Q5_0", True), "llama-q4_k_m": ("Q4_K_M", False),
+    # issue #63: llama-quantize's mixes with the importance matrix, beside ours of the same mix (--gguf-type)
+    "llama-iq4_nl-imatrix": ("IQ4_NL", True), "llama-q3_k_m-imatrix": ("Q3_K_M", True),
+    "llama-q2_k-imatrix": ("Q2_K", True), "llama-q4_k_m-imatrix": ("Q4_K_M", True),
 }
 CALIB = ["--data", str(DATA / "enwiki-sample.txt"), "--samples", "32", "--calib-seq-len", "512"]
 OURS_ROWS = {  # name -> quantize arguments (written as OUT/model.gguf by --format gguf)
@@ -51,8 +54,16 @@ OURS_ROWS = {  # name -> quantize arguments (written as OUT/model.gguf by --form
     "ours-awq-q5_0": ["--method", "awq", "--bits", "4", "--group-size", "32", "--gguf-asym", "q5_0", *CALIB],
     "ours-rtn-q4_0": ["--method", "rtn", "--bits", "4", "--group-size", "32", "--sym"],
     "ours-int8-q8_0": ["--method", "int8", *CALIB],
+    # issue #63: GPTQ with llama-quantize's per-tensor types (the same layout as llama.cpp's file of that mix)
+    "ours-gptq-mix-q4_0": ["--method", "gptq", "--gguf-type", "Q4_0", *CALIB],
+    "ours-gptq-mix-iq4_nl": ["--method", "gptq", "--gguf-type", "IQ4_NL", *CALIB],
+    "ours-gptq-mix-q3_k_m": ["--method", "gptq", "--gguf-type", "Q3_K_M", *CALIB],
+    "ours-gptq-mix-q2_k": ["--method", "gptq", "--gguf-type", "Q2_K", *CALIB],
+    "ours-gptq-mix-q4_k_m": ["--method", "gptq", "--gguf-type", "Q4_K_M", *CALIB],
 }
-NOT_RANKED = {"ours-awq-q4_1": "not ranked: the demo's floats lie on a Q4_1 grid"}
+NOT_RANKED = {"ours-awq-q4_1": "not ranked: the demo's floats lie on a Q4_1 grid",
+              "ours-gptq-mix-q4_k_m": "not ranked: Q4_K's mins can find the demo's Q4_1 grid",
+              "llama-q4_k_m-imatrix": "not ranked: Q4_K's mins can find the demo's Q4_1 grid"}
 # rows whose codes another row's run already chose (the AWQ search does not depend on the GGUF type): exported
 # from that row's checkpoint with this --gguf-asym instead of searching again
 SAME_CODES = {"ours-awq-q4_1": ("ours-awq-q5_0", "q4_1")}

@@ -93,10 +93,16 @@ def test_serving_loop_hits_and_same_answers_across_rows(model):
     trunc = serve(model, reqs, HFFlags(truncate=True), SMALL.truncated_len, SMALL.prefix_len, warmup=False)
     assert all(t.prompt_tokens == SMALL.truncated_len == 40 for t in trunc)
     for flags in (HFFlags("sdpa", prefix_cache=True, max_batch=4), HFFlags("sdpa", prefix_cache=True, max_batch=4, paged=True)):
-        alone = serve(model, reqs[:3], flags, SMALL.truncated_len, SMALL.prefix_len, warmup=False, alone=True)
+        alone = serve(model, reqs[:3], flags, SMALL.truncated_len, SMALL.prefix_len, warmup=False, concurrency=1)
         # one after another: each arrives once the one before has finished, and finds the prefix cached
         assert all(b.arrival >= a.finished for a, b in zip(alone, alone[1:])), flags
         assert [t.cached_tokens for t in alone][1:] == [32, 32] and [t.tokens for t in alone] == plain[:3], flags
+    for flags in (HFFlags("sdpa", max_batch=4), HFFlags("sdpa", max_batch=4, paged=True)):
+        closed = serve(model, reqs, flags, SMALL.truncated_len, SMALL.prefix_len, warmup=False, concurrency=2)
+        # two clients: requests 0 and 1 at once, each later one when the one two before it has finished
+        assert [t.arrival for t in closed[:2]] == [0.0, 0.0], flags
+        assert all(closed[i].arrival >= closed[i - 2].finished - 1e-3 for i in range(2, 6)), flags
+        assert [t.tokens for t in closed] == plain, flags
 
 
 def test_rows_keep_their_reasons():
@@ -146,7 +152,7 @@ def test_serve_bench_end_to_end_in_process(tiny_dir, text_file, tmp_path):
     assert rows["KV-cache reuse"]["metrics"]["cached_tokens"] == 3 * 32  # the first request computes the prefix
     assert rows["distilled student"]["ppl_drift"] is not None and rows["distilled student"]["model"] == "student"
     spec_row = rows["speculative decoding"]
-    assert spec_row["verifier_agreement"] == 1.0 and spec_row["acceptance"]["accepted"] == spec_row["acceptance"]["proposed"] > 0
+    assert spec_row["divergences"]["requests"] == 0 and spec_row["verifier_agreement"] == 1.0 and spec_row["acceptance"]["accepted"] == spec_row["acceptance"]["proposed"] > 0
     load = report["load"]
     assert load["share"] == 0.7 and load["rate_req_s"] == pytest.approx(0.7 * load["stack_capacity_req_s"], rel=1e-3)
     assert rows[load["stack"]]["mark"] in ("stack", "stacked")
@@ -180,6 +186,7 @@ def test_serve_bench_vllm_rows_on_the_stand_in(tiny_dir, text_file, monkeypatch,
     (["--rate", "0"], "--rate must be > 0"),
     (["--rate", "2", "--load", "0.5"], "both set"),
     (["--load", "1"], "between 0 and 1"),
+    (["--concurrency", "2", "--rate", "1"], "--rate and --concurrency both set"),
     (["--student", "{big}"], "larger than its teacher"),
     (["--draft", "{vocab}"], "vocabulary of 500 tokens"),
     (["--int4", "{tiny}"], "not a 4-bit"),
@@ -227,3 +234,18 @@ def test_recipe_eval_stage_builds_the_serving_table_with_the_w8a8_output(tiny_di
         validate({"model": str(tiny_dir), "stages": [{"type": "eval", "serving": {"load": 1.5}}]}, "test")
     with pytest.raises(Exception, match="requets|extra"):
         validate({"model": str(tiny_dir), "stages": [{"type": "eval", "serving": {"requets": 3}}]}, "test")
+
+
+def test_logit_gap_where_an_answer_leaves_the_verifiers(tiny_dir):
+    from geminicompress.eval.serving.servers import HFServer
+
+    reqs, _ = build_workload(torch.arange(1, 400), SMALL)
+    server = HFServer(Models(str(tiny_dir)), SMALL, None, "auto", False)
+    model = server._need(["base"])[0][0]
+    reference = [t.tokens for t in serve(model, reqs[:2], HFFlags(), SMALL.truncated_len, SMALL.prefix_len, warmup=False)]
+    other = [reference[0], reference[1][:2] + [(reference[1][2] + 1) % 384, 0]]
+    gaps = server.logit_gaps({}, reqs, reference, other, [(1, 2)])
+    logits = model(input_ids=torch.tensor([reqs[1].prompt() + reference[1][:2]])).logits[0, -1]
+    assert gaps == [pytest.approx(float(logits[reference[1][2]] - logits[other[1][2]]), abs=1e-5)] and gaps[0] > 0
+    server.close()
+    assert server.loaded == {}

@@ -13,7 +13,7 @@ from geminicompress.eval.serving.metrics import RequestTiming
 from geminicompress.eval.serving.passes import measure
 from geminicompress.eval.serving.rows import ROWS, hf_rows
 from geminicompress.eval.serving.servers import Served
-from geminicompress.eval.serving.stack import SAME_ANSWERS, load_rate, overloaded, verdict
+from geminicompress.eval.serving.stack import SAME_ANSWERS, Load, load_rate, overloaded, verdict
 from geminicompress.eval.serving.workload import Request, check_spec, WorkloadSpec
 
 GIVEN = {"int8": "i8", "int4": "i4", "student": "s", "draft": "d"}
@@ -33,9 +33,14 @@ def test_load_rate_and_its_refusals():
     assert load_rate(2.0, 0.7, None) == (pytest.approx(1.4), "0.7 x the stack's capacity 2 req/s = 1.4 req/s")
     assert load_rate(2.0, None, 0.5)[0] == 0.5
     assert overloaded(0.2, 1.4) and not overloaded(2.0, 1.4)
-    assert check_load(None, None) == 0.7 and check_load(None, 0.5) == 0.5 and check_load(3.0, None) is None
-    with pytest.raises(InputError, match="both set"):
+    assert check_load(None, None) == Load(0.7) and check_load(None, 0.5).share == 0.5
+    assert check_load(3.0, None) == Load(None, 3.0) and check_load(None, None, 4) == Load(None, None, 4)
+    with pytest.raises(InputError, match="--rate and --load both set"):
         check_load(3.0, 0.5)
+    with pytest.raises(InputError, match="--load and --concurrency both set"):
+        check_load(None, 0.5, 2)
+    with pytest.raises(InputError, match="at least 1 client"):
+        check_load(None, None, 0)
     with pytest.raises(InputError, match="between 0 and 1"):
         check_load(None, 1.2)
     with pytest.raises(InputError, match="--rate must be > 0 .* capacity pass"):
@@ -49,7 +54,8 @@ class FakeServer:
     def __init__(self, per_s: dict[str, float], answers: dict[str, list[int]] | None = None):
         self.per_s, self.answers, self.flags, self.calls = per_s, answers or {}, {}, []
 
-    def serve(self, row, flags, requests, alone=False, with_ppl=False):
+    def serve(self, row, flags, requests, concurrency=None, with_ppl=False):
+        alone = concurrency == 1
         self.flags.setdefault(row.name, flags)
         self.calls.append((row.name, len(requests), alone))
         gap = 1.0 / self.per_s[row.name]
@@ -73,7 +79,7 @@ def _measured():
               "distilled student": 6.0, "speculative decoding": 1.6}
     server = FakeServer(speeds, {"prompt truncation": [9, 9, 3, 4], "INT8 (W8A8)": [1, 2, 3, 9],
                                  "distilled student": [1, 2, 9, 9]})
-    entries, load = measure(hf_rows(8, GIVEN), _requests(16), 8, 0.7, None, 0, server, _NoProgress())
+    entries, load = measure(hf_rows(8, GIVEN), _requests(16), 8, Load(0.7), 0, server, _NoProgress())
     return server, {e["row"]: e for e in entries}, load
 
 
@@ -136,3 +142,20 @@ def test_table_marks_rows_and_shows_ttft_alone_beside_load():
     assert "1.50x the burst req/s of dynamic batching" in student and "TPOT alone 0.67x" in student
     md = serve_table.markdown(report)
     assert "| PagedAttention | x lost * | 2 (0.50x) |" in md and "timed at 0.7 x the stack's capacity 4 req/s" in md
+
+
+def test_divergences_and_float_ties_in_the_table():
+    from geminicompress.eval.serving.metrics import first_divergences
+    from geminicompress.eval.serving.table import _ties
+
+    assert first_divergences([[1, 2, 3], [4, 5, 6], [7, 8]], [[1, 2, 3], [4, 9, 6], [0, 8]]) == [(1, 1), (2, 0)]
+    assert _ties({"requests": 2, "logit_gaps": [3e-6, 1.2], "ties": 1}) == \
+        ", 2 answers leave it, 1 at a float tie (logit gaps 3e-06, 1.2)"
+    assert _ties({"requests": 0}) == ""
+
+
+def test_closed_loop_load():
+    server = FakeServer({n: 1.0 for n in ROWS})
+    entries, load = measure(hf_rows(8, {}), _requests(6), 4, Load(None, None, 2), 0, server, _NoProgress())
+    assert load["concurrency"] == 2 and load["rate_req_s"] is None and "2 clients in a closed loop" in load["how"]
+    assert all(e["overloaded"] is None for e in entries if e["metrics"])

@@ -34,6 +34,9 @@ def serve_bench(
                                          "(Poisson), instead of --load."),
     load: Optional[float] = typer.Option(None, "--load", help="Arrival rate of the timed rows as a share of the "
                                          "stack's capacity measured in the same run (default 0.7)."),
+    concurrency: Optional[int] = typer.Option(None, "--concurrency", help="The timed rows as N clients in a closed "
+                                              "loop (each sends its next request when its answer is done), "
+                                              "instead of --load."),
     max_prompt_len: Optional[int] = typer.Option(None, "--max-prompt-len", help="Prompt length of the truncation "
                                                  "row (default: prefix + half the question)."),
     max_batch: int = typer.Option(8, "--max-batch", help="Largest batch of the batching rows (vLLM: max_num_seqs)."),
@@ -86,7 +89,8 @@ def serve_bench(
     spec = WorkloadSpec(requests, prefix_len, question_len, answer_len, rate, max_prompt_len, seed)
     choice = c.use_threads(threads, None)
     options = ServeOptions(engine=engine, max_batch=max_batch, ppl_tokens=ppl_tokens, text_column=text_column,
-                           vllm_python=vllm_python, dtype=dtype, trust_remote_code=trust, load=load)
+                           vllm_python=vllm_python, dtype=dtype, trust_remote_code=trust, load=load,
+                           concurrency=concurrency)
     report = run(Models(model, int8, int4, student, draft), data, spec, options, c.RichProgress(quiet))
     with OutputDir(output, force, inputs=inputs) as tmp:
         serve_table.write(report, tmp)

@@ -88,7 +88,8 @@ def _serving(cfg: EvalStage, ctx) -> dict:
     spec = WorkloadSpec(s.requests, s.prefix_len, s.question_len, s.answer_len, s.rate, s.max_prompt_len, s.seed)
     options = ServeOptions(engine=cfg.engine, max_batch=s.max_batch, ppl_tokens=s.ppl_tokens,
                            text_column=cfg.text_column, vllm_python=cfg.vllm_python, dtype=s.dtype,
-                           trust_remote_code=recipe.trust_remote_code, frame=cfg.frame or recipe.frame, load=s.load)
+                           trust_remote_code=recipe.trust_remote_code, frame=cfg.frame or recipe.frame, load=s.load,
+                           concurrency=s.concurrency)
     outputs = served_outputs(ctx.out_dir, any(st.type == "distill" for st in recipe.stages))
     report = serve_bench(Models(recipe.model, **outputs), cfg.data or recipe.calibration.data, spec, options,
                          ctx.progress)

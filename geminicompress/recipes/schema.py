@@ -218,6 +218,8 @@ class ServingOptions(Strict):
                                "of `load`")
     load: float | None = Field(None, gt=0, lt=1, description="the timed rows' arrival rate as a share of the stack's "
                                "capacity measured in the same run (default 0.7)")
+    concurrency: int | None = Field(None, ge=1, description="the timed rows as N clients in a closed loop, instead "
+                                    "of `load`")
     max_prompt_len: int | None = Field(None, ge=1, description="the truncation row's prompt length "
                                        "(default: prefix + half the question)")
     max_batch: int = Field(8, ge=2, description="largest batch of the batching rows (vLLM: max_num_seqs)")

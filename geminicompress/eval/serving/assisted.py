@@ -3,7 +3,8 @@ them (Leviathan et al., 2023), through transformers' assisted generation (`assis
 `eval --draft` measures it (eval/speculative.py). Greedy and exact: the answers are the verifier's own.
 
 Assisted generation takes one sequence at a time, so requests are served one after another in arrival
-order (a request that arrives while another is served waits: TTFT includes that queue). Per request:
+order (a request that arrives while another is served waits: TTFT includes that queue); with `concurrency`
+N, request i arrives when request i − N has finished (a closed loop of N clients, hf.py). Per request:
 TTFT = the first generated token's arrival at the streamer − the request's arrival, TPOT = (last − first) /
 (answer_len − 1), like hf.py's loop; EOS is never produced (the answer is always `answer_len` tokens).
 Acceptance is counted from what transformers reports after each verification (speculative.count_acceptance).
@@ -43,7 +44,7 @@ def _no_eos(model) -> None:
 
 @torch.no_grad()
 def serve_assisted(model, draft, requests: list[Request], max_len: int | None, warmup: bool = True,
-                   alone: bool = False) -> tuple[list[RequestTiming], dict]:
+                   concurrency: int | None = None) -> tuple[list[RequestTiming], dict]:
     """Serve `requests` one at a time with `draft` as the assistant; (timings in request order, acceptance:
     proposed, accepted, rounds)."""
     device = next(model.parameters()).device
@@ -64,10 +65,11 @@ def serve_assisted(model, draft, requests: list[Request], max_len: int | None, w
     start = time.perf_counter()
     clock = lambda: time.perf_counter() - start  # noqa: E731
     with count_acceptance() as counts:
-        for r in sorted(requests, key=lambda r: (r.arrival_s, r.index)):
-            if alone:
-                r = replace(r, arrival_s=clock())
-            elif r.arrival_s > clock():
+        ordered = sorted(requests, key=lambda r: (r.arrival_s, r.index))
+        for i, r in enumerate(ordered):
+            if concurrency:  # its client sent it when its request `concurrency` before finished
+                r = replace(r, arrival_s=0.0 if i < concurrency else done[ordered[i - concurrency].index].finished)
+            if r.arrival_s > clock():
                 time.sleep(r.arrival_s - clock())
             streamer = _FirstToken(clock)
             tokens = generate(r.prompt(max_len), streamer)

@@ -20,7 +20,7 @@ from geminicompress.eval.engines.vllm_engine import check_vllm, find_python
 from geminicompress.eval.serving.passes import measure
 from geminicompress.eval.serving.rows import hf_rows, vllm_rows
 from geminicompress.eval.serving.servers import HFServer, Models, VllmServer
-from geminicompress.eval.serving.stack import DEFAULT_LOAD
+from geminicompress.eval.serving.stack import DEFAULT_LOAD, Load
 from geminicompress.eval.serving.workload import WorkloadSpec, build_workload, check_spec
 from geminicompress.machine import machine, versions
 from geminicompress.progress import NullProgress, Progress
@@ -45,19 +45,23 @@ class ServeOptions:
     frame: str = "tokenizer"  # data/windows.py: "tokenizer" (its BOS first, where it adds one) or "text"
     load: float | None = None  # the timed rows' rate as a share of the stack's capacity (None: DEFAULT_LOAD)
     capacity_requests: int | None = None  # the capacity pass's burst (None: min(requests, 2 x max_batch))
+    concurrency: int | None = None  # the timed rows as a closed loop of this many clients, instead of a rate
 
 
-def check_load(rate: float | None, load: float | None) -> float | None:
-    """The timed rows' share of the stack's capacity (None with --rate); bad combinations refused."""
-    if rate is not None and load is not None:
-        raise InputError(f"--rate {rate:g} and --load {load:g} both set: the timed rows run at one of them")
-    if rate is not None:
-        return None
-    share = DEFAULT_LOAD if load is None else load
+def check_load(rate: float | None, share: float | None, concurrency: int | None = None) -> Load:
+    """How the timed rows are loaded (stack.Load); bad combinations refused in one line."""
+    given = [f for f, v in (("--rate", rate), ("--load", share), ("--concurrency", concurrency)) if v is not None]
+    if len(given) > 1:
+        raise InputError(f"{' and '.join(given)} both set: the timed rows run at one of them")
+    if concurrency is not None and concurrency < 1:
+        raise InputError(f"--concurrency must be at least 1 client, got {concurrency}")
+    if rate is not None or concurrency is not None:
+        return Load(None, rate, concurrency)
+    share = DEFAULT_LOAD if share is None else share
     if not 0 < share < 1:
         raise InputError(f"--load must be a share of the stack's capacity between 0 and 1 (a load it holds), "
                          f"got {share:g}")
-    return share
+    return Load(share)
 
 
 def _size(config: dict) -> tuple[int, int, int]:
@@ -107,7 +111,9 @@ def serve_bench(models: Models, data: str, spec: WorkloadSpec, options: ServeOpt
     progress = progress or NullProgress()
     config = plan.peek_config(models.base) or {}
     check_spec(spec, plan.config_context(config))  # before any model loads
-    share = check_load(spec.rate, options.load)
+    load = check_load(spec.rate, options.load, options.concurrency)
+    if options.engine == "vllm" and (options.concurrency or 1) > 1:
+        raise InputError("--concurrency with --engine vllm: not wired here (give --load or --rate)")
     if options.max_batch < 2:
         raise InputError(f"--max-batch must be at least 2 (the dynamic batching row), got {options.max_batch}")
     check_models(models, options.trust_remote_code)
@@ -130,10 +136,10 @@ def serve_bench(models: Models, data: str, spec: WorkloadSpec, options: ServeOpt
         rows = hf_rows(options.max_batch, given)
         server = HFServer(models, spec, windows, options.dtype, options.trust_remote_code)
     burst = options.capacity_requests or min(spec.requests, 2 * options.max_batch)
-    measured, load = measure(rows, requests, burst, share, spec.rate, spec.seed, server, progress)
+    measured, loaded = measure(rows, requests, burst, load, spec.seed, server, progress)
     notes = [f"the text held {spec.requests - repeated} distinct questions; {repeated} repeat earlier text"] if repeated else []
     return {"geminicompress": __version__, "command": "serve-bench", "engine": options.engine, "model": models.base,
             **given, "data": data, "workload": {**asdict(spec), "truncated_len": spec.truncated_len},
-            "max_batch": options.max_batch, "load": load, "window_prefix": prefix_note(tok, prefix),
+            "max_batch": options.max_batch, "load": loaded, "window_prefix": prefix_note(tok, prefix),
             "rows": measured, "notes": notes, "machine": {**machine(), "torch_threads": torch.get_num_threads()},
             "versions": versions()}

@@ -16,8 +16,10 @@ Requests arrive on the wall clock (workload.py); the loop serves them with one r
   cache is paged, and with `prefix_cache` its blocks are shared between requests (hits counted by
   wrapping its prefix search).
 
-With `alone`, requests are served one after another, each arriving when the one before finished (one
-request alone on the server: TTFT without queueing; the prefix cache, when on, warm after the first).
+With `concurrency` N (a closed loop), the first N requests arrive at once and each later one when a request
+before it has finished, whatever its own arrival time: N clients, each sending its next request when its
+answer is done. N = 1 is one request alone on the server (TTFT without queueing; the prefix cache, when
+on, warm after the first).
 
 Every request generates exactly `answer_len` greedy tokens (EOS ignored). Timings are wall-clock
 `perf_counter` in this process (serving_metrics.RequestTiming).
@@ -50,16 +52,16 @@ class HFFlags:
 
 
 def serve(model, requests: list[Request], flags: HFFlags, truncated_len: int, prefix_len: int,
-          warmup: bool = True, alone: bool = False) -> list[RequestTiming]:
-    """Serve `requests` with `flags` (each alone, one after another, with `alone`); one RequestTiming per
-    request, in request order."""
+          warmup: bool = True, concurrency: int | None = None) -> list[RequestTiming]:
+    """Serve `requests` with `flags` (as a closed loop of `concurrency` clients when given); one RequestTiming
+    per request, in request order."""
     model.set_attn_implementation(flags.attn)
     max_len = truncated_len if flags.truncate else None
     if flags.paged:
-        return _serve_paged(model, requests, flags, max_len, prefix_len, warmup, alone)
+        return _serve_paged(model, requests, flags, max_len, prefix_len, warmup, concurrency)
     if warmup:  # one request of the same shape that shares nothing with the workload
         _serve_loop(model, [_stranger(requests[0])], flags, max_len, prefix_len, shared=False)
-    return _serve_loop(model, requests, flags, max_len, prefix_len, shared=True, alone=alone)
+    return _serve_loop(model, requests, flags, max_len, prefix_len, shared=True, concurrency=concurrency)
 
 
 def _stranger(r: Request) -> Request:
@@ -69,22 +71,31 @@ def _stranger(r: Request) -> Request:
 
 
 @torch.no_grad()
-def _serve_loop(model, requests, flags, max_len, prefix_len, shared: bool, alone: bool = False) -> list[RequestTiming]:
+def closed_loop(requests: list[Request], concurrency: int | None) -> tuple[list[Request], list[Request]]:
+    """(requests arriving at the start, requests released one per finished request) of a closed loop; all
+    requests in arrival order at their own times without `concurrency`."""
+    ordered = sorted(requests, key=lambda r: (r.arrival_s, r.index))
+    if not concurrency:
+        return ordered, []
+    return [replace(r, arrival_s=0.0) for r in ordered[:concurrency]], ordered[concurrency:]
+
+
+@torch.no_grad()
+def _serve_loop(model, requests, flags, max_len, prefix_len, shared: bool,
+                concurrency: int | None = None) -> list[RequestTiming]:
     device = next(model.parameters()).device
     cache_arg, extra = forward_args(model)
     prefix_kv = None  # the shared prefix's cache, once a request has computed it
-    pending = sorted(requests, key=lambda r: (r.arrival_s, r.index))
+    pending, waiting = closed_loop(requests, concurrency)
     done: dict[int, RequestTiming] = {}
     start = time.perf_counter()
     while pending:
         now = time.perf_counter() - start
-        if alone:  # the next request arrives now, on an idle server
-            pending[0] = replace(pending[0], arrival_s=now)
         ready = [r for r in pending if r.arrival_s <= now]
         if not ready:
             time.sleep(pending[0].arrival_s - now)
             continue
-        batch = ready[:1 if alone else flags.max_batch]
+        batch = ready[:flags.max_batch]
         for r in batch:
             pending.remove(r)
         prompts = torch.tensor([r.prompt(max_len) for r in batch], device=device)  # (B, L)
@@ -116,6 +127,8 @@ def _serve_loop(model, requests, flags, max_len, prefix_len, shared: bool, alone
         for r, hit, gen, length in zip(batch, hits, generated, [len(r.prompt(max_len)) for r in batch]):
             done[r.index] = RequestTiming(r.arrival_s, first - r.arrival_s, (end - first) / (n - 1), end, n, length,
                                           hit if shared else 0, gen)
+            if waiting:  # its client sends the next request
+                pending.append(replace(waiting.pop(0), arrival_s=end))
     return [done[r.index] for r in sorted(requests, key=lambda r: r.index)]
 
 
@@ -151,7 +164,29 @@ def _paged_config(flags: HFFlags, requests: list[Request], max_len: int | None):
                                     allow_block_sharing=flags.prefix_cache, use_cuda_graph=False)
 
 
-def _serve_paged(model, requests, flags, max_len, prefix_len, warmup, alone=False) -> list[RequestTiming]:
+def _submit(manager, requests, max_len, n, start, concurrency) -> dict:
+    """Requests into the continuous-batching manager at their arrival times (or as a closed loop: the next
+    one once the oldest in flight has finished); {index: (request as submitted, result)}."""
+    pending, waiting = closed_loop(requests, concurrency)
+
+    def add(r: Request) -> tuple[Request, str]:
+        wait = r.arrival_s - (time.perf_counter() - start)
+        if wait > 0:
+            time.sleep(wait)
+        return r, manager.add_request(r.prompt(max_len), request_id=f"r{r.index}", max_new_tokens=n,
+                                      record_timestamps=True, eos_token_id=NO_EOS)
+
+    flight = [add(r) for r in pending]
+    outs = {}
+    while flight:
+        r, rid = flight.pop(0)
+        outs[r.index] = (r, manager.get_result(request_id=rid, timeout=600))
+        if waiting:
+            flight.append(add(replace(waiting.pop(0), arrival_s=time.perf_counter() - start)))
+    return outs
+
+
+def _serve_paged(model, requests, flags, max_len, prefix_len, warmup, concurrency=None) -> list[RequestTiming]:
     from transformers import GenerationConfig
 
     n = requests[0].answer_len
@@ -166,19 +201,7 @@ def _serve_paged(model, requests, flags, max_len, prefix_len, warmup, alone=Fals
                                           max_new_tokens=n, eos_token_id=NO_EOS)
                 manager.get_result(request_id=rid, timeout=600)
             start = time.perf_counter()
-            ids, outs = [], {}
-            for r in sorted(requests, key=lambda r: (r.arrival_s, r.index)):
-                wait = r.arrival_s - (time.perf_counter() - start)
-                if alone:  # it arrives now, once the request before it has finished
-                    r, wait = replace(r, arrival_s=time.perf_counter() - start), 0
-                if wait > 0:
-                    time.sleep(wait)
-                rid = manager.add_request(r.prompt(max_len), request_id=f"r{r.index}", max_new_tokens=n,
-                                          record_timestamps=True, eos_token_id=NO_EOS)
-                if alone:
-                    outs[r.index] = (r, manager.get_result(request_id=rid, timeout=600))
-                ids.append((r, rid))
-            outs = outs or {r.index: (r, manager.get_result(request_id=rid, timeout=600)) for r, rid in ids}
+            outs = _submit(manager, requests, max_len, n, start, concurrency)
         finally:
             manager.stop(block=True)
             if hasattr(model, "destroy_cached_continuous_batching_manager"):

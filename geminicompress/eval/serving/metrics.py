@@ -71,3 +71,14 @@ def token_agreement(outputs: list[list[int]], reference: list[list[int]]) -> flo
         same += sum(a == b for a, b in zip(out[:n], ref[:n]))
         total += n
     return round(same / total, 4) if total else None
+
+
+def first_divergences(outputs: list[list[int]], reference: list[list[int]]) -> list[tuple[int, int]]:
+    """(request, position) of the first generated token that differs from the reference run's, per request
+    that differs (after it the two answers continue from different text, so one tie can change the rest)."""
+    out = []
+    for i, (a, b) in enumerate(zip(outputs, reference)):
+        pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if pos is not None:
+            out.append((i, pos))
+    return out

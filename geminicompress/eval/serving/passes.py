@@ -15,14 +15,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from geminicompress.eval.serving.metrics import summarize, token_agreement
+from geminicompress.eval.serving.metrics import first_divergences, summarize, token_agreement
 from geminicompress.eval.serving.rows import Row
 from geminicompress.eval.serving.servers import RowRefused
-from geminicompress.eval.serving.stack import load_rate, overloaded, stacked, verdict
+from geminicompress.eval.serving.stack import Load, closed_loop_note, load_rate, overloaded, stacked, verdict
 from geminicompress.eval.serving.workload import Request, arrivals
 from geminicompress.progress import Progress
 
 ALONE = 3  # requests served alone, one after another, per row (the first warms a prefix cache)
+TIE_LOGIT = 1e-3  # a logit gap below this between two answers' tokens is a float tie (float32 rounding: ~1e-5)
 
 
 @dataclass
@@ -80,9 +81,10 @@ def capacity_pass(rows: list[Row], entries: list[dict], burst: list[Request], se
     return stack
 
 
-def load_pass(rows: list[Row], entries: list[dict], requests: list[Request], rate: float, server,
-              progress: Progress) -> None:
-    """Pass 2 (module docstring): every measured row at `rate`, then ALONE requests alone."""
+def load_pass(rows: list[Row], entries: list[dict], requests: list[Request], rate: float | None, server,
+              progress: Progress, concurrency: int | None = None) -> None:
+    """Pass 2 (module docstring): every measured row at `rate` (or as a closed loop of `concurrency`
+    clients), then ALONE requests alone."""
     first, verifier = None, None
     with progress.task("load pass (every row at one rate)", len(rows)) as bar:
         for row, e in zip(rows, entries):
@@ -90,8 +92,8 @@ def load_pass(rows: list[Row], entries: list[dict], requests: list[Request], rat
             if e["mark"] is None:
                 continue
             try:
-                served = server.serve(row, e["flags"], requests)
-                alone = server.serve(row, e["flags"], requests[:ALONE], alone=True)
+                served = server.serve(row, e["flags"], requests, concurrency=concurrency)
+                alone = server.serve(row, e["flags"], requests[:ALONE], concurrency=1)
             except RowRefused as exc:
                 e["reason"] = f"load pass: {exc}"
                 progress.warn(f"row {row.name}: {exc}")
@@ -105,23 +107,39 @@ def load_pass(rows: list[Row], entries: list[dict], requests: list[Request], rat
                 verifier = answers  # the best configuration of MODEL itself: what the draft's verifier answers
             if e["flags"].get("draft") and verifier is not None:
                 e["verifier_agreement"] = token_agreement(answers, verifier)
-            e["overloaded"] = overloaded(e["capacity_req_s"], rate)
+                e["divergences"] = _divergences(server, e["flags"], requests, verifier, answers)
+            e["overloaded"] = None if rate is None else overloaded(e["capacity_req_s"], rate)
             e["alone"] = summarize(alone.timings)
 
 
-def measure(rows: list[Row], requests: list[Request], capacity_requests: int, share: float | None,
-            rate: float | None, seed: int, server, progress: Progress) -> tuple[list[dict], dict]:
-    """Both passes; (one entry per row, the load: rate, how it was chosen, the stack and its capacity)."""
+def _divergences(server, flags: dict, requests: list[Request], verifier: list, answers: list) -> dict:
+    """Where the speculative answers left the verifier's, and MODEL's logit gap there (a float tie when
+    below TIE_LOGIT)."""
+    found = first_divergences(answers, verifier)
+    gaps = server.logit_gaps(flags, requests, verifier, answers, found) if found and hasattr(server, "logit_gaps") \
+        else None
+    ties = None if gaps is None else sum(abs(g) < TIE_LOGIT for g in gaps)
+    return {"requests": len(found), "at": found, "logit_gaps": gaps, "ties": ties}
+
+
+def measure(rows: list[Row], requests: list[Request], capacity_requests: int, load: Load, seed: int, server,
+            progress: Progress) -> tuple[list[dict], dict]:
+    """Both passes; (one entry per row, the load: rate or clients, how it was chosen, the stack and its
+    capacity)."""
     entries = [_entry(r) for r in rows]
     burst = [replace(r, arrival_s=0.0) for r in requests[:capacity_requests]]
     try:
         stack = capacity_pass(rows, entries, burst, server, progress)
-        req_s, how = load_rate(stack.capacity, share, rate)
-        timed = [replace(r, arrival_s=t) for r, t in zip(requests, arrivals(len(requests), req_s, seed))]
-        load_pass(rows, entries, timed, req_s, server, progress)
+        if load.concurrency:
+            req_s, how, timed = None, closed_loop_note(load.concurrency), requests
+        else:
+            req_s, how = load_rate(stack.capacity, load.share, load.rate)
+            timed = [replace(r, arrival_s=t) for r, t in zip(requests, arrivals(len(requests), req_s, seed))]
+        load_pass(rows, entries, timed, req_s, server, progress, load.concurrency)
     finally:
         server.close()
-    load = {"rate_req_s": round(req_s, 4), "how": how, "share": None if rate is not None else share,
-            "stack": stack.row, "stack_capacity_req_s": stack.capacity, "capacity_requests": len(burst),
-            "alone_requests": ALONE}
-    return entries, load
+    summary = {"rate_req_s": None if req_s is None else round(req_s, 4), "how": how,
+               "share": None if load.rate is not None or load.concurrency else load.share,
+               "concurrency": load.concurrency, "stack": stack.row, "stack_capacity_req_s": stack.capacity,
+               "capacity_requests": len(burst), "alone_requests": ALONE}
+    return entries, summary

@@ -1,4 +1,4 @@
-"""The engines that serve serve-bench's rows, behind one verb: `serve(row, flags, requests, alone, with_ppl)`
+"""The engines that serve serve-bench's rows, behind one verb: `serve(row, flags, requests, concurrency, with_ppl)`
 -> Served (per-request timings, perplexity of the windows when asked, the row's extra figures), or
 RowRefused with the engine's reason. `flags` is the row's configuration: the stack's flags with the row's
 own change (stack.py).
@@ -76,9 +76,12 @@ class HFServer:
                 raise RowRefused(f"{getattr(self.models, key)}: no fast kernel here ({self.loaded[key][1].note})")
         return [self.loaded[k] for k in keys]
 
-    def serve(self, row: Row, flags: dict, requests: list[Request], alone: bool = False,
+    def serve(self, row: Row, flags: dict, requests: list[Request], concurrency: int | None = None,
               with_ppl: bool = False) -> Served:
+        """The row served to `requests` at their arrival times (or as a closed loop of `concurrency` clients;
+        1: each request alone, after a warm-up that the other calls run first)."""
         flags = dict(flags)
+        warmup = concurrency != 1
         draft = flags.pop("draft", False)
         loaded = self._need([row.model, "draft"] if draft else [row.model])
         model, choice = loaded[0]
@@ -86,16 +89,32 @@ class HFServer:
         if draft:
             model.set_attn_implementation(flags.get("attn", "eager"))
             max_len = self.spec.truncated_len if flags.get("truncate") else None
-            timings, counts = serve_assisted(model, loaded[1][0], requests, max_len, warmup=not alone, alone=alone)
+            timings, counts = serve_assisted(model, loaded[1][0], requests, max_len, warmup, concurrency)
             extra["acceptance"] = counts
             extra["draft_kernel"] = loaded[1][1].kernel
         else:
             timings = serve(model, requests, HFFlags(**flags), self.spec.truncated_len, self.spec.prefix_len,
-                            warmup=not alone, alone=alone)
+                            warmup, concurrency)
         ppl = None
         if with_ppl and self.windows is not None:
             ppl = perplexity(model, self.windows, next(model.parameters()).device)
         return Served(timings, ppl, extra)
+
+    @torch.no_grad()
+    def logit_gaps(self, flags: dict, requests: list[Request], reference: list[list[int]], answers: list[list[int]],
+                   divergences: list[tuple[int, int]]) -> list[float]:
+        """At each (request, position) where an answer left the reference's: MODEL's logit of the reference's
+        token minus its logit of the other answer's, after the prompt and the shared answer before it (one
+        forward, no cache): about 0 for a float tie, large for a real disagreement."""
+        model = self._need(["base"])[0][0]
+        max_len = self.spec.truncated_len if flags.get("truncate") else None
+        device = next(model.parameters()).device
+        gaps = []
+        for i, pos in divergences:
+            ids = torch.tensor([requests[i].prompt(max_len) + reference[i][:pos]], device=device)
+            logits = model(input_ids=ids).logits[0, -1].float()  # (V,)
+            gaps.append(round(float(logits[reference[i][pos]] - logits[answers[i][pos]]), 6))
+        return gaps
 
     def close(self) -> None:
         self._need([])
@@ -104,7 +123,7 @@ class HFServer:
 def vllm_job(flags: dict, path: str, requests: list[Request], spec: WorkloadSpec, windows: torch.Tensor | None,
              dtype: str, with_ppl: bool, alone: bool = False) -> dict:
     """One row as a driver job: an engine with the row's arguments serving the requests (with `alone`, one
-    task per request, the prefix cache kept between them)."""
+    task per request, the prefix cache kept between them: requests one at a time)."""
     engine_flags = {k: v for k, v in flags.items() if k not in ("truncate", "draft")}
     max_len = spec.truncated_len if flags.get("truncate") else None
     asked = [{"prompt": r.prompt(max_len), "arrival_s": 0.0 if alone else r.arrival_s, "max_tokens": r.answer_len}
@@ -125,8 +144,12 @@ class VllmServer:
     def __init__(self, models: Models, spec: WorkloadSpec, windows: torch.Tensor | None, dtype: str, python: str):
         self.models, self.spec, self.windows, self.dtype, self.python = models, spec, windows, dtype, python
 
-    def serve(self, row: Row, flags: dict, requests: list[Request], alone: bool = False,
+    def serve(self, row: Row, flags: dict, requests: list[Request], concurrency: int | None = None,
               with_ppl: bool = False) -> Served:
+        """As HFServer.serve; the driver takes arrival times only, so of closed loops only concurrency 1."""
+        if concurrency not in (None, 1):
+            raise RowRefused("a closed loop (--concurrency) is not wired for vLLM here")
+        alone = concurrency == 1
         path = model_path(getattr(self.models, row.model))
         result = run_driver(self.python, vllm_job(flags, path, requests, self.spec, self.windows, self.dtype,
                                                   with_ppl, alone))

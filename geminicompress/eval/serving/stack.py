@@ -13,7 +13,8 @@ the next row is added to the same best configuration. The first measured row is 
 
 The timed rows then run at one load: a share (default 0.7) of the final stack's capacity, or a rate the
 user gives (`--rate`), the same for every row, so that TTFT under load says what a user waits at a load
-the best server holds (rows slower than the load queue, and are marked overloaded).
+the best server holds (rows slower than the load queue, and are marked overloaded); or as a closed loop of
+N clients (`--concurrency N`: each sends its next request when its answer is done).
 """
 
 from __future__ import annotations
@@ -47,6 +48,19 @@ def verdict(capacity: float | None, stack_capacity: float | None, agreement: flo
 def stacked(flags: dict, change: dict) -> dict:
     """A row's configuration: the stack's flags with the row's own change on top."""
     return {**flags, **change}
+
+
+@dataclass(frozen=True)
+class Load:
+    """How the timed rows are loaded: one of a share of the stack's capacity, a rate, or a closed loop."""
+
+    share: float | None = DEFAULT_LOAD
+    rate: float | None = None  # requests/s, instead of the share
+    concurrency: int | None = None  # clients in a closed loop, instead of arrivals at a rate
+
+
+def closed_loop_note(concurrency: int) -> str:
+    return f"{concurrency} clients in a closed loop (each sends its next request when its answer is done)"
 
 
 def load_rate(capacity: float | None, share: float | None, rate: float | None) -> tuple[float, str]:

@@ -85,17 +85,29 @@ def comparisons(report: dict) -> list[str]:
             same = r.get("verifier_agreement")
             out.append(f"{name}: acceptance {acc['accepted'] / max(1, acc['proposed']):.1%} of proposed draft tokens, "
                        f"{acc['accepted'] / max(1, acc['rounds']):.2f} accepted per verification step; answers "
-                       f"{'n/a' if same is None else f'{same:.1%}'} equal to the verifier's ({teacher['row']}); "
+                       f"{'n/a' if same is None else f'{same:.1%}'} equal to the verifier's ({teacher['row']}"
+                       f"{_ties(r.get('divergences'))}); "
                        f"TPOT alone {ratio or float('nan'):.2f}x the verifier's alone")
     return out
+
+
+def _ties(found: dict | None) -> str:
+    """", 2 answers leave it, 1 at a float tie (logit gaps 3e-06, 1.2)" for the speculative row."""
+    if not found or not found.get("requests"):
+        return ""
+    gaps = found.get("logit_gaps")
+    if gaps is None:
+        return f", {found['requests']} answers leave it"
+    return (f", {found['requests']} answers leave it, {found['ties']} at a float tie (logit gaps "
+            f"{', '.join(f'{g:.2g}' for g in gaps)})")
 
 
 def caption(report: dict) -> str:
     w, load = report["workload"], report["load"]
     return (f"{report['engine']}, {report['model']}: {w['requests']} requests, shared prefix {w['prefix_len']} + "
             f"question {w['question_len']} tokens (truncated: {w['truncated_len']}), {w['answer_len']} answer "
-            f"tokens, batch up to {report['max_batch']}; capacity: a burst of {load['capacity_requests']}; timed at "
-            f"{load['how']} (Poisson); alone: {load['alone_requests']} requests one after another; {report['data']}")
+            f"tokens, batch up to {report['max_batch']}; capacity: a burst of {load['capacity_requests']}; timed "
+            f"{'as ' + load['how'] if load.get('concurrency') else 'at ' + load['how'] + ' (Poisson)'}; alone: {load['alone_requests']} requests one after another; {report['data']}")
 
 
 def _table(report: dict, names: list[str], with_caption: bool) -> Table:

@@ -141,7 +141,7 @@ def test_table_marks_rows_and_shows_ttft_alone_beside_load():
     student = next(n for n in notes if n.startswith("distilled student"))
     assert "1.50x the burst req/s of dynamic batching" in student and "TPOT alone 0.67x" in student
     md = serve_table.markdown(report)
-    assert "| PagedAttention | x lost * | 2 (0.50x) |" in md and "timed at 0.7 x the stack's capacity 4 req/s" in md
+    assert "| PagedAttention | x lost * | 2 (0.50x) | 500 |" in md and "timed at 0.7 x the stack's capacity 4 req/s" in md
 
 
 def test_divergences_and_float_ties_in_the_table():
@@ -159,3 +159,18 @@ def test_closed_loop_load():
     entries, load = measure(hf_rows(8, {}), _requests(6), 4, Load(None, None, 2), 0, server, _NoProgress())
     assert load["concurrency"] == 2 and load["rate_req_s"] is None and "2 clients in a closed loop" in load["how"]
     assert all(e["overloaded"] is None for e in entries if e["metrics"])
+
+
+def test_table_at_80_columns_cuts_nothing():
+    from rich.console import Console
+
+    _, rows, load = _measured()
+    rows["INT4 (GPTQ)"] = {**rows["INT4 (GPTQ)"], "metrics": None, "reason": "no GPTQ model given (--int4 OUT)"}
+    report = {"engine": "transformers", "model": "m", "data": "d", "max_batch": 8, "load": load, "notes": [],
+              "workload": {"requests": 16, "prefix_len": 4, "question_len": 4, "truncated_len": 6, "answer_len": 4},
+              "rows": [rows[n] for n in ROWS]}
+    console = Console(width=80, record=True)
+    console.print(serve_table.rich_table(report, 80))
+    text = console.export_text()
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= 80 and "…" not in text
+    assert "(not measured: no GPTQ model given (--int4 OUT))" in text.replace("\n", " ").replace("  ", " ")

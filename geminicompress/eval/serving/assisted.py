@@ -5,8 +5,11 @@ them (Leviathan et al., 2023), through transformers' assisted generation (`assis
 Assisted generation takes one sequence at a time, so requests are served one after another in arrival
 order (a request that arrives while another is served waits: TTFT includes that queue); with `concurrency`
 N, request i arrives when request i − N has finished (a closed loop of N clients, hf.py). Per request:
-TTFT = the first generated token's arrival at the streamer − the request's arrival, TPOT = (last − first) /
-(answer_len − 1), like hf.py's loop; EOS is never produced (the answer is always `answer_len` tokens).
+TTFT = the first generated token's arrival at the streamer − the request's arrival; TPOT = (last − first) /
+(tokens after the first round): the first verification round can deliver several tokens at once, and they
+are counted with the first token, not as decode (hf.py's loop delivers one, so the two agree there; the
+looser (last − first) / (answer_len − 1) would credit those tokens to decode at no cost). EOS is never
+produced (the answer is always `answer_len` tokens).
 Acceptance is counted from what transformers reports after each verification (speculative.count_acceptance).
 """
 
@@ -23,15 +26,16 @@ from geminicompress.eval.speculative import count_acceptance
 
 
 class _FirstToken:
-    """A generate() streamer that notes when the first new token arrives (its first `put` is the prompt)."""
+    """A generate() streamer that notes when the first new tokens arrive and how many (its first `put` is
+    the prompt)."""
 
     def __init__(self, clock):
-        self.clock, self.puts, self.first = clock, 0, None
+        self.clock, self.puts, self.first, self.with_first = clock, 0, None, 1
 
     def put(self, value) -> None:
         self.puts += 1
-        if self.puts == 2 and self.first is None:
-            self.first = self.clock()
+        if self.puts == 2:
+            self.first, self.with_first = self.clock(), max(1, int(value.numel()))
 
     def end(self) -> None:
         pass
@@ -75,6 +79,7 @@ def serve_assisted(model, draft, requests: list[Request], max_len: int | None, w
             tokens = generate(r.prompt(max_len), streamer)
             end = clock()
             first = streamer.first if streamer.first is not None else end
-            done[r.index] = RequestTiming(r.arrival_s, first - r.arrival_s, (end - first) / (n - 1), end, len(tokens),
-                                          len(r.prompt(max_len)), 0, tokens)
+            later = len(tokens) - streamer.with_first
+            done[r.index] = RequestTiming(r.arrival_s, first - r.arrival_s, (end - first) / later if later > 0 else None,
+                                          end, len(tokens), len(r.prompt(max_len)), 0, tokens)
     return [done[r.index] for r in sorted(requests, key=lambda r: r.index)], dict(counts)

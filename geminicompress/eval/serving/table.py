@@ -19,7 +19,7 @@ from geminicompress.eval.serving.stack import tpot_ratio
 from geminicompress.eval.table import rendered_width
 from geminicompress.output import write_json
 
-_HEADERS = ("row", "stack", "burst req/s\n(x stack)", "TTFT ms\nalone", "TTFT ms\np50 / p90", "TPOT ms\n(alone)",
+_HEADERS = ("row", "stack", "burst req/s\n(x stack)", "TTFT ms\nalone", "TTFT ms\np50 (p90)", "TPOT ms\n(alone)",
             "KV\nhit", "answers\n= first", "ppl\n(drift)")
 COLUMNS = tuple(h.replace("\n", " ") for h in _HEADERS)  # the same names on one line (markdown)
 MARKS = {"stack": "start", "stacked": "+ stacked", "lost": "x lost", "trade": "~ trade"}
@@ -40,7 +40,7 @@ def _cell(r: dict, first: bool) -> list[str]:
         MARKS.get(r.get("mark"), "") + (" *" if r.get("overloaded") else ""),
         ("n/a" if not cap else f"{cap:.3g}") + ratio,
         "n/a" if _ms(alone, "ttft_ms") is None else f"{_ms(alone, 'ttft_ms'):,.0f}",
-        f"{_ms(m, 'ttft_ms'):,.0f} / {_ms(m, 'ttft_ms', 'p90'):,.0f}",
+        f"{_ms(m, 'ttft_ms'):,.0f}\n({_ms(m, 'ttft_ms', 'p90'):,.0f})",
         ("n/a" if tpot is None else f"{tpot:.1f}") + ("" if tpot_alone is None else f"\n({tpot_alone:.1f})"),
         "n/a" if m.get("kv_hit_rate") is None else f"{m['kv_hit_rate'] * 100:.1f}%",
         "n/a" if r.get("answer_agreement") is None else f"{r['answer_agreement'] * 100:.1f}%",
@@ -111,11 +111,15 @@ def caption(report: dict) -> str:
 
 
 def _table(report: dict, names: list[str], with_caption: bool) -> Table:
+    """The rows under `names`; without the caption (the narrow form) a row not measured says only that, its
+    reason is in the legend above."""
     table = Table(title="geminicompress serve-bench", caption=caption(report) if with_caption else None,
-                  box=box.SIMPLE_HEAD, title_justify="left", caption_justify="left")
+                  box=box.SIMPLE_HEAD, title_justify="left", caption_justify="left", padding=(0, 1 if with_caption else 0))
     for i, c in enumerate(_HEADERS):
         table.add_column(c, justify="left" if i == 0 else "right", no_wrap=True)
-    for name, row in zip(names, cells(report)):
+    for name, row, r in zip(names, cells(report), report["rows"]):
+        if r.get("metrics") is None and not with_caption:
+            row = [row[0], "not measured"] + [""] * (len(row) - 2)
         table.add_row(name, *row[1:])
     return table
 
@@ -131,7 +135,8 @@ def rich_table(report: dict, width: int | None = None):
     if width is None or rendered_width(wide) <= width:
         return Group(wide, Text("\n".join(comparisons(report))))
     keys = [f"[{i + 1}]" for i in range(len(names))]
-    legend = Text("\n".join(f"{k} {n}: {r['change']}" for k, n, r in zip(keys, names, report["rows"])))
+    legend = Text("\n".join(f"{k} {n}: {r['change']}" + ("" if r.get("metrics") else f" (not measured: {r['reason']})")
+                            for k, n, r in zip(keys, names, report["rows"])))
     return Group(legend, _table(report, keys, False), Text(caption(report), style="dim"),
                  Text("\n".join(comparisons(report))))
 

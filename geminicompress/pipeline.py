@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from geminicompress import __version__
+from geminicompress.data.windows import prefix_note, text_prefix, vocab_of
 from geminicompress.diskerrors import disk_errno, disk_error
 from geminicompress.distill.streamed_teacher import streamable_dir, streamed_input
 from geminicompress.engine.contract import StageContext
@@ -144,6 +145,7 @@ def _run_recipe(recipe: Recipe, out: Path, opts: RunOptions, loaded: LoadedModel
         found = ctx.layers.ckpt.nonfinite if streamed else (ctx.input_nonfinite or [])
         report = {"geminicompress": __version__, "command": opts.command or sys.argv, "model": recipe.model,
                   "output": str(out), "load_seconds": round(load_s, 3), "threads": threads,
+                  "frame": recipe.frame, "window_prefix": _window_prefix(ctx.tokenizer, recipe.frame, vocab_of(ctx.model)),
                   **({"input_nonfinite": found} if found else {}),
                   "total_seconds": round(time.perf_counter() - started, 3), "export": export, "stages": results,
                   "versions": versions(), "machine": machine()}
@@ -152,6 +154,15 @@ def _run_recipe(recipe: Recipe, out: Path, opts: RunOptions, loaded: LoadedModel
     if helper:
         shutil.rmtree(out, ignore_errors=True)
     return report
+
+
+def _window_prefix(tokenizer, frame: str, vocab: int | None) -> dict | str:
+    """What report.json says of how the run's windows start (data/windows.py); a run that built none (RTN,
+    INT8) and whose tokenizer cannot frame a text says why instead."""
+    try:
+        return prefix_note(tokenizer, text_prefix(tokenizer, frame, vocab))
+    except InputError as exc:
+        return str(exc)
 
 
 def _record_threads(tmp: Path, progress: Progress) -> int:

@@ -139,6 +139,10 @@ NO_VERIFY = typer.Option(False, "--no-verify", help="Skip the check of OUT after
                          "tokens are compared with the in-process model's; the run fails, keeping nothing, when "
                          "they differ. The check costs one load of OUT plus a 128-token forward (a second pass "
                          "over the layers read from disk for a streamed run).")
+FRAME = typer.Option("tokenizer", "--frame", help="How every window starts (calibration, training, evaluation, "
+                     "prompts): tokenizer: as the model's tokenizer starts a text, with its BOS where it adds one "
+                     "(Gemma, Llama 3, Mistral; SmolLM2 and Qwen add none); text: text tokens only, for text that "
+                     "is not a document start.")
 QUIET = typer.Option(False, "--quiet", "-q", help="No progress bars or info lines.")
 THREADS = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: the cores not busy with other "
                        "processes when the command starts; see docs/eval.md).")
@@ -169,7 +173,8 @@ def run_single_stage(model: str, stage: dict, out: Path, run: dict[str, Any], so
     cal = calibration_options(run["data"], run["text_column"], run["samples"], run["calib_seq_len"])
     top = {"output": {"dtype": run["dtype"]}} if run["dtype"] is not None else {}
     recipe = recipe_from_stage(model, stage, cal, source, seed=run["seed"], trust_remote_code=run["trust_remote_code"],
-                               allow_pickle=run["allow_pickle"], allow_nonfinite=run["allow_nonfinite"], **top)
+                               allow_pickle=run["allow_pickle"], allow_nonfinite=run["allow_nonfinite"],
+                               frame=run["frame"], **top)
     check_output_path(out, run["force"], recipe_inputs(recipe))
     dev = parse_device(run["device"])
     choice = use_threads(run["threads"], recipe.threads, out, recipe)
@@ -249,7 +254,8 @@ def _keyword(name: str, annotation: Any, option: Any) -> inspect.Parameter:
 # the options of a command that runs one stage on a model (quantize, prune, distill), in --help's order
 RUN_OPTIONS = [_keyword("data", Optional[str], DATA), _keyword("text_column", str, TEXT_COLUMN),
                _keyword("samples", Optional[int], SAMPLES), _keyword("calib_seq_len", Optional[int], CAL_SEQ_LEN),
-               _keyword("seed", int, SEED), _keyword("force", bool, FORCE), _keyword("device", str, DEVICE),
+               _keyword("seed", int, SEED), _keyword("frame", str, FRAME), _keyword("force", bool, FORCE),
+               _keyword("device", str, DEVICE),
                _keyword("trust_remote_code", bool, TRUST), _keyword("allow_pickle", bool, PICKLE),
                _keyword("allow_nonfinite", bool, NONFINITE),
                _keyword("stream", Optional[bool], STREAM), _keyword("dtype", Optional[str], DTYPE),

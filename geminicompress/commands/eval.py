@@ -58,6 +58,7 @@ def eval_(
     vllm_python: Optional[str] = typer.Option(None, "--vllm-python", help="Python of the venv that has vLLM (default: "
                                               "this one if it imports vllm, else $GEMINICOMPRESS_VLLM_PYTHON)."),
     text_column: str = c.TEXT_COLUMN,
+    frame: str = c.FRAME,
     device: str = c.DEVICE,
     force: bool = c.FORCE,
     trust: bool = c.TRUST,
@@ -89,7 +90,7 @@ def eval_(
     try:
         options = EvalStage(type="eval", data=data, text_column=text_column, latency=not no_latency,
                             quality=not no_quality, kernels=kernels, dtype_baseline=dtype_baseline, engine=engine,
-                            vllm_python=vllm_python, llama_python=llama_python, **{k: v for k, v in given.items() if v is not None})
+                            vllm_python=vllm_python, llama_python=llama_python, frame=frame, **{k: v for k, v in given.items() if v is not None})
     except ValidationError as exc:
         err = exc.errors()[0]
         raise InputError(f"--{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}") from exc

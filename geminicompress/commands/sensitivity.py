@@ -14,7 +14,7 @@ from geminicompress.compress.sensitivity.options import parse_options
 from geminicompress.compress.sensitivity.plot import write_heatmap
 from geminicompress.compress.targets import decoder_linears as quantizable
 from geminicompress.core.arch import arch_for
-from geminicompress.data.windows import calibration_windows
+from geminicompress.data.windows import calibration_windows, vocab_of
 from geminicompress.errors import InputError
 from geminicompress.models.loading import load_model
 from geminicompress.output import OutputDir, check_output_path, write_json
@@ -41,6 +41,7 @@ def sensitivity(
     samples: Optional[int] = typer.Option(None, "--samples", help="Calibration windows for statistics (default 32)."),
     calib_seq_len: Optional[int] = c.CAL_SEQ_LEN,
     seed: int = c.SEED,
+    frame: str = c.FRAME,
     force: bool = c.FORCE,
     device: str = c.DEVICE,
     trust_remote_code: bool = c.TRUST,
@@ -67,7 +68,7 @@ def sensitivity(
     loaded = load_model(model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     keep = set(quantizable(loaded.model, arch_for(loaded.model), ignore or []))
     windows = calibration_windows(loaded.tokenizer, data or "builtin:pydoc", samples or 32, calib_seq_len or 512,
-                                  seed, text_column)
+                                  seed, text_column, frame, vocab_of(loaded.model))
     t0 = time.perf_counter()
     table = measure_sensitivity(loaded.model, windows, parsed, keep=keep, kl_windows=kl_windows, measure=measure,
                                 fuse=fuse, device=dev, progress=progress, seed=seed)

@@ -46,6 +46,7 @@ def serve_bench(
     seed: int = typer.Option(0, "--seed", help="Seed of the arrival times."),
     vllm_python: Optional[str] = typer.Option(None, "--vllm-python", help="Python of the venv that has vLLM."),
     text_column: str = c.TEXT_COLUMN,
+    frame: str = c.FRAME,
     force: bool = c.FORCE,
     trust: bool = c.TRUST,
     quiet: bool = c.QUIET,
@@ -89,7 +90,7 @@ def serve_bench(
     spec = WorkloadSpec(requests, prefix_len, question_len, answer_len, rate, max_prompt_len, seed)
     choice = c.use_threads(threads, None)
     options = ServeOptions(engine=engine, max_batch=max_batch, ppl_tokens=ppl_tokens, text_column=text_column,
-                           vllm_python=vllm_python, dtype=dtype, trust_remote_code=trust, load=load,
+                           vllm_python=vllm_python, dtype=dtype, trust_remote_code=trust, frame=frame, load=load,
                            concurrency=concurrency)
     report = run(Models(model, int8, int4, student, draft), data, spec, options, c.RichProgress(quiet))
     with OutputDir(output, force, inputs=inputs) as tmp:

@@ -41,6 +41,7 @@ def tune(
     samples: Optional[int] = c.SAMPLES,
     calib_seq_len: Optional[int] = c.CAL_SEQ_LEN,
     seed: int = c.SEED,
+    frame: str = c.FRAME,
     force: bool = c.FORCE,
     device: str = c.DEVICE,
     trust_remote_code: bool = c.TRUST,
@@ -64,7 +65,8 @@ def tune(
     cal = c.calibration_options(data, text_column, samples, calib_seq_len)
     evaluation = {"type": "eval", "data": eval_data, "latency": False, "text_column": text_column,
                   **({"max_tokens": eval_tokens} if eval_tokens else {}), **({"seq_len": eval_seq_len} if eval_seq_len else {})}
-    base = {"model": model, "seed": seed, "trust_remote_code": trust_remote_code, "allow_pickle": allow_pickle,
+    base = {"model": model, "seed": seed, "frame": frame, "trust_remote_code": trust_remote_code,
+            "allow_pickle": allow_pickle,
             "calibration": cal}
     inputs = [*model_inputs("model", model), ("--data", data), ("--sensitivity", sensitivity),
               ("--eval-data", eval_data)]

@@ -99,3 +99,42 @@ def test_a_mix_llama_cpp_does_not_have_is_one_line_exit_2(wide_dir, tmp_path):
     res = CliRunner().invoke(app, ["quantize", str(wide_dir), "-o", str(tmp_path / "o"), "--method", "rtn",
                                    "--gguf-type", "Q4_K_M", "--quiet"])
     assert res.exit_code == 2 and "gguf" in res.output and len(res.output.strip().splitlines()) == 1, res.output
+    res = CliRunner().invoke(app, ["quantize", str(wide_dir), "-o", str(tmp_path / "o"), "--method", "awq",
+                                   "--format", "gguf", "--gguf-type", "Q4_K_M", "--quiet"])
+    assert res.exit_code == 2 and "gptq and rtn" in res.output and len(res.output.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_llama_cpp_computes_our_logits_on_a_model_256_divides(tmp_path):
+    """Hidden 1024 / intermediate 2816 (every row a K type), 2 layers, GQA 4: llama.cpp's logits of each mix's file
+    against our torch logits of OUT's dense checkpoint (the same weights, float32). llama.cpp multiplies K-quant
+    weights with activations rounded to 8 bits (q8_K per 256, q8_0 per 32), so the match is close, not exact: the
+    K types land where the legacy types (whose files #37 checked) do."""
+    from test_gguf import _llama_logits, _llama_python
+    from tiny import tiny_tokenizer
+
+    from geminicompress.models.loading import load_model
+
+    python = _llama_python()
+    if python is None:
+        pytest.skip("llama-cpp-python is not installed (set GEMINICOMPRESS_LLAMA_PYTHON)")
+    model_dir = save_tiny(tmp_path / "synth", hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
+                          num_attention_heads=16, num_key_value_heads=4)
+    ids = tiny_tokenizer()("The object is returned by the function when it is called.")["input_ids"]
+    for mix in ("Q8_0", "Q4_0", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS"):
+        out = tmp_path / mix
+        _run(model_dir, out, method="rtn", gguf_type=mix)
+        types = _check_file_is_the_checkpoint(out)
+        assert KTYPES.get(mix.removesuffix("_M")) is None or mix.removesuffix("_M") in types.values(), types
+        model = load_model(str(out)).model
+        with torch.no_grad():  # the embedding and the head are quantized at export: theirs, into our model
+            for t in GGUFReader(str(out / "model.gguf")).tensors:
+                target = {"token_embd.weight": model.model.embed_tokens, "output.weight": model.lm_head}.get(t.name)
+                if target is not None:
+                    w = quants.dequantize(t.data, t.tensor_type).reshape(*reversed(t.shape.tolist()))
+                    target.weight.copy_(torch.from_numpy(w))
+            ours = model(torch.tensor([ids])).logits[0]
+        theirs = _llama_logits(python, out / "model.gguf", ids)
+        rel = float((theirs - ours).abs().max() / ours.abs().max())
+        assert rel < 0.1, (mix, rel)  # measured: Q8_0 0.023, Q4_0 0.045, K types 0.057-0.082, IQ4_NL 0.027
+        print(mix, "max |llama.cpp - torch| / max |logit|:", round(rel, 5))

@@ -53,6 +53,8 @@ class GGUFFields(Strict):
         given = [k for k in ("gguf_asym", "gguf_embeddings", "gguf_float", "gguf_type") if getattr(self, k) is not None]
         if given and fmt != "gguf":
             raise ValueError(f"{', '.join(given)} applies to format gguf only")
+        if self.gguf_type is not None and getattr(self, "method", None) not in ("gptq", "rtn"):
+            raise ValueError(f"--gguf-type is written by the gptq and rtn methods, not {getattr(self, 'method', '?')}")
         if fmt == "gguf" and self.gguf_type is not None:
             if getattr(self, "act_order", None) == "group":
                 raise ValueError("--gguf-type keeps each block's columns under its scales: use act_order static or none")

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from geminicompress.compress.hessian import inverse_hessian_factor
-from geminicompress.core.kgrid import KCodes, KType, KTYPES, code_values, nearest_value, sub_scales
+from geminicompress.core.kgrid import KCodes, KType, KTYPES, code_values, fp16, nearest_value, sub_scales
 from geminicompress.core.kquant import element_weights, quantize_blocks, sub_block_fit
 
 F32 = np.float32
@@ -73,21 +73,49 @@ def gptq_kquant(W: torch.Tensor, H: torch.Tensor, type_name: str, damp: float = 
     return KCodes(t, q, d, sc, dmin, m), loss
 
 
+# the super-block scale d (IQ4_NL: the block's d) tried at these multiples of llama.cpp's choice, each under GPTQ's
+# feedback inside the block; each row keeps the least GPTQ loss (1.0 first: it wins ties)
+TRIAL_FACTORS = (1.0, 0.88, 0.92, 0.96, 1.04, 1.08, 1.12)
+
+
 def _solve_super_block(t: KType, W1: np.ndarray, Hinv1: np.ndarray, cols: np.ndarray, imp: np.ndarray,
                        out: tuple, sb: int, refit: bool) -> np.ndarray:
     """Decide super-block `sb`'s scales from its current weights W1 (super, out) (solve order; `cols` their
-    columns), then solve its columns in place. Writes the codes into `out` = (q, d, sc, dmin, m); returns the
-    scaled errors (super, out)."""
+    columns), then solve its columns in place: llama.cpp's d and each of `TRIAL_FACTORS` times it solved side by
+    side (C · out rows), each row keeping its least loss. Writes the codes into `out` = (q, d, sc, dmin, m);
+    returns the scaled errors (super, out)."""
     q, d, sc, dmin, m = out
+    n_out, C = W1.shape[1], len(TRIAL_FACTORS)
     local = cols - sb * t.super  # column inside the super-block
-    X = np.empty((W1.shape[1], t.super), F32)
+    X = np.empty((n_out, t.super), F32)
     X[:, local] = W1.T  # (out, super) in column order
     qw = np.broadcast_to(imp[sb * t.super:(sb + 1) * t.super], X.shape)
     q0, d_sb, sc_sb, dmin_sb, m_sb = quantize_blocks(t, X, qw)
-    wts = element_weights(t, X, qw)  # (out, super): the search's weights, at the decision
-    sc_sb = sc_sb.copy()
-    m_sb = None if m_sb is None else m_sb.copy()
+    wts = np.tile(element_weights(t, X, qw), (C, 1))  # (C·out, super): the search's weights, at the decision
+    d_c = fp16(np.concatenate([d_sb * F32(f) for f in TRIAL_FACTORS]))
+    tile = (lambda a: None if a is None else np.tile(a, (C, 1)) if a.ndim == 2 else np.tile(a, C))  # noqa: E731
+    sc_c, dmin_c, m_c = tile(sc_sb).copy(), tile(dmin_sb), tile(m_sb)
+    m_c = None if m_c is None else m_c.copy()
+    Wc = np.tile(W1, (1, C))  # (super, C·out)
+    codes, Err = _solve_columns(t, Wc, Hinv1, local, tile(q0), wts, (d_c, sc_c, dmin_c, m_c), refit)
+    pick = np.square(Err).sum(0).reshape(C, n_out).argmin(0)  # (out,)
+    rows = pick * n_out + np.arange(n_out)
+    W1[:] = Wc[:, rows]
+    q[:, cols] = codes[:, rows].T
+    d[:, sb] = d_c[rows]
+    sc[:, sb * t.subs:(sb + 1) * t.subs] = sc_c[rows]
+    if dmin is not None:
+        dmin[:, sb], m[:, sb * t.subs:(sb + 1) * t.subs] = dmin_c[rows], m_c[rows]
+    return np.ascontiguousarray(Err[:, rows])
+
+
+def _solve_columns(t: KType, W1: np.ndarray, Hinv1: np.ndarray, local: np.ndarray, q0: np.ndarray, wts: np.ndarray,
+                   params: tuple, refit: bool) -> tuple[np.ndarray, np.ndarray]:
+    """GPTQ over one super-block's columns W1 (super, rows) in place, under params = (d (rows,), sc (rows, subs),
+    dmin, m) (sc and m refitted in place when each sub-block starts); returns (codes, scaled errors), (super, rows)."""
+    d_sb, sc_sb, dmin_sb, m_sb = params
     Err = np.empty_like(W1)
+    codes = np.empty(W1.shape, np.uint8)
     S, M = sub_scales(t, d_sb[:, None], sc_sb, None if dmin_sb is None else dmin_sb[:, None], m_sb)
     for j in range(t.super):
         k = int(local[j]) // t.sub
@@ -102,12 +130,8 @@ def _solve_super_block(t: KType, W1: np.ndarray, Hinv1: np.ndarray, cols: np.nda
         Err[j] = (w - deq) / Hinv1[j, j]
         if j + 1 < t.super:
             W1[j + 1:] -= np.outer(Hinv1[j, j + 1:], Err[j])
-        q[:, cols[j]] = code
-    d[:, sb] = d_sb
-    sc[:, sb * t.subs:(sb + 1) * t.subs] = sc_sb
-    if dmin is not None:
-        dmin[:, sb], m[:, sb * t.subs:(sb + 1) * t.subs] = dmin_sb, m_sb
-    return Err
+        codes[j] = code
+    return codes, Err
 
 
 def _refit_sub_block(t: KType, x: np.ndarray, w: np.ndarray, k: int, d: np.ndarray, sc: np.ndarray,

@@ -249,3 +249,33 @@ def test_logit_gap_where_an_answer_leaves_the_verifiers(tiny_dir):
     assert gaps == [pytest.approx(float(logits[reference[1][2]] - logits[other[1][2]]), abs=1e-5)] and gaps[0] > 0
     server.close()
     assert server.loaded == {}
+
+
+def test_llama_rows_say_what_llama_cpp_cannot_switch():
+    from geminicompress.eval.serving.llama_server import llama_rows
+
+    rows = llama_rows({"draft": "d"})
+    assert [r.name for r in rows] == list(ROWS)
+    assert "one sequence at a time" in rows[4].reason and "unified buffer" in rows[5].reason
+    assert rows[2].flags == {"flash_attn": True} and rows[3].flags == {"reuse": True} and rows[9].reason is None
+    assert "--int8" in rows[6].reason
+
+
+@pytest.mark.slow
+def test_serve_bench_in_real_llama_cpp(tiny_dir, text_file):
+    """The tiny model as an F32 GGUF in real llama.cpp, as its own draft: the prompt cache hits, every proposal
+    accepted, the verifier's answers exactly."""
+    from test_llama_engine import REAL
+
+    if not Path(REAL).is_file() or os.system(f"{REAL} -c 'import llama_cpp' 2>/dev/null") != 0:
+        pytest.skip("llama-cpp-python is not installed")
+    spec = WorkloadSpec(requests=3, prefix_len=32, question_len=16, answer_len=6)
+    report = serve_bench(Models(str(tiny_dir), draft=str(tiny_dir)), str(text_file), spec,
+                         ServeOptions(engine="llama.cpp", llama_python=REAL, ppl_tokens=512, capacity_requests=3))
+    rows = {r["row"]: r for r in report["rows"]}
+    assert rows["original configuration"]["metrics"]["cached_tokens"] == 0
+    assert rows["KV-cache reuse"]["metrics"]["cached_tokens"] == 2 * 32 and rows["original configuration"]["perplexity"] > 1
+    assert rows["dynamic batching"]["metrics"] is None
+    spec_row = rows["speculative decoding"]
+    assert spec_row["acceptance"]["accepted"] == spec_row["acceptance"]["proposed"] > 0
+    assert spec_row["answer_agreement"] == 1.0

@@ -22,8 +22,8 @@ def serve_bench(
                                           "in its place."),
     draft: Optional[str] = typer.Option(None, "--draft", help="A draft model with MODEL's tokenizer, for the "
                                         "speculative decoding row (greedy, exact)."),
-    engine: str = typer.Option("transformers", "--engine", help="transformers (this process) or vllm (its own venv, "
-                               "docs/serving.md)."),
+    engine: str = typer.Option("transformers", "--engine", help="transformers (this process), vllm or llama.cpp "
+                               "(GGUF files; each in its own venv, docs/serving.md)."),
     data: str = typer.Option("builtin:pydoc", "--data", help="Text the prefix, the questions and the perplexity "
                              "windows are cut from."),
     requests: int = typer.Option(32, "--requests", help="Requests in the workload."),
@@ -45,6 +45,8 @@ def serve_bench(
     dtype: str = typer.Option("auto", "--dtype", help="auto (as stored), float32 or bfloat16."),
     seed: int = typer.Option(0, "--seed", help="Seed of the arrival times."),
     vllm_python: Optional[str] = typer.Option(None, "--vllm-python", help="Python of the venv that has vLLM."),
+    llama_python: Optional[str] = typer.Option(None, "--llama-python", help="Python of the venv that has "
+                                               "llama-cpp-python (--engine llama.cpp)."),
     text_column: str = c.TEXT_COLUMN,
     frame: str = c.FRAME,
     force: bool = c.FORCE,
@@ -78,19 +80,20 @@ def serve_bench(
     from geminicompress.output import OutputDir, check_output_path
     from geminicompress.recipes.inputs import model_inputs
 
-    if engine not in ("transformers", "vllm"):
-        raise InputError(f"--engine must be transformers or vllm, got '{engine}'")
+    if engine not in ("transformers", "vllm", "llama.cpp"):
+        raise InputError(f"--engine must be transformers, vllm or llama.cpp, got '{engine}'")
     if dtype not in ("auto", "float32", "bfloat16"):
         raise InputError(f"--dtype must be auto, float32 or bfloat16, got '{dtype}'")
     check_data_spec(data)
     inputs = [*model_inputs("model", model), *model_inputs("--int8", int8), *model_inputs("--int4", int4),
               *model_inputs("--student", student), *model_inputs("--draft", draft), ("--data", data),
-              ("--vllm-python", vllm_python)]
+              ("--vllm-python", vllm_python), ("--llama-python", llama_python)]
     check_output_path(output, force, inputs)
     spec = WorkloadSpec(requests, prefix_len, question_len, answer_len, rate, max_prompt_len, seed)
     choice = c.use_threads(threads, None)
     options = ServeOptions(engine=engine, max_batch=max_batch, ppl_tokens=ppl_tokens, text_column=text_column,
-                           vllm_python=vllm_python, dtype=dtype, trust_remote_code=trust, frame=frame, load=load,
+                           vllm_python=vllm_python, llama_python=llama_python, dtype=dtype, trust_remote_code=trust,
+                           frame=frame, load=load,
                            concurrency=concurrency)
     report = run(Models(model, int8, int4, student, draft), data, spec, options, c.RichProgress(quiet))
     with OutputDir(output, force, inputs=inputs) as tmp:

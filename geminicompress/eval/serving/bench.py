@@ -16,7 +16,9 @@ from geminicompress import __version__
 from geminicompress.data import pack_windows, prefix_note, read_text, text_prefix, tokenize
 from geminicompress.errors import InputError
 from geminicompress.eval.cost import plan as plan
+from geminicompress.eval.engines import llama_eval
 from geminicompress.eval.engines.vllm_engine import check_vllm, find_python
+from geminicompress.eval.serving.llama_server import LlamaServer, llama_rows
 from geminicompress.eval.serving.passes import measure
 from geminicompress.eval.serving.rows import hf_rows, vllm_rows
 from geminicompress.eval.serving.servers import HFServer, Models, VllmServer
@@ -30,9 +32,9 @@ PPL_SEQ_LEN = 512
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """How serve-bench serves its workload: the engine (transformers or vllm), the largest batch of the dynamic
+    """How serve-bench serves its workload: the engine (transformers, vllm or llama.cpp), the largest batch of the dynamic
     batching row, the timed rows' load (a share of the stack's capacity), the capacity pass's burst, how many tokens of DATA the perplexity windows take, DATA's text column, the python that
-    runs vLLM, the dtype the models are loaded in ("auto": as stored), whether loading may run the
+    runs vLLM (and llama.cpp), the dtype the models are loaded in ("auto": as stored), whether loading may run the
     model's own code, and how prompts and windows start (`frame`: data/windows.py)."""
 
     engine: str = "transformers"
@@ -40,6 +42,7 @@ class ServeOptions:
     ppl_tokens: int = 4096
     text_column: str = "text"
     vllm_python: str | None = None
+    llama_python: str | None = None
     dtype: str = "auto"
     trust_remote_code: bool = False
     frame: str = "tokenizer"  # data/windows.py: "tokenizer" (its BOS first, where it adds one) or "text"
@@ -69,8 +72,9 @@ def _size(config: dict) -> tuple[int, int, int]:
             int(config.get("intermediate_size") or 0))
 
 
-def check_models(models: Models, trust_remote_code: bool) -> None:
-    """Refuse, before any model loads, given models that cannot take their rows (one line each)."""
+def check_models(models: Models, trust_remote_code: bool, engine: str = "transformers") -> None:
+    """Refuse, before any model loads, given models that cannot take their rows (one line each; GGUF files,
+    for llama.cpp, are checked by llama.cpp)."""
     from geminicompress.eval.engines.torch_kernels import expects_int4
     from geminicompress.models.loading import resolve_model
 
@@ -79,7 +83,7 @@ def check_models(models: Models, trust_remote_code: bool) -> None:
         if path is not None:
             resolve_model(path)  # a missing folder: one line now, not after the first rows
     teacher = plan.peek_config(models.base) or {}
-    if models.int4 is not None and not expects_int4(plan.peek_config(models.int4)):
+    if models.int4 is not None and engine != "llama.cpp" and not expects_int4(plan.peek_config(models.int4)):
         raise InputError(f"--int4 {models.int4}: not a 4-bit GPTQ/AWQ/pack-quantized checkpoint (from "
                          "`quantize MODEL -o OUT --method gptq`)")
     if models.student is not None:
@@ -114,9 +118,11 @@ def serve_bench(models: Models, data: str, spec: WorkloadSpec, options: ServeOpt
     load = check_load(spec.rate, options.load, options.concurrency)
     if options.engine == "vllm" and (options.concurrency or 1) > 1:
         raise InputError("--concurrency with --engine vllm: not wired here (give --load or --rate)")
+    if options.engine not in ("transformers", "vllm", "llama.cpp"):
+        raise InputError(f"--engine must be transformers, vllm or llama.cpp, got '{options.engine}'")
     if options.max_batch < 2:
         raise InputError(f"--max-batch must be at least 2 (the dynamic batching row), got {options.max_batch}")
-    check_models(models, options.trust_remote_code)
+    check_models(models, options.trust_remote_code, options.engine)
     tok = plan.peek_tokenizer(models.base, options.trust_remote_code)
     if tok is None:
         raise InputError(f"{models.base}: serve-bench needs a local model (directory or smollm2-demo)")
@@ -127,7 +133,12 @@ def serve_bench(models: Models, data: str, spec: WorkloadSpec, options: ServeOpt
     windows = pack_windows(ids[:options.ppl_tokens], PPL_SEQ_LEN, prefix=prefix) \
         if options.ppl_tokens >= PPL_SEQ_LEN and ids.numel() >= PPL_SEQ_LEN else None
     given = {k: getattr(models, k) for k in ("int8", "int4", "student", "draft")}
-    if options.engine == "vllm":
+    if options.engine == "llama.cpp":
+        python = llama_eval.find_python(options.llama_python)
+        llama_eval.check_llama(python)  # absent: one line, exit 2, before any model loads
+        rows = llama_rows(given)
+        server = LlamaServer(models, spec, windows, python, torch.get_num_threads())
+    elif options.engine == "vllm":
         python = find_python(options.vllm_python)
         check_vllm(python)  # absent / too old: one line, exit 2, before any model loads
         rows = vllm_rows(options.max_batch, given, torch.cuda.is_available())

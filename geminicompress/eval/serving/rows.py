@@ -14,7 +14,7 @@ stay in it), in that engine's terms.
 | distilled student | the student (--student) in place of the teacher | the student |
 | speculative decoding | the draft (--draft) proposes, the model verifies (transformers assisted generation, greedy, one request at a time) | not wired here |
 
-A row whose mechanism cannot be switched on with this engine and device, or whose model was not given, is
+llama.cpp's rows are in llama_server.py. A row whose mechanism cannot be switched on with this engine and device, or whose model was not given, is
 kept with the reason and not measured.
 """
 
@@ -40,7 +40,7 @@ class Row:
     reason: str | None = None  # why it is not measured (cannot be switched here, or its model not given)
 
 
-def _rows(steps: list[tuple[dict, str]], given: dict[str, str | None]) -> list[Row]:
+def rows_of(steps: list[tuple[dict, str]], given: dict[str, str | None]) -> list[Row]:
     """One row per ROWS name from its (flag change, description) step; a row whose model (or draft) was not
     given says so."""
     rows = []
@@ -68,7 +68,7 @@ def hf_rows(max_batch: int, given: dict[str, str | None]) -> list[Row]:
              ({"draft": True, "max_batch": 1, "prefix_cache": False, "paged": False},
               "the draft proposes, the model verifies (transformers assisted generation, greedy), one request "
               "at a time")]
-    return _rows(steps, given)
+    return rows_of(steps, given)
 
 
 def vllm_rows(max_batch: int, given: dict[str, str | None], on_cuda: bool) -> list[Row]:
@@ -84,7 +84,7 @@ def vllm_rows(max_batch: int, given: dict[str, str | None], on_cuda: bool) -> li
              ({}, "the GPTQ checkpoint"),
              ({}, "the distilled student in place of the teacher"),
              ({"draft": True}, "speculative decoding")]
-    rows = _rows(steps, given)
+    rows = rows_of(steps, given)
     if not on_cuda:
         rows[2].reason = "vLLM's CPU build has one attention backend (CPU_ATTN), used in every row"
     rows[5].reason = "vLLM's KV cache is paged in every row: there is no switch to turn it off"

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from geminicompress.errors import GeminiError
 from geminicompress.eval.engines.llama_eval import gguf_for, run_driver
 from geminicompress.eval.engines.python import run_job
 from geminicompress.eval.serving.metrics import RequestTiming
@@ -71,7 +72,10 @@ class LlamaServer:
 
     def _file(self, key: str) -> str:
         if key not in self.files:
-            self.files[key] = str(gguf_for(getattr(self.models, key), self.python, Path(self.made)))
+            try:
+                self.files[key] = str(gguf_for(getattr(self.models, key), self.python, Path(self.made)))
+            except GeminiError as exc:  # no GGUF for it (a format the exporter does not write): this row only
+                raise RowRefused(f"no GGUF for {getattr(self.models, key)}: {exc}") from exc
         return self.files[key]
 
     def serve(self, row: Row, flags: dict, requests: list[Request], concurrency: int | None = None,

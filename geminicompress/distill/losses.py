@@ -72,6 +72,44 @@ def cross_entropy(student: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(student[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
 
 
+IGNORE = -100  # the target of a window's last position: it predicts nothing inside the window
+
+
+def next_tokens(input_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) -> (B·T,): the token each position predicts, IGNORE at each window's last position."""
+    targets = input_ids.roll(-1, dims=1)
+    targets[:, -1] = IGNORE
+    return targets.flatten()
+
+
+LOGIT_TERMS = (("kl", forward_kl), ("reverse_kl", reverse_kl), ("jsd", jsd))
+
+
+def chunk_terms(weights: LossWeights, temperature: float, student: torch.Tensor, teacher: Teacher | None,
+                targets: torch.Tensor, counts: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """Each enabled logit term's share from c of the batch's positions: student logits (c, V), the teacher's (c, V)
+    or top-k (c, k), targets (c,). `counts`: (positions N, positions with a target) of the whole batch. Summed over
+    chunks that cover the batch, the terms are distill_loss's (forward_kl ... cross_entropy, means over the batch)."""
+    share = student.shape[0] / counts[0]
+    terms = {name: fn(student, teacher, temperature) * share
+             for name, fn in LOGIT_TERMS if getattr(weights, name) > 0}
+    if weights.ce > 0:
+        terms["ce"] = F.cross_entropy(student.float(), targets, ignore_index=IGNORE, reduction="sum") / counts[1]
+    return terms
+
+
+def hidden_terms(weights: LossWeights, student_hidden: tuple[torch.Tensor, ...] | None,
+                 teacher_hidden: tuple[torch.Tensor, ...] | None, layer_map: dict[int, int] | None) -> dict[str, torch.Tensor]:
+    """hidden_mse and hidden_cos (those enabled), each averaged over the layer map's pairs. Hidden states are the
+    models' `output_hidden_states` tuples: index l + 1 is decoder layer l's output."""
+    terms: dict[str, torch.Tensor] = {}
+    for name, fn in (("hidden_mse", hidden_mse), ("hidden_cos", hidden_cos)):
+        if getattr(weights, name) > 0:
+            pairs = [(student_hidden[s + 1], teacher_hidden[t + 1]) for s, t in layer_map.items()]
+            terms[name] = torch.stack([fn(a, b) for a, b in pairs]).mean()
+    return terms
+
+
 def hidden_mse(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
     """Mean squared error of hidden states (B, T, H), divided by the teacher's mean square."""
     teacher = teacher.float()
@@ -98,14 +136,11 @@ def distill_loss(
     Hidden states are the models' `output_hidden_states` tuples: index l + 1 is decoder layer l's output.
     """
     terms: dict[str, torch.Tensor] = {}
-    for name, fn in (("kl", forward_kl), ("reverse_kl", reverse_kl), ("jsd", jsd)):
+    for name, fn in LOGIT_TERMS:
         if getattr(weights, name) > 0:
             terms[name] = fn(student_logits, teacher_logits, temperature)
     if weights.ce > 0:
         terms["ce"] = cross_entropy(student_logits, input_ids)
-    for name, fn in (("hidden_mse", hidden_mse), ("hidden_cos", hidden_cos)):
-        if getattr(weights, name) > 0:
-            pairs = [(student_hidden[s + 1], teacher_hidden[t + 1]) for s, t in layer_map.items()]
-            terms[name] = torch.stack([fn(a, b) for a, b in pairs]).mean()
+    terms.update(hidden_terms(weights, student_hidden, teacher_hidden, layer_map))
     total = sum(getattr(weights, name) * value for name, value in terms.items())
     return total, {name: float(value.detach()) for name, value in terms.items()}

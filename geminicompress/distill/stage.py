@@ -116,7 +116,7 @@ def run(cfg: DistillStage, ctx) -> dict:
     return {**summary, "steps": history.step, "tokens": history.tokens, "train_seconds": round(history.seconds, 3),
             "tokens_per_s": round(history.tokens / max(history.seconds, 1e-9), 1),
             "frozen_prefix": history.frozen_prefix, "shared_prefix": history.shared_prefix,
-            "precision": history.precision, "precision_why": history.precision_why,
+            "precision": history.precision, "precision_why": history.precision_why, "memory": history.memory,
             "loss_first": history.loss[0] if history.loss else None, "loss_last": history.loss[-1] if history.loss else None,
             "loss_curve": history.loss[:: max(1, steps // 200)], "ppl_curve": history.ppl,
             "teacher_ppl": teacher_ppl, "layer_map": layer_map, "reconstruct": rebuilt, "topk_cache": str(cache.path) if cache else None,

@@ -22,13 +22,26 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from geminicompress.distill.losses import distill_loss
+from geminicompress.distill.chunked_head import (
+    ChunkJob,
+    chunk_rows,
+    chunked_logit_loss,
+    head_bypassed,
+    group_rows,
+    head_parameters,
+    products_dtype,
+    weight_as,
+)
+from geminicompress.distill.losses import SparseLogits, hidden_terms, next_tokens
+from geminicompress.distill import memory_use as MU
 from geminicompress.distill.masks import apply_masks, mask_grads
+from geminicompress.distill.memory_use import SavedForBackward
 from geminicompress.distill.precision import Precision, choose_precision
 from geminicompress.distill.shared_prefix import TeacherInput, freeze_prefix, prefix_length, starting_at
 from geminicompress.distill.topk_cache import TopKCache
 from geminicompress.eval.quality.perplexity import perplexity
 from geminicompress.memory import heap_reuse
+from geminicompress.models.head import decoder_of, own_head
 from geminicompress.progress import NullProgress, Progress
 from geminicompress.recipes.schema import DEFAULT_STEPS, DistillStage
 
@@ -49,6 +62,7 @@ class History:
     shared_prefix: bool = False  # ... and skipped: the student's forward starts from the teacher's state there
     precision: str = ""  # what the loop computed in ("no", "bf16", "fp16"; precision.py)
     precision_why: str = ""
+    memory: dict[str, int] = field(default_factory=dict)  # where the memory went, bytes (memory_use.py)
 
 
 def batch_indices(micro: int, n_windows: int, batch_size: int, seed: int, rank: int = 0, world: int = 1) -> torch.Tensor:
@@ -109,6 +123,9 @@ class _Loop:
     guides: Guides  # masks on the accelerator's device
     prefix: int = 0  # frozen leading blocks (the teacher's own)
     share: TeacherInput | None = None  # the teacher's input to block `prefix`, when the student starts there
+    rows: tuple[int, int] = (1, 1)  # positions per chunk of the head's loss, per product of its weight's gradient
+    head_params: tuple[nn.Parameter, ...] = ()  # the student head's trainable parameters
+    memory: dict[str, int] = field(default_factory=dict)  # filled by the first micro-batch: its activations
 
     @property
     def hidden(self) -> bool:
@@ -149,9 +166,10 @@ def train(student: nn.Module, teacher: nn.Module | None, train_windows: torch.Te
     finally:
         if loop.share is not None:
             loop.share.close()
+    history.memory = _memory(loop, raw)
     acc.wait_for_everyone()
     if cfg.gradient_checkpointing:
-        raw.gradient_checkpointing_disable()
+        raw.activation_checkpointing_disable()
         raw.config.use_cache = True
     raw = acc.unwrap_model(loop.student, keep_fp32_wrapper=False)  # mixed precision: its autocast forward goes too
     acc.free_memory()
@@ -177,7 +195,7 @@ def _prepare(acc, student: nn.Module, teacher: nn.Module | None, windows: torch.
     the device, frozen; the masks on the device and applied."""
     if cfg.gradient_checkpointing:
         student.config.use_cache = False
-        student.gradient_checkpointing_enable()
+        student.activation_checkpointing_enable()  # non-reentrant (transformers' default)
     student.train()
     prefix, share = 0, None
     if cfg.freeze_prefix and teacher is not None:
@@ -197,7 +215,12 @@ def _prepare(acc, student: nn.Module, teacher: nn.Module | None, windows: torch.
     if guides.masks:
         guides = replace(guides, masks={k: v.to(acc.device) for k, v in guides.masks.items()})
         apply_masks(acc.unwrap_model(student), guides.masks)
-    return _Loop(acc, student, teacher, optimizer, scheduler, windows, cfg, seed, guides, prefix, share)
+    raw = acc.unwrap_model(student)
+    vocab = raw.get_output_embeddings().weight.shape[0]
+    itemsize = 4 if acc.mixed_precision == "no" else 2  # the products' dtype: float32, or bf16/fp16 under autocast
+    rows = (chunk_rows(vocab, cfg.head_chunk_mb), group_rows(vocab, cfg.head_chunk_mb, itemsize))
+    return _Loop(acc, student, teacher, optimizer, scheduler, windows, cfg, seed, guides, prefix, share, rows,
+                 tuple(head_parameters(raw)))
 
 
 def _steps(loop: _Loop, history: History, eval_windows: torch.Tensor, ckpt: Path, progress: Progress) -> None:
@@ -235,30 +258,17 @@ def _steps(loop: _Loop, history: History, eval_windows: torch.Tensor, ckpt: Path
 
 def _optimizer_step(loop: _Loop, step: int) -> tuple[float, dict[str, float]]:
     """cfg.grad_accum micro-batches, one AdamW step; masked weights stay zero. Returns the mean loss."""
-    acc, cfg, student, teacher, windows = loop.acc, loop.cfg, loop.student, loop.teacher, loop.windows
-    masks, cache, layer_map, hidden = loop.guides.masks, loop.guides.cache, loop.guides.layer_map, loop.hidden
-    raw = acc.unwrap_model(student)
-    needs_teacher = hidden or cfg.loss.teacher_logits
+    acc, cfg, student, windows = loop.acc, loop.cfg, loop.student, loop.windows
+    masks, raw = loop.guides.masks, acc.unwrap_model(student)
     total, terms_sum = 0.0, {}
     for a in range(cfg.grad_accum):
         micro = step * cfg.grad_accum + a
         idx = batch_indices(micro, len(windows), cfg.batch_size, loop.seed, acc.process_index, acc.num_processes)
         ids = windows[idx].to(acc.device)  # (B, T)
-        with torch.no_grad(), acc.autocast():
-            t_logits, t_hidden = None, None
-            if needs_teacher and (cache is None or hidden):  # the teacher runs online
-                t_out = teacher(ids, output_hidden_states=hidden)
-                t_logits, t_hidden = t_out.logits, t_out.hidden_states
-            if needs_teacher and cache is not None:  # its logits come from the top-k cache
-                t_logits = cache.get(idx, acc.device)
         sync = acc.no_sync(student) if a < cfg.grad_accum - 1 else nullcontext()
-        start = starting_at(raw, loop.prefix, loop.share.take()) if loop.share is not None else nullcontext()
-        with sync, acc.autocast(), start:
-            s_out = student(ids, output_hidden_states=hidden)
-            loss, terms = distill_loss(cfg.loss, cfg.temperature, ids, s_out.logits, t_logits,
-                                       s_out.hidden_states, t_hidden, layer_map)
-            acc.backward(loss / cfg.grad_accum)
-        total += float(loss.detach()) / cfg.grad_accum
+        with sync:
+            loss, terms = _micro_loss(loop, raw, ids, idx)
+        total += loss / cfg.grad_accum
         for k, v in terms.items():
             terms_sum[k] = terms_sum.get(k, 0.0) + v / cfg.grad_accum
     if masks:
@@ -270,6 +280,71 @@ def _optimizer_step(loop: _Loop, step: int) -> tuple[float, dict[str, float]]:
     if masks:
         apply_masks(raw, masks)
     return total, terms_sum
+
+
+def _micro_loss(loop: _Loop, raw: nn.Module, ids: torch.Tensor, idx: torch.Tensor) -> tuple[float, dict[str, float]]:
+    """One micro-batch ids (B, T): the teacher's final hidden states, the student's forward up to its head, the
+    logit losses chunk by chunk (chunked_head.py), the hidden-state losses, backward. Returns (loss, terms)."""
+    acc, cfg = loop.acc, loop.cfg
+    teacher_logits, t_hidden = _teacher_side(loop, ids, idx)
+    start = starting_at(raw, loop.prefix, loop.share.take()) if loop.share is not None else nullcontext()
+    with acc.autocast(), start:
+        saved = SavedForBackward(raw.parameters()) if not loop.memory else nullcontext()
+        with head_bypassed(raw) as handoff, saved:  # through the (maybe DDP-wrapped) student: its forward, not its head
+            s_out = loop.student(ids, output_hidden_states=loop.hidden)
+        if not loop.memory:
+            loop.memory["activations"] = saved.bytes
+        head = raw.get_output_embeddings()
+        job = ChunkJob(None, head, teacher_logits, next_tokens(ids), cfg.loss, cfg.temperature, *loop.rows)
+        loss = torch.zeros((), device=acc.device)
+        if cfg.loss.teacher_logits or cfg.loss.ce > 0:
+            dtype = products_dtype(acc.device, head.weight.dtype)
+            cast = weight_as(loop.teacher.get_output_embeddings(), dtype) if loop.teacher is not None else nullcontext()
+            with own_head(raw) as job.head, cast:
+                loss = chunked_logit_loss(job, handoff.hidden)
+        hidden = hidden_terms(cfg.loss, s_out.hidden_states, t_hidden, loop.guides.layer_map)
+        del s_out, handoff
+        loss = loss + sum(getattr(cfg.loss, name) * value for name, value in hidden.items())
+        acc.backward(loss / cfg.grad_accum)
+    return float(loss.detach()), {**job.terms, **{k: float(v.detach()) for k, v in hidden.items()}}
+
+
+def _teacher_side(loop: _Loop, ids: torch.Tensor, idx: torch.Tensor):
+    """(the teacher's logits for positions [start, stop) of the micro-batch's B·T, its hidden states or None):
+    logits from its head over its final hidden states, one chunk at a time, or from the top-k cache."""
+    acc, cfg, cache, teacher = loop.acc, loop.cfg, loop.guides.cache, loop.teacher
+    t_final, t_hidden = None, None
+    if (loop.hidden or cfg.loss.teacher_logits) and (cache is None or loop.hidden):  # the teacher runs online
+        with torch.no_grad(), acc.autocast():
+            t_out = decoder_of(teacher)(input_ids=ids, output_hidden_states=loop.hidden, use_cache=False)
+        t_final, t_hidden = t_out.last_hidden_state.flatten(0, 1), t_out.hidden_states  # (B·T, d)
+    if cfg.loss.teacher_logits and cache is not None:  # from the top-k cache: (B·T, k) each
+        top = cache.get(idx, acc.device)
+        values, indices = top.values.flatten(0, 1), top.indices.flatten(0, 1)
+        return (lambda a, b: SparseLogits(values[a:b], indices[a:b])), t_hidden
+    if not cfg.loss.teacher_logits:
+        return (lambda a, b: None), t_hidden
+
+    def dense(a: int, b: int) -> torch.Tensor:  # (b - a, V), under the autocast of the student's chunk
+        with torch.no_grad(), own_head(teacher) as head:
+            return head(t_final[a:b].unsqueeze(0))[0]
+
+    return dense, t_hidden
+
+
+def _memory(loop: _Loop, raw: nn.Module) -> dict[str, int]:
+    """Bytes of what the run held (memory_use.py): models, gradients, optimizer state, the first micro-batch's
+    activations, the head's chunk and gradients; the process's peak so far."""
+    head = raw.get_output_embeddings().weight
+    n_pos = loop.cfg.batch_size * loop.windows.shape[1]
+    cache = loop.guides.cache
+    return {"teacher": MU.model_bytes(loop.teacher), "student": MU.model_bytes(raw),
+            "gradients": MU.tensor_bytes(p for p in raw.parameters() if p.requires_grad),
+            "optimizer": MU.optimizer_bytes(loop.optimizer), "activations": loop.memory.get("activations", 0),
+            "head": MU.head_bytes(min(loop.rows[0], n_pos), head.shape, n_pos, bool(loop.head_params)),
+            "head_rows": min(loop.rows[0], n_pos),
+            "topk_cache": MU.tensor_bytes([cache.values, cache.indices]) if cache is not None else 0,
+            "peak_rss": MU.peak_rss_bytes()}
 
 
 def _shared_path(acc, path: Path) -> Path:
@@ -285,6 +360,7 @@ def _save(acc, ckpt: Path, history: History) -> None:
     tmp = ckpt.with_name(CKPT + ".tmp")
     if acc.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)  # before the other ranks write their RNG states into it (they raced rank 0's mkdir)
     acc.wait_for_everyone()
     acc.save_state(str(tmp), safe_serialization=False)
     if acc.is_main_process:

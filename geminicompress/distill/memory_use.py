@@ -1,0 +1,75 @@
+"""Where a distillation run's memory goes, for report.json: the models, the gradients, the optimizer's state, the
+student's activations and the chunked head (chunked_head.py), beside the process's peak.
+
+Models, gradients and optimizer state are counted from their tensors. Activations are measured: the bytes of the
+tensors autograd keeps for the backward during the first micro-batch's student forward (each storage once,
+parameters not counted; with `gradient_checkpointing` only the checkpointed layers' inputs are kept and one
+layer's activations exist again during its recompute). The head is one chunk's float32 logits (rows, V) times
+the loss's temporaries (chunked_head.LOSS_TEMPORARIES) plus the head's gradient (V, d) and the hidden states'.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Iterable
+
+import torch
+import torch.nn as nn
+
+from geminicompress.distill.chunked_head import LOSS_TEMPORARIES
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def model_bytes(model: nn.Module | None) -> int:
+    """Weights and buffers (a tied weight once); 0 for no model or one on the meta device (streamed)."""
+    if model is None:
+        return 0
+    return tensor_bytes(t for t in [*model.parameters(), *model.buffers()] if t.device.type != "meta")
+
+
+def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return tensor_bytes(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+
+
+class SavedForBackward:
+    """Inside the block, counts the bytes of the tensors autograd saves for the backward (each storage once),
+    leaving out the storages of `params`."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self._skip = {p.untyped_storage().data_ptr() for p in params}
+        self._seen: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._skip:
+            self._seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._seen.values())
+
+    def __enter__(self) -> "SavedForBackward":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def head_bytes(rows: int, weight_shape: torch.Size, positions: int, trains: bool) -> int:
+    """The chunked head's working memory: a chunk's float32 logits (rows, V) x the loss's temporaries, the hidden
+    states' gradient (positions, d) and, when the head trains, its gradient (V, d), float32."""
+    vocab, width = weight_shape
+    return 4 * (rows * vocab * LOSS_TEMPORARIES + positions * width + (vocab * width if trains else 0))
+
+
+def peak_rss_bytes() -> int:
+    """The whole process's peak resident memory so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

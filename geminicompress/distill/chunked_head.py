@@ -35,11 +35,13 @@ from geminicompress.distill.losses import IGNORE, Teacher, chunk_terms
 from geminicompress.recipes.schema import LossWeights
 
 LOSS_TEMPORARIES = 8  # float32 (rows, V) tensors a chunk's loss and its gradient hold at once (KL + CE)
+MIN_ROWS = 32  # positions per chunk at least: each chunk reads the head's weights three times (Gemma 3: 3 x 335 MB)
 
 
 def chunk_rows(vocab: int, budget_mb: float) -> int:
-    """Positions per chunk so that LOSS_TEMPORARIES float32 (rows, vocab) tensors take at most `budget_mb` MB."""
-    return rows_within(vocab * LOSS_TEMPORARIES, int(budget_mb * 2**20))
+    """Positions per chunk so that LOSS_TEMPORARIES float32 (rows, vocab) tensors take at most `budget_mb` MB, but
+    at least MIN_ROWS (a budget below that is exceeded: 268 MB at Gemma 3's 262,144 tokens)."""
+    return max(MIN_ROWS, rows_within(vocab * LOSS_TEMPORARIES, int(budget_mb * 2**20)))
 
 
 def group_rows(vocab: int, budget_mb: float, itemsize: int) -> int:

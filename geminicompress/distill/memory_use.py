@@ -4,8 +4,7 @@ student's activations and the chunked head (chunked_head.py), beside the process
 Models, gradients and optimizer state are counted from their tensors. Activations are measured: the bytes of the
 tensors autograd keeps for the backward during the first micro-batch's student forward (each storage once,
 parameters not counted; with `gradient_checkpointing` only the checkpointed layers' inputs are kept and one
-layer's activations exist again during its recompute). The head is one chunk's float32 logits (rows, V) times
-the loss's temporaries (chunked_head.LOSS_TEMPORARIES) plus the head's gradient (V, d) and the hidden states'.
+layer's activations exist again during its recompute). The head is counted from its chunk sizes (head_bytes).
 """
 
 from __future__ import annotations
@@ -62,11 +61,15 @@ class SavedForBackward:
         self._hooks.__exit__(*exc)
 
 
-def head_bytes(rows: int, weight_shape: torch.Size, positions: int, trains: bool) -> int:
-    """The chunked head's working memory: a chunk's float32 logits (rows, V) x the loss's temporaries, the hidden
-    states' gradient (positions, d) and, when the head trains, its gradient (V, d), float32."""
+def head_bytes(rows: tuple[int, int], weight_shape: torch.Size, positions: int, trains: bool, itemsize: int) -> int:
+    """The chunked head's working memory: a chunk's float32 logits (rows[0], V) x the loss's temporaries, the
+    gathered output gradients (rows[1], V) in the products' dtype (`itemsize` bytes), the hidden states' gradient
+    (positions, d), the head's float32 gradient (V, d) when it trains, and the heads' weights cast once for the
+    products (student and teacher) when that dtype is not float32."""
     vocab, width = weight_shape
-    return 4 * (rows * vocab * LOSS_TEMPORARIES + positions * width + (vocab * width if trains else 0))
+    casts = 2 * vocab * width * itemsize if itemsize != 4 else 0
+    grads = rows[1] * vocab * itemsize + 4 * vocab * width if trains else 0
+    return 4 * (rows[0] * vocab * LOSS_TEMPORARIES + positions * width) + grads + casts
 
 
 def peak_rss_bytes() -> int:

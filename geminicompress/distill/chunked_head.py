@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from geminicompress.core.rows import rows_within, spans
+from geminicompress.core.rows import BLOCK_BYTES, rows_within, spans
 from geminicompress.distill.losses import IGNORE, Teacher, chunk_terms
+from geminicompress.memory import release_free_heap
 from geminicompress.recipes.schema import LossWeights
 
 LOSS_TEMPORARIES = 8  # float32 (rows, V) tensors a chunk's loss and its gradient hold at once (KL + CE)
@@ -160,10 +161,11 @@ class _WeightGrad:
 
     def flush(self) -> None:
         g, x, self._n = self._g[: self._n], self._x[: self._n], 0
-        if self.grad.dtype == g.dtype:
-            self.grad.addmm_(g.t(), x)
-        else:
-            self.grad += g.t() @ x  # one product in the autocast dtype, as autograd's backward of the whole logits
+        for a, b in spans(len(self.grad), rows_within(self.grad.shape[1], BLOCK_BYTES)):  # a block of vocabulary rows
+            if self.grad.dtype == g.dtype:
+                self.grad[a:b].addmm_(g[:, a:b].t(), x)
+            else:  # a product in the autocast dtype, as autograd's backward of the whole logits, added in float32
+                self.grad[a:b] += g[:, a:b].t() @ x
 
 
 def _chunk(job: ChunkJob, leaf: _OutputAsLeaf, h: torch.Tensor, span: tuple[int, int], n_targets: int):
@@ -201,6 +203,7 @@ class _ChunkedLoss(torch.autograd.Function):
                 if grad_b is not None:
                     grad_b += g.float().sum(0)
                 total += loss
+                release_free_heap()  # the chunk's temporaries (heap-served inside heap_reuse) back to the system
                 for name, value in terms.items():
                     job.terms[name] = job.terms.get(name, 0.0) + float(value.detach())
         if grad_w is not None:

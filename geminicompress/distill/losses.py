@@ -8,6 +8,8 @@
 - Hidden-state MSE (normalised by the teacher's mean square, so the weight does not depend on the
   model's activation scale) and cosine distance on a student -> teacher layer map.
 
+Training takes them a chunk of positions at a time (`chunk_terms`, driven by chunked_head.py): each chunk's
+share of the whole mean, so the sum over the chunks is `distill_loss`'s value without (B, T, V) logits.
 The teacher may be given as dense logits (B, T, V) or as a cached top-k `SparseLogits`; then the KL
 terms are computed on the top-k support (teacher renormalised over its k tokens; forward KL uses the
 student's full-vocabulary log-probabilities gathered there, reverse KL and JSD renormalise the student

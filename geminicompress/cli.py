@@ -7,7 +7,7 @@ import typer
 from geminicompress import __version__
 from geminicompress.commands import distill, prune, quantize, recipes, run, sensitivity, serve_bench, tune, validate
 from geminicompress.commands import eval as eval_cmd
-from geminicompress.commands.common import setup_logging
+from geminicompress.commands.common import PanelCommand, setup_logging
 from geminicompress.memory import return_freed_memory
 
 app = typer.Typer(
@@ -38,7 +38,8 @@ def _root(
 
 
 # short_help: the one-line summaries of `geminicompress --help`, short enough not to be cut at 80 columns
-app.command("quantize", short_help="Quantize linear layers (rtn, int8, w8a8, gptq, awq, awq+gptq).")(quantize.quantize)
+app.command("quantize", short_help="Quantize linear layers (rtn, int8, w8a8, gptq, awq, awq+gptq).",
+            cls=PanelCommand)(quantize.quantize)
 app.command("prune", short_help="Prune decoder linears (magnitude, wanda, sparsegpt, N:M).")(prune.prune)
 app.command("distill", short_help="Distill a teacher into a smaller, faster student.")(distill.distill)
 app.command("eval", short_help="Compare models: quality drift vs latency gain.")(eval_cmd.eval_)

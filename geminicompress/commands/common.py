@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, List, Optional
 import torch
 import typer
 from rich.console import Console
+from typer.core import TyperCommand
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from geminicompress.diskerrors import disk_errno, disk_error
@@ -148,6 +149,24 @@ THREADS = typer.Option(None, "--threads", min=1, help="torch CPU threads (defaul
                        "processes when the command starts; see docs/eval.md).")
 
 
+class PanelCommand(TyperCommand):
+    """Click's plain help (never cuts an option name), its options grouped: those every method takes under
+    "Options", then one section per `rich_help_panel` (a method's own), in the order they first appear."""
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            title = "Arguments" if param.param_type_name == "argument" else \
+                getattr(param, "rich_help_panel", None) or "Options"
+            sections.setdefault(title, []).append(record)
+        for title, records in sections.items():
+            with formatter.section(title):
+                formatter.write_dl(records)
+
+
 def use_threads(cli: Optional[int], recipe: Optional[int], out: Optional[Path] = None, parsed: Any = None):
     """Set torch's thread count before any work: --threads, else the recipe's, else the interrupted run's that
     the run on `out` with recipe `parsed` resumes, else the free cores. Returns the `ThreadChoice`; its reason
@@ -187,8 +206,8 @@ def run_single_stage(model: str, stage: dict, out: Path, run: dict[str, Any], so
 def stage_options(configs: dict[str, type], skip: set[str]) -> list[inspect.Parameter]:
     """One Typer option per field of the stage `configs` ({owner names: config class}) not in `skip`: named
     --field-name (a bool: --field/--no-field, or the `cli` names its Field gives in json_schema_extra), its help
-    the field's description (per owner when they differ), default None (the stage's own default applies).
-    Adding an option to a method is then one field in its config: the commands read them from there."""
+    the field's description (per owner when they differ), default None (the stage's own default applies), in a
+    --help panel of its owners' names unless every owner takes it. Adding an option to a method is then one field in its config: the commands read them from there."""
     fields: dict[str, list[tuple[str, Any]]] = {}
     for owners, cls in configs.items():
         for name, field in cls.model_fields.items():
@@ -203,9 +222,13 @@ def stage_options(configs: dict[str, type], skip: set[str]) -> list[inspect.Para
         helps: dict[str, list[str]] = {}
         for owners, f in found:
             helps.setdefault(f.description or "", []).append(owners)
-        text = "; ".join(f"{', '.join(o)}: {d}" if len(configs) > 1 else d for d, o in helps.items())
-        text = text if len(configs) > 1 else text[:1].upper() + text[1:]
-        option = typer.Option(None, cli, help=text + ("." if text and text[-1] not in ".)" else ""))
+        # the panel names the owners; the help does too only where they describe the option differently
+        text = "; ".join(f"{', '.join(o)}: {d}" if len(helps) > 1 else d for d, o in helps.items())
+        text = text if len(helps) > 1 else text[:1].upper() + text[1:]
+        # --help groups what only some methods take in a panel of theirs, after the options every method takes
+        panel = None if len(found) == len(configs) else f"Options of {', '.join(o for o, _ in found)}"
+        option = typer.Option(None, cli, help=text + ("." if text and text[-1] not in ".)" else ""),
+                              rich_help_panel=panel)
         params.append(_keyword(name, Optional[List[str]] if kind is list else Optional[kind], option))
     return params
 

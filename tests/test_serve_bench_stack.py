@@ -19,6 +19,14 @@ from geminicompress.eval.serving.workload import Request, check_spec, WorkloadSp
 GIVEN = {"int8": "i8", "int4": "i4", "student": "s", "draft": "d"}
 
 
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """Fake timings on a fake quiet machine: no other process's CPU seconds between readings."""
+    from geminicompress.eval.cost import contention
+
+    monkeypatch.setattr(contention, "read", lambda: contention.Reading(0.0, 0.0, 0.0, 0.0))
+
+
 def test_verdict_joins_only_faster_rows_with_equal_answers():
     assert verdict(1.0, None, None).mark == "stack" and verdict(1.0, None, None).joins
     slower = verdict(0.49, 1.0, 1.0)
@@ -174,3 +182,20 @@ def test_table_at_80_columns_cuts_nothing():
     text = console.export_text()
     assert max(len(line.rstrip()) for line in text.splitlines()) <= 80 and "…" not in text
     assert "(not measured: no GPTQ model given (--int4 OUT))" in text.replace("\n", " ").replace("  ", " ")
+
+
+def test_a_row_timed_on_a_busy_machine_is_marked(monkeypatch):
+    from geminicompress.eval.cost import contention
+
+    readings = iter([contention.Reading(0.0, 0.0, 0.0, 1.0), contention.Reading(10.0, 30.0, 20.0, 3.0)] * 100)
+    monkeypatch.setattr(contention, "read", lambda: next(readings))  # 1 core of others during every section
+    server = FakeServer({n: 1.0 for n in ROWS})
+    entries, load = measure(hf_rows(8, {}), _requests(4), 4, Load(0.5), 0, server, _NoProgress())
+    first = entries[0]
+    assert first["busy"] and first["contention"]["capacity"]["other_cores"] == 1.0
+    report = {"engine": "t", "model": "m", "data": "d", "max_batch": 8, "load": load, "notes": [],
+              "workload": {"requests": 4, "prefix_len": 4, "question_len": 4, "truncated_len": 6, "answer_len": 4},
+              "rows": entries}
+    assert serve_table.cells(report)[0][1] == "start !"
+    assert any(n.startswith("! timed while other processes") and "original configuration capacity 1.0 cores" in n
+               for n in serve_table.comparisons(report))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from geminicompress.eval.cost import contention
 from geminicompress.eval.serving.metrics import first_divergences, summarize, token_agreement
 from geminicompress.eval.serving.rows import Row
 from geminicompress.eval.serving.servers import RowRefused
@@ -34,11 +35,23 @@ class _Stack:
     answers: list
 
 
+def _served(server, entry: dict, section: str, *args, **kwargs):
+    """server.serve(*args, **kwargs), with how many cores other processes kept busy meanwhile recorded in the
+    entry (eval/cost/contention.py): a row timed on a busy machine is marked, not silently kept."""
+    before = contention.read()
+    served = server.serve(*args, **kwargs)
+    busy = contention.between(before, contention.read())
+    entry.setdefault("contention", {})[section] = busy
+    if busy["other_cores"] >= contention.BUSY_MIN_CORES:
+        entry["busy"] = True
+    return served
+
+
 def _entry(row: Row) -> dict:
     return {"row": row.name, "change": row.change, "flags": None, "model": row.model, "reason": row.reason,
             "mark": None, "added_to": None, "capacity_req_s": None, "speedup": None, "stack_agreement": None,
             "metrics": None, "alone": None, "overloaded": None, "answer_agreement": None, "perplexity": None,
-            "ppl_drift": None}
+            "ppl_drift": None, "busy": False}
 
 
 def _ppl(entry: dict, ppl: float | None, base_ppl: float | None) -> float | None:
@@ -61,7 +74,8 @@ def capacity_pass(rows: list[Row], entries: list[dict], burst: list[Request], se
                 continue
             e["flags"] = stacked(stack.flags if stack else {}, row.flags)
             try:
-                served = server.serve(row, e["flags"], burst, with_ppl=base_ppl is None or row.model != "base")
+                served = _served(server, e, "capacity", row, e["flags"], burst,
+                                 with_ppl=base_ppl is None or row.model != "base")
             except RowRefused as exc:
                 e["reason"] = str(exc)
                 progress.warn(f"row {row.name}: {exc}")
@@ -92,8 +106,8 @@ def load_pass(rows: list[Row], entries: list[dict], requests: list[Request], rat
             if e["mark"] is None:
                 continue
             try:
-                served = server.serve(row, e["flags"], requests, concurrency=concurrency)
-                alone = server.serve(row, e["flags"], requests[:ALONE], concurrency=1)
+                served = _served(server, e, "load", row, e["flags"], requests, concurrency=concurrency)
+                alone = _served(server, e, "alone", row, e["flags"], requests[:ALONE], concurrency=1)
             except RowRefused as exc:
                 e["reason"] = f"load pass: {exc}"
                 progress.warn(f"row {row.name}: {exc}")

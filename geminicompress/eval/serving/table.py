@@ -15,6 +15,7 @@ from pathlib import Path
 from rich import box
 from rich.table import Table
 
+from geminicompress.eval.cost.contention import BUSY_MIN_CORES
 from geminicompress.eval.serving.stack import tpot_ratio
 from geminicompress.eval.table import rendered_width
 from geminicompress.output import write_json
@@ -37,7 +38,7 @@ def _cell(r: dict, first: bool) -> list[str]:
     ppl, drift = r.get("perplexity"), r.get("ppl_drift")
     return [
         r["row"],
-        MARKS.get(r.get("mark"), "") + (" *" if r.get("overloaded") else ""),
+        MARKS.get(r.get("mark"), "") + (" *" if r.get("overloaded") else "") + (" !" if r.get("busy") else ""),
         ("n/a" if not cap else f"{cap:.3g}") + ratio,
         "n/a" if _ms(alone, "ttft_ms") is None else f"{_ms(alone, 'ttft_ms'):,.0f}",
         f"{_ms(m, 'ttft_ms'):,.0f}\n({_ms(m, 'ttft_ms', 'p90'):,.0f})",
@@ -72,6 +73,11 @@ def comparisons(report: dict) -> list[str]:
            f"answers; x lost = slower, ~ trade = faster but other answers: both left out of the stack)"]
     if any(r.get("overloaded") for r in rows.values()):
         out.append("* capacity below the load: the queue grows, TTFT under load is queueing")
+    busy = [(name, sec, c["other_cores"]) for name, r in rows.items() if r.get("busy")
+            for sec, c in (r.get("contention") or {}).items() if c["other_cores"] >= BUSY_MIN_CORES]
+    if busy:
+        out.append("! timed while other processes kept cores busy (unreliable; rerun on a quiet machine): "
+                   + ", ".join(f"{n} {sec} {c:.1f} cores" for n, sec, c in busy))
     for name, r in rows.items():
         below = rows.get(r.get("added_to")) if r["model"] in ("int8", "int4") else teacher
         if r["model"] != "base" and below is not None:

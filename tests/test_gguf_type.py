@@ -138,3 +138,19 @@ def test_llama_cpp_computes_our_logits_on_a_model_256_divides(tmp_path):
         rel = float((theirs - ours).abs().max() / ours.abs().max())
         assert rel < 0.1, (mix, rel)  # measured: Q8_0 0.023, Q4_0 0.045, K types 0.057-0.082, IQ4_NL 0.027
         print(mix, "max |llama.cpp - torch| / max |logit|:", round(rel, 5))
+
+
+def test_the_trial_of_d_never_loses_to_llama_cpp_s_d(monkeypatch):
+    """Each row keeps the least GPTQ loss among d and its multiples, d itself first: no row worse than d alone."""
+    from geminicompress.compress.gptq import kgrid_solve
+
+    torch.manual_seed(1)
+    X = torch.randn(1024, 256) @ (torch.randn(256, 256) * 0.1 + torch.eye(256))
+    H = 2 * X.T @ X / X.shape[0]
+    W = torch.randn(32, 256) * 0.05
+    for name in ("Q4_K", "IQ4_NL"):
+        _, with_trial = gptq_kquant(W, H, name)
+        monkeypatch.setattr(kgrid_solve, "TRIAL_FACTORS", (1.0,))
+        _, alone = gptq_kquant(W, H, name)
+        monkeypatch.undo()
+        assert with_trial < alone, (name, with_trial, alone)

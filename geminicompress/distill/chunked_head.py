@@ -172,7 +172,11 @@ def _chunk(job: ChunkJob, leaf: _OutputAsLeaf, h: torch.Tensor, span: tuple[int,
     """One chunk's (loss, its terms, the gradient at the head's linear output (c, V))."""
     start, stop = span
     with torch.enable_grad():
+        leaf.value = None
         logits = job.head(h.unsqueeze(0))[0]  # (c, V)
+        if leaf.value is None or not isinstance(job.module, nn.Linear):
+            raise RuntimeError(f"{type(job.module).__name__}: the head's logits do not come from a linear output "
+                               "embedding module, which the chunked head's gradient assumes")
         terms = chunk_terms(job.weights, job.temperature, logits, job.teacher(start, stop), job.targets[start:stop],
                             (len(job.targets), n_targets))
         loss = sum(getattr(job.weights, name) * value for name, value in terms.items())

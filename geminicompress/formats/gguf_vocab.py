@@ -92,7 +92,7 @@ def special_vocab(folder: Path, **kwargs: Any) -> gguf.SpecialVocab:
     the converter, a tokenizer.json without the key gets llama.cpp's default (BOS for SentencePiece models)."""
     from transformers import AutoTokenizer
 
-    from geminicompress.data.windows import text_prefix
+    from geminicompress.core.framing import text_prefix
 
     vocab = gguf.SpecialVocab(folder, **kwargs)
     prefix = text_prefix(AutoTokenizer.from_pretrained(str(folder)))

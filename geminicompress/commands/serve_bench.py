@@ -65,8 +65,8 @@ def serve_bench(
     Examples:
       geminicompress quantize smollm2-demo -o out-w8a8 --method w8a8
       geminicompress serve-bench smollm2-demo --int8 out-w8a8 -o serving
-      geminicompress serve-bench smollm2-demo --int8 out-w8a8 --int4 out-gptq --student student \\
-          --draft out-gptq -o serving
+      geminicompress serve-bench smollm2-demo --int8 out-w8a8 --int4 out-gptq \\
+          --student student --draft out-gptq -o serving
       geminicompress serve-bench smollm2-demo --int8 out-w8a8 -o serving-vllm \\
           --engine vllm --vllm-python ~/venv-vllm/bin/python
     """

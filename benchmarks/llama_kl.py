@@ -47,13 +47,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--windows", required=True)
     ap.add_argument("--ref", required=True, help="NAME=FILE of the reference (float) GGUF")
-    ap.add_argument("--files", required=True, help="NAME=FILE,... GGUF files compared with the reference")
+    ap.add_argument("--files", default="", help="NAME=FILE,... GGUF files compared with the reference")
     ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     windows = json.loads(open(args.windows).read())["windows"]
     ref_name, ref_path = args.ref.split("=", 1)
-    files = dict(item.split("=", 1) for item in args.files.split(","))
+    files = dict(item.split("=", 1) for item in args.files.split(",") if item)  # none: the reference's perplexity
     n_ctx = max(len(w) for w in windows) + 16
     ref = load(ref_path, args.threads, n_ctx)
     models = {name: load(path, args.threads, n_ctx) for name, path in files.items()}

@@ -1,3 +1,3 @@
 """geminicompress: quantize, prune and distill LLMs, then measure honestly what that bought."""
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"

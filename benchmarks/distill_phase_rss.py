@@ -13,7 +13,6 @@ then the peak and its phase. A diagnostic, not a benchmark: whole-process peaks 
 from __future__ import annotations
 
 import sys
-import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,16 +38,7 @@ def main() -> None:
     P.wrap(T, "_micro_loss", "micro")
     P.wrap(T, "_optimizer_step", "step")
     P.wrap(accelerate.Accelerator, "backward", "backward")
-    threading.Thread(target=P.sampler, daemon=True).start()
-    sys.argv = ["geminicompress", *sys.argv[1:]]
-    try:
-        cli()
-    except SystemExit:
-        pass
-    finally:
-        for row in P.log:
-            print(*row)
-        print(f"PEAK {P.peak[0] / 2**30:.3f} GiB in phase {P.peak[1]} at {P.peak[2]:.1f}s")
+    P.run_sampled(cli)
 
 
 if __name__ == "__main__":

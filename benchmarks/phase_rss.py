@@ -91,6 +91,11 @@ def main() -> None:
     wrap(ShardSink, "finish", "shard_finish")
     wrap(writer.PackedWriter, "layer_tensors", "layer_tensors")
     wrap(shards.ShardWriter, "write", "writer_write")
+    run_sampled(cli)
+
+
+def run_sampled(cli) -> None:
+    """Run the CLI on this script's arguments with the RSS sampler on; print each phase's row and the peak."""
     threading.Thread(target=sampler, daemon=True).start()
     sys.argv = ["geminicompress", *sys.argv[1:]]
     try:

@@ -25,9 +25,9 @@ def quantize(
     output: Path = c.OUT,
     method: str = typer.Option(..., "--method", "-m", help=f"{_METHOD_HELP}."),
     target_bits: Optional[float] = typer.Option(None, "--target-bits", help="gptq mixed precision: average stored bits per weight (scales included), e.g. 3.5, spent where the sensitivity table says it hurts least."),
-    target_size_mb: Optional[float] = typer.Option(None, "--target-size-mb", help="gptq mixed precision: checkpoint size in MB."),
+    target_size_mb: Optional[float] = typer.Option(None, "--target-size-mb", help="gptq mixed precision: checkpoint size in MB (--gguf-type auto: the model.gguf file's)."),
     max_drift: Optional[str] = typer.Option(None, "--max-drift", help="gptq mixed precision: the smallest allocation whose predicted perplexity drift stays under this, e.g. 2%."),
-    allocation_options: Optional[str] = typer.Option(None, "--allocation-options", help="Settings a module may get, comma separated (default gptq:b4g64,gptq:b3g64)."),
+    allocation_options: Optional[str] = typer.Option(None, "--allocation-options", help="Settings a module may get, comma separated (default gptq:b4g64,gptq:b3g64; --gguf-type auto: GGUF types gguf:Q2_K,...,gguf:Q8_0)."),
     sensitivity: Optional[str] = typer.Option(None, "--sensitivity", help="A sensitivity.json to allocate from (default: measure a proxy table on --data first, with the model in memory)."),
     **options: Any,
 ) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from geminicompress.core.gguf_config import AUTO
 from geminicompress.core.grid import QuantizedWeight, QuantSpec
 from geminicompress.core.kgrid import KCodes, KTYPES
 from geminicompress.formats import gguf as legacy
@@ -36,7 +37,7 @@ def spec_for(type_name: str) -> QuantSpec:
 
 def plan(cfg: Any, model: Any, shapes: dict[str, tuple[int, int]], calibrated: bool) -> dict[str, str] | None:
     """{module: type} of the stage's targets under its --gguf-type (None without one); F16 ones left out."""
-    if getattr(cfg, "format", None) != "gguf" or getattr(cfg, "gguf_type", None) is None:
+    if getattr(cfg, "format", None) != "gguf" or getattr(cfg, "gguf_type", None) in (None, AUTO):
         return None
     types = mix_types(model.config.to_dict(), shapes, cfg.gguf_type, imatrix=calibrated)
     return {name: t for name, t in types.items() if t != "F16"}

@@ -15,6 +15,8 @@ from geminicompress.core.config import Strict
 # llama-quantize's mixes written by --gguf-type (formats/gguf_mix.py: MIXES)
 GGUF_MIXES = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL",
               "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+AUTO = "AUTO"  # --gguf-type auto: per-tensor types by measured sensitivity under a size (gptq's allocation)
+AUTO_BASE = "Q4_K_M"  # the mix whose rules type what auto does not choose: the token embedding, the output head
 
 GGUF_HELP = ("gguf: OUT/model.gguf for llama.cpp/Ollama/LM Studio, beside a gptq checkpoint (the group size "
              "defaults to 32)")
@@ -31,10 +33,11 @@ class GGUFFields(Strict):
         "f16 or f32")
     gguf_float: Literal["f16", "f32"] | None = Field(
         None, description="--format gguf: float linears (not quantized) as f16 (default) or f32")
-    gguf_type: Literal[GGUF_MIXES] | None = Field(  # type: ignore[valid-type]
+    gguf_type: Literal[(*GGUF_MIXES, AUTO)] | None = Field(  # type: ignore[valid-type]
         None, description="--format gguf: llama-quantize's mix (Q4_K_M, Q3_K_M, Q2_K, IQ4_NL, Q4_0, ...): every "
         "tensor gets the type llama.cpp's own file of that mix gives it, our codes in it; --bits and --group-size "
-        "do not apply; the checkpoint beside model.gguf is dense (the GGUF's weights, dequantized)")
+        "do not apply; the checkpoint beside model.gguf is dense (the GGUF's weights, dequantized). auto (gptq): "
+        "each linear's type chosen by measured sensitivity to fit --target-size-mb (the file) or --target-bits")
 
     @model_validator(mode="before")
     @classmethod
@@ -55,6 +58,8 @@ class GGUFFields(Strict):
             raise ValueError(f"{', '.join(given)} applies to format gguf only")
         if self.gguf_type is not None and getattr(self, "method", None) not in ("gptq", "rtn"):
             raise ValueError(f"--gguf-type is written by the gptq and rtn methods, not {getattr(self, 'method', '?')}")
+        if self.gguf_type == AUTO and getattr(self, "method", None) != "gptq":
+            raise ValueError("--gguf-type auto is chosen by gptq's allocation: use --method gptq")
         if fmt == "gguf" and self.gguf_type is not None:
             if getattr(self, "act_order", None) == "group":
                 raise ValueError("--gguf-type keeps each block's columns under its scales: use act_order static or none")

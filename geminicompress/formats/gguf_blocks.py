@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from safetensors import safe_open
@@ -34,6 +35,17 @@ SUFFIX = "gguf"  # the kept tensor of a module: "<module>.gguf", its blocks (row
 
 def qtype(name: str) -> Q:
     return getattr(Q, name)
+
+
+def block_size(name: str) -> int:
+    """Weights per block of GGUF type `name` (32 or 256)."""
+    return GGML_QUANT_SIZES[qtype(name)][0]
+
+
+def bits_per_weight(name: str) -> float:
+    """Stored bits per weight of GGUF type `name`: its block's bytes x 8 / its weights (Q4_K 4.5, Q8_0 8.5)."""
+    weights, nbytes = GGML_QUANT_SIZES[qtype(name)]
+    return 8.0 * nbytes / weights
 
 
 def rtn_bytes(w: np.ndarray, type_name: str, importance: np.ndarray | None = None) -> np.ndarray:

@@ -39,7 +39,9 @@ from geminicompress.core.grid import QuantizedWeight, QuantSpec
 from geminicompress.errors import GeminiError, InputError
 from geminicompress.formats import gguf as blocks
 from geminicompress.formats.checkpoint import weight_files
+from geminicompress.core.gguf_config import AUTO, AUTO_BASE
 from geminicompress.formats import gguf_mix
+from geminicompress.formats.gguf_blocks import bits_per_weight as blocks_bits
 from geminicompress.formats.gguf_blocks import read_blocks, rtn_bytes
 from geminicompress.formats.gguf_vocab import build_tokenizer, copy_tokenizer
 
@@ -72,7 +74,7 @@ class GGUFOptions:
     asym: str = "q5_0"  # asymmetric <= 4-bit codes: q5_0 (exact) or q4_1 (its m rounded to fp16)
     embeddings: str = "q8_0"  # token embeddings and an untied float head: q8_0, f16 or f32
     floats: str = "f16"  # float linears (dense or pruned): f16 or f32
-    mix: str | None = None  # --gguf-type: llama-quantize's mix (formats/gguf_mix.py); the blocks come from OUT
+    mix: str | None = None  # --gguf-type: llama-quantize's mix (formats/gguf_mix.py) or AUTO; the blocks come from OUT
 
 
 def gguf_arch(config: dict[str, Any]) -> GGUFArch:
@@ -174,7 +176,7 @@ def export(out: Path, options: GGUFOptions | None = None, source_gguf: Path | No
             if arch.name == "gemma3":  # llama.cpp's converter: Gemma's SentencePiece adds no space prefix
                 writer.add_add_space_prefix(False)
         stats = _tensors(writer, out, config, arch, options)
-        writer.add_file_type(gguf_mix.FTYPES[options.mix] if options.mix else
+        writer.add_file_type(gguf_mix.FTYPES[options.mix] if options.mix in gguf_mix.FTYPES else
                              _FILE_TYPES.get(stats["types"].most_common(1)[0][0], gguf.LlamaFileType.GUESSED))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -320,12 +322,54 @@ def _float_type(key: str, tensor: torch.Tensor, options: GGUFOptions, config: di
         return Q.F32
     if key.endswith("embed_tokens.weight") or key == "lm_head.weight":
         if options.mix and config is not None:  # llama-quantize's type for the embedding and the head
-            name = "output.weight" if key == "lm_head.weight" else "token_embd.weight"
-            tied = bool(config.get("tie_word_embeddings", False))
-            model = gguf_mix.Model(config["num_hidden_layers"], 1, True)
-            return getattr(Q, gguf_mix.tensor_type(name, tensor.shape[1], None, options.mix, model, tied))
+            return getattr(Q, embedding_type(key, tensor.shape[1], options.mix, config))
         return {"q8_0": Q.Q8_0, "f16": Q.F16, "f32": Q.F32}[options.embeddings]
     return blocks.FLOAT_TYPES[options.floats]
+
+
+def embedding_type(key: str, cols: int, mix: str, config: dict[str, Any]) -> str:
+    """The type llama-quantize's `mix` gives the token embedding or the output head (--gguf-type auto: its base
+    mix's, core/gguf_config.AUTO_BASE)."""
+    name = "output.weight" if key == "lm_head.weight" else "token_embd.weight"
+    tied = bool(config.get("tie_word_embeddings", False))
+    model = gguf_mix.Model(config["num_hidden_layers"], 1, True)
+    return gguf_mix.tensor_type(name, cols, None, AUTO_BASE if mix == AUTO else mix, model, tied)
+
+
+def fixed_bytes(model: nn.Module, quantized: list[str], tokenizer: Any) -> float:
+    """Bytes of a `--gguf-type auto` file besides its quantized linears, counted before it is written: every
+    other tensor at the type the export gives it (norms F32, the embedding and head as AUTO_BASE types them,
+    other float linears F16; a tied head once), the tokenizer's metadata (each token and merge a string of
+    8 + its bytes, a float32 score and an int32 type per token) and ~64 bytes of header per tensor."""
+    config = model.config.to_dict()
+    skip = {f"{n}.weight" for n in quantized}
+    tied = bool(config.get("tie_word_embeddings", False))
+    total, seen, count = 0.0, set(), 0
+    for key, t in model.state_dict(keep_vars=True).items():
+        if key in skip or id(t) in seen or (tied and key == "lm_head.weight"):
+            continue
+        seen.add(id(t))
+        count += 1
+        if t.dim() < 2:
+            total += 4 * t.numel()
+        elif key.endswith("embed_tokens.weight") or key == "lm_head.weight":
+            total += t.numel() * blocks_bits(embedding_type(key, t.shape[1], AUTO, config)) / 8
+        else:
+            total += 2 * t.numel()
+    return total + 64 * (count + len(quantized)) + _tokenizer_bytes(tokenizer)
+
+
+def _tokenizer_bytes(tokenizer: Any) -> int:
+    """What the tokenizer's metadata costs in a GGUF file (about: strings, scores, types, merges)."""
+    if tokenizer is None:
+        return 0
+    tokens = list(tokenizer.get_vocab())
+    size = sum(8 + len(t.encode("utf-8")) for t in tokens) + 8 * len(tokens)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        merges = json.loads(backend.to_str()).get("model", {}).get("merges") or []
+        size += sum(8 + len((" ".join(m) if isinstance(m, list) else m).encode("utf-8")) for m in merges)
+    return size + 4096
 
 
 def mix_types(config: dict[str, Any], shapes: dict[str, tuple[int, int]], mix: str, imatrix: bool) -> dict[str, str]:

@@ -73,6 +73,13 @@ def table_matrices(table: dict[str, Any], options: list[str], targets: list[str]
 def allocate_specs(table: dict[str, Any], alloc: Any, targets: list[str], sym: bool,
                    fixed: float) -> tuple[dict[str, QuantSpec], dict[str, Any]]:
     """Module -> spec from the knapsack, and the summary (choice, prediction, frontier)."""
+    labels, summary = allocate_labels(table, alloc, targets, fixed)
+    return {m: spec_of_label(label, sym) for m, label in labels.items()}, summary
+
+
+def allocate_labels(table: dict[str, Any], alloc: Any, targets: list[str],
+                    fixed: float) -> tuple[dict[str, str], dict[str, Any]]:
+    """Module -> the option's label from the knapsack, and the summary (choice, prediction, frontier)."""
     units, cost, drift = table_matrices(table, alloc.options, targets)
     params = float(sum(u["params"] for u in units))
     bits = lambda v: f"{v / params:.4g} bits per weight"  # noqa: E731
@@ -93,11 +100,11 @@ def allocate_specs(table: dict[str, Any], alloc: Any, targets: list[str], sym: b
             raise InputError(f"--max-drift {alloc.max_drift:g}% cannot be met with these options: the reachable "
                              f"range is {drift_pct(least):.3g}% (dearest choice) and up")
         a = allocate_within_drift(cost, drift, math.log1p(alloc.max_drift / 100))
-    specs = {m: spec_of_label(alloc.options[j], sym) for u, j in zip(units, a.choice) for m in u["modules"]}
+    labels = {m: alloc.options[j] for u, j in zip(units, a.choice) for m in u["modules"]}
     curve = [{"bits": round(c / params, 5), "predicted_drift_pct": round(drift_pct(d), 5)}
              for c, d in frontier(cost, drift, resolution=256)]
     counts = {o: sum(u["params"] for u, j in zip(units, a.choice) if j == i) for i, o in enumerate(alloc.options)}
-    return specs, {**target, "average_bits": round(a.cost / params, 5), "predicted_kl": round(a.drift, 6),
+    return labels, {**target, "average_bits": round(a.cost / params, 5), "predicted_kl": round(a.drift, 6),
                    "predicted_drift_pct": round(drift_pct(a.drift), 4),
                    "predicted_size_mb": round((a.cost / 8 + fixed) / 1e6, 4), "weights_per_option": counts,
                    "frontier": curve, "table_measure": table.get("measure")}
@@ -123,6 +130,36 @@ def module_specs(cfg: Any, ctx: Any, targets: list[str], spec: QuantSpec) -> tup
     return specs, summary
 
 
+def gguf_auto_types(cfg: Any, ctx: Any, targets: list[str]) -> tuple[dict[str, str], dict[str, Any]]:
+    """--gguf-type auto: each target's GGUF type, the knapsack's choice over the `gguf:<TYPE>` options under the
+    budget (the file's size: the other tensors and the tokenizer counted by formats/gguf_export.fixed_bytes),
+    the drift measured per linear with llama-quantize's rounding (a sensitivity table); and the summary."""
+    from geminicompress.formats.gguf_export import fixed_bytes
+
+    options = parse_options(",".join(cfg.allocation.options))
+    modules = dict(ctx.model.named_modules())
+    held = {n: [o for o in options if o.applies(modules[n].in_features)] for n in targets}
+    bare = next((n for n, h in held.items() if not h), None)
+    if bare is not None:
+        raise InputError(f"--gguf-type auto: no type among {', '.join(cfg.allocation.options)} holds {bare} "
+                         f"({modules[bare].in_features} inputs); add gguf:IQ4_NL or gguf:Q8_0 (blocks of 32), or --ignore it")
+    fixed = fixed_bytes(ctx.model, targets, getattr(ctx, "tokenizer", None))
+    alloc = cfg.allocation
+    if alloc.target_size_mb is not None:  # before any work: a size no choice of types reaches
+        lo, hi = (fixed + sum(modules[n].weight.numel() * pick(o.bits_per_weight(0) for o in held[n]) / 8
+                              for n in targets) for pick in (min, max))
+        if not lo <= alloc.target_size_mb * 1e6 <= hi:
+            raise InputError(f"--target-size-mb {alloc.target_size_mb:g} cannot be met by --gguf-type auto: its files "
+                             f"range from {lo / 1e6:.3f} to {hi / 1e6:.3f} MB")
+    table = _table(cfg, ctx, targets)
+    labels, summary = allocate_labels(table, alloc, targets, fixed)
+    types = {m: label.split(":", 1)[1] for m, label in labels.items()}
+    summary["types"] = types
+    if alloc.sensitivity is None:
+        summary["table"] = table
+    return types, summary
+
+
 def _table(cfg: Any, ctx: Any, targets: list[str]) -> dict[str, Any]:
     alloc = cfg.allocation
     if alloc.sensitivity is not None:
@@ -137,8 +174,8 @@ def write_allocation(summary: dict[str, Any], specs: dict[str, QuantSpec], out: 
     """OUT/allocation.json (the choice per module, the prediction, the frontier) and the frontier plot."""
     from geminicompress.compress.sensitivity.plot import write_frontier
 
-    data = {**{k: v for k, v in summary.items() if k != "table"},
-            "modules": {n: f"b{s.bits}g{s.group_size}" for n, s in specs.items()}}
+    data = {**{k: v for k, v in summary.items() if k not in ("table", "types")},
+            "modules": summary.get("types") or {n: f"b{s.bits}g{s.group_size}" for n, s in specs.items()}}
     if "table" in summary:
         (out / TABLE_FILE).write_text(json.dumps(summary["table"]) + "\n")
         data["sensitivity_file"] = TABLE_FILE

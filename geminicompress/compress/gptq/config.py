@@ -8,7 +8,11 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from geminicompress.core.config import Strict, WeightQuantStage
-from geminicompress.core.gguf_config import GGUF_HELP, GGUFFields
+from geminicompress.core.gguf_config import AUTO, GGUF_HELP, GGUFFields
+
+# the per-tensor types `--gguf-type auto` chooses from (compress/sensitivity/options.py: GGUF_TYPES)
+GGUF_AUTO_OPTIONS = ["gguf:Q2_K", "gguf:Q3_K", "gguf:Q4_K", "gguf:Q5_K", "gguf:Q6_K", "gguf:IQ4_NL", "gguf:Q5_0",
+                     "gguf:Q8_0"]
 
 
 class QuantAllocation(Strict):
@@ -16,10 +20,12 @@ class QuantAllocation(Strict):
     Give exactly one of target_bits, target_size_mb, max_drift."""
 
     options: list[str] = Field(default_factory=lambda: ["gptq:b4g64", "gptq:b3g64"],
-                               description="the settings each module may get (gptq:b<bits>g<group>)")
+                               description="the settings each module may get (gptq:b<bits>g<group>; with --gguf-type "
+                               "auto GGUF types gguf:<TYPE>, default " + ",".join(GGUF_AUTO_OPTIONS) + ")")
     target_bits: float | None = Field(None, gt=0.0, description="average stored bits per quantized weight, scales "
                                       "and zero points included")
-    target_size_mb: float | None = Field(None, gt=0.0, description="checkpoint size in MB (10^6 bytes)")
+    target_size_mb: float | None = Field(None, gt=0.0, description="checkpoint size in MB (10^6 bytes; --gguf-type "
+                                         "auto: the model.gguf file's)")
     max_drift: float | None = Field(None, gt=0.0, description="predicted perplexity drift in percent: the smallest "
                                     "allocation whose predicted exp(sum KL) - 1 stays under it")
     sensitivity: str | None = Field(None, description="a sensitivity.json (default: measure one on the calibration data)")
@@ -32,9 +38,10 @@ class QuantAllocation(Strict):
         given = [k for k in ("target_bits", "target_size_mb", "max_drift") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of target_bits, target_size_mb, max_drift (got {', '.join(given) or 'none'})")
-        bad = [o for o in self.options if not re.fullmatch(r"gptq:b\d+g-?\d+", o)]
+        bad = [o for o in self.options if not re.fullmatch(r"gptq:b\d+g-?\d+|gguf:\w+", o)]
         if bad:
-            raise ValueError(f"allocation options of a gptq stage are gptq:b<bits>g<group>, got {', '.join(bad)}")
+            raise ValueError(f"allocation options of a gptq stage are gptq:b<bits>g<group> (or gguf:<TYPE> with "
+                             f"--gguf-type auto), got {', '.join(bad)}")
         return self
 
 
@@ -95,6 +102,33 @@ class GPTQStage(WeightQuantStage, GGUFFields):
             elif act is None and static:
                 data["act_order"] = "static"
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_options(cls, data: Any) -> Any:
+        """--gguf-type auto: the allocation chooses among GGUF types unless its options are given."""
+        if isinstance(data, dict) and str(data.get("gguf_type") or "").upper() == AUTO \
+                and isinstance(data.get("allocation"), dict) and "options" not in data["allocation"]:
+            data = {**data, "allocation": {**data["allocation"], "options": list(GGUF_AUTO_OPTIONS)}}
+        return data
+
+    @model_validator(mode="after")
+    def _auto_needs_budget(self) -> "GPTQStage":
+        auto = self.gguf_type == AUTO
+        if auto and self.allocation is None:
+            raise ValueError("--gguf-type auto needs a budget: --target-size-mb MB (the GGUF file), --target-bits B "
+                             "or --max-drift P%")
+        if self.allocation is not None:
+            kinds = {o.split(":", 1)[0] for o in self.allocation.options}
+            if auto and kinds != {"gguf"}:
+                raise ValueError(f"--gguf-type auto chooses GGUF types: options gguf:<TYPE>, got "
+                                 f"{', '.join(self.allocation.options)}")
+            if not auto and "gguf" in kinds:
+                raise ValueError("gguf:<TYPE> allocation options need --format gguf --gguf-type auto")
+            if self.gguf_type is not None and not auto:
+                raise ValueError(f"--gguf-type {self.gguf_type} gives every tensor llama-quantize's type; mixed "
+                                 "precision (--target-*) is --gguf-type auto")
+        return self
 
     @model_validator(mode="after")
     def _search_needs_sym(self) -> "GPTQStage":

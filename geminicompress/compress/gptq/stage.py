@@ -26,13 +26,14 @@ import torch
 import torch.nn as nn
 
 from geminicompress.compress import gguf_types
-from geminicompress.compress.gptq.allocate import module_specs, write_allocation
+from geminicompress.compress.gptq.allocate import gguf_auto_types, module_specs, write_allocation
 from geminicompress.compress.gptq.kgrid_solve import gptq_kquant
 from geminicompress.compress.gptq.config import GPTQStage
 from geminicompress.compress.gptq.solver import SolverOptions, gptq_quantize, zeros_to_keep
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.scale_search import ScaleSearch
 from geminicompress.compress.targets import present_groups, weight_quant_targets
+from geminicompress.core.gguf_config import AUTO
 from geminicompress.core.grid import KeptCodes, QuantSpec, keep_codes
 from geminicompress.engine.compose import OnePassFn
 from geminicompress.engine.contract import Done, LayerStage, StageContext
@@ -64,10 +65,13 @@ class GPTQ(LayerStage):
         found = weight_quant_targets(ctx.model, cfg, ctx.progress, sym=cfg.sym,
                                      fmt=cfg.format if cfg.allocation is None else None)
         self.cfg, self.ctx, self.spec, self.targets = cfg, ctx, found.spec, found.names
-        self.gguf_types = gguf_types.plan(cfg, ctx.model, found.shapes, calibrated=True)  # --gguf-type
+        if cfg.gguf_type == AUTO:  # each linear's type by the allocation (allocate.py)
+            self.gguf_types, self.allocation = gguf_auto_types(cfg, ctx, found.names)
+        else:  # --gguf-type MIX: llama-quantize's types
+            self.gguf_types, self.allocation = gguf_types.plan(cfg, ctx.model, found.shapes, calibrated=True), {}
         if self.gguf_types is not None:
             self.targets = [n for n in found.names if n in self.gguf_types]
-            self.specs, self.allocation = {n: gguf_types.spec_for(self.gguf_types[n]) for n in self.targets}, {}
+            self.specs = {n: gguf_types.spec_for(self.gguf_types[n]) for n in self.targets}
         else:
             self.specs, self.allocation = module_specs(cfg, ctx, found.names, found.spec)  # allocate.py
         for name, s in self.specs.items():

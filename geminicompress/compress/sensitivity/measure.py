@@ -280,6 +280,10 @@ def _measure_unit(run: _Measuring, u: Unit, layer: nn.Module, stats: dict, gain:
                            "kl": [], "proxy": [], "layer_error": [], "bits_per_weight": [], "kept": []}
     target = states[u.layer + 1]
     for o in options:
+        if not all(o.applies(w.shape[1]) for w in originals):  # a GGUF block that does not divide the inputs
+            _not_applicable(row, o, originals, params)
+            run.bar.advance(1)
+            continue
         for n, m, w in zip(u.linears, modules, originals):
             m.weight.data = apply_option(w, o, *stats[n], act_order=run.act_order).to(w.dtype)
         try:
@@ -297,6 +301,14 @@ def _measure_unit(run: _Measuring, u: Unit, layer: nn.Module, stats: dict, gain:
         run.bar.advance(1)
     row["drift"] = row["proxy"] if measure == "proxy" else row["kl"]
     return row
+
+
+def _not_applicable(row: dict[str, Any], o: Any, originals: list[torch.Tensor], params: int) -> None:
+    """Option `o` cannot hold the unit: NaN drift (the allocation never picks it), its nominal cost."""
+    for key in ("layer_error", "proxy", "kl"):
+        row[key].append(math.nan)
+    row["bits_per_weight"].append(sum(o.bits_per_weight(w.shape[1]) * w.numel() for w in originals) / params)
+    row["kept"].append(o.kept())
 
 
 def _correlations(rows: list[dict], options: list[Option]) -> dict[str, float]:

@@ -3,8 +3,11 @@ a weight, and say what it costs.
 
 Labels: `gptq:b<bits>g<group>` and `rtn:b<bits>g<group>` (group -1 = per channel; GPTQ needs the layer's
 Hessian), `magnitude:<s>` (alias `prune:<s>`), `wanda:<s>` (needs input norms) and `sparsegpt:<s>` (needs the
-Hessian): sparsity s in (0, 1). Cost per weight: quantized = bits + (16-bit scale + bits-wide zero) per group,
-as the gptq format stores them; pruned = the kept fraction (1 − s).
+Hessian): sparsity s in (0, 1); `gguf:<TYPE>` (Q2_K ... Q8_0, IQ4_NL: a GGUF tensor type, rounded as
+llama-quantize rounds it with the layer's Hessian diagonal as its importance matrix; `--gguf-type auto`).
+Cost per weight: quantized = bits + (16-bit scale + bits-wide zero) per group, as the gptq format stores them;
+a GGUF type = its block's bytes x 8 / its block's weights; pruned = the kept fraction (1 − s). A GGUF type whose
+block does not divide a linear's inputs does not apply to it (its drift is NaN: the allocation skips it).
 """
 
 from __future__ import annotations
@@ -20,9 +23,14 @@ from geminicompress.compress.prune.sparsegpt import sparsegpt_prune
 from geminicompress.compress.prune.wanda import wanda_scores
 from geminicompress.core.grid import QuantSpec, rtn_quantize
 from geminicompress.errors import InputError
+from geminicompress.formats import gguf_blocks
 
 QUANT = ("gptq", "rtn")
 PRUNE = ("magnitude", "wanda", "sparsegpt")
+GGUF = "gguf"
+# the per-tensor GGUF types `--gguf-type auto` may give (a row's block must divide it; the mins of Q4_1/Q5_1
+# are left out: their 32-blocks cost what Q5_0/IQ4_NL do for less)
+GGUF_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL", "Q4_0", "Q5_0", "Q8_0")
 _QUANT_RE = re.compile(r"^b(\d+)g(-?\d+)$")
 
 
@@ -32,17 +40,24 @@ class Option:
     method: str  # gptq | rtn | magnitude | wanda | sparsegpt
     spec: QuantSpec | None = None
     sparsity: float | None = None
+    gguf_type: str | None = None  # gguf options: the tensor type
 
     @property
     def quantizes(self) -> bool:
-        return self.spec is not None
+        return self.spec is not None or self.gguf_type is not None
 
     @property
     def needs_hessian(self) -> bool:
-        return self.method in ("gptq", "sparsegpt")
+        return self.method in ("gptq", "sparsegpt", GGUF)
+
+    def applies(self, in_features: int) -> bool:
+        """Whether the option can hold a linear of `in_features` inputs (a GGUF type: its block divides it)."""
+        return self.gguf_type is None or in_features % gguf_blocks.block_size(self.gguf_type) == 0
 
     def bits_per_weight(self, in_features: int) -> float:
         """Stored bits per weight, scales and zero points included (quantize options)."""
+        if self.gguf_type is not None:
+            return gguf_blocks.bits_per_weight(self.gguf_type)
         assert self.spec is not None
         group = in_features if self.spec.group_size == -1 else self.spec.group_size
         return self.spec.bits + (16 + self.spec.bits) / group
@@ -62,6 +77,11 @@ def parse_option(text: str) -> Option:
         if group == 0 or group < -1:
             raise InputError(f"option '{text}': group size must be positive or -1 (per channel), got {group}")
         return Option(f"{method}:b{bits}g{group}", method, spec=QuantSpec(bits, group, True))
+    if method == GGUF:
+        gtype = arg.strip().upper()
+        if gtype not in GGUF_TYPES:
+            raise InputError(f"option '{text}': a GGUF tensor type is one of {', '.join(GGUF_TYPES)}")
+        return Option(f"{GGUF}:{gtype}", GGUF, gguf_type=gtype)
     if method in PRUNE:
         try:
             s = float(arg)
@@ -70,7 +90,7 @@ def parse_option(text: str) -> Option:
         if not 0.0 < s < 1.0:
             raise InputError(f"option '{text}': write {method}:<sparsity> with a sparsity in (0, 1), e.g. {method}:0.5")
         return Option(f"{method}:{s:g}", method, sparsity=s)
-    raise InputError(f"option '{text}': unknown method '{method}' (known: {', '.join(QUANT + PRUNE)}, prune)")
+    raise InputError(f"option '{text}': unknown method '{method}' (known: {', '.join(QUANT + PRUNE)}, gguf, prune)")
 
 
 def parse_options(text: str) -> list[Option]:
@@ -99,6 +119,9 @@ def apply_option(W: torch.Tensor, option: Option, H: torch.Tensor | None, norms:
     """The weight (out, in) after `option` alone: fake-quantized or pruned (float32). `act_order`: GPTQ's
     column order (the gptq stage's default, so the table measures what the stage will do)."""
     W = W.detach().float()
+    if option.method == GGUF:  # llama-quantize's rounding, the Hessian's diagonal as its importance
+        importance = None if H is None else torch.diagonal(H).float().clamp_min(0).numpy()
+        return gguf_blocks.dequantize(gguf_blocks.rtn_bytes(W.numpy(), option.gguf_type, importance), option.gguf_type)
     if option.method == "gptq":
         return gptq_quantize(W, H, option.spec, act_order=act_order)[0].dequantize()
     if option.method == "rtn":

@@ -1,4 +1,4 @@
-"""Every name a benchmark (benchmarks/*.py) or a test imports from the package exists: a rename in the
+"""Every name a benchmark (benchmarks/**/*.py) or a test imports from the package exists: a rename in the
 package must not leave a benchmark that fails with ImportError only when someone runs it (three did, after
 `_demo_dir` became `demo_dir`)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
+SCRIPTS = sorted(p for p in (ROOT / "benchmarks").rglob("*.py") if "results" not in p.parts)
 
 
 def package_imports(path: Path) -> list[tuple[str, str, int]]:
@@ -22,7 +22,7 @@ def package_imports(path: Path) -> list[tuple[str, str, int]]:
             and node.module.split(".")[0] == "geminicompress" for alias in node.names]
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT / "benchmarks")))
 def test_benchmark_imports_exist(script: Path) -> None:
     missing = []
     for module, name, line in package_imports(script):

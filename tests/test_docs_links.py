@@ -1,5 +1,5 @@
-"""Every relative link (and #anchor) in README.md and docs/*.md resolves: the README is a front page
-that points into docs/, so a moved section must not leave a dead link behind."""
+"""Every relative link (and #anchor) in README.md, docs/*.md and benchmarks/README.md resolves: the README is a
+front page that points into docs/, so a moved section must not leave a dead link behind."""
 
 import re
 import unicodedata
@@ -42,7 +42,7 @@ def _anchors(path: Path) -> set[str]:
 
 def broken_links(root: Path) -> list[str]:
     bad = []
-    pages = [root / "README.md", *([root / "CHANGELOG.md"] if (root / "CHANGELOG.md").exists() else [])]
+    pages = [root / "README.md", *[root / n for n in ("CHANGELOG.md", "benchmarks/README.md") if (root / n).exists()]]
     for f in [*pages, *sorted((root / "docs").glob("*.md"))]:
         for i, line in enumerate(_unfenced(f.read_text()), 1):
             for target in re.findall(r"\]\(([^)\s]+)\)", line):

@@ -1,5 +1,5 @@
 """K-quant and IQ4 codes: llama.cpp's dequantization of our bytes (`gguf.quants`) equals ours bit for bit, the bytes
-round-trip, and the weighted searches do what they are for (benchmarks/kquant_vs_llama.py compares the codes with
+round-trip, and the weighted searches do what they are for (benchmarks/studies/gguf/kquant_vs_llama.py compares the codes with
 llama.cpp's own quantizer: 98-100% identical blocks with an importance matrix)."""
 
 import numpy as np

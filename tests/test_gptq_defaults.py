@@ -53,7 +53,7 @@ def test_default_gptq_beats_rtn_on_every_token_and_keeps_the_sink_near_rtn(bits,
     """Overall far below round-to-nearest; at the sink within 1.5x of it and at most a third of what the
     unweighted Hessian leaves there. (On this synthetic, with the full-range symmetric grid, RTN's sink error
     at 4-bit g16 is 0.73x the default GPTQ's; on the demo model the per-layer check measures it:
-    benchmarks/gptq_layer_check.py.)"""
+    benchmarks/studies/gptq/gptq_layer_check.py.)"""
     x, W = _windows_with_a_sink(), _q41_weight()
     cfg = GPTQStage(method="gptq", bits=bits, group_size=group)
     gptq_all, gptq_sink = _errors(x, W, _solve(W, x, cfg))

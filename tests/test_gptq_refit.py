@@ -1,10 +1,19 @@
-"""Least-squares refit of group scales with the codes fixed (compress/gptq/refit.py)."""
+"""Least-squares refit of group scales with the codes fixed (benchmarks/studies/gptq/refit.py: a study, out of
+the package; loaded from its file so that benchmarks/ stays off the test run's sys.path)."""
+
+import importlib.util
+from pathlib import Path
 
 import torch
 
-from geminicompress.compress.gptq.refit import refit_scales
 from geminicompress.compress.gptq.solver import gptq_quantize
 from geminicompress.core.grid import QuantizedWeight, QuantSpec, group_index
+
+_REFIT = Path(__file__).resolve().parents[1] / "benchmarks" / "studies" / "gptq" / "refit.py"
+_spec = importlib.util.spec_from_file_location("gptq_refit_study", _REFIT)
+_module = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_module)
+refit_scales = _module.refit_scales
 
 
 def _hessian(d: int = 32, seed: int = 0) -> torch.Tensor:

@@ -149,18 +149,30 @@ def build(work: Path, rows: list[str], python: str) -> dict[str, str]:
                           source_gguf=demo_gguf_path(), dest=dst)
             (work / f"{row}-out").mkdir(exist_ok=True)
             (work / f"{row}-out" / "report.json").write_text(json.dumps({"export": {"gguf": info}}))
+        elif row.startswith("ours-gptq-auto-"):  # --gguf-type auto at the size of llama.cpp's file of that mix
+            ref = work / f"llama-{row.removeprefix('ours-gptq-auto-')}-imatrix.gguf"
+            if not ref.is_file():
+                skipped[row] = f"needs {ref.name} first (its row before this one)"
+                continue
+            skipped.update(_ours(work, row, dst, ["--method", "gptq", "--gguf-type", "auto", "--target-size-mb",
+                                                  f"{ref.stat().st_size / 1e6:.6f}", *CALIB]))
         elif not knows_gguf():
             skipped[row] = "this build's quantize has no --format gguf yet (issue #37's exporter)"
         else:
-            out = work / f"{row}-out"
-            cmd = [sys.executable, "-m", "geminicompress", "quantize", "smollm2-demo", "-o", str(out),
-                   "--format", "gguf", "--force", "-q", *OURS_ROWS[row]]
-            done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-            if done.returncode != 0 or not (out / "model.gguf").is_file():
-                skipped[row] = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
-            else:
-                (out / "model.gguf").replace(dst)
+            skipped.update(_ours(work, row, dst, OURS_ROWS[row]))
     return skipped
+
+
+def _ours(work: Path, row: str, dst: Path, args: list[str]) -> dict[str, str]:
+    """Our quantize of the demo into WORK/ROW-out, its model.gguf moved to `dst`; {row: why} when it failed."""
+    out = work / f"{row}-out"
+    cmd = [sys.executable, "-m", "geminicompress", "quantize", "smollm2-demo", "-o", str(out),
+           "--format", "gguf", "--force", "-q", *args]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0 or not (out / "model.gguf").is_file():
+        return {row: (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    (out / "model.gguf").replace(dst)
+    return {}
 
 
 def linear_bits(path: Path) -> float:

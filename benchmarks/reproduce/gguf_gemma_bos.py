@@ -4,7 +4,7 @@ taken on the same BOS-led calibration windows, every file scored by llama.cpp it
 the protocol's windows (BOS + 511 text tokens): perplexity, KL over the whole vocabulary (mean, p99), same top
 token, file size. Also our torch eval's perplexity of the float model on the same windows (the engines agree).
 
-  python benchmarks/studies/gguf/gguf_gemma_bos.py --model /work/models/gemma3-270m --work /work/runs/gguf-bos \
+  python benchmarks/reproduce/gguf_gemma_bos.py --model /work/models/gemma3-270m --work /work/runs/gguf-bos \
       --ours bos=/work/runs/gguf-bos/ours-bos,text=/work/runs/gguf-bos/ours-text
 The `--ours` folders are OUT of `geminicompress quantize MODEL --method gptq --format gguf --data enwiki-sample.txt
 --samples 32 --calib-seq-len 512` (add `--frame text` for the text-led one); missing ones are made here.
@@ -12,9 +12,10 @@ The `--ours` folders are OUT of `geminicompress quantize MODEL --method gptq --f
 Other GGUF types (issue #63: same types per tensor as llama.cpp's file, our GPTQ against llama.cpp with its
 importance matrix):
 
-  python benchmarks/gguf_gemma_bos.py --types IQ4_NL,Q3_K_M,Q2_K --ours none --name gguf_gemma_kquants
+  python benchmarks/reproduce/gguf_gemma_bos.py --types IQ4_NL,Q3_K_M,Q2_K --ours none --name gguf_gemma_kquants
 Each type T adds llama.cpp's `llama-T-imatrix` file and ours, `quantize --method gptq --format gguf --gguf-type T`
-(WORK/ours-gptq-T), all scored in one llama.cpp pass against the F32 file.
+(WORK/ours-gptq-T), all scored in one llama.cpp pass against the F32 file. `--auto Q3_K_M` adds ours with
+`--gguf-type auto --target-size-mb` the size of llama.cpp's Q3_K_M file (WORK/ours-gptq-auto-q3_k_m).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import DATA, RESULTS, calibration_ids, eval_windows, perplexity  # noqa: E402
 from reproduce.gguf_bench import importance_matrix, llama_python  # noqa: E402
 from reproduce.gguf_gemma_bench import source_gguf  # noqa: E402
@@ -79,6 +80,20 @@ def ours_typed(model: str, work: Path, types: list[str]) -> dict[str, Path]:
     return out
 
 
+def ours_auto(model: str, work: Path, mixes: list[str]) -> dict[str, Path]:
+    """Our `--gguf-type auto` at the size of llama.cpp's file of each mix (made first by llama_files)."""
+    out = {}
+    for mix in mixes:
+        folder, ref = work / f"ours-gptq-auto-{mix.lower()}", work / f"llama-{mix.lower()}-imatrix.gguf"
+        if not (folder / "model.gguf").is_file():
+            size = f"{ref.stat().st_size / 1e6:.6f}"
+            subprocess.run(["geminicompress", "quantize", model, "-o", str(folder), "--method", "gptq", "--format",
+                            "gguf", "--gguf-type", "auto", "--target-size-mb", size, *CAL, "--threads", "2",
+                            "--quiet"], check=True)
+        out[f"ours-gptq-auto-{mix.lower()}"] = folder / "model.gguf"
+    return out
+
+
 def ours(model: str, spec: str) -> dict[str, Path]:
     """NAME=OUT pairs; an OUT that does not exist is made by our quantize (name 'text': --frame text)."""
     out = {}
@@ -101,6 +116,8 @@ def main() -> None:
     ap.add_argument("--ours", required=True, help="NAME=OUT,... our Q4_0 rows ('none': only --types rows)")
     ap.add_argument("--types", default="Q4_0", help="GGUF types, comma separated: llama.cpp's file with an importance "
                     "matrix and ours (Q4_0: the --ours rows)")
+    ap.add_argument("--auto", default="", help="mixes, comma separated: ours with --gguf-type auto at the size of "
+                    "llama.cpp's file of that mix")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="gguf_gemma_bos")
     args = ap.parse_args()
@@ -110,8 +127,9 @@ def main() -> None:
 
     python, work = llama_python(), Path(args.work)
     types = [t.strip().upper() for t in args.types.split(",") if t.strip()]
-    files = {**llama_files(args.model, work, python, types), **ours(args.model, args.ours),
-             **ours_typed(args.model, work, types)}
+    auto = [t.strip().upper() for t in args.auto.split(",") if t.strip()]
+    files = {**llama_files(args.model, work, python, list(dict.fromkeys(types + auto))),
+             **ours(args.model, args.ours), **ours_typed(args.model, work, types), **ours_auto(args.model, work, auto)}
     loaded = load_model(args.model)
     windows = eval_windows(loaded.tokenizer)  # (32, 512): BOS + 511 text tokens each
     torch_ppl = perplexity(loaded.model, windows)
@@ -132,7 +150,7 @@ def main() -> None:
     print(f"torch float {torch_ppl:.4f}  llama.cpp float {scored['rows'][0]['perplexity']:.4f}")
     by_row = {r["row"]: r for r in scored["rows"]}
     for r in scored["rows"]:
-        gtype = r["row"].split("-")[2] if r["row"].startswith("ours-gptq-") else ""
+        gtype = r["row"].split("-")[-1 if "-auto-" in r["row"] else 2] if r["row"].startswith("ours-gptq-") else ""
         base = by_row.get(f"llama-{gtype}-imatrix")
         ratio = f"  KL {r['kl_mean'] / base['kl_mean']:.3f}x llama.cpp's" if base and "kl_mean" in r else ""
         print(f"{r['row']:28s} {r['file_mb']:8.2f} MB  ppl {r['perplexity']:8.3f}  "

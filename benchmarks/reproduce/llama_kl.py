@@ -5,7 +5,7 @@ Runs under the python that has llama-cpp-python (its own venv; numpy only beside
 ids (llama.cpp's tokenizer never sees the text), so each file is scored on exactly the ids our eval scores,
 the tokenizer's BOS included where the windows carry it (data/windows.py). Position 0 is never a target.
 
-    ~/venv-llama/bin/python benchmarks/studies/gguf/llama_kl.py --windows W.json --ref float=F32.gguf \
+    ~/venv-llama/bin/python benchmarks/reproduce/llama_kl.py --windows W.json --ref float=F32.gguf \
         --files ours=/tmp/a/model.gguf,llama=/tmp/b.gguf --out result.json
 W.json: {"windows": [[ids], ...]}. Prints one line per file and writes the JSON.
 """

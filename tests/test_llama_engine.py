@@ -70,12 +70,18 @@ def test_driver_logprobs_decode_and_quantize_tasks(fake_llama, tmp_path):
     job = {"model": model, "threads": 2, "n_ctx": 64, "tasks": [
         {"kind": "logprobs", "windows": [window], "top_k": 3, "at": None},
         {"kind": "decode", "prompt": [1, 2, 3], "gen_len": 4, "warmup": 1, "repeats": 2},
+        {"kind": "bench", "pp": 16, "tg": 4, "warmup": 1, "repeats": 3},
         {"kind": "quantize", "src": model, "dst": str(tmp_path / "q.gguf"), "ftype": "Q4_0",
          "allow_requantize": True, "imatrix": {"blk.0.attn_q.weight": [1.0, 2.0]}}]}
     result = llama_eval.run_driver(fake_llama, job)
     assert result["error"] is None and result["threads"] == 2 and result["llama_cpp"] == "0.0-fake"
-    lp, dec, quant = result["tasks"]
+    lp, dec, bench, quant = result["tasks"]
     table = fake_logits({"vocab": 40})
+    greedy = [int(table[3].argmax())]  # the prompt's last token, then each generated one
+    for _ in range(3):
+        greedy.append(int(table[greedy[-1]].argmax()))
+    assert all(r["tokens"] == greedy for r in dec["runs"]), (dec["runs"][0]["tokens"], greedy)
+    assert len(bench["pp_s"]) == 3 and len(bench["tg_s"]) == 3 and min(bench["pp_s"] + bench["tg_s"]) > 0
     ref = table[window[:-1]] - np.log(np.exp(table[window[:-1]]).sum(-1, keepdims=True))
     assert np.allclose(lp["logprobs"][0], ref[np.arange(4), window[1:]], atol=1e-5)
     assert lp["top1"][0] == ref.argmax(-1).tolist()
@@ -117,6 +123,14 @@ def test_evaluate_in_the_fake_engine(fake_llama, tmp_path, monkeypatch):
     assert 0 < n["quality"]["kl_to_baseline"] <= full_kl + 1e-9
     assert n["quality"]["top1_agreement"] == pytest.approx((p.argmax(-1) == q.argmax(-1)).mean(), abs=1e-6)
     assert n["latency"]["threads"] >= 1 and n["latency"]["tpot_ms"]["median"] >= 0
+    assert n["quality"]["kl_to_baseline"] <= n["quality"]["kl_p99"]  # the tail above the mean
+    bench = n["llama_bench"]  # llama-bench's figures: tokens per second, 512 / 128 over each run's time
+    assert bench["threads"] == n["latency"]["threads"] and len(bench["pp512_runs"]) == 2
+    assert bench["pp512_tok_s"] > 0 and bench["tg128_tok_s"] > 0 and n["linear_bits_per_weight"] is None  # not a GGUF
+    from geminicompress.eval.table import llama_lines
+
+    lines = llama_lines(report)
+    assert len(lines) == 2 and lines[1].startswith("noisy: KL p99") and f"tg128 {bench['tg128_tok_s']:.1f} tok/s" in lines[1]
 
 
 def test_a_directory_needs_the_exporter_or_its_model_gguf(tmp_path, monkeypatch):

@@ -78,7 +78,7 @@ def eval_(
     from geminicompress.data import check_data_spec
     from geminicompress.eval.api import evaluate
     from geminicompress.eval.report import write_report
-    from geminicompress.eval.table import rich_table, same_dtype_lines
+    from geminicompress.eval.table import llama_lines, rich_table, same_dtype_lines
     from geminicompress.output import OutputDir, check_output_path
     from geminicompress.recipes.inputs import model_inputs
     from geminicompress.recipes.schema import EvalStage
@@ -106,7 +106,7 @@ def eval_(
     with OutputDir(output, force, inputs=inputs) as tmp:
         write_report(report, tmp)
     c.out_console.print(rich_table(report, c.out_console.width))
-    for line in same_dtype_lines(report):
+    for line in [*same_dtype_lines(report), *llama_lines(report)]:
         c.out_console.print(line, highlight=False, soft_wrap=True)
     c.console.print(f"[green]wrote[/] {output}  (report.json, report.md, tradeoff.png; {choice.reason})",
                     highlight=False, soft_wrap=True)

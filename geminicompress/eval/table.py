@@ -141,6 +141,22 @@ def same_dtype_lines(report: dict) -> list[str]:
     return lines
 
 
+def llama_lines(report: dict) -> list[str]:
+    """`out-q4km: 4.89 bits/weight, KL p99 0.31, pp512 212.4 tok/s, tg128 48.1 tok/s (2 threads)`: what llama.cpp's
+    users compare, per model of an `--engine llama.cpp` report."""
+    lines = []
+    for m in report["models"]:
+        parts = [f"{m['linear_bits_per_weight']:.3f} bits/weight" if m.get("linear_bits_per_weight") else None,
+                 f"KL p99 {_get(m, 'quality', 'kl_p99'):.4f}" if _get(m, "quality", "kl_p99") is not None else None]
+        bench = m.get("llama_bench")
+        if bench:
+            parts.append(f"pp512 {bench['pp512_tok_s']:.1f} tok/s, tg128 {bench['tg128_tok_s']:.1f} tok/s "
+                         f"({bench['threads']} threads)")
+        if any(parts) and report.get("engine") == "llama.cpp":
+            lines.append(f"{m['name']}: {', '.join(x for x in parts if x)}")
+    return lines
+
+
 def summary_line(report: dict, model: dict) -> str:
     """`ppl +1.8%  KL 0.012  TPOT −34%  size −71%` for one model against the baseline."""
     base = next((m for m in report["models"] if m.get("baseline")), report["models"][0])

@@ -15,6 +15,9 @@ Job: {"model": FILE.gguf, "threads": n, "n_ctx": tokens, "tasks": [TASK, ...]}, 
 - {"kind": "decode", "prompt": [ids], "gen_len": n, "warmup": w, "repeats": r}: greedy decoding at batch 1,
   timed: per run the prompt's evaluation plus the first token (TTFT) and each later token (TPOT), seconds
   -> {"runs": [{"ttft_s": s, "token_s": [s, ...]}, ...]} (warm-up runs dropped);
+- {"kind": "bench", "pp": 512, "tg": 128, "warmup": w, "repeats": r}: llama-bench's two figures, timed as it
+  times them: `pp` prompt tokens evaluated as one batch from an empty context, and `tg` tokens generated one at
+  a time from an empty context -> {"pp_s": [s, ...], "tg_s": [s, ...]} (warm-up runs dropped);
 - {"kind": "quantize", "src": FILE, "dst": FILE, "ftype": "Q4_0"|..., "allow_requantize": bool,
   "imatrix": {gguf tensor name: [mean x² per input channel]} or null}: llama.cpp's own quantizer
   (`llama_model_quantize`) -> {"dst": FILE, "bytes": n}. `model` may then be null.
@@ -69,24 +72,55 @@ def logprobs_task(llm, task: dict) -> dict:
     return out
 
 
-def decode_task(llm, task: dict) -> dict:
+def _next(llm) -> int:
+    """The argmax after the last evaluated token. llama-cpp-python fills `scores` only with logits_all (0.3.x),
+    so otherwise it is read from the context's logits of the last batch's last token."""
     import numpy as np
 
+    if llm._logits_all:
+        return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm._n_vocab,))))
+
+
+def decode_task(llm, task: dict) -> dict:
     runs = []
     for r in range(int(task.get("warmup", 1)) + int(task["repeats"])):
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(task["prompt"])
-        tok = int(np.argmax(llm.scores[len(task["prompt"]) - 1]))  # logits of the prompt's last token
+        tok = _next(llm)  # the prompt's last token's logits
         t1 = time.perf_counter()
-        times = []
+        times, tokens = [], [tok]
         for _ in range(int(task["gen_len"]) - 1):
             t = time.perf_counter()
             llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = _next(llm)
             times.append(time.perf_counter() - t)
-        runs.append({"ttft_s": t1 - t0, "token_s": times})
+            tokens.append(tok)
+        runs.append({"ttft_s": t1 - t0, "token_s": times, "tokens": tokens})
     return {"runs": runs[int(task.get("warmup", 1)):]}
+
+
+def bench_task(llm, task: dict) -> dict:
+    pp, tg = int(task.get("pp", 512)), int(task.get("tg", 128))
+    prompt = [(i * 7919) % max(2, llm.n_vocab() - 1) + 1 for i in range(pp)]  # fixed ids, as llama-bench's random ones
+    out = {"pp_s": [], "tg_s": []}
+    for r in range(int(task.get("warmup", 1)) + int(task["repeats"])):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        t1 = time.perf_counter()
+        llm.reset()
+        tok = prompt[0]
+        t2 = time.perf_counter()
+        for _ in range(tg):
+            llm.eval([tok])
+            tok = _next(llm)
+        t3 = time.perf_counter()
+        if r >= int(task.get("warmup", 1)):
+            out["pp_s"].append(t1 - t0)
+            out["tg_s"].append(t3 - t2)
+    return out
 
 
 FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11,
@@ -147,7 +181,8 @@ def run(job: dict) -> dict:
                 t0 = time.perf_counter()
                 llm, kind = _load(job["model"], threads, int(job.get("n_ctx", 512)), logits_all=want == "logprobs"), want
                 result["load_s"] = result["load_s"] or round(time.perf_counter() - t0, 2)
-            result["tasks"].append(logprobs_task(llm, task) if want == "logprobs" else decode_task(llm, task))
+            result["tasks"].append(logprobs_task(llm, task) if want == "logprobs" else
+                                   bench_task(llm, task) if task["kind"] == "bench" else decode_task(llm, task))
     except Exception as exc:  # llama.cpp refused the file or failed: its reason, in one line (traceback to the log)
         traceback.print_exc()
         result["error"] = one_line(exc)

@@ -137,8 +137,9 @@ def quality_from_llama(task: dict, windows: torch.Tensor, base: dict | None) -> 
         same = sum(a == b for x, y in zip(task["top1"], base["top1"]) for a, b in zip(x, y))
         p = torch.tensor(base["topk_logprobs"], dtype=torch.float64)  # (windows, T-1, k)
         q = torch.tensor(task["at_logprobs"], dtype=torch.float64)
-        out.update(kl_to_baseline=round(float(binned_kl(p, q).mean()), 8), top1_agreement=round(same / count, 6),
-                   ppl_ratio=round(ppl / base["perplexity"], 6))
+        kl = binned_kl(p, q).flatten()
+        out.update(kl_to_baseline=round(float(kl.mean()), 8), kl_p99=round(float(torch.quantile(kl, 0.99)), 8),
+                   top1_agreement=round(same / count, 6), ppl_ratio=round(ppl / base["perplexity"], 6))
     return out
 
 
@@ -161,6 +162,36 @@ def latency_from_runs(task: dict, options: EvalStage, threads: int) -> dict:
             "throughput_tok_s": None, "prompt_len": options.prompt_len, "gen_len": options.gen_len,
             "repeats": options.repeats, "warmup": options.warmup, "threads": threads,
             "source": "llama.cpp (llama-cpp-python Llama.eval), batch 1, greedy"}
+
+
+BENCH = {"pp": 512, "tg": 128}  # llama-bench's default figures: pp512, tg128
+
+
+def bench_from_runs(task: dict, threads: int) -> dict:
+    """llama-bench's pp512 / tg128 in tokens per second (median over runs, and every run's) at `threads`."""
+    pp = [BENCH["pp"] / t for t in task["pp_s"]]
+    tg = [BENCH["tg"] / t for t in task["tg_s"]]
+    return {"pp512_tok_s": round(float(torch.tensor(pp).median()), 2), "tg128_tok_s": round(float(torch.tensor(tg).median()), 2),
+            "pp512_runs": [round(v, 2) for v in pp], "tg128_runs": [round(v, 2) for v in tg], "threads": threads,
+            "source": "llama.cpp (llama-cpp-python): pp = 512 ids in one batch from an empty context, tg = 128 "
+                      "tokens one at a time from an empty context, as llama-bench times them"}
+
+
+def linear_bits(path: Path) -> float | None:
+    """Stored bits per weight of the file's decoder linears (blk.N.attn_* / ffn_* weights, block scales included)."""
+    from gguf import GGUFReader
+
+    try:
+        tensors = GGUFReader(str(path)).tensors
+    except ValueError:  # not a GGUF file llama.cpp will read: its own error says so
+        return None
+    bits = elems = 0
+    for t in tensors:
+        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2 \
+                and any(f".{k}" in t.name for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_")):
+            bits += int(t.n_bytes) * 8
+            elems += int(t.n_elements)
+    return round(bits / elems, 4) if elems else None
 
 
 def evaluate_llama(specs: list[str], shown: list[str], data: str, options: EvalStage, progress: Progress,
@@ -215,7 +246,8 @@ def _run_one(run: _LlamaRun, spec: str, name: str, path: Path, base: dict | None
     python, ids, windows, options, threads, progress = (run.python, run.ids, run.windows, run.options, run.threads,
                                                         run.progress)
     entry = new_entry(spec, name, is_base)
-    entry.update(format="gguf", dtype=None, size_mb=round(path.stat().st_size / 1e6, 3), gguf=str(path))
+    entry.update(format="gguf", dtype=None, size_mb=round(path.stat().st_size / 1e6, 3), gguf=str(path),
+                 linear_bits_per_weight=linear_bits(path))
     tasks = []
     if windows is not None:
         at = None if base is None else base["topk_ids"]
@@ -223,7 +255,9 @@ def _run_one(run: _LlamaRun, spec: str, name: str, path: Path, base: dict | None
     if options.latency:
         tasks.append({"kind": "decode", "prompt": prompt_batch(ids, 1, options.prompt_len)[0].tolist(),
                       "gen_len": options.gen_len, "warmup": options.warmup, "repeats": options.repeats})
-    n_ctx = max(int(windows.shape[1]) if windows is not None else 0, options.prompt_len + options.gen_len) + 16
+        tasks.append({"kind": "bench", **BENCH, "warmup": 1, "repeats": max(1, min(options.repeats, 5))})
+    n_ctx = max(int(windows.shape[1]) if windows is not None else 0, options.prompt_len + options.gen_len,
+                BENCH["pp"] if options.latency else 0) + 16
     progress.info(f"evaluating {name} in llama.cpp" + (" (baseline)" if is_base else ""))
     with progress.task(f"llama.cpp {name}", 1) as bar:
         result = run_driver(python, {"model": str(path), "threads": threads, "n_ctx": n_ctx, "tasks": tasks})
@@ -246,5 +280,6 @@ def _run_one(run: _LlamaRun, spec: str, name: str, path: Path, base: dict | None
                       "perplexity": entry["quality"]["perplexity"]}
     if options.latency:
         entry["latency"] = latency_from_runs(out.pop(0), options, result["threads"])
+        entry["llama_bench"] = bench_from_runs(out.pop(0), result["threads"])
     entry["load_s"] = result.get("load_s")
     return entry, scored

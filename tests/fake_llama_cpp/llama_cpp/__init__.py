@@ -19,24 +19,40 @@ def fake_logits(spec: dict) -> np.ndarray:
             ).astype(np.float32)
 
 
+class _Context:
+    """The context's logits of the last batch's last token, as llama_get_logits gives them (a float pointer)."""
+
+    def __init__(self, vocab):
+        self.last = np.zeros(vocab, dtype=np.float32)
+
+    def get_logits(self):
+        return self.last.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+
+
 class Llama:
+    """As llama-cpp-python 0.3.x: `scores` is filled only with logits_all (else only the context has the logits)."""
+
     def __init__(self, model_path, n_ctx=512, logits_all=False, **kwargs):
         with open(model_path) as f:
             self.spec = json.load(f)
         self.table = fake_logits(self.spec)
-        self.logits_all = logits_all
+        self._logits_all = logits_all
+        self._n_vocab = self.spec["vocab"]
+        self._ctx = _Context(self._n_vocab)
         self.scores = np.zeros((n_ctx, self.spec["vocab"]), dtype=np.float32)
         self.n_tokens = 0
+
+    def n_vocab(self):
+        return self._n_vocab
 
     def reset(self):
         self.n_tokens = 0
 
     def eval(self, tokens):
         rows = self.table[np.asarray(tokens)]
-        if self.logits_all:
+        if self._logits_all:
             self.scores[self.n_tokens:self.n_tokens + len(tokens)] = rows
-        else:
-            self.scores[self.n_tokens + len(tokens) - 1] = rows[-1]
+        self._ctx.last[:] = rows[-1]
         self.n_tokens += len(tokens)
 
 

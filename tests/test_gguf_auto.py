@@ -25,11 +25,13 @@ def test_gguf_options_cost_their_blocks_and_hold_only_rows_their_block_divides()
 
 @pytest.fixture(scope="module")
 def sized(wide_dir, text_file, tmp_path_factory):  # noqa: F811
-    """Two auto files of the wide tiny model: a small and a large budget."""
-    out = {}
+    """Two auto files of the wide tiny model: a small budget (its table measured), a large one (the table reused)."""
+    out, table = {}, {}
     for size in (0.5, 0.8):
         folder = tmp_path_factory.mktemp("auto") / f"o{size}"
-        report = _run(wide_dir, folder, text_file, method="gptq", gguf_type="auto", allocation={"target_size_mb": size})
+        report = _run(wide_dir, folder, text_file, method="gptq", gguf_type="auto",
+                      allocation={"target_size_mb": size, **table})
+        table = {"sensitivity": str(folder / "sensitivity.json")}
         out[size] = (folder, report)
     return out
 

@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--name", default="allocation_timing")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
     from geminicompress.models.loading import demo_dir, load_model
 
     demo = demo_dir()

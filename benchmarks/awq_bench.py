@@ -47,8 +47,8 @@ def truncate(model, layers: int | None):
 def run_ours(model_dir: Path, method: str, bits: int, group: int, windows: int, out: Path, layers: int | None,
              search_windows: int) -> dict:
     from geminicompress.models.loading import load_model
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import recipe_from_stage
+    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.recipes.loader import recipe_from_stage
 
     fmt = "awq" if bits == 4 else "dense"
     stage = {"type": "quantize", "method": method, "bits": bits, "group_size": group, "format": fmt,
@@ -99,7 +99,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
 
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
     from geminicompress.models.loading import demo_dir, load_model
 
     model_dir = demo_dir()

@@ -45,8 +45,8 @@ def main() -> None:
     torch.set_num_threads(2)
     sys.path.insert(0, str(ROOT / "tests"))
     from geminicompress.models.loading import load_model
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import recipe_from_stage
+    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.recipes.loader import recipe_from_stage
 
     work = Path(tempfile.mkdtemp(prefix="awq-check-"))
     model_dir = args.model

@@ -32,7 +32,7 @@ from common import RESULTS, eval_windows
 
 from geminicompress.eval.cost.latency import greedy_run, prompt_batch
 from geminicompress.eval.engines.torch_kernels import use_fast_kernels
-from geminicompress.machine import machine, versions
+from geminicompress.host.machine import machine, versions
 from geminicompress.models.loading import load_model
 
 GIB = 2**30

@@ -25,9 +25,9 @@ import torch
 from geminicompress.eval.api import evaluate
 from geminicompress.eval.report import write_report
 from geminicompress.eval.table import rich_table
-from geminicompress.machine import machine, versions
+from geminicompress.host.machine import machine, versions
 from geminicompress.models.loading import load_model
-from geminicompress.recipes.schema import EvalStage
+from geminicompress.eval.config import EvalStage
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "wikitext2-test.txt"

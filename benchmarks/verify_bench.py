@@ -38,11 +38,11 @@ RUNS = {  # name -> stage
 def run_one(name: str, dtype: str, stream: bool, work: Path, samples: int) -> dict:
     import torch
 
-    from geminicompress.errors import GeminiError
+    from geminicompress.core.errors import GeminiError
     from geminicompress.models.loading import local_dir
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import recipe_from_stage
-    from geminicompress.stages import not_streamable
+    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.recipes.loader import recipe_from_stage
+    from geminicompress.runtime.stages import not_streamable
 
     recipe = recipe_from_stage("smollm2-demo", RUNS[name], {"data": str(DATA / "enwiki-sample.txt"), "samples": samples,
                                                             "seq_len": 512}, "bench", output={"dtype": dtype})
@@ -90,7 +90,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     out = RESULTS / f"verify_bench{'_' + args.name if args.name else ''}.json"
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
 
     out.write_text(json.dumps({"command": " ".join(sys.argv), "machine": machine(), "versions": versions(),
                                "rows": rows}, indent=2) + "\n")

@@ -24,7 +24,7 @@ from geminicompress.eval.engines.torch_kernels import use_fast_kernels
 from geminicompress.eval.engines.vllm_engine import run_driver
 from geminicompress.eval.engines.vllm_eval import engine_dtype, model_path
 from geminicompress.eval.specs import stored_dtype
-from geminicompress.machine import machine, versions
+from geminicompress.host.machine import machine, versions
 from geminicompress.models.loading import load_model
 
 

@@ -8,12 +8,12 @@ import torch
 from safetensors.torch import load_file
 
 from geminicompress.core.grid import QuantSpec, rtn_quantize
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.formats.awq import AWQ_ORDER, check_shape, pack_awq, unpack_awq
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.models.loading import load_model
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 
 def test_one_word_holds_eight_outputs_in_interleaved_order():

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from geminicompress import methods
+from geminicompress.runtime import methods
 from geminicompress.cli import app
 
 runner = CliRunner()
@@ -29,8 +29,8 @@ def test_every_registered_method_resolves_to_its_config_and_runner():
     imports, and the CLI, schema and pipeline all list it."""
     import typing
 
-    from geminicompress.methods import METHODS
-    from geminicompress.recipes.schema import STAGE_CONFIGS
+    from geminicompress.runtime.methods import METHODS
+    from geminicompress.runtime.recipes.schema import STAGE_CONFIGS
 
     for name, m in METHODS.items():
         assert name in typing.get_args(m.config.model_fields["method"].annotation)
@@ -141,8 +141,8 @@ def test_every_method_option_comes_from_its_config():
 
     from geminicompress.commands.prune import prune
     from geminicompress.commands.quantize import quantize
-    from geminicompress.methods import METHODS
-    from geminicompress.recipes.schema import PruneStage
+    from geminicompress.runtime.methods import METHODS
+    from geminicompress.runtime.recipes.schema import PruneStage
 
     skip = {"type", "method", "data", "allocation", "overrides"}
     for command, configs in ((quantize, [m.config for m in METHODS.values()]), (prune, [PruneStage])):

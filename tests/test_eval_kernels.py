@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from geminicompress.cli import app
 from geminicompress.eval.api import evaluate
 from geminicompress.eval.table import kernel_label, markdown_table, same_dtype_lines
-from geminicompress.recipes.schema import EvalStage
+from geminicompress.eval.config import EvalStage
 
 FAST = dict(type="eval", seq_len=64, max_tokens=256, prompt_len=8, gen_len=3, batch_sizes=[1], repeats=1, warmup=0)
 runner = CliRunner()
@@ -26,8 +26,8 @@ def models(tmp_path_factory, text_file):
     from tiny import save_tiny
 
     from geminicompress.models.loading import load_model
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import recipe_from_stage
+    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.recipes.loader import recipe_from_stage
 
     root = tmp_path_factory.mktemp("evalkernels")
     base = save_tiny(root / "base")

@@ -11,15 +11,15 @@ import torch
 from tiny import save_tiny
 from typer.testing import CliRunner
 
-from geminicompress import memory
+from geminicompress.host import memory
 from geminicompress.cli import app
 from geminicompress.eval.api import evaluate
 from geminicompress.eval.quality import streamed as streamed_mod
 from geminicompress.eval.quality.baseline_cache import BaselineCache
 from geminicompress.models.loading import load_model
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
-from geminicompress.recipes.schema import EvalStage
+from geminicompress.runtime.pipeline import run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
+from geminicompress.eval.config import EvalStage
 
 FAST = dict(type="eval", seq_len=64, max_tokens=640, prompt_len=8, gen_len=3, batch_sizes=[1], repeats=1, warmup=0)
 QUALITY = ("perplexity", "mean_nll", "kl_to_baseline", "top1_agreement", "ppl_ratio", "tokens", "windows")

@@ -24,8 +24,8 @@ from geminicompress.core.grid import QuantSpec, rtn_quantize
 from geminicompress.formats import gguf as blocks
 from geminicompress.formats.gguf_export import GGUFOptions, export
 from geminicompress.models.loading import load_model
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")
 runner = CliRunner()

@@ -143,8 +143,8 @@ def packed_models(tmp_path_factory, text_file):
     from tiny import save_tiny
 
     from geminicompress.models.loading import load_model
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import recipe_from_stage
+    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.recipes.loader import recipe_from_stage
 
     root = tmp_path_factory.mktemp("int4")
     base = save_tiny(root / "base")
@@ -201,8 +201,8 @@ def test_8bit_grouped_model_runs_dequantized_once_and_is_not_timed(tmp_path, tex
     from tiny import save_tiny
 
     from geminicompress.models.loading import load_model
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import recipe_from_stage
+    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.recipes.loader import recipe_from_stage
 
     base = save_tiny(tmp_path / "base")
     recipe = recipe_from_stage(str(base), {"type": "quantize", "method": "rtn", "bits": 8, "group_size": 32},
@@ -244,8 +244,8 @@ def test_8bit_symmetric_per_channel_runs_fbgemm_exactly(tmp_path, text_file):
     from tiny import save_tiny
 
     from geminicompress.models.loading import load_model
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import recipe_from_stage
+    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.recipes.loader import recipe_from_stage
 
     base = save_tiny(tmp_path / "base")
     stage = {"type": "quantize", "method": "rtn", "bits": 8, "group_size": -1, "format": "compressed-tensors"}

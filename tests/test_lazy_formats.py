@@ -13,13 +13,13 @@ from safetensors.torch import load_file, save_file
 from tiny import save_tiny
 
 from geminicompress.engine.forward import streamed_logits
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.models.headers import is_readable_dir
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import load_model
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")
 V = "model.layers.0.self_attn.v_proj"
@@ -137,7 +137,7 @@ def test_unknown_quantization_format_is_refused(written, tmp_path):
 
 def test_sharded_quantized_output_read_one_layer_at_a_time(tmp_path, text_file):
     """A streamed GPTQ output in ~20 KB shards: a module's packed tensors spread over several files."""
-    from geminicompress.pipeline import run_recipe
+    from geminicompress.runtime.pipeline import run_recipe
 
     src = save_tiny(tmp_path / "src", num_hidden_layers=3)
     recipe = recipe_from_stage(str(src), CASES["gptq"][0], {"data": str(text_file), "samples": 6, "seq_len": 64},

@@ -11,10 +11,10 @@ from tiny import tiny_model
 from geminicompress.core.arch import arch_for, decoder_layers
 from geminicompress.engine.layers import LayerJob, capture_inputs, forward_layer
 from geminicompress.engine.onepass import one_pass
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 from geminicompress.models.loading import load_model
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")
 

@@ -15,13 +15,13 @@ from huggingface_hub.constants import HF_HUB_CACHE
 from pydantic import BaseModel
 from typer.testing import CliRunner
 
-from geminicompress import methods
+from geminicompress.runtime import methods
 from geminicompress.cli import app
-from geminicompress.errors import InputError
-from geminicompress.output import OutputDir, check_output_path
-from geminicompress.recipes.inputs import INPUT_FIELDS, NOT_PATHS, model_inputs, recipe_inputs
-from geminicompress.recipes.loader import validate
-from geminicompress.recipes.schema import STAGE_CONFIGS, Recipe
+from geminicompress.core.errors import InputError
+from geminicompress.host.output import OutputDir, check_output_path
+from geminicompress.runtime.recipes.inputs import INPUT_FIELDS, NOT_PATHS, model_inputs, recipe_inputs
+from geminicompress.runtime.recipes.loader import validate
+from geminicompress.runtime.recipes.schema import STAGE_CONFIGS, Recipe
 
 runner = CliRunner()
 
@@ -158,8 +158,8 @@ def test_other_commands_refuse_too(models, cmd, args):
 
 def test_library_api_is_protected(models, tmp_path):
     """run_recipe and OutputDir refuse too, with no command in between."""
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.whole_model import run_whole_model
+    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.whole_model import run_whole_model
 
     model = models / "m"
     before = digest(models)

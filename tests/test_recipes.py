@@ -6,10 +6,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from geminicompress import methods, pipeline
+from geminicompress.runtime import methods, pipeline
 from geminicompress.cli import app
-from geminicompress.errors import InputError
-from geminicompress.recipes.loader import apply_overrides, bundled_recipes, load_recipe
+from geminicompress.core.errors import InputError
+from geminicompress.runtime.recipes.loader import apply_overrides, bundled_recipes, load_recipe
 
 runner = CliRunner()
 

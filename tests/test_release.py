@@ -11,10 +11,10 @@ import torch.nn as nn
 from safetensors.torch import load_file
 from tiny import save_sharded
 
-from geminicompress.memory import release_weights
+from geminicompress.host.memory import release_weights
 from geminicompress.models.loading import load_model
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")
 MB = 1 << 20
@@ -65,7 +65,7 @@ def test_release_weights_skips_what_is_already_dropped():
 ], ids=["gptq", "awq"])
 def test_a_run_that_drops_finished_weights_writes_what_one_that_keeps_them_writes(tmp_path, text_file, stage,
                                                                                   monkeypatch):
-    import geminicompress.stages as stages
+    import geminicompress.runtime.stages as stages
 
     dropped: list[int] = []
     monkeypatch.setattr(stages, "release_weights", lambda m, names: dropped.append(release_weights(m, names)))
@@ -92,7 +92,7 @@ def test_a_checkpoint_file_is_read_into_memory_of_its_own_exactly(tmp_path):
     from safetensors.torch import save_file
 
     from geminicompress.formats.checkpoint import read_file
-    from geminicompress.memory import _file_mappings
+    from geminicompress.host.memory import _file_mappings
 
     g = torch.Generator().manual_seed(0)
     tensors = {"a": torch.randn(5, 7, generator=g), "b": torch.randn(3, generator=g).bfloat16(),

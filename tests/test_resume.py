@@ -17,8 +17,8 @@ from geminicompress.cli import app
 from geminicompress.engine import layers as layers_mod
 from geminicompress.engine.sinks import ShardSink
 from geminicompress.formats.checkpoint import read_tensors
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")
 runner = CliRunner()

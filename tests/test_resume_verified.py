@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from geminicompress.errors import GeminiError
-from geminicompress.output import partial_dir
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.core.errors import GeminiError
+from geminicompress.host.output import partial_dir
+from geminicompress.runtime.pipeline import run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")
 STAGES = {

@@ -11,7 +11,7 @@ from geminicompress.compress.sensitivity.measure import measure_sensitivity, spe
 from geminicompress.compress.sensitivity.options import parse_options
 from geminicompress.compress.targets import decoder_linears as quantizable
 from geminicompress.core.arch import arch_for
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 runner = CliRunner()
 

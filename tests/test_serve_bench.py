@@ -14,7 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.eval.serving import table as serve_table
 from geminicompress.eval.serving.bench import ServeOptions, serve_bench
 from geminicompress.eval.serving.hf import HFFlags, serve
@@ -211,8 +211,8 @@ def test_cli_bad_input_is_one_line_exit_2_before_any_model_loads(tiny_dir, tmp_p
 
 def test_recipe_eval_stage_builds_the_serving_table_with_the_w8a8_output(tiny_dir, text_file, tmp_path):
     from geminicompress.models.loading import load_model
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import validate
+    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.recipes.loader import validate
 
     recipe = validate({"model": str(tiny_dir), "calibration": {"data": str(text_file), "samples": 2, "seq_len": 64},
                        "stages": [{"type": "quantize", "method": "w8a8"},

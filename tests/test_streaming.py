@@ -17,14 +17,14 @@ from typer.testing import CliRunner
 
 from geminicompress.cli import app
 from geminicompress.engine.sinks import ShardSink
-from geminicompress.errors import GeminiError, InputError
+from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.formats import shards as shards_mod
 from geminicompress.formats.bits import unpack_bits
 from geminicompress.formats.checkpoint import read_tensors
 from geminicompress.formats.shards import DiskFullError, ShardWriter
 from geminicompress.models.lazy import LazyCheckpoint, LazyTensors
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 runner = CliRunner()
 

@@ -14,11 +14,11 @@ from typer.testing import CliRunner
 
 from geminicompress.cli import app
 from geminicompress.engine import verify
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 from geminicompress.formats import gptq as gptq_format
 from geminicompress.models.loading import load_model
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 runner = CliRunner()
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from geminicompress.commands import common as c
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -79,9 +79,9 @@ def eval_(
     from geminicompress.eval.api import evaluate
     from geminicompress.eval.report import write_report
     from geminicompress.eval.table import rich_table, same_dtype_lines
-    from geminicompress.output import OutputDir, check_output_path
-    from geminicompress.recipes.inputs import model_inputs
-    from geminicompress.recipes.schema import EvalStage
+    from geminicompress.host.output import OutputDir, check_output_path
+    from geminicompress.runtime.recipes.inputs import model_inputs
+    from geminicompress.eval.config import EvalStage
 
     given = {"seq_len": seq_len, "max_tokens": max_tokens, "prompt_len": prompt_len, "gen_len": gen_len,
              "repeats": repeats, "warmup": warmup, "draft": draft,

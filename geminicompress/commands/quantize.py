@@ -8,8 +8,8 @@ from typing import Any, Optional
 import typer
 
 from geminicompress.commands import common as c
-from geminicompress.errors import InputError
-from geminicompress.methods import METHODS
+from geminicompress.core.errors import InputError
+from geminicompress.runtime.methods import METHODS
 
 _METHOD_HELP = "; ".join(f"{name}: {m.help}" for name, m in METHODS.items())
 

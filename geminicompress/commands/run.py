@@ -11,10 +11,10 @@ import typer
 
 from geminicompress.commands import common as c
 from geminicompress.eval.table import rich_table
-from geminicompress.output import check_output_path
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.inputs import recipe_inputs
-from geminicompress.recipes.loader import load_recipe
+from geminicompress.host.output import check_output_path
+from geminicompress.runtime.pipeline import run_recipe
+from geminicompress.runtime.recipes.inputs import recipe_inputs
+from geminicompress.runtime.recipes.loader import load_recipe
 
 
 @c.handle_errors

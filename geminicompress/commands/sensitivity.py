@@ -15,10 +15,10 @@ from geminicompress.compress.sensitivity.plot import write_heatmap
 from geminicompress.compress.targets import decoder_linears as quantizable
 from geminicompress.core.arch import arch_for
 from geminicompress.data.windows import calibration_windows, vocab_of
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.models.loading import load_model
-from geminicompress.output import OutputDir, check_output_path, write_json
-from geminicompress.recipes.inputs import model_inputs
+from geminicompress.host.output import OutputDir, check_output_path, write_json
+from geminicompress.runtime.recipes.inputs import model_inputs
 
 DEFAULT_OPTIONS = "gptq:b4g64,gptq:b3g64"
 

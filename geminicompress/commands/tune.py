@@ -18,11 +18,11 @@ from geminicompress.commands import common as c
 from geminicompress.commands.quantize import parse_percent
 from geminicompress.compress.gptq.allocate import ALLOCATION_FILE
 from geminicompress.eval.api import baseline_kept
-from geminicompress.output import check_output_path
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.inputs import model_inputs
-from geminicompress.recipes.loader import validate
-from geminicompress.tune import run_tune
+from geminicompress.host.output import check_output_path
+from geminicompress.runtime.pipeline import run_recipe
+from geminicompress.runtime.recipes.inputs import model_inputs
+from geminicompress.runtime.recipes.loader import validate
+from geminicompress.runtime.tune import run_tune
 
 
 @c.handle_errors

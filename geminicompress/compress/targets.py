@@ -16,7 +16,7 @@ import torch.nn as nn
 from geminicompress.core.arch import Arch, arch_for, get_module
 from geminicompress.core.config import ignore_to_check
 from geminicompress.core.grid import QuantSpec, auto_group_size
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.formats import check_shapes
 
 if TYPE_CHECKING:

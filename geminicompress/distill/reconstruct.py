@@ -28,8 +28,8 @@ from geminicompress.compress.targets import present_groups
 from geminicompress.core.arch import arch_for, get_module
 from geminicompress.engine.layers import LayerJob
 from geminicompress.engine.walk import run_layerwise
-from geminicompress.errors import InputError
-from geminicompress.progress import Progress
+from geminicompress.core.errors import InputError
+from geminicompress.host.progress import Progress
 
 
 def check_same_shape(student: nn.Module, teacher: nn.Module) -> None:

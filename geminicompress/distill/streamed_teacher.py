@@ -25,21 +25,21 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from geminicompress.distill.topk_cache import TopKCache, cache_folder, read_cache, teacher_key, top_k, write_cache
 from geminicompress.engine.forward import activations_bytes, final_hidden, head_chunks
-from geminicompress.errors import InputError
-from geminicompress.memory import available_memory, too_big
+from geminicompress.core.errors import InputError
+from geminicompress.host.memory import available_memory, too_big
 from geminicompress.models.head import chunk_rows
 from geminicompress.models.headers import is_streamable_dir, weights_bytes
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import LoadedModel, load_tokenizer, local_dir, resolve_model
-from geminicompress.progress import NullProgress, Progress
-from geminicompress.recipes.schema import DistillStage, Recipe
+from geminicompress.host.progress import NullProgress, Progress
+from geminicompress.distill.config import DistillStage
 
 SPILL_SHARE = 0.25  # activations go to disk when the two (n, T, d) float32 arrays exceed this share
 TEACHER_PPL = "teacher_ppl.json"  # next to the cache: held-out perplexity by held-out windows' digest
@@ -82,7 +82,7 @@ def streams(cfg: DistillStage, spec: str, progress: Progress | None = None) -> b
     return big and why is None
 
 
-def check_recipe(recipe: Recipe) -> None:
+def check_recipe(recipe: Any) -> None:
     """Before any work: every distill stage that forces `teacher_stream` can stream its teacher."""
     for stage in recipe.stages:
         if stage.type == "distill" and stage.teacher_stream:
@@ -91,7 +91,7 @@ def check_recipe(recipe: Recipe) -> None:
                 raise InputError(f"--teacher-stream: {why}")
 
 
-def streamed_input(recipe: Recipe, progress: Progress) -> LoadedModel | None:
+def streamed_input(recipe: Any, progress: Progress) -> LoadedModel | None:
     """When the recipe's first stage is distill and streams the recipe's model as its teacher, the input
     as the pipeline hands it on: the tokenizer, no model (the stage reads the teacher layer by layer)."""
     check_recipe(recipe)

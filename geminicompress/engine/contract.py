@@ -22,7 +22,7 @@ from geminicompress.core.arch import arch_for
 from geminicompress.data.windows import calibration_windows, vocab_of
 from geminicompress.engine.layers import LayerFn
 from geminicompress.formats.writer import LayerWriter
-from geminicompress.progress import Progress
+from geminicompress.host.progress import Progress
 
 
 @dataclass

@@ -10,14 +10,14 @@ import torch
 
 from geminicompress.core.arch import get_module
 from geminicompress.core.rows import BLOCK_BYTES
-from geminicompress.diskerrors import free_bytes, size_text, tree_bytes
+from geminicompress.host.diskerrors import free_bytes, size_text, tree_bytes
 from geminicompress.engine.contract import walk_dtypes
 from geminicompress.engine.verify import TOKENS as PROBE_TOKENS
 from geminicompress.engine.verify import WINDOWS as PROBE_WINDOWS
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.kernels.int8 import PACK_BYTES
 from geminicompress.models.lazy import LazyCheckpoint
-from geminicompress.output import final_name
+from geminicompress.host.output import final_name
 
 BASE_BYTES = 800 << 20  # the interpreter, torch, transformers, the skeleton and tokenizer (measured: ~0.7 GiB)
 

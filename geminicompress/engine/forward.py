@@ -28,7 +28,7 @@ from geminicompress.core.arch import arch_for, get_module, set_module
 from geminicompress.engine.outside_float32 import Float32Rows
 from geminicompress.engine.layers import computing_in, layer_output
 from geminicompress.engine.walk import LayerSource, ModelLayers, capture_into, nothing, run_layerwise
-from geminicompress.progress import NullProgress, Progress
+from geminicompress.host.progress import NullProgress, Progress
 
 HeadTransform = Callable[[str, nn.Module], nn.Module]  # (module name, module as read) -> module to compute with
 

@@ -38,9 +38,9 @@ from geminicompress.engine.layers import (
 from geminicompress.engine.outside_float32 import Float32Gather
 from geminicompress.engine.sinks import ResidentSink
 from geminicompress.formats.shards import ShardWriter
-from geminicompress.memory import heap_reuse, release_free_heap
+from geminicompress.host.memory import heap_reuse, release_free_heap
 from geminicompress.models.finite import NonFiniteError, nonfinite
-from geminicompress.progress import NullProgress, Progress
+from geminicompress.host.progress import NullProgress, Progress
 
 
 class LayerSource(Protocol):

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from geminicompress.data import pack_windows, prefix_note, read_text, text_prefix, tokenize, vocab_of
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 from geminicompress.eval.cost import plan
 from geminicompress.eval.cost.footprint import (
     PeakMemory,
@@ -48,8 +48,8 @@ from geminicompress.eval.table import describe_timing
 from geminicompress.models import demo
 from geminicompress.models.head import window_chunks
 from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer
-from geminicompress.progress import NullProgress, Progress
-from geminicompress.recipes.schema import EvalStage
+from geminicompress.host.progress import NullProgress, Progress
+from geminicompress.eval.config import EvalStage
 
 
 @dataclass

@@ -11,8 +11,8 @@ import json
 from geminicompress.eval.api import evaluate
 from geminicompress.eval.report import write_report
 from geminicompress.eval.table import summary_line
-from geminicompress.output import final_name
-from geminicompress.recipes.schema import EvalStage
+from geminicompress.host.output import final_name
+from geminicompress.eval.config import EvalStage
 
 REPORT_FOLDER = "eval"
 

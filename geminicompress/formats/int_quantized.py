@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from geminicompress.core.grid import QuantSpec
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 from geminicompress.formats import pack_quantized
 from geminicompress.formats.bits import pack_bits
 from geminicompress.formats.checkpoint import compressed_tensors_format, float_linears

@@ -34,7 +34,7 @@ from geminicompress.core.arch import Arch, SmoothGroup, get_module
 from geminicompress.core.grid import KeptCodes, QuantSpec, keep_codes, rtn_quantize
 from geminicompress.engine.contract import Done, LayerStage, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
-from geminicompress.errors import GeminiError, InputError
+from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.formats import writer_for
 from geminicompress.formats.checkpoint import scale_dtype
 

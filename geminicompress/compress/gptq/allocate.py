@@ -20,7 +20,7 @@ from geminicompress.compress.allocation import allocate, allocate_within_drift, 
 from geminicompress.compress.sensitivity.measure import measure_sensitivity, read_table
 from geminicompress.compress.sensitivity.options import parse_options
 from geminicompress.core.grid import QuantSpec
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 ALLOCATION_FILE = "allocation.json"
 FRONTIER_FILE = "allocation_frontier.png"

@@ -27,7 +27,7 @@ from geminicompress.core.config import ignore_to_check
 from geminicompress.core.grid import QuantSpec
 from geminicompress.engine.contract import Done, LayerStage, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.formats import check_shapes
 from geminicompress.formats.int_quantized import Int8Writer
 from geminicompress.kernels.int8 import MODULES

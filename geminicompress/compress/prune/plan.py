@@ -25,7 +25,7 @@ from geminicompress.compress.targets import present_groups
 from geminicompress.core.arch import Arch
 from geminicompress.engine.layers import LayerJob
 from geminicompress.engine.walk import run_layerwise
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 
 def layer_of(name: str, arch: Arch) -> int:

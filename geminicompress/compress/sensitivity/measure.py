@@ -38,9 +38,9 @@ from geminicompress.core.arch import Arch, arch_for, get_module
 from geminicompress.core.metrics import kl_per_token
 from geminicompress.engine.layers import LayerJob, capture_inputs, forward_layer, layer_output
 from geminicompress.engine.walk import run_layerwise
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.models.head import chunk_logits
-from geminicompress.progress import NullProgress, Progress
+from geminicompress.host.progress import NullProgress, Progress
 
 MEASURES = ("kl", "proxy", "both")
 

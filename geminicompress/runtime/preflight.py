@@ -20,7 +20,7 @@ from geminicompress.compress.targets import weight_quant_targets
 from geminicompress.core.arch import arch_for
 from geminicompress.core.config import ignore_to_check
 from geminicompress.distill.student import check_student_layers
-from geminicompress.progress import NullProgress
+from geminicompress.host.progress import NullProgress
 
 _WEIGHT_QUANT = ("rtn", "gptq", "awq", "awq+gptq")  # the b-bit methods: a group size and a packed format
 

@@ -24,10 +24,10 @@ from geminicompress.engine.compose import compose
 from geminicompress.engine.contract import Done, LayerStage, StageContext, stage_kept, walk_dtypes
 from geminicompress.engine.sinks import ResidentSink
 from geminicompress.engine.walk import ModelLayers, nothing, run_layerwise, walk_outside
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.formats.shards import ShardWriter
-from geminicompress.memory import release_weights
-from geminicompress.methods import calibrates, runner
+from geminicompress.host.memory import release_weights
+from geminicompress.runtime.methods import calibrates, runner
 
 
 @dataclass
@@ -51,7 +51,7 @@ class Walked:
 
 def make_stage(cfg: Any, ctx: StageContext) -> LayerStage:
     """The layer stage of `cfg` (its registry row's class), opened: bad input fails here, before any work."""
-    from geminicompress.recipes.schema import stage_tag
+    from geminicompress.runtime.recipes.schema import stage_tag
 
     cls, kind = runner(stage_tag(cfg))
     assert kind == "layers", f"{stage_tag(cfg)} is not a layer stage"
@@ -140,7 +140,7 @@ def not_streamable(recipe: Any, source_dir: Path | None) -> str | None:
 
 
 def _stage_not_streamable(stage: Any, first: bool) -> str | None:
-    from geminicompress.recipes.schema import stage_tag
+    from geminicompress.runtime.recipes.schema import stage_tag
 
     if stage.type == "distill":
         return "distill trains the whole model and is not streamed; run it with --no-stream"
@@ -151,7 +151,7 @@ def _stage_not_streamable(stage: Any, first: bool) -> str | None:
 def should_stream(recipe: Any, stream: bool | None, source_dir: Path | None) -> bool:
     """--stream: yes (or a one-line error saying why it cannot); --no-stream: no; neither: when the recipe
     can stream and the model's float32 weights do not fit (memory.too_big: the one rule)."""
-    from geminicompress.memory import too_big
+    from geminicompress.host.memory import too_big
     from geminicompress.models.headers import weights_bytes
 
     if stream is False:

@@ -39,19 +39,19 @@ from geminicompress.core.arch import get_module, tied_output
 from geminicompress.core.grid import QuantizedWeight, QuantSpec
 from geminicompress.core.trace import find_layers
 from geminicompress.engine.verify import as_stored, compare, loaded_logits, model_logits, probe_windows, stored_dtype
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.formats import check_shapes, gptq, int_quantized, pack_quantized, sparse_bitmask
 from geminicompress.formats.checkpoint import WEIGHTS, float_linears, module_tensors, scale_dtype, write_config
 from geminicompress.kernels.int8 import MODULES
 from geminicompress.kernels.int8_quant import relative_error
-from geminicompress.machine import machine, versions
+from geminicompress.host.machine import machine, versions
 from geminicompress.models.lazy import skeleton
 from geminicompress.models.loading import LoadedModel, load_model, local_dir
-from geminicompress.output import OutputDir, check_output_path, write_json
-from geminicompress.progress import NullProgress, Progress
-from geminicompress.recipes.inputs import recipe_inputs
-from geminicompress.recipes.loader import recipe_yaml
-from geminicompress.recipes.schema import Recipe, stage_tag
+from geminicompress.host.output import OutputDir, check_output_path, write_json
+from geminicompress.host.progress import NullProgress, Progress
+from geminicompress.runtime.recipes.inputs import recipe_inputs
+from geminicompress.runtime.recipes.loader import recipe_yaml
+from geminicompress.runtime.recipes.schema import Recipe, stage_tag
 
 WORKS = "global magnitude pruning, rtn and int8 (and w8a8 with --smoothquant-alpha 0) run on the whole model in memory"
 # what a method needs that a model without decoder layers does not give

@@ -30,17 +30,17 @@ import torch
 
 from geminicompress import __version__
 from geminicompress.data.windows import prefix_note, text_prefix, vocab_of
-from geminicompress.diskerrors import disk_errno, disk_error
+from geminicompress.host.diskerrors import disk_errno, disk_error
 from geminicompress.distill.streamed_teacher import streamable_dir, streamed_input
 from geminicompress.engine.contract import StageContext
 from geminicompress.engine.estimate import announce, check_disk_in_memory
 from geminicompress.engine.export import check_gguf, finish_export, open_export, outside_head, writing_stage
 from geminicompress.engine.walk import ModelLayers
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.formats.shards import DEFAULT_MAX_BYTES
-from geminicompress.machine import machine, versions
-from geminicompress.memory import out_of_the_mapping
-from geminicompress.methods import runner
+from geminicompress.host.machine import machine, versions
+from geminicompress.host.memory import out_of_the_mapping
+from geminicompress.runtime.methods import runner
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import (
     LoadedModel,
@@ -50,14 +50,14 @@ from geminicompress.models.loading import (
     resolve_model,
     unused_warning,
 )
-from geminicompress.output import STATE_DIR, THREADS_FILE, OutputDir, final_name, partial_dir, write_json
-from geminicompress.preflight import preflight
-from geminicompress.progress import NullProgress, Progress
-from geminicompress.recipes.inputs import recipe_inputs
-from geminicompress.recipes.loader import recipe_yaml
-from geminicompress.recipes.schema import Recipe, stage_tag
-from geminicompress.stages import make_stage, run_stage, should_stream, walk
-from geminicompress.whole_model import run_whole_model, without_layers
+from geminicompress.host.output import STATE_DIR, THREADS_FILE, OutputDir, final_name, partial_dir, write_json
+from geminicompress.runtime.preflight import preflight
+from geminicompress.host.progress import NullProgress, Progress
+from geminicompress.runtime.recipes.inputs import recipe_inputs
+from geminicompress.runtime.recipes.loader import recipe_yaml
+from geminicompress.runtime.recipes.schema import Recipe, stage_tag
+from geminicompress.runtime.stages import make_stage, run_stage, should_stream, walk
+from geminicompress.runtime.whole_model import run_whole_model, without_layers
 
 
 def fingerprint(recipe: Recipe) -> str:

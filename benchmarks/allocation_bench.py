@@ -50,7 +50,7 @@ QUANT_ROWS = {  # label -> gptq stage options
 def prune_row(demo: Path, calib: torch.Tensor, options: dict, work: Path) -> tuple[object, dict]:
     """Fresh demo model through the real prune stage (no export); returns (model, stage summary)."""
     from geminicompress.models.loading import load_model
-    from geminicompress.runtime.recipes.schema import PruneStage
+    from geminicompress.compress.prune.config import PruneStage
     from geminicompress.runtime.stages import run_stage
 
     loaded = load_model(str(demo))

@@ -53,7 +53,7 @@ def prune_in_process(demo: Path, calib: torch.Tensor, method: str, scope: str, s
                      pattern: str | None, work: Path, true_sequential: bool = True) -> tuple[object, dict]:
     """Fresh demo model through the real prune stage (no export); returns (model, stage summary)."""
     from geminicompress.models.loading import load_model
-    from geminicompress.runtime.recipes.schema import PruneStage
+    from geminicompress.compress.prune.config import PruneStage
     from geminicompress.runtime.stages import run_stage
 
     loaded = load_model(str(demo))

@@ -21,6 +21,7 @@ from geminicompress.formats.masks import MASKS_FILE, read_masks
 from geminicompress.models.loading import load_model
 from geminicompress.host.progress import NullProgress
 from geminicompress.runtime.recipes.schema import Recipe
+import stage_for_tests
 
 runner = CliRunner()
 CPU = torch.device("cpu")
@@ -153,7 +154,7 @@ def test_speculative_measurement_counts_acceptance():
 def test_helper_ranks_of_a_multi_process_launch_write_nothing(tiny_dir, tmp_path, monkeypatch):
     from geminicompress.runtime import methods
 
-    monkeypatch.setitem(methods.STAGES, "prune", ("stage_for_tests:zero_first_layer", "model"))
+    monkeypatch.setitem(methods.STAGES, "prune", stage_for_tests.model_stage(stage_for_tests.zero_first_layer))
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     res = invoke("prune", tiny_dir, "-o", tmp_path / "out", "--quiet")

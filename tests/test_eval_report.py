@@ -13,6 +13,7 @@ from geminicompress.eval.api import evaluate
 from geminicompress.models import load_model
 from geminicompress.eval.config import EvalStage
 from geminicompress.runtime.recipes.schema import Recipe
+import stage_for_tests
 
 FAST = dict(type="eval", seq_len=64, max_tokens=640, prompt_len=8, gen_len=3, batch_sizes=[1, 2], repeats=2, warmup=0)
 runner = CliRunner()
@@ -193,7 +194,7 @@ def test_cli_draft_and_tasks_degrade_to_one_line(dirs, text_file, tmp_path, monk
 def test_eval_stage_at_the_end_of_a_recipe(dirs, text_file, tmp_path, monkeypatch):
     from geminicompress.runtime.recipes.schema import Recipe
 
-    monkeypatch.setitem(methods.STAGES, "prune", ("stage_for_tests:zero_first_layer", "model"))
+    monkeypatch.setitem(methods.STAGES, "prune", stage_for_tests.model_stage(stage_for_tests.zero_first_layer))
     base = dirs[0]
     recipe = Recipe(model=str(base), stages=[{"type": "prune"}, {**FAST, "data": str(text_file), "latency": False}])
     out = tmp_path / "out"

@@ -134,17 +134,15 @@ def test_recipe_threads_key_is_validated():
 def test_threads_option_applies_before_work(tiny_dir, tmp_path, monkeypatch):
     from geminicompress.runtime import methods
 
-    monkeypatch.setitem(methods.STAGES, "prune", ("stage_for_tests:zero_first_layer", "model"))
-    seen = {}
     import stage_for_tests
 
-    original = stage_for_tests.zero_first_layer
+    seen = {}
 
     def spy(cfg, ctx):
         seen["threads"] = torch.get_num_threads()
-        return original(cfg, ctx)
+        return stage_for_tests.zero_first_layer(cfg, ctx)
 
-    monkeypatch.setattr(stage_for_tests, "zero_first_layer", spy)
+    monkeypatch.setitem(methods.STAGES, "prune", stage_for_tests.model_stage(spy))
     torch.set_num_threads(2)
     res = runner.invoke(app, ["prune", str(tiny_dir), "-o", str(tmp_path / "out"), "-q", "--threads", "1"])
     assert res.exit_code == 0, res.output

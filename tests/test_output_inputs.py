@@ -22,6 +22,7 @@ from geminicompress.host.output import OutputDir, check_output_path
 from geminicompress.runtime.recipes.inputs import INPUT_FIELDS, NOT_PATHS, model_inputs, recipe_inputs
 from geminicompress.runtime.recipes.loader import validate
 from geminicompress.runtime.recipes.schema import STAGE_CONFIGS, Recipe
+import stage_for_tests
 
 runner = CliRunner()
 
@@ -190,7 +191,7 @@ def test_force_through_a_link_replaces_our_previous_output(models, tmp_path, str
     link.symlink_to(previous, target_is_directory=True)
     before, kept = digest(models), digest(previous)
 
-    monkeypatch.setitem(methods.STAGES, "quantize:int8", ("stage_for_tests:explode", "model"))
+    monkeypatch.setitem(methods.STAGES, "quantize:int8", stage_for_tests.model_stage(stage_for_tests.explode))
     res = invoke("quantize", model, "-o", link, "--force", "--method", "int8", "--no-stream", "-q")
     assert res.exit_code == 1 and "stage failed halfway" in res.output, res.output
     assert digest(previous) == kept  # the old OUT is kept until the new one is complete

@@ -109,5 +109,5 @@ def test_every_bundled_recipe_validates(tiny_dir):
     for name in names:
         recipe, _ = load_recipe(name, [f"model={tiny_dir}"])
         assert recipe.stages
-        for tag in (pipeline.stage_tag(s) for s in recipe.stages):
+        for tag in (methods.stage_tag(s) for s in recipe.stages):
             assert tag in methods.STAGES

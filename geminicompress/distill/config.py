@@ -3,7 +3,7 @@ budget and loop, the losses."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -56,6 +56,7 @@ class DistillStage(_StageBase):
     """Knowledge distillation of the pipeline's model (or `teacher`) into a smaller student."""
 
     type: Literal["distill"]
+    makes_student: ClassVar[bool] = True
     teacher: str | None = Field(None, description="teacher MODEL (default: the recipe's input model)")
     student: str | None = Field(None, description="an existing student MODEL sharing the teacher's tokenizer")
     student_layers: int | float | list[int] | None = Field(

@@ -92,6 +92,7 @@ class LayerStage:
     rounds_floats: bool = False  # changes float weights that a lower output dtype rounds (resume: pipeline.py)
     resume_from_input: bool = False  # the next layer's inputs are the float layer's outputs (engine/export.py load_back_of)
     retains: bool = False  # has a `retain` that keeps tensors until the summary
+    quantizes: bool = False  # OUT holds its weights quantized (smaller than float: estimate.py)
 
     @staticmethod
     def cannot_stream(cfg: Any, first: bool) -> str | None:

@@ -132,12 +132,11 @@ def check_disk(out_dir: Path, need: int) -> None:
                          "another output folder; nothing was written")
 
 
-def check_disk_in_memory(ctx: Any, stages: list[Any], max_shard: int) -> int:
-    """Before the stages of a run in memory: OUT's estimated size (from the model's tensors) against the free
-    disk (check_disk). Returns the estimate."""
+def check_disk_in_memory(ctx: Any, quantized: bool, max_shard: int) -> int:
+    """Before the stages of a run in memory: OUT's estimated size (from the model's tensors; `quantized`: a
+    stage quantizes them) against the free disk (check_disk). Returns the estimate."""
     if ctx.model is None:  # a distill stage with a streamed teacher builds its student itself: no estimate
         return 0
-    quantized = any(s.type == "quantize" for s in stages)
     state = ctx.model.state_dict()
     need = out_bytes(((n, t.numel(), t.dtype) for n, t in state.items()), ctx.out_dtype, quantized, max_shard)
     check_disk(ctx.out_dir, need)
@@ -155,7 +154,7 @@ def announce(ctx: Any, stages: list[Any], max_shard: int) -> dict[str, int]:
         calib = Calibration((cal.samples, cal.seq_len), dtypes[0], dtypes[1],
                             any(s.one_pass_memory for s in stages),
                             sum(s.squares for s in stages))
-    quantized = any(s.cfg.type == "quantize" for s in stages)
+    quantized = any(s.quantizes for s in stages)
     changed = frozenset().union(*(s.outside_names() for s in stages))
     need = estimate(ckpt, ctx.out_dtype, quantized, max_shard, calib, changed)
     ctx.progress.info(f"streaming {len(ckpt.layers)} layers from {ckpt.path}: estimated peak memory "

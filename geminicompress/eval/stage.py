@@ -90,7 +90,7 @@ def _serving(cfg: EvalStage, ctx) -> dict:
                            text_column=cfg.text_column, vllm_python=cfg.vllm_python, dtype=s.dtype,
                            trust_remote_code=recipe.trust_remote_code, frame=cfg.frame or recipe.frame, load=s.load,
                            concurrency=s.concurrency)
-    outputs = served_outputs(ctx.out_dir, any(st.type == "distill" for st in recipe.stages))
+    outputs = served_outputs(ctx.out_dir, any(st.makes_student for st in recipe.stages))
     report = serve_bench(Models(recipe.model, **outputs), cfg.data or recipe.calibration.data, spec, options,
                          ctx.progress)
     final = str(ctx.out_dir.with_name(final_name(ctx.out_dir)))

@@ -14,24 +14,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from geminicompress.compress.prune.masks import parse_pattern
-from geminicompress.compress.prune.stage import check_pattern, prunable_weights
-from geminicompress.compress.targets import weight_quant_targets
 from geminicompress.core.arch import arch_for
-from geminicompress.core.config import ignore_to_check
-from geminicompress.distill.student import check_student_layers
-from geminicompress.host.progress import NullProgress
-
-_WEIGHT_QUANT = ("rtn", "gptq", "awq", "awq+gptq")  # the b-bit methods: a group size and a packed format
+from geminicompress.runtime.methods import method_of
 
 
 def preflight(recipe: Any, model_dir: Any) -> None:
-    """An InputError when the recipe's layer stages cannot run on the model whose config.json is in
-    `model_dir` (None: nothing to check before loading)."""
+    """An InputError when the recipe's stages cannot run on the model whose config.json is in `model_dir`
+    (None: nothing to check before loading): each stage's method checks config.json, then the skeleton."""
     if model_dir is None:
         return
-    _student_layers(recipe, model_dir)
-    stages = [s for s in recipe.stages if s.type in ("quantize", "prune")]
+    config = read_config(model_dir)
+    if config is not None:
+        for stage in recipe.stages:
+            method_of(stage).check_config(stage, config)
+    stages = [s for s in recipe.stages if method_of(s).kind == "layers"]
     if not stages:
         return
     from geminicompress.models.lazy import skeleton
@@ -39,23 +35,7 @@ def preflight(recipe: Any, model_dir: Any) -> None:
     model = skeleton(model_dir, recipe.trust_remote_code)
     arch = arch_for(model)
     for stage in stages:
-        if stage.type == "prune":
-            targets = prunable_weights(model, arch, stage.ignore, check_ignore=ignore_to_check(stage))
-            check_pattern(targets, parse_pattern(stage.pattern), stage.block_size)
-        elif stage.method in _WEIGHT_QUANT:
-            fmt = stage.format if getattr(stage, "allocation", None) is None else None  # mixed: checked per module
-            weight_quant_targets(model, stage, NullProgress(), sym=True, fmt=fmt)
-
-
-def _student_layers(recipe: Any, model_dir: Any) -> None:
-    """A distill stage's `student_layers` against the layer count in config.json, when its teacher is the
-    recipe's model (or what earlier stages made of it: the same layers)."""
-    cuts = [s for s in recipe.stages if s.type == "distill" and s.student_layers is not None and s.teacher is None]
-    config = read_config(model_dir) if cuts else None
-    if config is None:
-        return
-    for cut in cuts:
-        check_cut(config, cut.student_layers, cut.mlp_ratio)
+        method_of(stage).preflight(stage, model, arch)
 
 
 def read_config(model_dir: Any) -> dict[str, Any] | None:
@@ -65,11 +45,3 @@ def read_config(model_dir: Any) -> dict[str, Any] | None:
 
     path = Path(model_dir) / "config.json"
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-def check_cut(config: dict[str, Any], student_layers: Any, mlp_ratio: float) -> None:
-    """A student's layers (a count, a fraction or indices) against the teacher config's layer count, where it
-    gives one: the one-line refusal of a count the teacher cannot give, before anything loads."""
-    n_layers = config.get("num_hidden_layers")
-    if student_layers is not None and isinstance(n_layers, int):
-        check_student_layers(n_layers, student_layers, mlp_ratio)

@@ -59,6 +59,7 @@ class AWQ(LayerStage):
     OUT/awq_search/ (a saved search re-applied instead with `search_results`)."""
 
     calibrated = True
+    quantizes = True
     squares = 2  # float32 (in)² buffers at its peak (estimate.py)
     retains = True  # its search results are held until the summary (retain)
     rounds_floats = True  # folds its scales into float norms: written in a lower dtype, they round (resume: run.py)

@@ -50,6 +50,7 @@ class GPTQ(LayerStage):
     checks, enough calibration tokens."""
 
     calibrated = True
+    quantizes = True
     squares = 1  # float32 (in)² buffers at its peak: the Hessian, the in-place inverse factor's scratch
 
     @staticmethod

@@ -7,16 +7,13 @@ told apart by `type` (and, for `quantize`, by `method`): see `stage_tag`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from geminicompress.compress.prune.config import PruneStage
 from geminicompress.core.config import Strict
 from geminicompress.data.windows import Frame
-from geminicompress.distill.config import DistillStage
-from geminicompress.eval.config import EvalStage
-from geminicompress.runtime.methods import METHODS
+from geminicompress.runtime.methods import METHODS, STAGE_TYPES, STAGES, method_of, stage_tag
 
 
 class Calibration(Strict):
@@ -31,23 +28,8 @@ class Calibration(Strict):
 # --------------------------------------------------------------------------- recipe
 
 
-def stage_tag(value: Any) -> str | None:
-    """Discriminator: 'quantize:<method>' for quantize stages, else the type."""
-    get = value.get if isinstance(value, dict) else lambda k, d=None: getattr(value, k, d)
-    kind = get("type")
-    if kind == "quantize":
-        return f"quantize:{get('method')}"
-    return kind
-
-
-STAGE_TYPES = ("quantize", "prune", "distill", "eval")
-# Every stage's tag -> its config: the quantize methods come from the method registry.
-STAGE_CONFIGS: dict[str, type[Strict]] = {
-    **{f"quantize:{name}": m.config for name, m in METHODS.items()},
-    "prune": PruneStage,
-    "distill": DistillStage,
-    "eval": EvalStage,
-}
+# Every stage's tag -> its config, from the registry.
+STAGE_CONFIGS: dict[str, type[Strict]] = {tag: m.config for tag, m in STAGES.items()}
 
 Stage = Annotated[
     Union[tuple(Annotated[cls, Tag(tag)] for tag, cls in STAGE_CONFIGS.items())],  # type: ignore[valid-type]
@@ -86,7 +68,7 @@ class Recipe(Strict):
     def _eval_last(self) -> "Recipe":
         seen_eval = False
         for i, stage in enumerate(self.stages):
-            if isinstance(stage, EvalStage):
+            if method_of(stage).kind == "eval":
                 seen_eval = True
             elif seen_eval:
                 raise ValueError(f"stage {i} ({stage.type}) comes after an eval stage; eval stages go last")

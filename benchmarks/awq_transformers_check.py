@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 THEIRS = r"""
 import json, sys, torch
 from transformers import AutoModelForCausalLM
+from geminicompress.runtime.pipeline import RunOptions
 out = sys.argv[1]
 ref = torch.load(out + "/check.pt")
 model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float16, device_map="cpu").eval()
@@ -62,7 +63,7 @@ def main() -> None:
     recipe = recipe_from_stage(model_dir, stage, {"data": str(text), "samples": 8, "seq_len": 64}, "check",
                                output={"dtype": "float16"})
     out = work / "awq"
-    run_recipe(recipe, out, device=torch.device("cpu"))
+    run_recipe(recipe, out, RunOptions(device=torch.device("cpu")))
     ours = load_model(str(out)).model.float()
     ids = torch.randint(0, ours.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

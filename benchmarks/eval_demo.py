@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from geminicompress.eval.api import evaluate
+from geminicompress.eval.api import evaluate, EvalSetup
 from geminicompress.eval.report import write_report
 from geminicompress.eval.table import rich_table
 from geminicompress.host.machine import machine, versions
@@ -71,7 +71,7 @@ def main() -> None:
             opts.update(prompt_len=64, gen_len=16, batch_sizes=[1, 4], repeats=2)
         t0 = time.perf_counter()
         report = evaluate([str(bf16)], "smollm2-demo", str(DATA), None, EvalStage(**opts),
-                          device=torch.device("cpu"), names={str(bf16): "demo-bf16"})
+                          setup=EvalSetup(device=torch.device("cpu"), names={str(bf16): "demo-bf16"}))
         eval_s = time.perf_counter() - t0
     report["models"][1]["path"] = "(temporary bf16 copy of smollm2-demo)"
     ours = report["models"][0]["quality"]["perplexity"]

@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import DATA, RESULTS  # noqa: E402
+from geminicompress.runtime.pipeline import RunOptions
 
 RUNS = {  # name -> stage
     "int8": {"type": "quantize", "method": "int8"},
@@ -53,7 +54,7 @@ def run_one(name: str, dtype: str, stream: bool, work: Path, samples: int) -> di
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
     try:
-        report = run_recipe(recipe, out, device=torch.device("cpu"), stream=stream)
+        report = run_recipe(recipe, out, RunOptions(device=torch.device("cpu"), stream=stream))
     except GeminiError as exc:
         return {"run": name, "dtype": dtype, "streamed": stream, "error": str(exc)}
     shutil.rmtree(out, ignore_errors=True)

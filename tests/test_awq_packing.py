@@ -12,7 +12,7 @@ from geminicompress.core.errors import InputError
 from geminicompress.formats.awq import AWQ_ORDER, check_shape, pack_awq, unpack_awq
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.models.loading import load_model
-from geminicompress.runtime.pipeline import run_recipe
+from geminicompress.runtime.pipeline import run_recipe, RunOptions
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 
@@ -79,7 +79,7 @@ def test_checkpoint_tensors_config_and_logits(tiny_dir, text_file, tmp_path):
     recipe = recipe_from_stage(str(tiny_dir), {"type": "quantize", "method": "awq", "group_size": 32},
                                {"data": str(text_file), "samples": 4, "seq_len": 48}, "test")
     loaded = load_model(str(tiny_dir))
-    report = run_recipe(recipe, out, device=torch.device("cpu"), loaded=loaded)
+    report = run_recipe(recipe, out, RunOptions(device=torch.device("cpu")), loaded=loaded)
     config = json.loads((out / "config.json").read_text())
     qc = config["quantization_config"]
     assert qc["quant_method"] == "awq" and qc["bits"] == 4 and qc["group_size"] == 32

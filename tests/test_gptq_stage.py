@@ -13,7 +13,7 @@ from geminicompress.core.arch import arch_for, get_module
 from geminicompress.core.grid import QuantizedWeight, QuantSpec, rtn_quantize
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.models.loading import load_model, resolve_model
-from geminicompress.runtime.pipeline import run_recipe
+from geminicompress.runtime.pipeline import run_recipe, RunOptions
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")
@@ -27,7 +27,7 @@ def _quantize(model_dir, out, data, **stage):
     recipe = recipe_from_stage(str(model_dir), {"type": "quantize", "method": "gptq", **stage},
                                {"data": str(data), "samples": 6, "seq_len": 64}, "test")
     loaded = load_model(str(model_dir))
-    report = run_recipe(recipe, out, device=CPU, loaded=loaded)
+    report = run_recipe(recipe, out, RunOptions(device=CPU), loaded=loaded)
     return loaded.model, report
 
 

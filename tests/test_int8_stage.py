@@ -18,6 +18,7 @@ from geminicompress.models.loading import load_model
 from geminicompress.host.progress import NullProgress
 from geminicompress.runtime.recipes.schema import Recipe
 from geminicompress.runtime.stages import run_stage
+from geminicompress.runtime.pipeline import RunOptions
 
 runner = CliRunner()
 
@@ -66,7 +67,7 @@ def test_save_load_round_trip_is_identical(method, tok, tmp_path):
     src = save_tiny(tmp_path / "src")
     recipe = recipe_from_stage(str(src), {"type": "quantize", "method": method}, {"samples": 4, "seq_len": 64}, "test")
     loaded_src = load_model(str(src))
-    report = run_recipe(recipe, tmp_path / "out", device=torch.device("cpu"), loaded=loaded_src, verify=False)
+    report = run_recipe(recipe, tmp_path / "out", RunOptions(device=torch.device("cpu"), verify=False), loaded=loaded_src)
     model = loaded_src.model  # the model in memory after the stage
     assert report["export"]["quantized_linears"] == 14
     loaded = load_model(str(tmp_path / "out"))

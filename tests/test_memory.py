@@ -45,6 +45,7 @@ def test_free_heap_pages_go_back_to_the_system():
 _REUSE_PROBE = """
 import resource, torch
 from geminicompress.host.memory import heap_reuse, return_freed_memory
+from geminicompress.runtime.pipeline import RunOptions
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 def churn():
@@ -104,7 +105,7 @@ def test_a_packed_checkpoint_loads_on_a_meta_skeleton_and_lets_its_file_mapping_
 
     recipe = recipe_from_stage(str(tiny_dir), {"type": "quantize", "method": "rtn", "bits": 4, "group_size": 32},
                                {"data": str(text_file), "samples": 2, "seq_len": 64}, "test")
-    run_recipe(recipe, tmp_path / "rtn", device=torch.device("cpu"), loaded=load_model(str(tiny_dir)), stream=False)
+    run_recipe(recipe, tmp_path / "rtn", RunOptions(device=torch.device("cpu"), stream=False), loaded=load_model(str(tiny_dir)))
     loaded = load_model(str(tmp_path / "rtn"), tokenizer=False)
     assert loaded.tokenizer is None
     tensors = [*loaded.model.parameters(), *loaded.model.buffers()]

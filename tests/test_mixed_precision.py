@@ -14,7 +14,7 @@ from geminicompress.core.grid import QuantSpec
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.formats.mixed import ct_spec_of, dynamic_spec
 from geminicompress.models.loading import load_model
-from geminicompress.runtime.pipeline import run_recipe
+from geminicompress.runtime.pipeline import run_recipe, RunOptions
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")
@@ -26,7 +26,7 @@ def quantize(model_dir, out, data, **stage):
     recipe = recipe_from_stage(str(model_dir), {"type": "quantize", "method": "gptq", "bits": 4, "group_size": 16,
                                                 **stage}, {"data": str(data), "samples": 6, "seq_len": 64}, "test")
     loaded = load_model(str(model_dir))
-    report = run_recipe(recipe, out, device=CPU, loaded=loaded)
+    report = run_recipe(recipe, out, RunOptions(device=CPU), loaded=loaded)
     return loaded.model, report["stages"][0]["result"]
 
 

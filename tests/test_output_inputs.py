@@ -23,6 +23,7 @@ from geminicompress.runtime.recipes.inputs import INPUT_FIELDS, NOT_PATHS, model
 from geminicompress.runtime.recipes.loader import validate
 from geminicompress.runtime.recipes.schema import STAGE_CONFIGS, Recipe
 import stage_for_tests
+from geminicompress.runtime.pipeline import RunOptions
 
 runner = CliRunner()
 
@@ -167,7 +168,7 @@ def test_library_api_is_protected(models, tmp_path):
     recipe = validate({"model": str(model), "stages": [{"type": "prune", "sparsity": 0.5}]}, "test")
     for out in (model, models):
         with pytest.raises(InputError, match="which this run reads"):
-            run_recipe(recipe, out, force=True)
+            run_recipe(recipe, out, RunOptions(force=True))
         with pytest.raises(InputError, match="which this run reads"):
             run_whole_model(recipe, out, force=True)
         with pytest.raises(InputError, match="which this run reads"):

@@ -13,7 +13,7 @@ from tiny import save_sharded
 
 from geminicompress.host.memory import release_weights
 from geminicompress.models.loading import load_model
-from geminicompress.runtime.pipeline import run_recipe
+from geminicompress.runtime.pipeline import run_recipe, RunOptions
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")
@@ -71,13 +71,13 @@ def test_a_run_that_drops_finished_weights_writes_what_one_that_keeps_them_write
     monkeypatch.setattr(stages, "release_weights", lambda m, names: dropped.append(release_weights(m, names)))
     src = save_sharded(tmp_path / "src", dtype=torch.float32)
     recipe = recipe_from_stage(str(src), stage, {"data": str(text_file), "samples": 4, "seq_len": 64}, "test")
-    owned = run_recipe(recipe, tmp_path / "owned", device=CPU, stream=False)  # loads the model itself: drops as it goes
+    owned = run_recipe(recipe, tmp_path / "owned", RunOptions(device=CPU, stream=False))  # loads the model itself: drops as it goes
     linears = sum(m.weight.numel() * 4 for n, m in load_model(str(src), trust_remote_code=False, allow_pickle=False,
                   allow_nonfinite=False).model.model.layers.named_modules() if isinstance(m, nn.Linear))
     assert sum(dropped) == linears  # every quantized linear of every layer, as its layer finished
     dropped.clear()
     loaded = load_model(str(src), trust_remote_code=False, allow_pickle=False, allow_nonfinite=False)
-    kept = run_recipe(recipe, tmp_path / "kept", device=CPU, stream=False, loaded=loaded)  # a caller's model: nothing dropped
+    kept = run_recipe(recipe, tmp_path / "kept", RunOptions(device=CPU, stream=False), loaded=loaded)  # a caller's model: nothing dropped
     a, b = _tensors(tmp_path / "owned"), _tensors(tmp_path / "kept")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -23,7 +23,7 @@ from geminicompress.formats.bits import unpack_bits
 from geminicompress.formats.checkpoint import read_tensors
 from geminicompress.formats.shards import DiskFullError, ShardWriter
 from geminicompress.models.lazy import LazyCheckpoint, LazyTensors
-from geminicompress.runtime.pipeline import run_recipe
+from geminicompress.runtime.pipeline import run_recipe, RunOptions
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 runner = CliRunner()
@@ -50,7 +50,7 @@ def invoke(*args):
 
 
 def run_streamed(recipe, out: Path, **kwargs) -> dict:
-    return run_recipe(recipe, out, stream=True, device=torch.device("cpu"), **kwargs)
+    return run_recipe(recipe, out, RunOptions(stream=True, device=torch.device("cpu"), **kwargs))
 
 
 # ---- the lazy checkpoint ----

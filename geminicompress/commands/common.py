@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from geminicompress.host.diskerrors import disk_errno, disk_error
 from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.host.output import check_output_path, resume_threads
-from geminicompress.runtime.pipeline import default_device, fingerprint, run_recipe
+from geminicompress.runtime.pipeline import default_device, fingerprint, run_recipe, RunOptions
 from geminicompress.runtime.recipes.inputs import recipe_inputs
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 from geminicompress.host.threads import apply_threads, choose_threads
@@ -197,8 +197,8 @@ def run_single_stage(model: str, stage: dict, out: Path, run: dict[str, Any], so
     check_output_path(out, run["force"], recipe_inputs(recipe))
     dev = parse_device(run["device"])
     choice = use_threads(run["threads"], recipe.threads, out, recipe)
-    report = run_recipe(recipe, out, force=run["force"], progress=RichProgress(run["quiet"]), device=dev,
-                        command=sys.argv, stream=run["stream"], verify=not run["no_verify"])
+    report = run_recipe(recipe, out, RunOptions(force=run["force"], progress=RichProgress(run["quiet"]), device=dev,
+                                                command=sys.argv, stream=run["stream"], verify=not run["no_verify"]))
     console.print(wrote_line(out, report["total_seconds"], choice), highlight=False, soft_wrap=True)
     return report
 

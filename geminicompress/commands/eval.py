@@ -9,6 +9,7 @@ import typer
 
 from geminicompress.commands import common as c
 from geminicompress.core.errors import InputError
+from geminicompress.eval.api import EvalSetup
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -101,8 +102,8 @@ def eval_(
     check_output_path(output, force, inputs)
     dev = c.parse_device(device)
     choice = c.use_threads(threads, None)
-    report = evaluate(models, baseline or models[0], data, None, options, c.RichProgress(quiet), device=dev,
-                      trust_remote_code=trust, allow_pickle=allow_pickle, stream=stream)
+    report = evaluate(models, baseline or models[0], data, None, options, c.RichProgress(quiet),
+                      setup=EvalSetup(device=dev, trust_remote_code=trust, allow_pickle=allow_pickle, stream=stream))
     with OutputDir(output, force, inputs=inputs) as tmp:
         write_report(report, tmp)
     c.out_console.print(rich_table(report, c.out_console.width))

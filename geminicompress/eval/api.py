@@ -145,13 +145,10 @@ class _Run:
 
 
 def evaluate(models: list[str], baseline: str, data: str, out_dir: Path | None, options: EvalStage,
-             progress: Progress | None = None, setup: EvalSetup | None = None, **fields: Any) -> dict:
+             progress: Progress | None = None, setup: EvalSetup | None = None) -> dict:
     """Evaluate `baseline` and `models`; return the report (and write it to `out_dir` when given).
-    setup: where and how the models are loaded (`EvalSetup`); `fields` are its fields by name, a shorthand
-    for `setup=EvalSetup(...)` (`evaluate(..., stream=True)`)."""
-    if setup is not None and fields:
-        raise TypeError("evaluate takes setup or EvalSetup's fields by name, not both")
-    setup = setup if setup is not None else EvalSetup(**fields)
+    setup: where and how the models are loaded (`EvalSetup`; None: its defaults)."""
+    setup = setup if setup is not None else EvalSetup()
     progress = progress or NullProgress()
     specs = list(dict.fromkeys([baseline, *models]))
     shown = [(setup.names or {}).get(s, n) for s, n in zip(specs, display_names(specs))]

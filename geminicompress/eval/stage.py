@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from geminicompress.eval.api import evaluate
+from geminicompress.eval.api import evaluate, EvalSetup
 from geminicompress.eval.report import write_report
 from geminicompress.eval.table import summary_line
 from geminicompress.host.output import final_name
@@ -20,18 +20,10 @@ REPORT_FOLDER = "eval"
 def run(cfg: EvalStage, ctx) -> dict:
     recipe = ctx.recipe
     out_name = final_name(ctx.out_dir)
-    report = evaluate(
-        [str(ctx.out_dir)],
-        recipe.model,
-        cfg.data or recipe.calibration.data,
-        None,
-        cfg if cfg.frame else cfg.model_copy(update={"frame": recipe.frame}),
-        ctx.progress,
-        device=ctx.device,
-        names={str(ctx.out_dir): out_name},
-        trust_remote_code=recipe.trust_remote_code,
-        allow_pickle=recipe.allow_pickle,
-    )
+    report = evaluate([str(ctx.out_dir)], recipe.model, cfg.data or recipe.calibration.data, None,
+                      cfg if cfg.frame else cfg.model_copy(update={"frame": recipe.frame}), ctx.progress,
+                      setup=EvalSetup(device=ctx.device, names={str(ctx.out_dir): out_name},
+                                      trust_remote_code=recipe.trust_remote_code, allow_pickle=recipe.allow_pickle))
     model = report["models"][-1]
     model["path"] = str(ctx.out_dir.with_name(out_name))  # where it will be once the run completes
     write_report(report, ctx.out_dir / REPORT_FOLDER)

@@ -89,17 +89,14 @@ class RunOptions:
     max_shard_bytes: int = DEFAULT_MAX_BYTES
 
 
-def run_recipe(recipe: Recipe, out: Path, options: RunOptions | None = None, *, loaded: LoadedModel | None = None,
-               **fields: Any) -> dict:
+def run_recipe(recipe: Recipe, out: Path, options: RunOptions | None = None, *,
+               loaded: LoadedModel | None = None) -> dict:
     """Run every stage of `recipe` and write OUT; return the report (also written to OUT/report.json).
 
-    options: how the run goes (`RunOptions`); `fields` are its fields by name, a shorthand for
-    `options=RunOptions(...)` (`run_recipe(recipe, out, stream=True)`). loaded: a model already in memory,
+    options: how the run goes (`RunOptions`; None: its defaults). loaded: a model already in memory,
     run as it is (the stages change it). A disk that refuses a write of OUT (full, read-only, no permission)
     is one line (diskerrors.py)."""
-    if options is not None and fields:
-        raise TypeError("run_recipe takes options or RunOptions's fields by name, not both")
-    opts = options if options is not None else RunOptions(**fields)
+    opts = options if options is not None else RunOptions()
     try:
         return _run_recipe(recipe, out, opts, loaded)
     except Exception as exc:

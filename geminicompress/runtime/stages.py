@@ -23,7 +23,7 @@ import torch
 from geminicompress.engine.compose import compose
 from geminicompress.engine.contract import Done, LayerStage, StageContext, stage_kept, walk_dtypes
 from geminicompress.engine.sinks import ResidentSink
-from geminicompress.engine.walk import ModelLayers, nothing, run_layerwise, walk_outside
+from geminicompress.engine.walk import ModelLayers, nothing, run_layerwise, walk_outside, WalkOptions
 from geminicompress.core.errors import InputError
 from geminicompress.formats.shards import ShardWriter
 from geminicompress.host.memory import release_weights
@@ -95,8 +95,10 @@ def walk(ctx: StageContext, stages: list[LayerStage], sink: Any, description: st
         windows = ctx.calibration(next((s.cfg.data for s in stages if s.calibrated and s.cfg.data), None))
     source = ctx.layers.reading_in(dtypes[1] if dtypes is not None else None)
     fn = compose(*[s.layer_fn() for s in stages]) if stages else nothing
-    done = run_layerwise(source, windows, fn, device=ctx.device, progress=ctx.progress, description=description,
-                         calib_dtype=dtypes[0] if dtypes is not None else None, sink=sink)
+    done = run_layerwise(source, windows, fn, WalkOptions(device=ctx.device, progress=ctx.progress,
+                                                          description=description,
+                                                          calib_dtype=dtypes[0] if dtypes is not None else None,
+                                                          sink=sink))
     hooks = [s.outside for s in stages]
     rows = walk_outside(source, hooks, sink)
     per_stage_summaries = [[{"layer": x["layer"], **stage_kept(x, k, n)} for x in done.summaries] for k in range(n)]

@@ -1,4 +1,4 @@
-"""`geminicompress quantize`: one quantization stage; the methods come from the registry (methods.py)."""
+"""`geminicompress quantize`: one quantization stage; the methods come from the registry (runtime/methods.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Run a recipe: its stages through the one engine (engine/), OUT written atomically, verified, evaluated.
 
 command -> pipeline -> engine -> stage's per-layer function -> solver. Layer stages (quantize methods,
-prune) are the registry's classes (methods.py) run one decoder layer at a time; a model stage (distill)
+prune) are their method classes' layer stages (methods.py) run one decoder layer at a time; a model stage (distill)
 is a function `run(cfg, ctx) -> dict` on the model in memory; eval stages come last.
 
 In memory: the model is loaded; every layer stage walks it (in order, model stages between), and a last

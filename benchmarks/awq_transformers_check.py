@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 THEIRS = r"""
 import json, sys, torch
 from transformers import AutoModelForCausalLM
-from geminicompress.runtime.pipeline import RunOptions
 out = sys.argv[1]
 ref = torch.load(out + "/check.pt")
 model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float16, device_map="cpu").eval()
@@ -46,7 +45,7 @@ def main() -> None:
     torch.set_num_threads(2)
     sys.path.insert(0, str(ROOT / "tests"))
     from geminicompress.models.loading import load_model
-    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.pipeline import RunOptions, run_recipe
     from geminicompress.runtime.recipes.loader import recipe_from_stage
 
     work = Path(tempfile.mkdtemp(prefix="awq-check-"))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from geminicompress.eval.api import evaluate, EvalSetup
+from geminicompress.eval.api import EvalSetup, evaluate
 from geminicompress.eval.report import write_report
 from geminicompress.eval.table import rich_table
 from geminicompress.host.machine import machine, versions

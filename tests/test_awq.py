@@ -22,7 +22,7 @@ from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.core.arch import arch_for, decoder_layers, get_module
 from geminicompress.core.grid import QuantSpec, rtn_quantize
 from geminicompress.models.loading import load_model
-from geminicompress.runtime.pipeline import run_recipe, RunOptions
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")

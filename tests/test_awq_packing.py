@@ -12,7 +12,7 @@ from geminicompress.core.errors import InputError
 from geminicompress.formats.awq import AWQ_ORDER, check_shape, pack_awq, unpack_awq
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.models.loading import load_model
-from geminicompress.runtime.pipeline import run_recipe, RunOptions
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 

@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
-from geminicompress.eval.api import evaluate, EvalSetup
+from geminicompress.eval.api import EvalSetup, evaluate
 from geminicompress.eval.table import kernel_label, markdown_table, same_dtype_lines
 from geminicompress.eval.config import EvalStage
 from geminicompress.runtime.pipeline import RunOptions

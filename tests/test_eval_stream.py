@@ -13,11 +13,11 @@ from typer.testing import CliRunner
 
 from geminicompress.host import memory
 from geminicompress.cli import app
-from geminicompress.eval.api import evaluate, EvalSetup
+from geminicompress.eval.api import EvalSetup, evaluate
 from geminicompress.eval.quality import streamed as streamed_mod
 from geminicompress.eval.quality.baseline_cache import BaselineCache
 from geminicompress.models.loading import load_model
-from geminicompress.runtime.pipeline import run_recipe, RunOptions
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 from geminicompress.eval.config import EvalStage
 

@@ -24,7 +24,7 @@ from geminicompress.core.grid import QuantSpec, rtn_quantize
 from geminicompress.formats import gguf as blocks
 from geminicompress.formats.gguf_export import GGUFOptions, export
 from geminicompress.models.loading import load_model
-from geminicompress.runtime.pipeline import run_recipe, RunOptions
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")

@@ -16,7 +16,7 @@ from geminicompress.compress.gptq.kgrid_solve import gptq_kquant
 from geminicompress.core.kgrid import KTYPES
 from geminicompress.core.kquant import quantize
 from geminicompress.formats.gguf_kpack import QTYPES, pack
-from geminicompress.runtime.pipeline import run_recipe, RunOptions
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 from test_gguf import GGUF_NAMES, _unpermute
 

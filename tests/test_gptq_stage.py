@@ -13,7 +13,7 @@ from geminicompress.core.arch import arch_for, get_module
 from geminicompress.core.grid import QuantizedWeight, QuantSpec, rtn_quantize
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.models.loading import load_model, resolve_model
-from geminicompress.runtime.pipeline import run_recipe, RunOptions
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")

@@ -6,7 +6,7 @@ from tiny import tiny_model
 
 from geminicompress.core.arch import arch_for, decoder_layers
 from geminicompress.engine.layers import capture_inputs, forward_layer
-from geminicompress.engine.walk import run_layerwise, WalkOptions
+from geminicompress.engine.walk import WalkOptions, run_layerwise
 from geminicompress.core.errors import InputError
 
 CPU = torch.device("cpu")

@@ -18,7 +18,7 @@ from geminicompress.formats.dequant import DequantLinear
 from geminicompress.models.headers import is_readable_dir
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import load_model
-from geminicompress.runtime.pipeline import run_recipe, RunOptions
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")

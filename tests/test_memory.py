@@ -45,7 +45,6 @@ def test_free_heap_pages_go_back_to_the_system():
 _REUSE_PROBE = """
 import resource, torch
 from geminicompress.host.memory import heap_reuse, return_freed_memory
-from geminicompress.runtime.pipeline import RunOptions
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 def churn():
@@ -100,7 +99,7 @@ def test_a_packed_checkpoint_loads_on_a_meta_skeleton_and_lets_its_file_mapping_
     import torch
 
     from geminicompress.models.loading import load_model
-    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.pipeline import RunOptions, run_recipe
     from geminicompress.runtime.recipes.loader import recipe_from_stage
 
     recipe = recipe_from_stage(str(tiny_dir), {"type": "quantize", "method": "rtn", "bits": 4, "group_size": 32},

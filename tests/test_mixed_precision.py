@@ -14,7 +14,7 @@ from geminicompress.core.grid import QuantSpec
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.formats.mixed import ct_spec_of, dynamic_spec
 from geminicompress.models.loading import load_model
-from geminicompress.runtime.pipeline import run_recipe, RunOptions
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")

@@ -13,7 +13,7 @@ from geminicompress.engine.layers import LayerJob, capture_inputs, forward_layer
 from geminicompress.engine.onepass import one_pass
 from geminicompress.core.errors import GeminiError
 from geminicompress.models.loading import load_model
-from geminicompress.runtime.pipeline import run_recipe, RunOptions
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")

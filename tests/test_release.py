@@ -13,7 +13,7 @@ from tiny import save_sharded
 
 from geminicompress.host.memory import release_weights
 from geminicompress.models.loading import load_model
-from geminicompress.runtime.pipeline import run_recipe, RunOptions
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")

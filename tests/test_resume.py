@@ -17,7 +17,7 @@ from geminicompress.cli import app
 from geminicompress.engine import layers as layers_mod
 from geminicompress.engine.sinks import ShardSink
 from geminicompress.formats.checkpoint import read_tensors
-from geminicompress.runtime.pipeline import run_recipe, RunOptions
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")

@@ -12,7 +12,7 @@ import torch
 
 from geminicompress.core.errors import GeminiError
 from geminicompress.host.output import partial_dir
-from geminicompress.runtime.pipeline import run_recipe, RunOptions
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")

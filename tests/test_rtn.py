@@ -11,7 +11,7 @@ from geminicompress.cli import app
 from geminicompress.core.grid import QuantSpec, rtn_quantize
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.models.loading import load_model
-from geminicompress.runtime.pipeline import run_recipe, RunOptions
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")

@@ -23,7 +23,7 @@ from geminicompress.formats.bits import unpack_bits
 from geminicompress.formats.checkpoint import read_tensors
 from geminicompress.formats.shards import DiskFullError, ShardWriter
 from geminicompress.models.lazy import LazyCheckpoint, LazyTensors
-from geminicompress.runtime.pipeline import run_recipe, RunOptions
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 runner = CliRunner()

@@ -17,7 +17,7 @@ from geminicompress.engine import verify
 from geminicompress.core.errors import GeminiError
 from geminicompress.formats import gptq as gptq_format
 from geminicompress.models.loading import load_model
-from geminicompress.runtime.pipeline import run_recipe, RunOptions
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 runner = CliRunner()

@@ -9,7 +9,6 @@ import typer
 
 from geminicompress.commands import common as c
 from geminicompress.core.errors import InputError
-from geminicompress.eval.api import EvalSetup
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -77,7 +76,7 @@ def eval_(
     from pydantic import ValidationError
 
     from geminicompress.data import check_data_spec
-    from geminicompress.eval.api import evaluate
+    from geminicompress.eval.api import EvalSetup, evaluate
     from geminicompress.eval.report import write_report
     from geminicompress.eval.table import rich_table, same_dtype_lines
     from geminicompress.host.output import OutputDir, check_output_path

@@ -12,7 +12,7 @@ import typer
 from geminicompress.commands import common as c
 from geminicompress.eval.table import rich_table
 from geminicompress.host.output import check_output_path
-from geminicompress.runtime.pipeline import run_recipe, RunOptions
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
 from geminicompress.runtime.recipes.inputs import recipe_inputs
 from geminicompress.runtime.recipes.loader import load_recipe
 

@@ -19,7 +19,7 @@ from geminicompress.commands.quantize import parse_percent
 from geminicompress.compress.gptq.allocate import ALLOCATION_FILE
 from geminicompress.eval.api import baseline_kept
 from geminicompress.host.output import check_output_path
-from geminicompress.runtime.pipeline import run_recipe, RunOptions
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
 from geminicompress.runtime.recipes.inputs import model_inputs
 from geminicompress.runtime.recipes.loader import validate
 from geminicompress.runtime.tune import run_tune

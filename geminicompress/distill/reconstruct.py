@@ -27,7 +27,7 @@ from geminicompress.compress.prune.refit import refit_masked
 from geminicompress.compress.targets import present_groups
 from geminicompress.core.arch import arch_for, get_module
 from geminicompress.engine.layers import LayerJob
-from geminicompress.engine.walk import run_layerwise, WalkOptions
+from geminicompress.engine.walk import WalkOptions, run_layerwise
 from geminicompress.core.errors import InputError
 from geminicompress.host.progress import Progress
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from geminicompress.eval.api import evaluate, EvalSetup
+from geminicompress.eval.api import EvalSetup, evaluate
 from geminicompress.eval.report import write_report
 from geminicompress.eval.table import summary_line
 from geminicompress.host.output import final_name

@@ -24,7 +24,7 @@ from geminicompress.compress.sensitivity.options import parse_options
 from geminicompress.compress.targets import present_groups
 from geminicompress.core.arch import Arch
 from geminicompress.engine.layers import LayerJob
-from geminicompress.engine.walk import run_layerwise, WalkOptions
+from geminicompress.engine.walk import WalkOptions, run_layerwise
 from geminicompress.core.errors import InputError
 
 

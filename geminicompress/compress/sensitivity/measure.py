@@ -37,7 +37,7 @@ from geminicompress.compress.targets import present_groups
 from geminicompress.core.arch import Arch, arch_for, get_module
 from geminicompress.core.metrics import kl_per_token
 from geminicompress.engine.layers import LayerJob, capture_inputs, forward_layer, layer_output
-from geminicompress.engine.walk import run_layerwise, WalkOptions
+from geminicompress.engine.walk import WalkOptions, run_layerwise
 from geminicompress.core.errors import InputError
 from geminicompress.models.head import chunk_logits
 from geminicompress.host.progress import NullProgress, Progress

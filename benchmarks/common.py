@@ -89,9 +89,9 @@ def stage_context(model: Path, loaded, stage: dict, calib: torch.Tensor, work: P
     (a calibrated stage's resume state in `state_dir`, else under `work`)."""
     import shutil
 
-    from geminicompress.pipeline import StageContext
-    from geminicompress.progress import NullProgress
-    from geminicompress.recipes.schema import Recipe
+    from geminicompress.runtime.pipeline import StageContext
+    from geminicompress.host.progress import NullProgress
+    from geminicompress.runtime.recipes.schema import Recipe
 
     data = str(DATA / "enwiki-sample.txt")
     recipe = Recipe(model=str(model), calibration={"data": data, "samples": calib.shape[0],

@@ -148,7 +148,7 @@ def one(args: list[str], out: Path) -> tuple[str, str]:
 
 
 def cases_for(model: str, path: str, work: Path, only: list[str], everything: bool = False) -> list[tuple[str, list[str]]]:
-    from geminicompress.recipes.loader import bundled_recipes
+    from geminicompress.runtime.recipes.loader import bundled_recipes
 
     runs = []
     for name, (command, extra) in CASES.items():
@@ -181,7 +181,7 @@ def _cal(model: str) -> dict:
 
 def _recipe_cuts(name: str) -> list[str]:
     """--set overrides that keep a bundled recipe short: few training steps, a quality-only short eval."""
-    from geminicompress.recipes.loader import bundled_recipes, read_yaml
+    from geminicompress.runtime.recipes.loader import bundled_recipes, read_yaml
 
     data = read_yaml(bundled_recipes()[name])
     sets = []

@@ -8,7 +8,7 @@ from geminicompress import __version__
 from geminicompress.commands import distill, prune, quantize, recipes, run, sensitivity, serve_bench, tune, validate
 from geminicompress.commands import eval as eval_cmd
 from geminicompress.commands.common import PanelCommand, setup_logging
-from geminicompress.memory import return_freed_memory
+from geminicompress.host.memory import return_freed_memory
 
 app = typer.Typer(
     name="geminicompress",

@@ -13,3 +13,19 @@ def zero_first_layer(cfg, ctx):
 def explode(cfg, ctx):
     (ctx.out_dir / "half-written.bin").write_bytes(b"x")
     raise RuntimeError("stage failed halfway")
+
+
+def model_stage(fn):
+    """A registry entry that runs `fn(cfg, ctx)` on the model in memory, in place of a real stage type."""
+    from geminicompress.engine.method import Method
+
+    class ModelStage(Method):
+        name = type = fn.__name__
+        kind = "model"
+        needs = ""
+
+        @classmethod
+        def run(cls, cfg, ctx):
+            return fn(cfg, ctx)
+
+    return ModelStage

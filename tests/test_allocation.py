@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from geminicompress.compress.allocation import allocate, allocate_greedy, allocate_within_drift, frontier, reachable
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 
 def brute(cost, drift, budget):

@@ -22,8 +22,8 @@ from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.core.arch import arch_for, decoder_layers, get_module
 from geminicompress.core.grid import QuantSpec, rtn_quantize
 from geminicompress.models.loading import load_model
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")
 runner = CliRunner()
@@ -129,7 +129,7 @@ def _quantize(model_dir, out, data, method="awq", **stage):
     recipe = recipe_from_stage(str(model_dir), {"type": "quantize", "method": method, **stage},
                                {"data": str(data), "samples": 4, "seq_len": 48}, "test")
     loaded = load_model(str(model_dir))
-    report = run_recipe(recipe, out, device=CPU, loaded=loaded)
+    report = run_recipe(recipe, out, RunOptions(device=CPU), loaded=loaded)
     return loaded.model, report
 
 

@@ -8,12 +8,12 @@ import torch
 from safetensors.torch import load_file
 
 from geminicompress.core.grid import QuantSpec, rtn_quantize
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.formats.awq import AWQ_ORDER, check_shape, pack_awq, unpack_awq
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.models.loading import load_model
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 
 def test_one_word_holds_eight_outputs_in_interleaved_order():
@@ -79,7 +79,7 @@ def test_checkpoint_tensors_config_and_logits(tiny_dir, text_file, tmp_path):
     recipe = recipe_from_stage(str(tiny_dir), {"type": "quantize", "method": "awq", "group_size": 32},
                                {"data": str(text_file), "samples": 4, "seq_len": 48}, "test")
     loaded = load_model(str(tiny_dir))
-    report = run_recipe(recipe, out, device=torch.device("cpu"), loaded=loaded)
+    report = run_recipe(recipe, out, RunOptions(device=torch.device("cpu")), loaded=loaded)
     config = json.loads((out / "config.json").read_text())
     qc = config["quantization_config"]
     assert qc["quant_method"] == "awq" and qc["bits"] == 4 and qc["group_size"] == 32

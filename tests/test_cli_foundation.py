@@ -7,8 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from geminicompress import methods
+from geminicompress.runtime import methods
 from geminicompress.cli import app
+import stage_for_tests
 
 runner = CliRunner()
 
@@ -25,23 +26,23 @@ def test_every_command_has_help(cmd):
 
 
 def test_every_registered_method_resolves_to_its_config_and_runner():
-    """The registry row is the one declaration: its config accepts exactly its method name, its runner
-    imports, and the CLI, schema and pipeline all list it."""
+    """The method class is the one declaration: its config accepts exactly its method name, it opens a
+    layer stage, and the CLI, schema and pipeline all list it."""
     import typing
 
-    from geminicompress.methods import METHODS
-    from geminicompress.recipes.schema import STAGE_CONFIGS
+    from geminicompress.runtime.methods import METHODS
+    from geminicompress.runtime.recipes.schema import STAGE_CONFIGS
 
     for name, m in METHODS.items():
         assert name in typing.get_args(m.config.model_fields["method"].annotation)
-        assert callable(methods.runner(f"quantize:{name}")[0])
+        assert m.name == name and m.tag() == f"quantize:{name}" and m.kind == "layers"
         assert STAGE_CONFIGS[f"quantize:{name}"] is m.config
         assert m.default_format == m.config.model_fields["format"].default
     assert "rtn" in invoke("quantize", "--help").output
 
 
 def test_pipeline_writes_loadable_output_with_report(tiny_dir, tmp_path, monkeypatch):
-    monkeypatch.setitem(methods.STAGES, "prune", ("stage_for_tests:zero_first_layer", "model"))
+    monkeypatch.setitem(methods.STAGES, "prune", stage_for_tests.model_stage(stage_for_tests.zero_first_layer))
     before = AutoModelForCausalLM.from_pretrained(tiny_dir).model.layers[0].self_attn.q_proj.weight.clone()
     out = tmp_path / "out"
     res = invoke("prune", tiny_dir, "-o", out, "--quiet")
@@ -64,7 +65,7 @@ def test_pipeline_writes_loadable_output_with_report(tiny_dir, tmp_path, monkeyp
 
 
 def test_existing_output_needs_force(tiny_dir, tmp_path, monkeypatch):
-    monkeypatch.setitem(methods.STAGES, "prune", ("stage_for_tests:zero_first_layer", "model"))
+    monkeypatch.setitem(methods.STAGES, "prune", stage_for_tests.model_stage(stage_for_tests.zero_first_layer))
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
@@ -78,7 +79,7 @@ def test_existing_output_needs_force(tiny_dir, tmp_path, monkeypatch):
 
 
 def test_failed_stage_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
-    monkeypatch.setitem(methods.STAGES, "prune", ("stage_for_tests:explode", "model"))
+    monkeypatch.setitem(methods.STAGES, "prune", stage_for_tests.model_stage(stage_for_tests.explode))
     res = invoke("prune", tiny_dir, "-o", tmp_path / "out", "-q")
     assert res.exit_code == 1
     assert "stage failed halfway" in res.output and "Traceback" not in res.output
@@ -141,8 +142,8 @@ def test_every_method_option_comes_from_its_config():
 
     from geminicompress.commands.prune import prune
     from geminicompress.commands.quantize import quantize
-    from geminicompress.methods import METHODS
-    from geminicompress.recipes.schema import PruneStage
+    from geminicompress.runtime.methods import METHODS
+    from geminicompress.compress.prune.config import PruneStage
 
     skip = {"type", "method", "data", "allocation", "overrides"}
     for command, configs in ((quantize, [m.config for m in METHODS.values()]), (prune, [PruneStage])):

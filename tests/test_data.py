@@ -7,7 +7,7 @@ import torch
 
 from geminicompress.data import pack_windows, read_text, sample_windows, tokenize
 from geminicompress.data.sources import check_data_spec
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 
 def test_file_types_give_the_same_text(tmp_path):

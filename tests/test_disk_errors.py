@@ -14,9 +14,9 @@ import pytest
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
-from geminicompress.diskerrors import DiskError, disk_errno, disk_error
+from geminicompress.host.diskerrors import DiskError, disk_errno, disk_error
 from geminicompress.formats import shards as shards_mod
-from geminicompress.output import partial_dir
+from geminicompress.host.output import partial_dir
 
 runner = CliRunner()
 

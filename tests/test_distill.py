@@ -9,9 +9,9 @@ from tiny import prune_in_place, tiny_model
 from geminicompress.distill.masks import apply_masks, check_masks, masks_from_zeros
 from geminicompress.distill.student import boundary_mapped, derive_student, evenly_mapped, keep_layers, student_config
 from geminicompress.distill.train import Guides, TrainRun, batch_indices, train
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.formats.masks import read_masks, write_masks
-from geminicompress.recipes.schema import DistillStage
+from geminicompress.distill.config import DistillStage
 
 CPU = torch.device("cpu")
 

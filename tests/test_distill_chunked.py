@@ -12,7 +12,7 @@ from geminicompress.distill.losses import distill_loss
 from geminicompress.distill.student import derive_student
 from geminicompress.distill.topk_cache import build_topk_cache
 from geminicompress.distill.train import Guides, TrainRun, train
-from geminicompress.recipes.schema import DistillStage
+from geminicompress.distill.config import DistillStage
 
 CPU = torch.device("cpu")
 VOCAB, B, SEQ = 4096, 4, 32  # a vocabulary large beside the width (64), so a (B, T, V) tensor is the biggest

@@ -19,8 +19,9 @@ from geminicompress.engine.contract import StageContext
 from geminicompress.eval.speculative import measure_speculative
 from geminicompress.formats.masks import MASKS_FILE, read_masks
 from geminicompress.models.loading import load_model
-from geminicompress.progress import NullProgress
-from geminicompress.recipes.schema import Recipe
+from geminicompress.host.progress import NullProgress
+from geminicompress.runtime.recipes.schema import Recipe
+import stage_for_tests
 
 runner = CliRunner()
 CPU = torch.device("cpu")
@@ -119,7 +120,7 @@ def test_first_stage_without_student_derives_half(teacher_dir, text_file, tmp_pa
 
 
 def test_topk_cache_is_reused_and_matches_online_kl_when_k_is_the_vocabulary(tmp_path):
-    from geminicompress.recipes.schema import DistillStage
+    from geminicompress.distill.config import DistillStage
 
     teacher = tiny_model(num_hidden_layers=2)
     w = torch.randint(0, 384, (10, 16), generator=torch.Generator().manual_seed(0))
@@ -151,9 +152,9 @@ def test_speculative_measurement_counts_acceptance():
 
 
 def test_helper_ranks_of_a_multi_process_launch_write_nothing(tiny_dir, tmp_path, monkeypatch):
-    from geminicompress import methods
+    from geminicompress.runtime import methods
 
-    monkeypatch.setitem(methods.STAGES, "prune", ("stage_for_tests:zero_first_layer", "model"))
+    monkeypatch.setitem(methods.STAGES, "prune", stage_for_tests.model_stage(stage_for_tests.zero_first_layer))
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     res = invoke("prune", tiny_dir, "-o", tmp_path / "out", "--quiet")

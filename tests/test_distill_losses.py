@@ -15,7 +15,7 @@ from geminicompress.distill.losses import (
     jsd,
     reverse_kl,
 )
-from geminicompress.recipes.schema import LossWeights
+from geminicompress.distill.config import LossWeights
 
 
 def test_kl_of_identical_logits_is_zero():
@@ -101,7 +101,7 @@ def test_loss_weights_need_one_positive():
 
 def test_the_default_loss_is_kl_at_temperature_1_plus_half_the_data_cross_entropy():
     """The defaults (docs/distill.md, Losses): a weight not named keeps its default, so KL alone is kl=1,ce=0."""
-    from geminicompress.recipes.schema import DistillStage
+    from geminicompress.distill.config import DistillStage
 
     assert LossWeights().model_dump() == {"kl": 1.0, "reverse_kl": 0.0, "jsd": 0.0, "ce": 0.5, "hidden_mse": 0.0,
                                           "hidden_cos": 0.0}

@@ -12,7 +12,7 @@ from geminicompress.distill.plan import block_params, candidates, make_plan
 from geminicompress.distill.repair import LeastSquares, RepairSpec, merge_map, refit_block
 from geminicompress.distill.student import check_student_layers, derive_student, keep_count, keep_layers
 from geminicompress.distill.survey import angular_distance, run_layers, walk
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 CPU = torch.device("cpu")
 
@@ -195,7 +195,7 @@ def _invoke(*args):
 def _forbid_loading(monkeypatch) -> None:
     """Fail the test if a model loads: the loader patched where it is defined and where the pipeline holds it
     (imported first, so that it does not keep the patched one after the test)."""
-    from geminicompress import pipeline
+    from geminicompress.runtime import pipeline
     from geminicompress.models import loading
 
     for module in (loading, pipeline):
@@ -321,7 +321,7 @@ def test_distill_refuses_an_unmappable_architecture_before_loading(tmp_path, tex
 def test_two_budgets_are_refused():
     from pydantic import ValidationError
 
-    from geminicompress.recipes.schema import DistillStage
+    from geminicompress.distill.config import DistillStage
 
     with pytest.raises(ValidationError, match="one training budget"):
         DistillStage(type="distill", train_minutes=1, train_tokens=100)
@@ -332,7 +332,7 @@ def test_two_budgets_are_refused():
 
 def test_train_minutes_trains_until_the_budget_is_spent(tmp_path):
     from geminicompress.distill.train import TrainRun, train
-    from geminicompress.recipes.schema import DistillStage
+    from geminicompress.distill.config import DistillStage
 
     teacher = tiny_model(num_hidden_layers=4)
     student, _ = derive_student(teacher, [0, 3])
@@ -349,7 +349,7 @@ def test_train_minutes_trains_until_the_budget_is_spent(tmp_path):
 
 def test_latency_target_is_the_parameter_share_read_per_token():
     from geminicompress.distill.latency_target import keep_for_latency, read_shares
-    from geminicompress.recipes.schema import parse_latency
+    from geminicompress.distill.config import parse_latency
 
     teacher = tiny_model(num_hidden_layers=6)
     head, block, n = read_shares(teacher)

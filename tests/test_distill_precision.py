@@ -10,7 +10,7 @@ from tiny import tiny_model
 from geminicompress.distill import precision as P
 from geminicompress.distill.student import derive_student
 from geminicompress.distill.train import TrainRun, train
-from geminicompress.recipes.schema import DistillStage
+from geminicompress.distill.config import DistillStage
 
 CPU = torch.device("cpu")
 

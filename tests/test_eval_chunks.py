@@ -113,7 +113,9 @@ def test_sensitivity_kl_in_chunks_equals_whole(monkeypatch, windows, keep_bytes)
     options = parse_options("rtn:b2g16")
 
     def table():
-        return measure.measure_sensitivity(model, windows[:2], options, keep=keep, measure="kl", kl_windows=2)
+        return measure.measure_sensitivity(model, windows[:2], options, measure.SensitivitySettings(keep=keep,
+                                                                                                    measure="kl",
+                                                                                                    kl_windows=2))
 
     monkeypatch.setattr(measure._Tail, "KEEP_BYTES", keep_bytes)
     chunked = table()

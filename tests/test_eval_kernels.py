@@ -10,9 +10,10 @@ import torch
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
-from geminicompress.eval.api import evaluate
+from geminicompress.eval.api import EvalSetup, evaluate
 from geminicompress.eval.table import kernel_label, markdown_table, same_dtype_lines
-from geminicompress.recipes.schema import EvalStage
+from geminicompress.eval.config import EvalStage
+from geminicompress.runtime.pipeline import RunOptions
 
 FAST = dict(type="eval", seq_len=64, max_tokens=256, prompt_len=8, gen_len=3, batch_sizes=[1], repeats=1, warmup=0)
 runner = CliRunner()
@@ -26,8 +27,8 @@ def models(tmp_path_factory, text_file):
     from tiny import save_tiny
 
     from geminicompress.models.loading import load_model
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import recipe_from_stage
+    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.recipes.loader import recipe_from_stage
 
     root = tmp_path_factory.mktemp("evalkernels")
     base = save_tiny(root / "base")
@@ -35,14 +36,14 @@ def models(tmp_path_factory, text_file):
     for name, stage in {"gptq": {"type": "quantize", "method": "gptq", "bits": 4, "group_size": 32},
                         "rtn8": {"type": "quantize", "method": "rtn", "bits": 8, "group_size": 32}}.items():
         recipe = recipe_from_stage(str(base), stage, {"data": str(text_file), "samples": 4, "seq_len": 64}, "test")
-        run_recipe(recipe, root / name, device=torch.device("cpu"), loaded=load_model(str(base)), stream=False)
+        run_recipe(recipe, root / name, RunOptions(device=torch.device("cpu"), stream=False), loaded=load_model(str(base)))
         out[name] = str(root / name)
     return str(base), out
 
 
 def test_packed_model_runs_the_int4_kernel_beside_a_bf16_baseline(models, text_file):
     base, out = models
-    report = evaluate([out["gptq"]], base, str(text_file), None, EvalStage(**FAST), device=torch.device("cpu"))
+    report = evaluate([out["gptq"]], base, str(text_file), None, EvalStage(**FAST), setup=EvalSetup(device=torch.device("cpu")))
     names = [m["name"] for m in report["models"]]
     assert names == ["base", "base @bfloat16", "gptq"]
     ref, bf16, gptq = report["models"]
@@ -62,7 +63,7 @@ def test_packed_model_runs_the_int4_kernel_beside_a_bf16_baseline(models, text_f
 def test_reference_path_is_never_timed(models, text_file):
     base, out = models
     opts = EvalStage(**{**FAST, "kernels": "reference"})
-    report = evaluate([out["gptq"]], base, str(text_file), None, opts, device=torch.device("cpu"))
+    report = evaluate([out["gptq"]], base, str(text_file), None, opts, setup=EvalSetup(device=torch.device("cpu")))
     assert [m["name"] for m in report["models"]] == ["base", "gptq"]  # no bf16 row: nothing runs in bf16
     gptq = report["models"][1]
     assert gptq["latency"] is None and gptq["kernel"]["kernel"] == "reference" and gptq["dtype"] == "float32"
@@ -75,14 +76,13 @@ def test_fast_and_reference_perplexity_agree(models, text_file):
     got = {}
     for kernels in ("fast", "reference"):
         opts = EvalStage(**{**FAST, "kernels": kernels, "latency": False})
-        got[kernels] = evaluate([out["gptq"]], base, str(text_file), None, opts,
-                                device=torch.device("cpu"))["models"][-1]["quality"]["perplexity"]
+        got[kernels] = evaluate([out["gptq"]], base, str(text_file), None, opts, setup=EvalSetup(device=torch.device("cpu")))["models"][-1]["quality"]["perplexity"]
     assert got["fast"] == pytest.approx(got["reference"], rel=5e-3)
 
 
 def test_8bit_groups_have_no_kernel_and_no_made_up_latency(models, text_file):
     base, out = models
-    report = evaluate([out["rtn8"]], base, str(text_file), None, EvalStage(**FAST), device=torch.device("cpu"))
+    report = evaluate([out["rtn8"]], base, str(text_file), None, EvalStage(**FAST), setup=EvalSetup(device=torch.device("cpu")))
     assert [m["name"] for m in report["models"]] == ["base", "rtn8"]
     rtn8 = report["models"][1]
     assert rtn8["latency"] is None and kernel_label(rtn8) == "no 8-bit kernel, dequantized once, fp32"
@@ -109,13 +109,14 @@ def test_a_kept_baseline_is_measured_once_and_gives_the_same_figures(models, tex
 
     base, out = models
     options = EvalStage(**{**FAST, "latency": False})
-    fresh = evaluate([out["gptq"]], base, str(text_file), None, options, device=torch.device("cpu"))
+    fresh = evaluate([out["gptq"]], base, str(text_file), None, options, setup=EvalSetup(device=torch.device("cpu")))
     loaded = []
     real = api.load_model
     monkeypatch.setattr(api, "load_model", lambda spec, **kw: loaded.append(spec) or real(spec, **kw))
     with api.baseline_kept():
-        first = evaluate([out["gptq"]], base, str(text_file), None, options, device=torch.device("cpu"))
-        again = evaluate([out["rtn8"], out["gptq"]], base, str(text_file), None, options, device=torch.device("cpu"))
+        first = evaluate([out["gptq"]], base, str(text_file), None, options, setup=EvalSetup(device=torch.device("cpu")))
+        again = evaluate([out["rtn8"], out["gptq"]], base, str(text_file), None, options,
+                         setup=EvalSetup(device=torch.device("cpu")))
     assert loaded == [base, out["gptq"], out["rtn8"], out["gptq"]]  # the baseline loaded once
     for report in (first, again):
         assert report["models"][0]["quality"] == fresh["models"][0]["quality"]

@@ -7,11 +7,13 @@ import torch
 from tiny import VOCAB, save_tiny
 from typer.testing import CliRunner
 
-from geminicompress import methods, pipeline
+from geminicompress.runtime import methods, pipeline
 from geminicompress.cli import app
 from geminicompress.eval.api import evaluate
 from geminicompress.models import load_model
-from geminicompress.recipes.schema import EvalStage, Recipe
+from geminicompress.eval.config import EvalStage
+from geminicompress.runtime.recipes.schema import Recipe
+import stage_for_tests
 
 FAST = dict(type="eval", seq_len=64, max_tokens=640, prompt_len=8, gen_len=3, batch_sizes=[1, 2], repeats=2, warmup=0)
 runner = CliRunner()
@@ -27,7 +29,7 @@ class Lines:
         self.warnings = []
 
     def task(self, description, total):
-        from geminicompress.progress import NullProgress
+        from geminicompress.host.progress import NullProgress
 
         return NullProgress().task(description, total)
 
@@ -190,9 +192,9 @@ def test_cli_draft_and_tasks_degrade_to_one_line(dirs, text_file, tmp_path, monk
 
 
 def test_eval_stage_at_the_end_of_a_recipe(dirs, text_file, tmp_path, monkeypatch):
-    from geminicompress.recipes.schema import Recipe
+    from geminicompress.runtime.recipes.schema import Recipe
 
-    monkeypatch.setitem(methods.STAGES, "prune", ("stage_for_tests:zero_first_layer", "model"))
+    monkeypatch.setitem(methods.STAGES, "prune", stage_for_tests.model_stage(stage_for_tests.zero_first_layer))
     base = dirs[0]
     recipe = Recipe(model=str(base), stages=[{"type": "prune"}, {**FAST, "data": str(text_file), "latency": False}])
     out = tmp_path / "out"

@@ -8,7 +8,7 @@ import torch
 from conftest import DATA
 
 from geminicompress.eval.api import evaluate
-from geminicompress.recipes.schema import EvalStage
+from geminicompress.eval.config import EvalStage
 
 pytestmark = pytest.mark.slow
 

@@ -11,15 +11,15 @@ import torch
 from tiny import save_tiny
 from typer.testing import CliRunner
 
-from geminicompress import memory
+from geminicompress.host import memory
 from geminicompress.cli import app
-from geminicompress.eval.api import evaluate
+from geminicompress.eval.api import EvalSetup, evaluate
 from geminicompress.eval.quality import streamed as streamed_mod
 from geminicompress.eval.quality.baseline_cache import BaselineCache
 from geminicompress.models.loading import load_model
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
-from geminicompress.recipes.schema import EvalStage
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
+from geminicompress.eval.config import EvalStage
 
 FAST = dict(type="eval", seq_len=64, max_tokens=640, prompt_len=8, gen_len=3, batch_sizes=[1], repeats=1, warmup=0)
 QUALITY = ("perplexity", "mean_nll", "kl_to_baseline", "top1_agreement", "ppl_ratio", "tokens", "windows")
@@ -37,7 +37,7 @@ def models(tmp_path_factory, text_file):
     gptq = root / "gptq"
     recipe = recipe_from_stage(str(base), {"type": "quantize", "method": "gptq", "bits": 4, "group_size": 16},
                                {"data": str(text_file), "samples": 6, "seq_len": 64}, "test")
-    run_recipe(recipe, gptq, device=torch.device("cpu"), loaded=load_model(str(base)), stream=False)
+    run_recipe(recipe, gptq, RunOptions(device=torch.device("cpu"), stream=False), loaded=load_model(str(base)))
     return base, noisy, gptq
 
 
@@ -57,8 +57,8 @@ def assert_same_quality(a, b):
 def test_streamed_quality_equals_in_memory(models, text_file):
     base, noisy, gptq = models
     opts = EvalStage(**{**FAST, "latency": False})
-    in_memory = evaluate([str(noisy), str(gptq)], str(base), str(text_file), None, opts, stream=False)
-    streamed = evaluate([str(noisy), str(gptq)], str(base), str(text_file), None, opts, stream=True)
+    in_memory = evaluate([str(noisy), str(gptq)], str(base), str(text_file), None, opts, setup=EvalSetup(stream=False))
+    streamed = evaluate([str(noisy), str(gptq)], str(base), str(text_file), None, opts, setup=EvalSetup(stream=True))
     assert_same_quality(in_memory, streamed)
     assert [m["streamed"] for m in streamed["models"]] == ["--stream"] * 3
     assert [m["streamed"] for m in in_memory["models"]] == [None] * 3
@@ -74,7 +74,7 @@ def test_mixed_streamed_and_in_memory_use_one_baseline_cache(models, text_file, 
 
     base, noisy, _ = models
     opts = EvalStage(**{**FAST, "latency": False})
-    reference = evaluate([str(noisy)], str(base), str(text_file), None, opts, stream=False)
+    reference = evaluate([str(noisy)], str(base), str(text_file), None, opts, setup=EvalSetup(stream=False))
     for one in (str(base), str(noisy)):
         monkeypatch.setattr(api, "stream_reason", lambda spec, stream, dtype, one=one: "test" if spec == one else None)
         report = evaluate([str(noisy)], str(base), str(text_file), None, opts)
@@ -84,7 +84,7 @@ def test_mixed_streamed_and_in_memory_use_one_baseline_cache(models, text_file, 
 
 def test_latency_is_not_measured_for_a_streamed_model_and_the_report_says_why(models, text_file):
     base, _, gptq = models
-    report = evaluate([str(gptq)], str(base), str(text_file), None, EvalStage(**FAST), stream=True)
+    report = evaluate([str(gptq)], str(base), str(text_file), None, EvalStage(**FAST), setup=EvalSetup(stream=True))
     for m in report["models"]:
         assert m["latency"] is None and m["tensors_mb"] is None
         assert len(m["notes"]) == 1 and m["notes"][0].startswith("latency and throughput not measured: evaluated one "
@@ -100,7 +100,7 @@ def test_automatic_when_the_weights_exceed_available_memory(models, text_file, m
     opts = EvalStage(**{**FAST, "latency": False})
     report = evaluate([str(noisy)], str(base), str(text_file), None, opts)
     assert all(m["streamed"].startswith("its weights take") for m in report["models"])
-    report = evaluate([str(noisy)], str(base), str(text_file), None, opts, stream=False)
+    report = evaluate([str(noisy)], str(base), str(text_file), None, opts, setup=EvalSetup(stream=False))
     assert all(m["streamed"] is None for m in report["models"])
     monkeypatch.setattr(memory, "available_memory", lambda: int(2.1 * size))
     monkeypatch.setattr(streamed_mod, "available_memory", lambda: int(2.1 * size))
@@ -112,7 +112,7 @@ def test_streamed_baseline_without_disk_cache_skips_kl_in_one_note(models, text_
     base, noisy, _ = models
     monkeypatch.setattr(BaselineCache.__init__, "__defaults__", (0,))  # limit_bytes = 0: nothing stored
     report = evaluate([str(noisy)], str(base), str(text_file), None, EvalStage(**{**FAST, "latency": False}),
-                      stream=True)
+                      setup=EvalSetup(stream=True))
     q = report["models"][1]["quality"]
     assert q["perplexity"] > 1 and q["kl_to_baseline"] is None
     assert report["models"][1]["notes"][0].startswith("KL and top-1 agreement skipped: the baseline was evaluated "

@@ -10,12 +10,13 @@ import torch
 from tiny import save_tiny, tiny_config, tiny_model
 from typer.testing import CliRunner
 
-from geminicompress import threads
+from geminicompress.host import threads
 from geminicompress.cli import app
 from geminicompress.eval.api import evaluate
 from geminicompress.eval.cost import contention, latency, plan
 from geminicompress.eval.cost.contention import Reading, assess, between
-from geminicompress.recipes.schema import EvalStage, Recipe
+from geminicompress.eval.config import EvalStage
+from geminicompress.runtime.recipes.schema import Recipe
 
 CPU = torch.device("cpu")
 runner = CliRunner()
@@ -131,19 +132,17 @@ def test_recipe_threads_key_is_validated():
 
 
 def test_threads_option_applies_before_work(tiny_dir, tmp_path, monkeypatch):
-    from geminicompress import methods
+    from geminicompress.runtime import methods
 
-    monkeypatch.setitem(methods.STAGES, "prune", ("stage_for_tests:zero_first_layer", "model"))
-    seen = {}
     import stage_for_tests
 
-    original = stage_for_tests.zero_first_layer
+    seen = {}
 
     def spy(cfg, ctx):
         seen["threads"] = torch.get_num_threads()
-        return original(cfg, ctx)
+        return stage_for_tests.zero_first_layer(cfg, ctx)
 
-    monkeypatch.setattr(stage_for_tests, "zero_first_layer", spy)
+    monkeypatch.setitem(methods.STAGES, "prune", stage_for_tests.model_stage(spy))
     torch.set_num_threads(2)
     res = runner.invoke(app, ["prune", str(tiny_dir), "-o", str(tmp_path / "out"), "-q", "--threads", "1"])
     assert res.exit_code == 0, res.output
@@ -191,7 +190,7 @@ def test_evaluate_warns_once_and_marks_busy_timings(monkeypatch, tmp_path, text_
 
     class Lines:
         def task(self, description, total):
-            from geminicompress.progress import NullProgress
+            from geminicompress.host.progress import NullProgress
 
             return NullProgress().task(description, total)
 
@@ -217,7 +216,7 @@ def test_evaluate_warns_once_and_marks_busy_timings(monkeypatch, tmp_path, text_
 
 
 def test_short_text_fails_before_any_model_loads(monkeypatch, tmp_path, tiny_dir):
-    from geminicompress.errors import InputError
+    from geminicompress.core.errors import InputError
     from geminicompress.eval import api
 
     short = tmp_path / "short.txt"

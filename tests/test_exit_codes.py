@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
-from geminicompress.output import partial_dir
+from geminicompress.host.output import partial_dir
 
 runner = CliRunner()
 

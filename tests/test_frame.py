@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from geminicompress.cli import app
 from geminicompress.data import calibration_windows, pack_windows, sample_windows, text_prefix, tokenize
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from tiny import tiny_model, tiny_tokenizer
 
 runner = CliRunner()

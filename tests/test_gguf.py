@@ -24,8 +24,8 @@ from geminicompress.core.grid import QuantSpec, rtn_quantize
 from geminicompress.formats import gguf as blocks
 from geminicompress.formats.gguf_export import GGUFOptions, export
 from geminicompress.models.loading import load_model
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")
 runner = CliRunner()
@@ -156,7 +156,7 @@ def assert_gguf_equals_ours(out: Path, linears: Q, types: dict[str, Q] | None = 
 def _run(model_dir: Path, out: Path, text: Path | None = None, **stage) -> dict:
     data = {"data": str(text), "samples": 4, "seq_len": 64} if text else {}
     recipe = recipe_from_stage(str(model_dir), {"type": "quantize", **stage}, data, "test")
-    return run_recipe(recipe, out, device=CPU)
+    return run_recipe(recipe, out, RunOptions(device=CPU))
 
 
 @pytest.mark.parametrize("stage,qtype", [
@@ -445,5 +445,5 @@ def test_streamed_run_writes_the_same_file(tiny_dir, tmp_path):
     for stream in (False, True):
         recipe = recipe_from_stage(str(tiny_dir), {"type": "quantize", "method": "rtn", "bits": 4, "format": "gguf"},
                                    {}, "test")
-        run_recipe(recipe, tmp_path / f"out{stream}", device=CPU, stream=stream)
+        run_recipe(recipe, tmp_path / f"out{stream}", RunOptions(device=CPU, stream=stream))
     assert (tmp_path / "outTrue" / "model.gguf").read_bytes() == (tmp_path / "outFalse" / "model.gguf").read_bytes()

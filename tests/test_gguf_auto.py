@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from geminicompress.cli import app
 from geminicompress.compress.sensitivity.options import parse_option
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from test_gguf_type import _check_file_is_the_checkpoint, _run, wide_dir  # noqa: F401 (the fixture)
 
 

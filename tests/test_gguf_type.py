@@ -16,8 +16,8 @@ from geminicompress.compress.gptq.kgrid_solve import gptq_kquant
 from geminicompress.core.kgrid import KTYPES
 from geminicompress.core.kquant import quantize
 from geminicompress.formats.gguf_kpack import QTYPES, pack
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 from test_gguf import GGUF_NAMES, _unpermute
 
 CPU = torch.device("cpu")
@@ -33,7 +33,7 @@ def wide_dir(tmp_path_factory):
 def _run(model_dir, out, text=None, **stage):
     data = {"data": str(text), "samples": 8, "seq_len": 64} if text else {}
     return run_recipe(recipe_from_stage(str(model_dir), {"type": "quantize", "format": "gguf", **stage}, data, "t"),
-                      out, device=CPU)
+                      out, RunOptions(device=CPU))
 
 
 def _check_file_is_the_checkpoint(out):

@@ -9,7 +9,7 @@ from geminicompress.compress.gptq.solver import gptq_quantize
 from geminicompress.compress.gptq.stage import scale_search
 from geminicompress.compress.scale_search import ScaleSearch, importance_for, search_qparams
 from geminicompress.core.grid import QuantSpec, fake_quantize, qparams
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.formats import check_shapes
 
 

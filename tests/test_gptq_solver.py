@@ -5,7 +5,7 @@ import torch
 
 from geminicompress.compress.gptq.solver import gptq_quantize
 from geminicompress.core.grid import QuantSpec, rtn_quantize
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 

@@ -13,8 +13,8 @@ from geminicompress.core.arch import arch_for, get_module
 from geminicompress.core.grid import QuantizedWeight, QuantSpec, rtn_quantize
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.models.loading import load_model, resolve_model
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")
 runner = CliRunner()
@@ -27,7 +27,7 @@ def _quantize(model_dir, out, data, **stage):
     recipe = recipe_from_stage(str(model_dir), {"type": "quantize", "method": "gptq", **stage},
                                {"data": str(data), "samples": 6, "seq_len": 64}, "test")
     loaded = load_model(str(model_dir))
-    report = run_recipe(recipe, out, device=CPU, loaded=loaded)
+    report = run_recipe(recipe, out, RunOptions(device=CPU), loaded=loaded)
     return loaded.model, report
 
 
@@ -124,8 +124,8 @@ def test_other_architectures(tmp_path, text_file, kind):
 
 def test_resume_restores_finished_layers(tiny_dir, text_file, tmp_path):
     from geminicompress.engine.contract import StageContext
-    from geminicompress.progress import NullProgress
-    from geminicompress.stages import run_stage
+    from geminicompress.host.progress import NullProgress
+    from geminicompress.runtime.stages import run_stage
 
     recipe = recipe_from_stage(str(tiny_dir), {"type": "quantize", "method": "gptq", "group_size": 32},
                                {"data": str(text_file), "samples": 4, "seq_len": 64}, "test")
@@ -251,7 +251,7 @@ def test_kept_codes_round_trip_through_nibble_packing(bits, in_f):
 
 def test_auto_group_size_is_the_largest_that_divides_every_layer():
     from geminicompress.core.grid import auto_group_size
-    from geminicompress.errors import InputError
+    from geminicompress.core.errors import InputError
 
     assert auto_group_size([576, 1536]) == 64  # SmolLM2-135M: 128 does not divide 576
     assert auto_group_size([2048, 8192]) == 128

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from geminicompress.core.grid import QuantSpec, qparams, rtn_quantize
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 
 def test_asym_known_answer():

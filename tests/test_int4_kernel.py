@@ -13,6 +13,7 @@ from geminicompress.core.grid import QuantizedWeight, QuantSpec
 from geminicompress.eval.engines.torch_kernels import expects_int4, use_fast_kernels
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.kernels.int4 import Int4Linear, dequantize_layout, int4_layout
+from geminicompress.runtime.pipeline import RunOptions
 
 CPU = torch.device("cpu")
 
@@ -143,8 +144,8 @@ def packed_models(tmp_path_factory, text_file):
     from tiny import save_tiny
 
     from geminicompress.models.loading import load_model
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import recipe_from_stage
+    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.recipes.loader import recipe_from_stage
 
     root = tmp_path_factory.mktemp("int4")
     base = save_tiny(root / "base")
@@ -159,7 +160,7 @@ def packed_models(tmp_path_factory, text_file):
     out = {}
     for name, stage in stages.items():
         recipe = recipe_from_stage(str(base), stage, calib, "test")
-        run_recipe(recipe, root / name, device=CPU, loaded=load_model(str(base)), stream=False)
+        run_recipe(recipe, root / name, RunOptions(device=CPU, stream=False), loaded=load_model(str(base)))
         out[name] = root / name
     return base, out
 
@@ -201,13 +202,13 @@ def test_8bit_grouped_model_runs_dequantized_once_and_is_not_timed(tmp_path, tex
     from tiny import save_tiny
 
     from geminicompress.models.loading import load_model
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import recipe_from_stage
+    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.recipes.loader import recipe_from_stage
 
     base = save_tiny(tmp_path / "base")
     recipe = recipe_from_stage(str(base), {"type": "quantize", "method": "rtn", "bits": 8, "group_size": 32},
                                {"data": str(text_file), "samples": 2, "seq_len": 64}, "test")
-    run_recipe(recipe, tmp_path / "rtn8", device=CPU, loaded=load_model(str(base)), stream=False)
+    run_recipe(recipe, tmp_path / "rtn8", RunOptions(device=CPU, stream=False), loaded=load_model(str(base)))
     loaded = load_model(str(tmp_path / "rtn8"))
     x = torch.randint(0, 300, (1, 32))
     with torch.no_grad():
@@ -244,13 +245,13 @@ def test_8bit_symmetric_per_channel_runs_fbgemm_exactly(tmp_path, text_file):
     from tiny import save_tiny
 
     from geminicompress.models.loading import load_model
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import recipe_from_stage
+    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.recipes.loader import recipe_from_stage
 
     base = save_tiny(tmp_path / "base")
     stage = {"type": "quantize", "method": "rtn", "bits": 8, "group_size": -1, "format": "compressed-tensors"}
     recipe = recipe_from_stage(str(base), stage, {"data": str(text_file), "samples": 2, "seq_len": 64}, "test")
-    run_recipe(recipe, tmp_path / "w8", device=CPU, loaded=load_model(str(base)), stream=False)
+    run_recipe(recipe, tmp_path / "w8", RunOptions(device=CPU, stream=False), loaded=load_model(str(base)))
     loaded = load_model(str(tmp_path / "w8"))
     x = torch.randint(0, 300, (1, 32))
     with torch.no_grad():

@@ -123,9 +123,9 @@ def test_smoothquant_statistic_is_window_maxima_averaged_per_channel(tmp_path):
 
     from geminicompress.compress.int8.config import Int8Stage
     from geminicompress.engine.contract import StageContext
-    from geminicompress.progress import NullProgress
-    from geminicompress.recipes.schema import Recipe
-    from geminicompress.stages import run_stage
+    from geminicompress.host.progress import NullProgress
+    from geminicompress.runtime.recipes.schema import Recipe
+    from geminicompress.runtime.stages import run_stage
 
     model, copy = tiny_model(), tiny_model()
     windows = torch.randint(0, 384, (3, 16), generator=torch.Generator().manual_seed(0))

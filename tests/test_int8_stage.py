@@ -15,9 +15,10 @@ from geminicompress.formats.bits import unpack_bits
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.kernels.int8 import Int8WeightOnlyLinear, W8A8Linear
 from geminicompress.models.loading import load_model
-from geminicompress.progress import NullProgress
-from geminicompress.recipes.schema import Recipe
-from geminicompress.stages import run_stage
+from geminicompress.host.progress import NullProgress
+from geminicompress.runtime.recipes.schema import Recipe
+from geminicompress.runtime.stages import run_stage
+from geminicompress.runtime.pipeline import RunOptions
 
 runner = CliRunner()
 
@@ -60,13 +61,13 @@ def test_logits_stay_close_to_fp32(method, alpha, tolerance, tok, tmp_path):
 def test_save_load_round_trip_is_identical(method, tok, tmp_path):
     from tiny import save_tiny
 
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import recipe_from_stage
+    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.recipes.loader import recipe_from_stage
 
     src = save_tiny(tmp_path / "src")
     recipe = recipe_from_stage(str(src), {"type": "quantize", "method": method}, {"samples": 4, "seq_len": 64}, "test")
     loaded_src = load_model(str(src))
-    report = run_recipe(recipe, tmp_path / "out", device=torch.device("cpu"), loaded=loaded_src, verify=False)
+    report = run_recipe(recipe, tmp_path / "out", RunOptions(device=torch.device("cpu"), verify=False), loaded=loaded_src)
     model = loaded_src.model  # the model in memory after the stage
     assert report["export"]["quantized_linears"] == 14
     loaded = load_model(str(tmp_path / "out"))

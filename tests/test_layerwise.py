@@ -6,8 +6,8 @@ from tiny import tiny_model
 
 from geminicompress.core.arch import arch_for, decoder_layers
 from geminicompress.engine.layers import capture_inputs, forward_layer
-from geminicompress.engine.walk import run_layerwise
-from geminicompress.errors import InputError
+from geminicompress.engine.walk import WalkOptions, run_layerwise
+from geminicompress.core.errors import InputError
 
 CPU = torch.device("cpu")
 
@@ -38,7 +38,7 @@ def test_modifications_feed_the_next_layer_and_resume(tmp_path):
         return {"err": float(job.index)}, {"marker": torch.tensor([job.index])}
 
     a = tiny_model()
-    walked = run_layerwise(a, windows, halve, device=CPU, state_dir=tmp_path)
+    walked = run_layerwise(a, windows, halve, WalkOptions(device=CPU, state_dir=tmp_path))
     summaries, kept = walked.summaries, walked.kept
     assert calls == [0, 1]
     assert [s["err"] for s in summaries] == [0.0, 1.0]
@@ -46,7 +46,7 @@ def test_modifications_feed_the_next_layer_and_resume(tmp_path):
     # a fresh run over the same state directory restores both layers instead of processing them
     calls.clear()
     b = tiny_model()
-    walked = run_layerwise(b, windows, halve, device=CPU, state_dir=tmp_path)
+    walked = run_layerwise(b, windows, halve, WalkOptions(device=CPU, state_dir=tmp_path))
     summaries, kept = walked.summaries, walked.kept
     assert calls == [] and all(s["resumed"] for s in summaries)
     assert kept["0.marker"].item() == 0

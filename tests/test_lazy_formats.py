@@ -13,13 +13,13 @@ from safetensors.torch import load_file, save_file
 from tiny import save_tiny
 
 from geminicompress.engine.forward import streamed_logits
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.models.headers import is_readable_dir
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import load_model
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")
 V = "model.layers.0.self_attn.v_proj"
@@ -48,7 +48,7 @@ def write_case(name: str, root: Path, text_file: Path) -> Path:
     recipe = recipe_from_stage(str(src), stage, {"data": str(text_file), "samples": 6, "seq_len": 64}, "test",
                                output={"dtype": dtype})
     out = root / name
-    run_recipe(recipe, out, device=CPU, loaded=load_model(str(src)), stream=False)
+    run_recipe(recipe, out, RunOptions(device=CPU, stream=False), loaded=load_model(str(src)))
     return out
 
 
@@ -137,13 +137,13 @@ def test_unknown_quantization_format_is_refused(written, tmp_path):
 
 def test_sharded_quantized_output_read_one_layer_at_a_time(tmp_path, text_file):
     """A streamed GPTQ output in ~20 KB shards: a module's packed tensors spread over several files."""
-    from geminicompress.pipeline import run_recipe
+    from geminicompress.runtime.pipeline import run_recipe
 
     src = save_tiny(tmp_path / "src", num_hidden_layers=3)
     recipe = recipe_from_stage(str(src), CASES["gptq"][0], {"data": str(text_file), "samples": 6, "seq_len": 64},
                                "test")
     out = tmp_path / "out"
-    run_recipe(recipe, out, stream=True, max_shard_bytes=20_000)
+    run_recipe(recipe, out, RunOptions(stream=True, max_shard_bytes=20_000))
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     up = {index[k] for k in index if k.startswith("model.layers.1.mlp.")}
     assert len(set(index.values())) > 5 and len(up) > 1  # one layer's quantized MLP in more than one file

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.eval.engines import llama_eval
 from geminicompress.eval.engines.llama_eval import binned_kl
-from geminicompress.progress import NullProgress
-from geminicompress.recipes.schema import EvalStage
+from geminicompress.host.progress import NullProgress
+from geminicompress.eval.config import EvalStage
 
 FAKE = Path(__file__).parent / "fake_llama_cpp"
 sys.path.insert(0, str(FAKE))

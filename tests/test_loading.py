@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from geminicompress.errors import GeminiError, InputError
+from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.formats import detect as format_key
 from geminicompress.models import load_model, resolve_model
 

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from geminicompress.memory import return_freed_memory
+from geminicompress.host.memory import return_freed_memory
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt exists on Linux only")
@@ -15,7 +15,7 @@ def test_glibc_accepts_the_fixed_mmap_threshold():
 
 _PROBE = """
 import torch
-from geminicompress.memory import release_free_heap, return_freed_memory
+from geminicompress.host.memory import release_free_heap, return_freed_memory
 def anon():
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon"))
 return_freed_memory()
@@ -44,7 +44,7 @@ def test_free_heap_pages_go_back_to_the_system():
 
 _REUSE_PROBE = """
 import resource, torch
-from geminicompress.memory import heap_reuse, return_freed_memory
+from geminicompress.host.memory import heap_reuse, return_freed_memory
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 def churn():
@@ -99,12 +99,12 @@ def test_a_packed_checkpoint_loads_on_a_meta_skeleton_and_lets_its_file_mapping_
     import torch
 
     from geminicompress.models.loading import load_model
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import recipe_from_stage
+    from geminicompress.runtime.pipeline import RunOptions, run_recipe
+    from geminicompress.runtime.recipes.loader import recipe_from_stage
 
     recipe = recipe_from_stage(str(tiny_dir), {"type": "quantize", "method": "rtn", "bits": 4, "group_size": 32},
                                {"data": str(text_file), "samples": 2, "seq_len": 64}, "test")
-    run_recipe(recipe, tmp_path / "rtn", device=torch.device("cpu"), loaded=load_model(str(tiny_dir)), stream=False)
+    run_recipe(recipe, tmp_path / "rtn", RunOptions(device=torch.device("cpu"), stream=False), loaded=load_model(str(tiny_dir)))
     loaded = load_model(str(tmp_path / "rtn"), tokenizer=False)
     assert loaded.tokenizer is None
     tensors = [*loaded.model.parameters(), *loaded.model.buffers()]

@@ -14,8 +14,8 @@ from geminicompress.core.grid import QuantSpec
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.formats.mixed import ct_spec_of, dynamic_spec
 from geminicompress.models.loading import load_model
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")
 runner = CliRunner()
@@ -26,7 +26,7 @@ def quantize(model_dir, out, data, **stage):
     recipe = recipe_from_stage(str(model_dir), {"type": "quantize", "method": "gptq", "bits": 4, "group_size": 16,
                                                 **stage}, {"data": str(data), "samples": 6, "seq_len": 64}, "test")
     loaded = load_model(str(model_dir))
-    report = run_recipe(recipe, out, device=CPU, loaded=loaded)
+    report = run_recipe(recipe, out, RunOptions(device=CPU), loaded=loaded)
     return loaded.model, report["stages"][0]["result"]
 
 
@@ -143,7 +143,7 @@ def test_tune_rounds_correct_the_undercount_they_measure(tmp_path):
     expm1(log1p(5%)/2) = 2.47% and measures 5.0%: under the budget, its checkpoint becomes OUT."""
     import math
 
-    from geminicompress.tune import run_tune
+    from geminicompress.runtime.tune import run_tune
 
     twice = lambda p: 100 * math.expm1(2 * math.log1p(p / 100))  # noqa: E731
     lines = []
@@ -159,8 +159,8 @@ def test_tune_rounds_correct_the_undercount_they_measure(tmp_path):
 
 
 def test_tune_that_cannot_reach_its_budget_says_so_and_keeps_the_best_beside_out(tmp_path):
-    from geminicompress.errors import GeminiError
-    from geminicompress.tune import run_tune
+    from geminicompress.core.errors import GeminiError
+    from geminicompress.runtime.tune import run_tune
 
     with pytest.raises(GeminiError) as info:
         run_tune(_fake_round(lambda p: 30 + p), tmp_path / "out", 5.0, ["gptq:b8g64"], None, lambda line: None)

@@ -125,7 +125,7 @@ def test_the_export_check_blames_an_input_that_gives_nonfinite_logits(tmp_path):
 
 
 def test_the_export_check_blames_the_run_when_only_the_output_is_nonfinite(tiny_dir, tmp_path, monkeypatch):
-    from geminicompress.compress import rtn
+    from geminicompress.compress.rtn import stage as rtn
 
     real = rtn.quantize_linear
 

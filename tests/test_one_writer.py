@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from geminicompress.errors import InputError
-from geminicompress.output import LOCK_FILE, OutputDir, partial_dir
+from geminicompress.core.errors import InputError
+from geminicompress.host.output import LOCK_FILE, OutputDir, partial_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,10 +11,10 @@ from tiny import tiny_model
 from geminicompress.core.arch import arch_for, decoder_layers
 from geminicompress.engine.layers import LayerJob, capture_inputs, forward_layer
 from geminicompress.engine.onepass import one_pass
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 from geminicompress.models.loading import load_model
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")
 
@@ -97,7 +97,7 @@ def test_one_pass_equals_the_per_group_passes(tiny_dir, text_file, tmp_path, sta
         recipe = recipe_from_stage(str(tiny_dir), {**stage, **extra}, {"data": str(text_file), "samples": 6, "seq_len": 64},
                                    "test")
         loaded = load_model(str(tiny_dir))
-        run_recipe(recipe, tmp_path / f"out{i}", device=CPU, loaded=loaded)
+        run_recipe(recipe, tmp_path / f"out{i}", RunOptions(device=CPU), loaded=loaded)
         weights.append({n: p.detach().clone() for n, p in loaded.model.named_parameters()})
     o_proj = "model.layers.1.self_attn.o_proj.weight"
     if stage["type"] == "quantize":

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
-from geminicompress.output import OutputDir
+from geminicompress.host.output import OutputDir
 
 
 @pytest.fixture

@@ -15,13 +15,15 @@ from huggingface_hub.constants import HF_HUB_CACHE
 from pydantic import BaseModel
 from typer.testing import CliRunner
 
-from geminicompress import methods
+from geminicompress.runtime import methods
 from geminicompress.cli import app
-from geminicompress.errors import InputError
-from geminicompress.output import OutputDir, check_output_path
-from geminicompress.recipes.inputs import INPUT_FIELDS, NOT_PATHS, model_inputs, recipe_inputs
-from geminicompress.recipes.loader import validate
-from geminicompress.recipes.schema import STAGE_CONFIGS, Recipe
+from geminicompress.core.errors import InputError
+from geminicompress.host.output import OutputDir, check_output_path
+from geminicompress.runtime.recipes.inputs import INPUT_FIELDS, NOT_PATHS, model_inputs, recipe_inputs
+from geminicompress.runtime.recipes.loader import validate
+from geminicompress.runtime.recipes.schema import STAGE_CONFIGS, Recipe
+import stage_for_tests
+from geminicompress.runtime.pipeline import RunOptions
 
 runner = CliRunner()
 
@@ -158,15 +160,15 @@ def test_other_commands_refuse_too(models, cmd, args):
 
 def test_library_api_is_protected(models, tmp_path):
     """run_recipe and OutputDir refuse too, with no command in between."""
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.whole_model import run_whole_model
+    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.whole_model import run_whole_model
 
     model = models / "m"
     before = digest(models)
     recipe = validate({"model": str(model), "stages": [{"type": "prune", "sparsity": 0.5}]}, "test")
     for out in (model, models):
         with pytest.raises(InputError, match="which this run reads"):
-            run_recipe(recipe, out, force=True)
+            run_recipe(recipe, out, RunOptions(force=True))
         with pytest.raises(InputError, match="which this run reads"):
             run_whole_model(recipe, out, force=True)
         with pytest.raises(InputError, match="which this run reads"):
@@ -190,7 +192,7 @@ def test_force_through_a_link_replaces_our_previous_output(models, tmp_path, str
     link.symlink_to(previous, target_is_directory=True)
     before, kept = digest(models), digest(previous)
 
-    monkeypatch.setitem(methods.STAGES, "quantize:int8", ("stage_for_tests:explode", "model"))
+    monkeypatch.setitem(methods.STAGES, "quantize:int8", stage_for_tests.model_stage(stage_for_tests.explode))
     res = invoke("quantize", model, "-o", link, "--force", "--method", "int8", "--no-stream", "-q")
     assert res.exit_code == 1 and "stage failed halfway" in res.output, res.output
     assert digest(previous) == kept  # the old OUT is kept until the new one is complete

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from geminicompress import pipeline
-from geminicompress import preflight as preflight_mod
+from geminicompress.runtime import pipeline
+from geminicompress.runtime import preflight as preflight_mod
 from geminicompress.cli import app
-from geminicompress.errors import InputError
-from geminicompress.output import partial_dir
+from geminicompress.core.errors import InputError
+from geminicompress.host.output import partial_dir
 
 runner = CliRunner()
 

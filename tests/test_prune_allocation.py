@@ -11,7 +11,7 @@ from geminicompress.compress.prune.allocate import exact_counts, outlier_ratio, 
 from geminicompress.compress.prune.masks import row_mask_count
 from geminicompress.compress.prune.stage import prunable_weights
 from geminicompress.core.arch import arch_for
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.models.loading import load_model
 
 runner = CliRunner()

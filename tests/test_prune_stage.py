@@ -94,9 +94,10 @@ def test_global_scope_differs_per_layer_and_ignore(tiny_dir, tmp_path):
 
 def test_stage_sets_masks_for_distill(tiny_dir):
     from geminicompress.engine.contract import StageContext
-    from geminicompress.progress import NullProgress
-    from geminicompress.recipes.schema import PruneStage, Recipe
-    from geminicompress.stages import run_stage
+    from geminicompress.host.progress import NullProgress
+    from geminicompress.compress.prune.config import PruneStage
+    from geminicompress.runtime.recipes.schema import Recipe
+    from geminicompress.runtime.stages import run_stage
 
     loaded = load_model(str(tiny_dir))
     recipe = Recipe(model=str(tiny_dir), stages=[{"type": "prune", "sparsity": 0.95}])
@@ -143,7 +144,7 @@ def test_every_calibrated_criterion_is_a_schema_method_and_back():
     import typing
 
     from geminicompress.compress.prune.stage import CALIBRATED
-    from geminicompress.recipes.schema import PruneStage
+    from geminicompress.compress.prune.config import PruneStage
 
     assert set(typing.get_args(PruneStage.model_fields["method"].annotation)) == {"magnitude", *CALIBRATED}
 

@@ -14,8 +14,9 @@ from geminicompress.cli import app
 from geminicompress.compress.int8.config import Int8Stage
 from geminicompress.compress.prune.config import PruneStage
 from geminicompress.core.config import ignore_to_check
-from geminicompress.recipes.loader import bundled_recipes, recipe_yaml
-from geminicompress.recipes.schema import DEFAULT_STEPS, STAGE_CONFIGS, Recipe
+from geminicompress.runtime.recipes.loader import bundled_recipes, recipe_yaml
+from geminicompress.distill.config import DEFAULT_STEPS
+from geminicompress.runtime.recipes.schema import STAGE_CONFIGS, Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()

@@ -6,10 +6,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from geminicompress import methods, pipeline
+from geminicompress.runtime import methods, pipeline
 from geminicompress.cli import app
-from geminicompress.errors import InputError
-from geminicompress.recipes.loader import apply_overrides, bundled_recipes, load_recipe
+from geminicompress.core.errors import InputError
+from geminicompress.runtime.recipes.loader import apply_overrides, bundled_recipes, load_recipe
 
 runner = CliRunner()
 
@@ -109,5 +109,5 @@ def test_every_bundled_recipe_validates(tiny_dir):
     for name in names:
         recipe, _ = load_recipe(name, [f"model={tiny_dir}"])
         assert recipe.stages
-        for tag in (pipeline.stage_tag(s) for s in recipe.stages):
+        for tag in (methods.stage_tag(s) for s in recipe.stages):
             assert tag in methods.STAGES

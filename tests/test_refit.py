@@ -10,7 +10,7 @@ from tiny import prune_in_place, tiny_model
 from geminicompress.compress.prune.refit import refit_masked, subset_solve
 from geminicompress.core.arch import arch_for, get_module
 from geminicompress.distill.reconstruct import reconstruct
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 CPU = torch.device("cpu")
 

@@ -11,10 +11,10 @@ import torch.nn as nn
 from safetensors.torch import load_file
 from tiny import save_sharded
 
-from geminicompress.memory import release_weights
+from geminicompress.host.memory import release_weights
 from geminicompress.models.loading import load_model
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")
 MB = 1 << 20
@@ -65,19 +65,19 @@ def test_release_weights_skips_what_is_already_dropped():
 ], ids=["gptq", "awq"])
 def test_a_run_that_drops_finished_weights_writes_what_one_that_keeps_them_writes(tmp_path, text_file, stage,
                                                                                   monkeypatch):
-    import geminicompress.stages as stages
+    import geminicompress.runtime.stages as stages
 
     dropped: list[int] = []
     monkeypatch.setattr(stages, "release_weights", lambda m, names: dropped.append(release_weights(m, names)))
     src = save_sharded(tmp_path / "src", dtype=torch.float32)
     recipe = recipe_from_stage(str(src), stage, {"data": str(text_file), "samples": 4, "seq_len": 64}, "test")
-    owned = run_recipe(recipe, tmp_path / "owned", device=CPU, stream=False)  # loads the model itself: drops as it goes
+    owned = run_recipe(recipe, tmp_path / "owned", RunOptions(device=CPU, stream=False))  # loads the model itself: drops as it goes
     linears = sum(m.weight.numel() * 4 for n, m in load_model(str(src), trust_remote_code=False, allow_pickle=False,
                   allow_nonfinite=False).model.model.layers.named_modules() if isinstance(m, nn.Linear))
     assert sum(dropped) == linears  # every quantized linear of every layer, as its layer finished
     dropped.clear()
     loaded = load_model(str(src), trust_remote_code=False, allow_pickle=False, allow_nonfinite=False)
-    kept = run_recipe(recipe, tmp_path / "kept", device=CPU, stream=False, loaded=loaded)  # a caller's model: nothing dropped
+    kept = run_recipe(recipe, tmp_path / "kept", RunOptions(device=CPU, stream=False), loaded=loaded)  # a caller's model: nothing dropped
     a, b = _tensors(tmp_path / "owned"), _tensors(tmp_path / "kept")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -92,7 +92,7 @@ def test_a_checkpoint_file_is_read_into_memory_of_its_own_exactly(tmp_path):
     from safetensors.torch import save_file
 
     from geminicompress.formats.checkpoint import read_file
-    from geminicompress.memory import _file_mappings
+    from geminicompress.host.memory import _file_mappings
 
     g = torch.Generator().manual_seed(0)
     tensors = {"a": torch.randn(5, 7, generator=g), "b": torch.randn(3, generator=g).bfloat16(),

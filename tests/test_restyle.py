@@ -9,7 +9,7 @@ import torch
 from geminicompress.data import pack_windows, tokenize
 from geminicompress.data.restyle import MARKERS, Style, draw, restyle, restyle_line, stretches
 from geminicompress.distill.stage import restyled_windows
-from geminicompress.progress import NullProgress
+from geminicompress.host.progress import NullProgress
 
 TEXT = "\n".join(
     f"Paragraph {i}: a well-known author's 1,000.5 pages (and more). It isn't short; the end." for i in range(400)) + "\n"

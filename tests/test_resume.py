@@ -17,8 +17,8 @@ from geminicompress.cli import app
 from geminicompress.engine import layers as layers_mod
 from geminicompress.engine.sinks import ShardSink
 from geminicompress.formats.checkpoint import read_tensors
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")
 runner = CliRunner()
@@ -47,7 +47,7 @@ STAGES = {
 @pytest.mark.parametrize("name", list(STAGES))
 def test_a_killed_streamed_run_resumes_to_the_same_bytes(sharded, tmp_path, monkeypatch, name, kill_at):
     recipe = recipe_from_stage(str(sharded), STAGES[name], {"samples": 8, "seq_len": 32}, "test")
-    run_recipe(recipe, tmp_path / "straight", device=CPU, stream=True)
+    run_recipe(recipe, tmp_path / "straight", RunOptions(device=CPU, stream=True))
     finish = ShardSink.finish
 
     def killed(self, i, layer, summary, kept):
@@ -57,9 +57,9 @@ def test_a_killed_streamed_run_resumes_to_the_same_bytes(sharded, tmp_path, monk
 
     monkeypatch.setattr(ShardSink, "finish", killed)
     with pytest.raises(KeyboardInterrupt):
-        run_recipe(recipe, tmp_path / "resumed", device=CPU, stream=True)
+        run_recipe(recipe, tmp_path / "resumed", RunOptions(device=CPU, stream=True))
     monkeypatch.undo()
-    report = run_recipe(recipe, tmp_path / "resumed", device=CPU, stream=True)
+    report = run_recipe(recipe, tmp_path / "resumed", RunOptions(device=CPU, stream=True))
     if name != "sparsegpt":  # (a prune stage's `layers` are its linears' rows)
         assert [bool(x.get("resumed")) for x in report["stages"][0]["result"]["layers"]] == [i < kill_at for i in range(4)]
     _same(tmp_path / "straight", tmp_path / "resumed")
@@ -82,13 +82,13 @@ def test_awq_keeps_the_exact_inputs_and_gptq_recomputes_them_batched_as_before(s
         monkeypatch.setattr(ShardSink, "finish", lambda self, i, *a: (_ for _ in ()).throw(KeyboardInterrupt) if i == 2
                             else finish(self, i, *a))
         with pytest.raises(KeyboardInterrupt):
-            run_recipe(recipe, tmp_path / name, device=CPU, stream=True)
+            run_recipe(recipe, tmp_path / name, RunOptions(device=CPU, stream=True))
         state = tmp_path / f".{name}.partial" / "state" / "stream" / "inputs"
         assert state.is_dir() == kept_inputs
         monkeypatch.setattr(ShardSink, "finish", finish)
         monkeypatch.setattr("geminicompress.engine.walk.forward_layer", spy)
         calls.clear()
-        run_recipe(recipe, tmp_path / name, device=CPU, stream=True)
+        run_recipe(recipe, tmp_path / name, RunOptions(device=CPU, stream=True))
         monkeypatch.setattr("geminicompress.engine.walk.forward_layer", real)
         if name == "gptq":
             assert calls[:2] == [4, 4]  # layers 0 and 1 recomputed in the one pass's batches

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from geminicompress.errors import GeminiError
-from geminicompress.output import partial_dir
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.core.errors import GeminiError
+from geminicompress.host.output import partial_dir
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")
 STAGES = {
@@ -25,12 +25,12 @@ STAGES = {
 
 
 def _killed_then_resumed(recipe, out: Path, stream: bool, crash_and_resume, kill_at: int = 2, between=None) -> dict:
-    crash_and_resume.kill(lambda: run_recipe(recipe, out, device=CPU, stream=stream), at=kill_at,
+    crash_and_resume.kill(lambda: run_recipe(recipe, out, RunOptions(device=CPU, stream=stream)), at=kill_at,
                           error=KeyboardInterrupt())
     assert partial_dir(out).is_dir()
     if between is not None:
         between(partial_dir(out))
-    return run_recipe(recipe, out, device=CPU, stream=stream)
+    return run_recipe(recipe, out, RunOptions(device=CPU, stream=stream))
 
 
 @pytest.mark.parametrize("name, stream", [("gptq", False), ("int8", False), ("gptq", True), ("rtn", True),
@@ -69,7 +69,7 @@ def test_an_in_memory_w8a8_run_killed_while_writing_resumes_to_the_same_bytes(sh
 
     recipe = recipe_from_stage(str(sharded), {"type": "quantize", "method": "w8a8"}, {"samples": 4, "seq_len": 32},
                                "test")
-    run_recipe(recipe, tmp_path / "straight", device=CPU, stream=False)
+    run_recipe(recipe, tmp_path / "straight", RunOptions(device=CPU, stream=False))
     report = _killed_then_resumed(recipe, tmp_path / "out", False, crash_and_resume, kill_at=1)
     assert "skipped" not in report["export"]["verified"]
     a, b = read_tensors(tmp_path / "straight"), read_tensors(tmp_path / "out")

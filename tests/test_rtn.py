@@ -11,8 +11,8 @@ from geminicompress.cli import app
 from geminicompress.core.grid import QuantSpec, rtn_quantize
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.models.loading import load_model
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 CPU = torch.device("cpu")
 
@@ -21,7 +21,7 @@ def _rtn(model_dir, out, **stage):
     recipe = recipe_from_stage(str(model_dir), {"type": "quantize", "method": "rtn", **stage}, {}, "test")
     loaded = load_model(str(model_dir))
     original = {n: p.detach().clone() for n, p in loaded.model.named_parameters()}
-    report = run_recipe(recipe, out, device=CPU, loaded=loaded)
+    report = run_recipe(recipe, out, RunOptions(device=CPU), loaded=loaded)
     return loaded.model, original, report
 
 

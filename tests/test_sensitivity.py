@@ -7,11 +7,11 @@ import torch
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
-from geminicompress.compress.sensitivity.measure import measure_sensitivity, spearman
+from geminicompress.compress.sensitivity.measure import measure_sensitivity, spearman, SensitivitySettings
 from geminicompress.compress.sensitivity.options import parse_options
 from geminicompress.compress.targets import decoder_linears as quantizable
 from geminicompress.core.arch import arch_for
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 runner = CliRunner()
 
@@ -23,7 +23,7 @@ def windows(n=3, T=32, vocab=384):
 def test_table_shapes_and_monotone_drift(model):
     options = parse_options("magnitude:0.2,magnitude:0.8,gptq:b8g-1,gptq:b2g16")
     keep = set(quantizable(model, arch_for(model), []))
-    table = measure_sensitivity(model, windows(), options, keep=keep, measure="both", kl_windows=2)
+    table = measure_sensitivity(model, windows(), options, SensitivitySettings(keep=keep, measure="both", kl_windows=2))
     assert len(table["units"]) == 2 * 7 and table["options"] == [o.label for o in options]
     for u in table["units"]:
         kl = u["kl"]
@@ -38,7 +38,7 @@ def test_table_shapes_and_monotone_drift(model):
 
 def test_fused_units_and_ignore(model):
     keep = {n for n in quantizable(model, arch_for(model), []) if "layers.1" in n}
-    table = measure_sensitivity(model, windows(), parse_options("rtn:b4g16"), keep=keep, fuse=True)
+    table = measure_sensitivity(model, windows(), parse_options("rtn:b4g16"), SensitivitySettings(keep=keep, fuse=True))
     assert [u["name"].split(".", 3)[-1] for u in table["units"]] == [
         "self_attn.q_proj+self_attn.k_proj+self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj+mlp.up_proj",
         "mlp.down_proj"]
@@ -47,7 +47,8 @@ def test_fused_units_and_ignore(model):
 
 def test_no_change_no_drift(model):
     keep = set(quantizable(model, arch_for(model), []))
-    table = measure_sensitivity(model, windows(), parse_options("gptq:b8g16"), keep=keep, measure="kl")
+    table = measure_sensitivity(model, windows(), parse_options("gptq:b8g16"), SensitivitySettings(keep=keep,
+                                                                                                   measure="kl"))
     assert max(u["kl"][0] for u in table["units"]) < 1e-3  # 8-bit is nearly lossless
 
 

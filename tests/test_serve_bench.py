@@ -14,13 +14,14 @@ import torch
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.eval.serving import table as serve_table
 from geminicompress.eval.serving.bench import ServeOptions, serve_bench
 from geminicompress.eval.serving.hf import HFFlags, serve
 from geminicompress.eval.serving.rows import ROWS, hf_rows, vllm_rows
 from geminicompress.eval.serving.servers import Models, vllm_job
 from geminicompress.eval.serving.workload import WorkloadSpec, arrivals, build_workload, check_spec
+from geminicompress.runtime.pipeline import RunOptions
 
 runner = CliRunner()
 FAKE = Path(__file__).parent / "fake_vllm"
@@ -211,16 +212,15 @@ def test_cli_bad_input_is_one_line_exit_2_before_any_model_loads(tiny_dir, tmp_p
 
 def test_recipe_eval_stage_builds_the_serving_table_with_the_w8a8_output(tiny_dir, text_file, tmp_path):
     from geminicompress.models.loading import load_model
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import validate
+    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.recipes.loader import validate
 
     recipe = validate({"model": str(tiny_dir), "calibration": {"data": str(text_file), "samples": 2, "seq_len": 64},
                        "stages": [{"type": "quantize", "method": "w8a8"},
                                   {"type": "eval", "latency": False, "seq_len": 64, "max_tokens": 256,
                                    "serving": {"requests": 3, "prefix_len": 32, "question_len": 16, "answer_len": 3,
                                                "max_batch": 2, "ppl_tokens": 512}}]}, "test")
-    report = run_recipe(recipe, tmp_path / "out", device=torch.device("cpu"), loaded=load_model(str(tiny_dir)),
-                        stream=False)
+    report = run_recipe(recipe, tmp_path / "out", RunOptions(device=torch.device("cpu"), stream=False), loaded=load_model(str(tiny_dir)))
     serving = report["stages"][1]["result"]["serving"]
     assert serving["report"] == "eval/serving/serving.json"
     saved = json.loads((tmp_path / "out" / "eval" / "serving" / "serving.json").read_text())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.eval.serving import table as serve_table
 from geminicompress.eval.serving.bench import check_load
 from geminicompress.eval.serving.metrics import RequestTiming

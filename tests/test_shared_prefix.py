@@ -11,7 +11,7 @@ from geminicompress.core.arch import decoder_layers
 from geminicompress.distill.shared_prefix import TeacherInput, prefix_length, starting_at
 from geminicompress.distill.student import derive_student
 from geminicompress.distill.train import TrainRun, train
-from geminicompress.recipes.schema import DistillStage
+from geminicompress.distill.config import DistillStage
 
 CPU = torch.device("cpu")
 

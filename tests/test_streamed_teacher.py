@@ -13,7 +13,8 @@ from tiny import save_sharded
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from geminicompress import memory, pipeline
+from geminicompress.host import memory
+from geminicompress.runtime import pipeline
 from geminicompress.cli import app
 from geminicompress.distill import streamed_teacher as ST
 from geminicompress.distill.stage import _teacher_ppl

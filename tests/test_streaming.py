@@ -17,14 +17,14 @@ from typer.testing import CliRunner
 
 from geminicompress.cli import app
 from geminicompress.engine.sinks import ShardSink
-from geminicompress.errors import GeminiError, InputError
+from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.formats import shards as shards_mod
 from geminicompress.formats.bits import unpack_bits
 from geminicompress.formats.checkpoint import read_tensors
 from geminicompress.formats.shards import DiskFullError, ShardWriter
 from geminicompress.models.lazy import LazyCheckpoint, LazyTensors
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 runner = CliRunner()
 
@@ -50,7 +50,7 @@ def invoke(*args):
 
 
 def run_streamed(recipe, out: Path, **kwargs) -> dict:
-    return run_recipe(recipe, out, stream=True, device=torch.device("cpu"), **kwargs)
+    return run_recipe(recipe, out, RunOptions(stream=True, device=torch.device("cpu"), **kwargs))
 
 
 # ---- the lazy checkpoint ----

@@ -17,8 +17,8 @@ from geminicompress.cli import app
 from geminicompress.engine import layers as layerwise
 from geminicompress.engine.compose import OnePassFn, compose
 from geminicompress.formats.checkpoint import read_tensors
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 runner = CliRunner()
 CALIB = ["--samples", "4", "--calib-seq-len", "48"]
@@ -30,7 +30,7 @@ def _untimed(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "layer_seconds"} for r in rows]
 
 def run_streamed(recipe, out, **kwargs) -> dict:
-    return run_recipe(recipe, out, stream=True, device=torch.device("cpu"), **kwargs)
+    return run_recipe(recipe, out, RunOptions(stream=True, device=torch.device("cpu"), **kwargs))
 
 
 def invoke(*args):

@@ -14,11 +14,11 @@ from typer.testing import CliRunner
 
 from geminicompress.cli import app
 from geminicompress.engine import verify
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 from geminicompress.formats import gptq as gptq_format
 from geminicompress.models.loading import load_model
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.loader import recipe_from_stage
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
+from geminicompress.runtime.recipes.loader import recipe_from_stage
 
 runner = CliRunner()
 CPU = torch.device("cpu")
@@ -37,7 +37,7 @@ def fp32(tmp_path_factory) -> Path:
 
 def _run(model_dir: Path, stage: dict, out: Path, *, stream: bool, data: Path, **top) -> dict:
     recipe = recipe_from_stage(str(model_dir), stage, {"data": str(data), "samples": 4, "seq_len": 64}, "test", **top)
-    return run_recipe(recipe, out, device=CPU, stream=stream)
+    return run_recipe(recipe, out, RunOptions(device=CPU, stream=stream))
 
 
 STAGES = {
@@ -138,7 +138,7 @@ def test_in_process_model_holds_the_stored_values_after_the_check(fp32, text_fil
     """After the check the in-memory model computes what OUT computes (its floats rounded as stored)."""
     recipe = recipe_from_stage(str(fp32), STAGES["int8"], {}, "test", output={"dtype": "bfloat16"})
     loaded = load_model(str(fp32))
-    run_recipe(recipe, tmp_path / "o", device=CPU, loaded=loaded)
+    run_recipe(recipe, tmp_path / "o", RunOptions(device=CPU), loaded=loaded)
     ids = torch.randint(0, 384, (1, 16), generator=torch.Generator().manual_seed(1))
     back = load_model(str(tmp_path / "o"), dtype=torch.float32).model
     with torch.no_grad():

@@ -16,11 +16,11 @@ import torch
 from typer.testing import CliRunner
 
 from geminicompress.cli import app
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.eval.engines import vllm_engine as vllm_engine
 from geminicompress.eval.engines.vllm_eval import latency_tasks, quality_from_logprobs
 from geminicompress.eval.serving.metrics import RequestTiming, from_vllm, summarize, token_agreement
-from geminicompress.recipes.schema import EvalStage
+from geminicompress.eval.config import EvalStage
 
 FAKE = Path(__file__).parent / "fake_vllm"
 runner = CliRunner()

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from geminicompress.cli import app
 from geminicompress.formats.checkpoint import read_tensors
-from geminicompress.output import partial_dir
+from geminicompress.host.output import partial_dir
 
 runner = CliRunner()
 COMMANDS = {"int8": ["quantize", "--method", "int8"], "gptq": ["quantize", "--method", "gptq", "--group-size", "32"],

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.modeling_outputs import CausalLMOutput
 
 from geminicompress.core.trace import find_layers
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -50,8 +50,8 @@ QUANT_ROWS = {  # label -> gptq stage options
 def prune_row(demo: Path, calib: torch.Tensor, options: dict, work: Path) -> tuple[object, dict]:
     """Fresh demo model through the real prune stage (no export); returns (model, stage summary)."""
     from geminicompress.models.loading import load_model
-    from geminicompress.recipes.schema import PruneStage
-    from geminicompress.stages import run_stage
+    from geminicompress.compress.prune.config import PruneStage
+    from geminicompress.runtime.stages import run_stage
 
     loaded = load_model(str(demo))
     stage = {"type": "prune", "sparsity": 0.4, **options}
@@ -66,7 +66,7 @@ def quant_row(demo: Path, calib: torch.Tensor, options: dict, work: Path, sensit
     `stage_seconds` is the stage alone (no model loading)."""
     from geminicompress.compress.gptq.config import GPTQStage
     from geminicompress.models.loading import load_model
-    from geminicompress.stages import run_stage
+    from geminicompress.runtime.stages import run_stage
 
     loaded = load_model(str(demo))
     stage = {"type": "quantize", "method": "gptq", **options}
@@ -93,7 +93,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
 
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
     from geminicompress.models.loading import demo_dir, load_model
 
     demo = demo_dir()

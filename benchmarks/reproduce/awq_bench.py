@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import DATA, RESULTS, ROOT, calibration_ids, ensure_llmc_venv, eval_windows, perplexity, round_to_nearest  # noqa: E402
+from geminicompress.runtime.pipeline import RunOptions
 
 
 def rtn_model(model_dir: Path, bits: int, group: int, layers: int | None):
@@ -47,8 +48,8 @@ def truncate(model, layers: int | None):
 def run_ours(model_dir: Path, method: str, bits: int, group: int, windows: int, out: Path, layers: int | None,
              search_windows: int) -> dict:
     from geminicompress.models.loading import load_model
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import recipe_from_stage
+    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.recipes.loader import recipe_from_stage
 
     fmt = "awq" if bits == 4 else "dense"
     stage = {"type": "quantize", "method": method, "bits": bits, "group_size": group, "format": fmt,
@@ -58,7 +59,7 @@ def run_ours(model_dir: Path, method: str, bits: int, group: int, windows: int, 
     loaded = load_model(str(model_dir))
     truncate(loaded.model, layers)
     t0 = time.perf_counter()
-    report = run_recipe(recipe, out, force=True, device=torch.device("cpu"), loaded=loaded)
+    report = run_recipe(recipe, out, RunOptions(force=True, device=torch.device("cpu")), loaded=loaded)
     wall = time.perf_counter() - t0
     back = load_model(str(out)).model
     return {"model": back, "search_s": report["stages"][0]["seconds"], "wall_s": wall, "format": fmt}
@@ -99,7 +100,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
 
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
     from geminicompress.models.loading import demo_dir, load_model
 
     model_dir = demo_dir()

@@ -35,7 +35,7 @@ from common import RESULTS, eval_windows  # noqa: E402
 
 from geminicompress.eval.cost.latency import greedy_run, prompt_batch  # noqa: E402
 from geminicompress.eval.engines.torch_kernels import use_fast_kernels  # noqa: E402
-from geminicompress.machine import machine, versions  # noqa: E402
+from geminicompress.host.machine import machine, versions  # noqa: E402
 from geminicompress.models.loading import load_model  # noqa: E402
 
 GIB = 2**30

@@ -43,9 +43,9 @@ from geminicompress.distill.student import derive_student, n_params  # noqa: E40
 from geminicompress.distill.train import Guides, TrainRun, train  # noqa: E402
 from geminicompress.eval.quality.perplexity import perplexity  # noqa: E402
 from geminicompress.eval.speculative import generation_speed, measure_speculative  # noqa: E402
-from geminicompress.machine import machine, versions  # noqa: E402
+from geminicompress.host.machine import machine, versions  # noqa: E402
 from geminicompress.models.loading import load_model  # noqa: E402
-from geminicompress.recipes.schema import DistillStage  # noqa: E402
+from geminicompress.distill.config import DistillStage  # noqa: E402
 
 CPU = torch.device("cpu")
 

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from geminicompress.eval.api import evaluate
+from geminicompress.eval.api import EvalSetup, evaluate
 from geminicompress.eval.report import write_report
 from geminicompress.eval.table import rich_table
-from geminicompress.machine import machine, versions
+from geminicompress.host.machine import machine, versions
 from geminicompress.models.loading import load_model
-from geminicompress.recipes.schema import EvalStage
+from geminicompress.eval.config import EvalStage
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data" / "wikitext2-test.txt"
@@ -71,7 +71,7 @@ def main() -> None:
             opts.update(prompt_len=64, gen_len=16, batch_sizes=[1, 4], repeats=2)
         t0 = time.perf_counter()
         report = evaluate([str(bf16)], "smollm2-demo", str(DATA), None, EvalStage(**opts),
-                          device=torch.device("cpu"), names={str(bf16): "demo-bf16"})
+                          setup=EvalSetup(device=torch.device("cpu"), names={str(bf16): "demo-bf16"}))
         eval_s = time.perf_counter() - t0
     report["models"][1]["path"] = "(temporary bf16 copy of smollm2-demo)"
     ours = report["models"][0]["quality"]["perplexity"]

@@ -269,7 +269,7 @@ def main() -> None:
                     "same protocol)")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
 
     work, rows, python = Path(args.work), [r for r in args.rows.split(",") if r], llama_python()
     skipped = {} if args.score_only else build(work, rows, python)

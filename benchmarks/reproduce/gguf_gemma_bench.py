@@ -79,7 +79,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from geminicompress.eval.engines.llama_eval import quality_from_llama, run_driver
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
     from geminicompress.models.loading import load_model
 
     python, ours = llama_python(), Path(args.ours) if args.ours else None

@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--name", default="gguf_gemma_bos")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
     from geminicompress.models.loading import load_model
 
     python, work = llama_python(), Path(args.work)

@@ -67,8 +67,8 @@ def ours(model, tok, method: str, alpha: float | None, calib: torch.Tensor, work
     from geminicompress.compress.int8 import stage
     from geminicompress.compress.int8.config import Int8Stage
     from geminicompress.models.loading import load_model
-    from geminicompress.progress import NullProgress
-    from geminicompress.recipes.schema import Recipe
+    from geminicompress.host.progress import NullProgress
+    from geminicompress.runtime.recipes.schema import Recipe
 
     m = copy.deepcopy(model)
     recipe = Recipe(model="smollm2-demo", stages=[{"type": "quantize", "method": method}])
@@ -167,7 +167,7 @@ def main() -> None:
     torch.manual_seed(0)
 
     from geminicompress.data.windows import calibration_windows, pack_windows, tokenize
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
     from geminicompress.models.loading import load_model
 
     n_windows, repeats = (8, 2) if args.quick else (40, args.repeats)

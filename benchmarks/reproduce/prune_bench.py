@@ -53,8 +53,8 @@ def prune_in_process(demo: Path, calib: torch.Tensor, method: str, scope: str, s
                      pattern: str | None, work: Path, true_sequential: bool = True) -> tuple[object, dict]:
     """Fresh demo model through the real prune stage (no export); returns (model, stage summary)."""
     from geminicompress.models.loading import load_model
-    from geminicompress.recipes.schema import PruneStage
-    from geminicompress.stages import run_stage
+    from geminicompress.compress.prune.config import PruneStage
+    from geminicompress.runtime.stages import run_stage
 
     loaded = load_model(str(demo))
     stage = {"type": "prune", "method": method, "scope": scope}
@@ -107,7 +107,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
 
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
     from geminicompress.models.loading import demo_dir, load_model
 
     demo = demo_dir()

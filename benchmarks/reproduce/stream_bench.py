@@ -113,7 +113,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     checks = [{"path": str(p), **load_check(p)} for p in a.load_check]
     result = {"model": a.model, "runs": rows, "load_checks": checks}
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
 
     result.update({"machine": machine(), "versions": versions(),
                    "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

@@ -162,7 +162,7 @@ def main() -> None:
     dest = RESULTS / ("stream_methods_timing.json" if a.time else "stream_methods_demo.json")
     result = json.loads(dest.read_text()) if dest.is_file() else {"runs": {}}
     rows = timing(names, a.work, a.repeats, result["runs"]) if a.time else equality(names, a.work, a.ppl)
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
 
     result["runs"].update(rows)
     result.update({"machine": machine(), "versions": versions(),

@@ -84,7 +84,7 @@ def main() -> None:
         print(f"{r['case']:<12} {r['runs']:>4} {r['stream_wall_s']:>11.2f} {r['in_memory_wall_s']:>12.2f} "
               f"{r['ratio']:>5.2f}x {r['stream_peak_mib']:>6}/{r['in_memory_peak_mib']}")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
 
     result = {"model": model, "rows": rows, "load_before": load_before, "load_after": load_after,
               "machine": machine(), "versions": versions()}

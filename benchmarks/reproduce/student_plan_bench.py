@@ -43,7 +43,7 @@ from geminicompress.distill.repair import RepairSpec  # noqa: E402
 from geminicompress.distill.student import derive_student, keep_layers, n_params  # noqa: E402
 from geminicompress.distill.survey import Compute, walk  # noqa: E402
 from geminicompress.eval.quality.perplexity import perplexity  # noqa: E402
-from geminicompress.machine import machine, versions  # noqa: E402
+from geminicompress.host.machine import machine, versions  # noqa: E402
 from geminicompress.models.loading import load_model  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -201,7 +201,7 @@ def main() -> None:
         save()
     if "train" in phases:
         from geminicompress.distill.train import TrainRun, train
-        from geminicompress.recipes.schema import DistillStage
+        from geminicompress.distill.config import DistillStage
 
         train_text = tokenize(tok, (DATA / "enwiki-sample.txt").read_text())
         windows = pack_windows(train_text, SEQ_LEN)

@@ -36,7 +36,7 @@ from geminicompress.eval.engines.torch_kernels import expects_int4, use_fast_ker
 from geminicompress.eval.engines.vllm_engine import check_vllm, run_driver  # noqa: E402
 from geminicompress.eval.engines.vllm_eval import engine_dtype, model_path  # noqa: E402
 from geminicompress.eval.quality.perplexity import perplexity  # noqa: E402
-from geminicompress.machine import machine, versions  # noqa: E402
+from geminicompress.host.machine import machine, versions  # noqa: E402
 from geminicompress.models.loading import load_model  # noqa: E402
 
 # name -> what it is (the folder under --models-dir; "smollm2-demo" is the fp32 demo itself)

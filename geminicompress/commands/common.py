@@ -18,13 +18,13 @@ from rich.console import Console
 from typer.core import TyperCommand
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from geminicompress.diskerrors import disk_errno, disk_error
-from geminicompress.errors import GeminiError, InputError
-from geminicompress.output import check_output_path, resume_threads
-from geminicompress.pipeline import default_device, fingerprint, run_recipe
-from geminicompress.recipes.inputs import recipe_inputs
-from geminicompress.recipes.loader import recipe_from_stage
-from geminicompress.threads import apply_threads, choose_threads
+from geminicompress.host.diskerrors import disk_errno, disk_error
+from geminicompress.core.errors import GeminiError, InputError
+from geminicompress.host.output import check_output_path, resume_threads
+from geminicompress.runtime.pipeline import default_device, fingerprint, run_recipe, RunOptions
+from geminicompress.runtime.recipes.inputs import recipe_inputs
+from geminicompress.runtime.recipes.loader import recipe_from_stage
+from geminicompress.host.threads import apply_threads, choose_threads
 
 console = Console(stderr=True)
 out_console = Console()
@@ -73,7 +73,7 @@ class _RichTask:
 
 
 class RichProgress:
-    """`geminicompress.progress.Progress` drawn with rich bars on stderr."""
+    """`geminicompress.host.progress.Progress` drawn with rich bars on stderr."""
     def __init__(self, quiet: bool = False) -> None:
         self.quiet = quiet
 
@@ -197,8 +197,8 @@ def run_single_stage(model: str, stage: dict, out: Path, run: dict[str, Any], so
     check_output_path(out, run["force"], recipe_inputs(recipe))
     dev = parse_device(run["device"])
     choice = use_threads(run["threads"], recipe.threads, out, recipe)
-    report = run_recipe(recipe, out, force=run["force"], progress=RichProgress(run["quiet"]), device=dev,
-                        command=sys.argv, stream=run["stream"], verify=not run["no_verify"])
+    report = run_recipe(recipe, out, RunOptions(force=run["force"], progress=RichProgress(run["quiet"]), device=dev,
+                                                command=sys.argv, stream=run["stream"], verify=not run["no_verify"]))
     console.print(wrote_line(out, report["total_seconds"], choice), highlight=False, soft_wrap=True)
     return report
 

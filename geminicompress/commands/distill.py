@@ -8,7 +8,7 @@ from typing import Any, Optional
 import typer
 
 from geminicompress.commands import common as c
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 
 def _parse_layers(text: str) -> int | float | list[int]:
@@ -32,7 +32,8 @@ def _check_before_load(teacher: str, layers: int | float | list[int] | None, cut
     from geminicompress.models.demo import demo_cache_dir
     from geminicompress.models.lazy import skeleton
     from geminicompress.models.loading import resolve_model
-    from geminicompress.preflight import check_cut, read_config
+    from geminicompress.distill.student import check_student_layers
+    from geminicompress.runtime.preflight import read_config
 
     source = resolve_model(teacher)
     path = source.path if source.kind == "dir" else demo_cache_dir() if source.kind == "demo" else None
@@ -40,7 +41,9 @@ def _check_before_load(teacher: str, layers: int | float | list[int] | None, cut
     if config is None:
         return  # a hub id or .gguf: checked once it loads
     model_type = config.get("model_type")
-    check_cut(config, layers, mlp_ratio)
+    n_layers = config.get("num_hidden_layers")
+    if layers is not None and isinstance(n_layers, int):
+        check_student_layers(n_layers, layers, mlp_ratio)
     if cuts or target_latency is not None:  # the decoder blocks, traced on the config's skeleton (no weight read)
         try:
             model = skeleton(path, False)
@@ -114,7 +117,7 @@ def distill(
       accelerate launch -m geminicompress distill --teacher big-model \\
           --student small-model --data train.jsonl -o out
     """
-    from geminicompress.recipes.schema import parse_latency
+    from geminicompress.distill.config import parse_latency
 
     try:
         latency = parse_latency(target_latency) if target_latency is not None else None

@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from geminicompress.commands import common as c
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -76,12 +76,12 @@ def eval_(
     from pydantic import ValidationError
 
     from geminicompress.data import check_data_spec
-    from geminicompress.eval.api import evaluate
+    from geminicompress.eval.api import EvalSetup, evaluate
     from geminicompress.eval.report import write_report
     from geminicompress.eval.table import llama_lines, rich_table, same_dtype_lines
-    from geminicompress.output import OutputDir, check_output_path
-    from geminicompress.recipes.inputs import model_inputs
-    from geminicompress.recipes.schema import EvalStage
+    from geminicompress.host.output import OutputDir, check_output_path
+    from geminicompress.runtime.recipes.inputs import model_inputs
+    from geminicompress.eval.config import EvalStage
 
     given = {"seq_len": seq_len, "max_tokens": max_tokens, "prompt_len": prompt_len, "gen_len": gen_len,
              "repeats": repeats, "warmup": warmup, "draft": draft,
@@ -101,8 +101,8 @@ def eval_(
     check_output_path(output, force, inputs)
     dev = c.parse_device(device)
     choice = c.use_threads(threads, None)
-    report = evaluate(models, baseline or models[0], data, None, options, c.RichProgress(quiet), device=dev,
-                      trust_remote_code=trust, allow_pickle=allow_pickle, stream=stream)
+    report = evaluate(models, baseline or models[0], data, None, options, c.RichProgress(quiet),
+                      setup=EvalSetup(device=dev, trust_remote_code=trust, allow_pickle=allow_pickle, stream=stream))
     with OutputDir(output, force, inputs=inputs) as tmp:
         write_report(report, tmp)
     c.out_console.print(rich_table(report, c.out_console.width))

@@ -8,7 +8,7 @@ from typing import Any
 import typer
 
 from geminicompress.commands import common as c
-from geminicompress.recipes.schema import PruneStage
+from geminicompress.compress.prune.config import PruneStage
 
 PRUNE_OPTIONS = c.stage_options({"prune": PruneStage}, skip={"type", "data"})
 

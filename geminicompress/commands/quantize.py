@@ -1,4 +1,4 @@
-"""`geminicompress quantize`: one quantization stage; the methods come from the registry (methods.py)."""
+"""`geminicompress quantize`: one quantization stage; the methods come from the registry (runtime/methods.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any, Optional
 import typer
 
 from geminicompress.commands import common as c
-from geminicompress.errors import InputError
-from geminicompress.methods import METHODS
+from geminicompress.core.errors import InputError
+from geminicompress.runtime.methods import METHODS
 
 _METHOD_HELP = "; ".join(f"{name}: {m.help}" for name, m in METHODS.items())
 

@@ -8,9 +8,9 @@ import typer
 from rich.table import Table
 
 from geminicompress.commands import common as c
-from geminicompress.errors import InputError
-from geminicompress.recipes.loader import bundled_recipes, read_yaml
-from geminicompress.recipes.schema import stage_tag
+from geminicompress.core.errors import InputError
+from geminicompress.runtime.recipes.loader import bundled_recipes, read_yaml
+from geminicompress.runtime.recipes.schema import stage_tag
 
 
 @c.handle_errors

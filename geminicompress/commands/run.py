@@ -11,10 +11,10 @@ import typer
 
 from geminicompress.commands import common as c
 from geminicompress.eval.table import rich_table
-from geminicompress.output import check_output_path
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.inputs import recipe_inputs
-from geminicompress.recipes.loader import load_recipe
+from geminicompress.host.output import check_output_path
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
+from geminicompress.runtime.recipes.inputs import recipe_inputs
+from geminicompress.runtime.recipes.loader import load_recipe
 
 
 @c.handle_errors
@@ -39,8 +39,8 @@ def run(
     check_output_path(output, force, recipe_inputs(parsed, path))
     dev = c.parse_device(device)
     choice = c.use_threads(threads, parsed.threads, output, parsed)
-    report = run_recipe(parsed, output, force=force, progress=c.RichProgress(quiet), device=dev, command=sys.argv,
-                        stream=stream, verify=not no_verify)
+    report = run_recipe(parsed, output, RunOptions(force=force, progress=c.RichProgress(quiet), device=dev,
+                                                   command=sys.argv, stream=stream, verify=not no_verify))
     c.console.print(c.wrote_line(output, report["total_seconds"], choice), highlight=False, soft_wrap=True)
     _print_eval_tables(report, output)
 

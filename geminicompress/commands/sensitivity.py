@@ -9,16 +9,16 @@ from typing import List, Optional
 import typer
 
 from geminicompress.commands import common as c
-from geminicompress.compress.sensitivity.measure import MEASURES, measure_sensitivity
+from geminicompress.compress.sensitivity.measure import MEASURES, measure_sensitivity, SensitivitySettings
 from geminicompress.compress.sensitivity.options import parse_options
 from geminicompress.compress.sensitivity.plot import write_heatmap
 from geminicompress.compress.targets import decoder_linears as quantizable
 from geminicompress.core.arch import arch_for
 from geminicompress.data.windows import calibration_windows, vocab_of
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.models.loading import load_model
-from geminicompress.output import OutputDir, check_output_path, write_json
-from geminicompress.recipes.inputs import model_inputs
+from geminicompress.host.output import OutputDir, check_output_path, write_json
+from geminicompress.runtime.recipes.inputs import model_inputs
 
 DEFAULT_OPTIONS = "gptq:b4g64,gptq:b3g64"
 
@@ -70,8 +70,10 @@ def sensitivity(
     windows = calibration_windows(loaded.tokenizer, data or "builtin:pydoc", samples or 32, calib_seq_len or 512,
                                   seed, text_column, frame, vocab_of(loaded.model))
     t0 = time.perf_counter()
-    table = measure_sensitivity(loaded.model, windows, parsed, keep=keep, kl_windows=kl_windows, measure=measure,
-                                fuse=fuse, device=dev, progress=progress, seed=seed)
+    table = measure_sensitivity(loaded.model, windows, parsed, SensitivitySettings(keep=keep, kl_windows=kl_windows,
+                                                                                   measure=measure, fuse=fuse,
+                                                                                   device=dev, progress=progress,
+                                                                                   seed=seed))
     table.update(model=model, data=data or "builtin:pydoc", seconds=round(time.perf_counter() - t0, 3),
                  threads=choice.threads)
     with OutputDir(output, force, inputs=inputs) as tmp:

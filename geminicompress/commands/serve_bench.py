@@ -71,14 +71,14 @@ def serve_bench(
           --engine vllm --vllm-python ~/venv-vllm/bin/python
     """
     from geminicompress.data import check_data_spec
-    from geminicompress.errors import InputError
+    from geminicompress.core.errors import InputError
     from geminicompress.eval.serving import table as serve_table
     from geminicompress.eval.serving.bench import ServeOptions
     from geminicompress.eval.serving.bench import serve_bench as run
     from geminicompress.eval.serving.servers import Models
     from geminicompress.eval.serving.workload import WorkloadSpec
-    from geminicompress.output import OutputDir, check_output_path
-    from geminicompress.recipes.inputs import model_inputs
+    from geminicompress.host.output import OutputDir, check_output_path
+    from geminicompress.runtime.recipes.inputs import model_inputs
 
     if engine not in ("transformers", "vllm", "llama.cpp"):
         raise InputError(f"--engine must be transformers, vllm or llama.cpp, got '{engine}'")

@@ -18,11 +18,11 @@ from geminicompress.commands import common as c
 from geminicompress.commands.quantize import parse_percent
 from geminicompress.compress.gptq.allocate import ALLOCATION_FILE
 from geminicompress.eval.api import baseline_kept
-from geminicompress.output import check_output_path
-from geminicompress.pipeline import run_recipe
-from geminicompress.recipes.inputs import model_inputs
-from geminicompress.recipes.loader import validate
-from geminicompress.tune import run_tune
+from geminicompress.host.output import check_output_path
+from geminicompress.runtime.pipeline import RunOptions, run_recipe
+from geminicompress.runtime.recipes.inputs import model_inputs
+from geminicompress.runtime.recipes.loader import validate
+from geminicompress.runtime.tune import run_tune
 
 
 @c.handle_errors
@@ -81,7 +81,7 @@ def tune(
         if first:  # the stage's own spec: the first option (every module gets one from the allocation)
             quant.update(bits=int(first.group(1)), group_size=int(first.group(2)))
         recipe = validate({**base, "stages": [quant, evaluation]}, "tune options")
-        report = run_recipe(recipe, folder, force=True, progress=progress, device=dev, command=sys.argv)
+        report = run_recipe(recipe, folder, RunOptions(force=True, progress=progress, device=dev, command=sys.argv))
         return report, json.loads((folder / ALLOCATION_FILE).read_text())
 
     with baseline_kept():  # the input model's figures measured in round 1, reused by the later rounds

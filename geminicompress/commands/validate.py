@@ -7,9 +7,9 @@ from typing import List, Optional
 import typer
 
 from geminicompress.commands import common as c
-from geminicompress.errors import InputError
-from geminicompress.recipes.loader import json_schema, load_recipe
-from geminicompress.recipes.schema import stage_tag
+from geminicompress.core.errors import InputError
+from geminicompress.runtime.recipes.loader import json_schema, load_recipe
+from geminicompress.runtime.recipes.schema import stage_tag
 
 
 @c.handle_errors

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 MAX_STEPS = 200_000  # cap on the DP grid (n_units x steps int16 back-pointers)
 

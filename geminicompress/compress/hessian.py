@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 
 from geminicompress.compress.inplace import mirror_lower_, permute_symmetric_
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 
 
 class HessianAccumulator:

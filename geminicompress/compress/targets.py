@@ -16,7 +16,8 @@ import torch.nn as nn
 from geminicompress.core.arch import Arch, arch_for, get_module
 from geminicompress.core.config import ignore_to_check
 from geminicompress.core.grid import QuantSpec, auto_group_size
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
+from geminicompress.engine.whole import tied_head
 from geminicompress.formats import check_shapes
 
 if TYPE_CHECKING:
@@ -91,3 +92,17 @@ def weight_quant_targets(model: nn.Module, cfg: WeightQuantStage, progress: Any,
     if fmt is not None:
         check_shapes(fmt, shapes, spec)
     return QuantTargets(arch, names, shapes, spec)
+
+
+def whole_model_targets(model: nn.Module, ignore: list[str], check: list[str], what: str) -> list[str]:
+    """The linears not matching `ignore` (nor the output head tied to the embeddings), in model order; each
+    pattern in `check` must match a module."""
+    patterns = compile_patterns(ignore)
+    if check:
+        check_patterns_match(compile_patterns(check), [n for n, _ in model.named_modules()], "module of the model")
+    tied = tied_head(model)
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != tied
+             and not any(p.search(n) for p in patterns)]
+    if not names:
+        raise InputError(f"the ignore patterns leave no linear layer to {what}")
+    return names

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,6 +21,7 @@ class StageBase(Strict):
     """What every stage accepts: its own DATA (calibration or training text), else the recipe's."""
 
     data: str | None = Field(None, description="calibration/training DATA for this stage (default: the recipe's)")
+    makes_student: ClassVar[bool] = False  # its output is a smaller student model (distill), not the input changed
 
 
 class WeightQuantStage(StageBase):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, Sequence
 
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 Frame = Literal["tokenizer", "text"]
 FRAMES = ("tokenizer", "text")

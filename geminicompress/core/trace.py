@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 TRACE_TOKENS = 8
 _SMALL = 1 << 22  # parameters materialised outside the layers, at most (elements)

@@ -16,7 +16,7 @@ import csv
 import json
 from pathlib import Path
 
-from geminicompress.errors import GeminiError, InputError
+from geminicompress.core.errors import GeminiError, InputError
 
 BUILTIN = {"builtin:pydoc"}
 FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".parquet")

@@ -20,7 +20,7 @@ import torch
 
 from geminicompress.core.framing import FRAMES, Frame, prefix_note, text_prefix, vocab_of  # noqa: F401
 from geminicompress.data.sources import read_text
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 
 def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tensor:

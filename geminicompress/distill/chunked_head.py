@@ -32,8 +32,8 @@ import torch.nn as nn
 
 from geminicompress.core.rows import BLOCK_BYTES, rows_within, spans
 from geminicompress.distill.losses import IGNORE, Teacher, chunk_terms
-from geminicompress.memory import release_free_heap
-from geminicompress.recipes.schema import LossWeights
+from geminicompress.host.memory import release_free_heap
+from geminicompress.distill.config import LossWeights
 
 LOSS_TEMPORARIES = 8  # float32 (rows, V) tensors a chunk's loss and its gradient hold at once (KL + CE)
 MIN_ROWS = 32  # positions per chunk at least: each chunk reads the head's weights three times (Gemma 3: 3 x 335 MB)

@@ -21,7 +21,7 @@ from geminicompress.core.arch import arch_for, decoder_layers
 from geminicompress.distill.repair import RepairSpec, repair
 from geminicompress.distill.student import derive_student, n_params
 from geminicompress.distill.survey import Compute, Walk, mlp_down
-from geminicompress.progress import NullProgress, Progress
+from geminicompress.host.progress import NullProgress, Progress
 
 
 def important_channels(importance: torch.Tensor, kept: list[int], keep: int) -> dict[int, torch.Tensor]:

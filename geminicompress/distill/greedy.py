@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from geminicompress.distill.repair import RepairSpec
 from geminicompress.distill.survey import Compute, Walk, mean_nll
-from geminicompress.progress import NullProgress
+from geminicompress.host.progress import NullProgress
 
 if TYPE_CHECKING:
     from geminicompress.distill.plan import Plan

@@ -20,7 +20,7 @@ import math
 import torch.nn as nn
 
 from geminicompress.core.arch import decoder_layers
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 
 def read_shares(model: nn.Module) -> tuple[int, float, int]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from geminicompress.recipes.schema import LossWeights
+from geminicompress.distill.config import LossWeights
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 
 def check_masks(model: nn.Module, masks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -31,7 +31,7 @@ from geminicompress.core.arch import decoder_layers
 from geminicompress.distill.repair import RepairSpec, repair
 from geminicompress.distill.student import keep_layers
 from geminicompress.distill.survey import Compute, Walk, mean_nll, mlp_down, run_layers, span_distances
-from geminicompress.progress import NullProgress
+from geminicompress.host.progress import NullProgress
 
 
 @dataclass

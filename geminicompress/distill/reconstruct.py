@@ -27,9 +27,9 @@ from geminicompress.compress.prune.refit import refit_masked
 from geminicompress.compress.targets import present_groups
 from geminicompress.core.arch import arch_for, get_module
 from geminicompress.engine.layers import LayerJob
-from geminicompress.engine.walk import run_layerwise
-from geminicompress.errors import InputError
-from geminicompress.progress import Progress
+from geminicompress.engine.walk import WalkOptions, run_layerwise
+from geminicompress.core.errors import InputError
+from geminicompress.host.progress import Progress
 
 
 def check_same_shape(student: nn.Module, teacher: nn.Module) -> None:
@@ -84,8 +84,9 @@ def reconstruct(student: nn.Module, teacher: nn.Module, windows: torch.Tensor, m
         ref = max(errors[2], 1e-30)
         return {"error_before": errors[0] / ref, "error_after": errors[1] / ref}, {}
 
-    summaries = run_layerwise(student, windows, process, device=device, progress=progress, state_dir=state_dir,
-                              description="reconstruct layers").summaries
+    summaries = run_layerwise(student, windows, process, WalkOptions(device=device, progress=progress,
+                                                                     state_dir=state_dir,
+                                                                     description="reconstruct layers")).summaries
     return {"windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]), "damp": damp,
             "seconds": round(time.perf_counter() - t0, 3),
             "layers": [{k: round(v, 6) if isinstance(v, float) else v for k, v in s.items()} for s in summaries]}

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from geminicompress.distill.survey import Compute, Walk
 from geminicompress.engine.layers import layer_output
-from geminicompress.progress import NullProgress
+from geminicompress.host.progress import NullProgress
 
 RepairMode = Literal["down_proj", "linear", "none"]
 Objective = Literal["mse", "cosine"]

@@ -45,12 +45,12 @@ from geminicompress.distill.survey import check_walk_memory
 from geminicompress.distill.synthetic import prefix_len, teacher_samples
 from geminicompress.distill.topk_cache import build_topk_cache
 from geminicompress.distill.train import Guides, TrainRun, train
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.formats.masks import read_masks, write_masks
-from geminicompress.memory import heap_reuse
+from geminicompress.host.memory import heap_reuse
 from geminicompress.models.lazy import LazyCheckpoint
 from geminicompress.models.loading import load_model, load_tokenizer
-from geminicompress.recipes.schema import DistillStage
+from geminicompress.distill.config import DistillStage
 
 CURVE = "distill_curve.png"
 PLAN = "plan.json"

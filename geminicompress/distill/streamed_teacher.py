@@ -25,21 +25,21 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from geminicompress.distill.topk_cache import TopKCache, cache_folder, read_cache, teacher_key, top_k, write_cache
 from geminicompress.engine.forward import activations_bytes, final_hidden, head_chunks
-from geminicompress.errors import InputError
-from geminicompress.memory import available_memory, too_big
+from geminicompress.core.errors import InputError
+from geminicompress.host.memory import available_memory, too_big
 from geminicompress.models.head import chunk_rows
 from geminicompress.models.headers import is_streamable_dir, weights_bytes
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import LoadedModel, load_tokenizer, local_dir, resolve_model
-from geminicompress.progress import NullProgress, Progress
-from geminicompress.recipes.schema import DistillStage, Recipe
+from geminicompress.host.progress import NullProgress, Progress
+from geminicompress.distill.config import DistillStage
 
 SPILL_SHARE = 0.25  # activations go to disk when the two (n, T, d) float32 arrays exceed this share
 TEACHER_PPL = "teacher_ppl.json"  # next to the cache: held-out perplexity by held-out windows' digest
@@ -82,21 +82,18 @@ def streams(cfg: DistillStage, spec: str, progress: Progress | None = None) -> b
     return big and why is None
 
 
-def check_recipe(recipe: Recipe) -> None:
-    """Before any work: every distill stage that forces `teacher_stream` can stream its teacher."""
-    for stage in recipe.stages:
-        if stage.type == "distill" and stage.teacher_stream:
-            why = cannot_stream(stage, stage.teacher or recipe.model)
-            if why:
-                raise InputError(f"--teacher-stream: {why}")
+def check_teacher_stream(cfg: DistillStage, model: str) -> None:
+    """Before any work: a stage that forces `teacher_stream` can stream its teacher (`model`: the recipe's)."""
+    if cfg.teacher_stream:
+        why = cannot_stream(cfg, cfg.teacher or model)
+        if why:
+            raise InputError(f"--teacher-stream: {why}")
 
 
-def streamed_input(recipe: Recipe, progress: Progress) -> LoadedModel | None:
-    """When the recipe's first stage is distill and streams the recipe's model as its teacher, the input
-    as the pipeline hands it on: the tokenizer, no model (the stage reads the teacher layer by layer)."""
-    check_recipe(recipe)
-    first = recipe.stages[0]  # a recipe has at least one stage
-    if first.type != "distill" or first.teacher is not None or not streams(first, recipe.model, progress):
+def streamed_input(cfg: DistillStage, recipe: Any, progress: Progress) -> LoadedModel | None:
+    """When stage `cfg`, the recipe's first, streams the recipe's model as its teacher: the input as the
+    pipeline hands it on: the tokenizer, no model (the stage reads the teacher layer by layer)."""
+    if cfg.teacher is not None or not streams(cfg, recipe.model, progress):
         return None
     progress.info(f"reading the teacher {recipe.model} one decoder layer at a time (it is not loaded whole)")
     path = streamable_dir(recipe.model)

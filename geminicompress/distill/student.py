@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from geminicompress.core.arch import arch_for
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.models.lazy import LazyCheckpoint
 
 

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from geminicompress.core.arch import arch_for, decoder_layers
 from geminicompress.engine.forward import embed, head_logits
 from geminicompress.engine.layers import layer_output
-from geminicompress.errors import InputError
-from geminicompress.memory import available_memory
-from geminicompress.progress import NullProgress, Progress
+from geminicompress.core.errors import InputError
+from geminicompress.host.memory import available_memory
+from geminicompress.host.progress import NullProgress, Progress
 
 
 def walk_bytes(model: nn.Module, n: int, seq_len: int) -> int:

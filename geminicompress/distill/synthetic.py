@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from geminicompress.memory import heap_reuse
+from geminicompress.host.memory import heap_reuse
 from geminicompress.models.loading import pad_token_id
-from geminicompress.progress import NullProgress, Progress
+from geminicompress.host.progress import NullProgress, Progress
 
 PREFIX = 32  # tokens of a real window each sampled one starts from
 TEMPERATURE = 1.0  # the teacher's own distribution

@@ -26,7 +26,7 @@ import torch.nn as nn
 from geminicompress.distill.losses import SparseLogits
 from geminicompress.models.demo import cache_root
 from geminicompress.models.head import chunk_logits, final_states
-from geminicompress.progress import NullProgress, Progress
+from geminicompress.host.progress import NullProgress, Progress
 
 DIGEST_CHUNK = 1 << 22  # values per hashed chunk (16 MiB as float32)
 TOPK_FILE = "topk.safetensors"

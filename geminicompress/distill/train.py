@@ -46,10 +46,10 @@ from geminicompress.distill.topk_cache import TopKCache
 from geminicompress.eval.quality.perplexity import perplexity
 from geminicompress.core.arch import arch_for, get_module
 from geminicompress.engine.layers import layer_input
-from geminicompress.memory import heap_reuse, release_free_heap
+from geminicompress.host.memory import heap_reuse, release_free_heap
 from geminicompress.models.head import decoder_of, own_head
-from geminicompress.progress import NullProgress, Progress
-from geminicompress.recipes.schema import DEFAULT_STEPS, DistillStage
+from geminicompress.host.progress import NullProgress, Progress
+from geminicompress.distill.config import DEFAULT_STEPS, DistillStage
 
 CKPT = "ckpt"
 

@@ -1,8 +1,8 @@
 """The stage contract: what a stage sees of a run (`StageContext`) and what a layer stage gives the engine
 (`LayerStage`). It lives below the stages and the orchestrator (pipeline.py), so neither imports the other.
 
-A *layer stage* (every quantize method, prune) is made once per run by its registry row's factory
-(methods.py), `factory(cfg, ctx) -> LayerStage`, which opens the stage the same way in memory and streamed:
+A *layer stage* (every quantize method, prune) is made once per run by its method class
+(`engine/method.py: Method.stage(cfg, ctx) -> LayerStage`), which opens the stage the same way in memory and streamed:
 which linears, the spec, the format's shape checks, and any whole-model decision taken as a *pre-pass*
 that produces per-layer parameters (global magnitude threshold, allocations). The engine then applies
 its `layer_fn` to every decoder layer (walk.py), hands each finished layer to a sink, and asks for the
@@ -22,7 +22,7 @@ from geminicompress.core.arch import arch_for
 from geminicompress.data.windows import calibration_windows, vocab_of
 from geminicompress.engine.layers import LayerFn
 from geminicompress.formats.writer import LayerWriter
-from geminicompress.progress import Progress
+from geminicompress.host.progress import Progress
 
 
 @dataclass
@@ -92,6 +92,7 @@ class LayerStage:
     rounds_floats: bool = False  # changes float weights that a lower output dtype rounds (resume: pipeline.py)
     resume_from_input: bool = False  # the next layer's inputs are the float layer's outputs (engine/export.py load_back_of)
     retains: bool = False  # has a `retain` that keeps tensors until the summary
+    quantizes: bool = False  # OUT holds its weights quantized (smaller than float: estimate.py)
 
     @staticmethod
     def cannot_stream(cfg: Any, first: bool) -> str | None:

@@ -10,14 +10,14 @@ import torch
 
 from geminicompress.core.arch import get_module
 from geminicompress.core.rows import BLOCK_BYTES
-from geminicompress.diskerrors import free_bytes, size_text, tree_bytes
+from geminicompress.host.diskerrors import free_bytes, size_text, tree_bytes
 from geminicompress.engine.contract import walk_dtypes
 from geminicompress.engine.verify import TOKENS as PROBE_TOKENS
 from geminicompress.engine.verify import WINDOWS as PROBE_WINDOWS
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.kernels.int8 import PACK_BYTES
 from geminicompress.models.lazy import LazyCheckpoint
-from geminicompress.output import final_name
+from geminicompress.host.output import final_name
 
 BASE_BYTES = 800 << 20  # the interpreter, torch, transformers, the skeleton and tokenizer (measured: ~0.7 GiB)
 
@@ -132,12 +132,11 @@ def check_disk(out_dir: Path, need: int) -> None:
                          "another output folder; nothing was written")
 
 
-def check_disk_in_memory(ctx: Any, stages: list[Any], max_shard: int) -> int:
-    """Before the stages of a run in memory: OUT's estimated size (from the model's tensors) against the free
-    disk (check_disk). Returns the estimate."""
+def check_disk_in_memory(ctx: Any, quantized: bool, max_shard: int) -> int:
+    """Before the stages of a run in memory: OUT's estimated size (from the model's tensors; `quantized`: a
+    stage quantizes them) against the free disk (check_disk). Returns the estimate."""
     if ctx.model is None:  # a distill stage with a streamed teacher builds its student itself: no estimate
         return 0
-    quantized = any(s.type == "quantize" for s in stages)
     state = ctx.model.state_dict()
     need = out_bytes(((n, t.numel(), t.dtype) for n, t in state.items()), ctx.out_dtype, quantized, max_shard)
     check_disk(ctx.out_dir, need)
@@ -155,7 +154,7 @@ def announce(ctx: Any, stages: list[Any], max_shard: int) -> dict[str, int]:
         calib = Calibration((cal.samples, cal.seq_len), dtypes[0], dtypes[1],
                             any(s.one_pass_memory for s in stages),
                             sum(s.squares for s in stages))
-    quantized = any(s.cfg.type == "quantize" for s in stages)
+    quantized = any(s.quantizes for s in stages)
     changed = frozenset().union(*(s.outside_names() for s in stages))
     need = estimate(ckpt, ctx.out_dtype, quantized, max_shard, calib, changed)
     ctx.progress.info(f"streaming {len(ckpt.layers)} layers from {ckpt.path}: estimated peak memory "

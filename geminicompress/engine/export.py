@@ -26,7 +26,7 @@ from geminicompress.engine.verify import Probe
 from geminicompress.formats.shards import ShardWriter
 from geminicompress.formats.writer import LayerWriter
 from geminicompress.models.loading import resolve_model
-from geminicompress.output import final_name
+from geminicompress.host.output import final_name
 
 
 @dataclass(frozen=True)

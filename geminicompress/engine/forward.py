@@ -27,8 +27,8 @@ import torch.nn as nn
 from geminicompress.core.arch import arch_for, get_module, set_module
 from geminicompress.engine.outside_float32 import Float32Rows
 from geminicompress.engine.layers import computing_in, layer_output
-from geminicompress.engine.walk import LayerSource, ModelLayers, capture_into, nothing, run_layerwise
-from geminicompress.progress import NullProgress, Progress
+from geminicompress.engine.walk import LayerSource, ModelLayers, capture_into, nothing, run_layerwise, WalkOptions
+from geminicompress.host.progress import NullProgress, Progress
 
 HeadTransform = Callable[[str, nn.Module], nn.Module]  # (module name, module as read) -> module to compute with
 
@@ -84,9 +84,11 @@ def final_hidden(source: nn.Module | LayerSource, windows: torch.Tensor, *, devi
     files = [spill_dir / f"activations-{k}.bin" for k in (0, 1)] if spill_dir is not None else [None, None]
     shape = (windows.shape[0], windows.shape[1], source.model.config.hidden_size)
     stores = [ActivationStore(shape, dtype, f) for f in files]
-    walked = run_layerwise(source, windows, nothing, device=device, progress=progress or NullProgress(),
-                           description=description, calib_dtype=dtype, batch=batch,
-                           stores=(stores[0].tensor, stores[1].tensor), check_activations=False)
+    walked = run_layerwise(source, windows, nothing, WalkOptions(device=device, progress=progress or NullProgress(),
+                                                                 description=description, calib_dtype=dtype,
+                                                                 batch=batch,
+                                                                 stores=(stores[0].tensor, stores[1].tensor),
+                                                                 check_activations=False))
     last = len(source) % 2  # the store the last layer wrote (layer i writes into store (i + 1) % 2)
     stores[1 - last].close()
     return StreamedHidden(stores[last], walked.inputs.layer_kwargs)

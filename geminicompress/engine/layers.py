@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from geminicompress.core.arch import Arch, arch_for, get_module
 from geminicompress.engine.onepass import one_pass
-from geminicompress.memory import release_free_heap
+from geminicompress.host.memory import release_free_heap
 
 BATCH_WINDOWS = 4  # calibration windows per forward batch
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 from greenlet import getcurrent, greenlet
 
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 
 _FINISHED = -1
 

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from geminicompress.core.arch import set_module
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 from geminicompress.formats.shards import ShardWriter
 
 KeptOf = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]  # (layer, walk's kept) -> the writer's

@@ -45,15 +45,15 @@ import torch.nn as nn
 from geminicompress.core.arch import get_module
 from geminicompress.engine.forward import embed, final_hidden, head_logits, through_layer
 from geminicompress.engine.layers import computing_in
-from geminicompress.errors import GeminiError
-from geminicompress.memory import release_weights
-from geminicompress.memory import too_big as over
+from geminicompress.core.errors import GeminiError
+from geminicompress.host.memory import release_weights
+from geminicompress.host.memory import too_big as over
 from geminicompress.models.finite import NonFiniteError
 from geminicompress.models.headers import is_readable_dir, loaded_bytes
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import load_model, local_dir
-from geminicompress.output import final_name
-from geminicompress.progress import NullProgress, Progress
+from geminicompress.host.output import final_name
+from geminicompress.host.progress import NullProgress, Progress
 
 WINDOWS, TOKENS, SEED = 2, 64, 0
 TOLERANCE = 1e-4  # of the largest |logit|: both sides hold the same values (see above)

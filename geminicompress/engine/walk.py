@@ -38,9 +38,9 @@ from geminicompress.engine.layers import (
 from geminicompress.engine.outside_float32 import Float32Gather
 from geminicompress.engine.sinks import ResidentSink
 from geminicompress.formats.shards import ShardWriter
-from geminicompress.memory import heap_reuse, release_free_heap
+from geminicompress.host.memory import heap_reuse, release_free_heap
 from geminicompress.models.finite import NonFiniteError, nonfinite
-from geminicompress.progress import NullProgress, Progress
+from geminicompress.host.progress import NullProgress, Progress
 
 
 class LayerSource(Protocol):
@@ -173,18 +173,15 @@ class _Walker:
 
 
 def run_layerwise(model: nn.Module | LayerSource, windows: torch.Tensor | None, process: LayerFn,
-                  options: WalkOptions | None = None, **fields: Any) -> Walk:
+                  options: WalkOptions) -> Walk:
     """Apply `process` to every decoder layer in order, feeding each layer the modified previous one.
 
     model: a model in memory, or a `LayerSource` (e.g. layers read from disk one at a time).
     windows: calibration windows (n, T); None for a method that needs no activations (the layers are
     then not run at all, and `LayerJob.inputs` is None).
-    options: how the walk goes (`WalkOptions`); `fields` are its fields by name, a shorthand for
-    `options=WalkOptions(...)` (`run_layerwise(model, windows, fn, device=cpu)`).
+    options: how the walk goes (`WalkOptions`: at least its device).
     """
-    if options is not None and fields:
-        raise TypeError("run_layerwise takes options or WalkOptions's fields by name, not both")
-    opts = options if options is not None else WalkOptions(**fields)
+    opts = options
     progress = opts.progress or NullProgress()
     source = model if not isinstance(model, nn.Module) else ModelLayers(model)
     sink = opts.sink or ResidentSink(source.model, ShardWriter(opts.state_dir) if opts.state_dir is not None else None)

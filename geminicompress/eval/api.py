@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from geminicompress.data import pack_windows, prefix_note, read_text, text_prefix, tokenize, vocab_of
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 from geminicompress.eval.cost import plan
 from geminicompress.eval.cost.footprint import (
     PeakMemory,
@@ -48,8 +48,8 @@ from geminicompress.eval.table import describe_timing
 from geminicompress.models import demo
 from geminicompress.models.head import window_chunks
 from geminicompress.models.loading import LoadedModel, load_model, load_tokenizer
-from geminicompress.progress import NullProgress, Progress
-from geminicompress.recipes.schema import EvalStage
+from geminicompress.host.progress import NullProgress, Progress
+from geminicompress.eval.config import EvalStage
 
 
 @dataclass
@@ -145,13 +145,10 @@ class _Run:
 
 
 def evaluate(models: list[str], baseline: str, data: str, out_dir: Path | None, options: EvalStage,
-             progress: Progress | None = None, setup: EvalSetup | None = None, **fields: Any) -> dict:
+             progress: Progress | None = None, setup: EvalSetup | None = None) -> dict:
     """Evaluate `baseline` and `models`; return the report (and write it to `out_dir` when given).
-    setup: where and how the models are loaded (`EvalSetup`); `fields` are its fields by name, a shorthand
-    for `setup=EvalSetup(...)` (`evaluate(..., stream=True)`)."""
-    if setup is not None and fields:
-        raise TypeError("evaluate takes setup or EvalSetup's fields by name, not both")
-    setup = setup if setup is not None else EvalSetup(**fields)
+    setup: where and how the models are loaded (`EvalSetup`; None: its defaults)."""
+    setup = setup if setup is not None else EvalSetup()
     progress = progress or NullProgress()
     specs = list(dict.fromkeys([baseline, *models]))
     shown = [(setup.names or {}).get(s, n) for s, n in zip(specs, display_names(specs))]

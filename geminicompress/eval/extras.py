@@ -10,9 +10,9 @@ from typing import Callable
 
 import torch
 
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 from geminicompress.models.loading import load_model
-from geminicompress.progress import Progress
+from geminicompress.host.progress import Progress
 
 
 def tasks_available() -> bool:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from geminicompress import __version__
 from geminicompress.eval.table import caption, markdown_table, pct_change, same_dtype_lines, summary_line
-from geminicompress.machine import machine, versions
-from geminicompress.output import write_json
-from geminicompress.recipes.schema import EvalStage
+from geminicompress.host.machine import machine, versions
+from geminicompress.host.output import write_json
+from geminicompress.eval.config import EvalStage
 
 
 def new_entry(spec: str, name: str, is_base: bool) -> dict:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 from geminicompress.models.loading import resolve_model
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

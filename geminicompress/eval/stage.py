@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 
-from geminicompress.eval.api import evaluate
+from geminicompress.eval.api import EvalSetup, evaluate
 from geminicompress.eval.report import write_report
 from geminicompress.eval.table import summary_line
-from geminicompress.output import final_name
-from geminicompress.recipes.schema import EvalStage
+from geminicompress.host.output import final_name
+from geminicompress.eval.config import EvalStage
 
 REPORT_FOLDER = "eval"
 
@@ -20,18 +20,10 @@ REPORT_FOLDER = "eval"
 def run(cfg: EvalStage, ctx) -> dict:
     recipe = ctx.recipe
     out_name = final_name(ctx.out_dir)
-    report = evaluate(
-        [str(ctx.out_dir)],
-        recipe.model,
-        cfg.data or recipe.calibration.data,
-        None,
-        cfg if cfg.frame else cfg.model_copy(update={"frame": recipe.frame}),
-        ctx.progress,
-        device=ctx.device,
-        names={str(ctx.out_dir): out_name},
-        trust_remote_code=recipe.trust_remote_code,
-        allow_pickle=recipe.allow_pickle,
-    )
+    report = evaluate([str(ctx.out_dir)], recipe.model, cfg.data or recipe.calibration.data, None,
+                      cfg if cfg.frame else cfg.model_copy(update={"frame": recipe.frame}), ctx.progress,
+                      setup=EvalSetup(device=ctx.device, names={str(ctx.out_dir): out_name},
+                                      trust_remote_code=recipe.trust_remote_code, allow_pickle=recipe.allow_pickle))
     model = report["models"][-1]
     model["path"] = str(ctx.out_dir.with_name(out_name))  # where it will be once the run completes
     write_report(report, ctx.out_dir / REPORT_FOLDER)
@@ -90,7 +82,7 @@ def _serving(cfg: EvalStage, ctx) -> dict:
                            text_column=cfg.text_column, vllm_python=cfg.vllm_python, dtype=s.dtype,
                            trust_remote_code=recipe.trust_remote_code, frame=cfg.frame or recipe.frame, load=s.load,
                            concurrency=s.concurrency)
-    outputs = served_outputs(ctx.out_dir, any(st.type == "distill" for st in recipe.stages))
+    outputs = served_outputs(ctx.out_dir, any(st.makes_student for st in recipe.stages))
     report = serve_bench(Models(recipe.model, **outputs), cfg.data or recipe.calibration.data, spec, options,
                          ctx.progress)
     final = str(ctx.out_dir.with_name(final_name(ctx.out_dir)))

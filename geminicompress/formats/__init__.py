@@ -20,7 +20,7 @@ from types import ModuleType
 from typing import Any
 
 from geminicompress.core.grid import QuantSpec
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.formats.checkpoint import compressed_tensors_format
 from geminicompress.formats.reader import ModuleReader, load_with_reader
 

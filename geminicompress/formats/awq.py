@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from geminicompress.core.grid import QuantizedWeight, QuantSpec, group_index
 from geminicompress.core.rows import BLOCK_BYTES, rows_within, spans
-from geminicompress.errors import GeminiError, InputError
+from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.formats.dequant import dequant_reader
 from geminicompress.formats.reader import ModuleReader
 from geminicompress.formats.writer import PackedLayout, PackedWriter, QWeights

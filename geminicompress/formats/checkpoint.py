@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 from geminicompress.formats.masks import MASKS_FILE
 
 GGUF_BLOCKS_FILE = "gguf_blocks.safetensors"  # formats/gguf_blocks.py: a --gguf-type run's blocks, a side file

@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
 from geminicompress.core.grid import QuantizedWeight
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 BLOCK = 32
 ASYM_TYPES = ("q5_0", "q4_1")  # what an asymmetric <= 4-bit weight may be written as

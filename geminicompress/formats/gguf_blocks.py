@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from geminicompress.core.kgrid import KTYPES
 from geminicompress.core.kquant import quantize as kquantize
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 from geminicompress.formats.checkpoint import GGUF_BLOCKS_FILE
 from geminicompress.formats.gguf_kpack import pack
 from geminicompress.formats.writer import LayerWriter

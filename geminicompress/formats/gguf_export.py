@@ -36,7 +36,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors import safe_open
 
 from geminicompress.core.grid import QuantizedWeight, QuantSpec
-from geminicompress.errors import GeminiError, InputError
+from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.formats import gguf as blocks
 from geminicompress.formats.checkpoint import weight_files
 from geminicompress.core.gguf_config import AUTO, AUTO_BASE

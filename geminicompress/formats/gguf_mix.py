@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 # mix -> the type of every tensor no rule changes
 MIXES: dict[str, str] = {

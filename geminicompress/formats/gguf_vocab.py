@@ -21,7 +21,7 @@ from typing import Any
 import gguf
 from gguf import GGUFReader, GGUFValueType, TokenType
 
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.formats.gguf_pre import CHKTXT, PRE
 
 

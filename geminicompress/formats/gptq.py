@@ -25,7 +25,7 @@ import torch.nn as nn
 from geminicompress import __version__
 from geminicompress.core.arch import arch_for
 from geminicompress.core.grid import QuantizedWeight, QuantSpec
-from geminicompress.errors import GeminiError, InputError
+from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.formats.bits import pack_bits, unpack_bits
 from geminicompress.formats.dequant import dequant_reader
 from geminicompress.formats.mixed import dynamic_spec, gptq_dynamic

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from geminicompress.core.grid import QuantSpec
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 from geminicompress.formats import pack_quantized
 from geminicompress.formats.bits import pack_bits
 from geminicompress.formats.checkpoint import compressed_tensors_format, float_linears
@@ -78,10 +78,11 @@ class Int8Writer(LayerWriter):
     written as they are (w8a8: int-quantized) or packed (int8: pack-quantized 8-bit, `w8a16_packed`);
     `targets`: the linears made INT8 (the others are `ignore`)."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, method: str, targets: list[str]) -> None:
+    def __init__(self, model: nn.Module, dtype: torch.dtype, method: str, targets: list[str],
+                 int8_activations: bool) -> None:
         super().__init__(model, dtype)
-        self.method, self.targets = method, set(targets)
-        self.format = KEY if method == "w8a8" else pack_quantized.KEY
+        self.method, self.targets, self.int8_activations = method, set(targets), int8_activations
+        self.format = KEY if int8_activations else pack_quantized.KEY
 
     def layer_tensors(self, i: int, layer: nn.Module, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.stored(super().layer_tensors(i, layer, kept))
@@ -90,11 +91,11 @@ class Int8Writer(LayerWriter):
         return self.stored(super().outside_tensors(name, module))
 
     def stored(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return tensors if self.method == "w8a8" else w8a16_packed(tensors)
+        return tensors if self.int8_activations else w8a16_packed(tensors)
 
     def qconfig(self, result: dict[str, Any]) -> dict[str, Any]:
         ignore = float_linears(self.model, self.targets)
-        if self.method == "w8a8":
+        if self.int8_activations:
             return quantization_config(ignore)
         return pack_quantized.ct_config(QuantSpec(8), {}, sorted(ignore))
 

@@ -15,7 +15,7 @@ import re
 from typing import Any, Callable
 
 from geminicompress.core.grid import QuantSpec
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 
 
 def gptq_dynamic(specs: dict[str, QuantSpec], base: QuantSpec) -> dict[str, dict[str, Any]]:

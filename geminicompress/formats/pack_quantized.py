@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from geminicompress.core.grid import QuantizedWeight, QuantSpec, group_index
-from geminicompress.errors import GeminiError, InputError
+from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.formats.bits import pack_bits, unpack_bits
 from geminicompress.formats.checkpoint import compressed_tensors_format, scale_dtype
 from geminicompress.formats.dequant import dequant_reader

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from geminicompress.core.arch import get_module, set_module
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def load_with_reader(path: Path, dtype: torch.dtype, reader: ModuleReader) -> nn
     else assigned into the skeleton (parameters on the meta device until then: no float copy of the model
     is ever made), float tensors in the skeleton's dtype."""
     from geminicompress.formats.checkpoint import float_skeleton, read_tensors
-    from geminicompress.memory import out_of_the_mapping
+    from geminicompress.host.memory import out_of_the_mapping
 
     tensors = read_tensors(path)
     model = float_skeleton(path, dtype)  # every parameter is assigned (missing ones are an error)

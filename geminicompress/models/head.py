@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from geminicompress.core.rows import rows_within, spans
-from geminicompress.memory import heap_reuse
+from geminicompress.host.memory import heap_reuse
 
 CHUNK_BYTES = 32 * 2**20  # one chunk's float32 (rows, V) logits: each of the few temporaries per chunk
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.formats import FORMATS, detect
 from geminicompress.formats.checkpoint import CODE_DTYPES, INDEX, WEIGHTS
 

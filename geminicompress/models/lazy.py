@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from geminicompress import formats
 from geminicompress.core.arch import Arch, arch_for, get_module, outside_modules, set_module
-from geminicompress.errors import GeminiError, InputError
+from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.formats.reader import check_replaces, tied_output_keys
 from geminicompress.models.finite import check
 from geminicompress.models.headers import open_file, read_headers, safetensors_config

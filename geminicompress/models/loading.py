@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 
 from geminicompress import formats
-from geminicompress.errors import GeminiError, InputError
+from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.models import demo
 from geminicompress.models.finite import check_named, check_stored
 from geminicompress.models.headers import read_headers, safetensors_config

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from reproduce.allocation_bench import quant_row  # noqa: E402
 from common import RESULTS, calibration_ids  # noqa: E402
+from geminicompress.compress.sensitivity.measure import SensitivitySettings
 
 
 def time_gptq(demo: Path, calib: torch.Tensor, work: Path) -> float:
@@ -43,7 +44,8 @@ def time_sensitivity(demo: Path, calib: torch.Tensor, options: str) -> float:
     model = load_model(str(demo)).model
     keep = set(decoder_linears(model, arch_for(model), []))
     t0 = time.perf_counter()
-    measure_sensitivity(model, calib, parse_options(options), keep=keep, measure="proxy", kl_windows=2, seed=0)
+    measure_sensitivity(model, calib, parse_options(options), SensitivitySettings(keep=keep, measure="proxy",
+                                                                                  kl_windows=2, seed=0))
     return time.perf_counter() - t0
 
 
@@ -56,7 +58,7 @@ def main() -> None:
     ap.add_argument("--name", default="allocation_timing")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
     from geminicompress.models.loading import demo_dir, load_model
 
     demo = demo_dir()

@@ -28,9 +28,9 @@ from geminicompress.data import pack_windows, tokenize  # noqa: E402
 from geminicompress.distill.student import derive_student, n_params  # noqa: E402
 from geminicompress.distill.train import TrainRun, train  # noqa: E402
 from geminicompress.eval.quality.perplexity import perplexity  # noqa: E402
-from geminicompress.machine import machine, versions  # noqa: E402
+from geminicompress.host.machine import machine, versions  # noqa: E402
 from geminicompress.models.loading import load_model  # noqa: E402
-from geminicompress.recipes.schema import DistillStage  # noqa: E402
+from geminicompress.distill.config import DistillStage  # noqa: E402
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from geminicompress.distill.cut import cut_student  # noqa: E402
 from geminicompress.distill.repair import RepairSpec  # noqa: E402
 from geminicompress.distill.survey import walk  # noqa: E402
 from geminicompress.eval.quality.perplexity import perplexity  # noqa: E402
-from geminicompress.machine import machine, versions  # noqa: E402
+from geminicompress.host.machine import machine, versions  # noqa: E402
 
 CPU = torch.device("cpu")
 

@@ -34,7 +34,7 @@ from geminicompress.distill.repair import RepairSpec  # noqa: E402
 from geminicompress.distill.survey import walk  # noqa: E402
 from geminicompress.distill.synthetic import prefix_len, teacher_samples  # noqa: E402
 from geminicompress.eval.quality.perplexity import perplexity  # noqa: E402
-from geminicompress.machine import machine, versions  # noqa: E402
+from geminicompress.host.machine import machine, versions  # noqa: E402
 
 CPU = torch.device("cpu")
 

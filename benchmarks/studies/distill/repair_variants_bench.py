@@ -49,7 +49,7 @@ from geminicompress.data.windows import sample_windows  # noqa: E402
 from geminicompress.distill.repair import RepairSpec, refit_block  # noqa: E402
 from geminicompress.distill.survey import attn_out, mean_nll, mlp_down, run_layers  # noqa: E402
 from geminicompress.engine.forward import embed  # noqa: E402
-from geminicompress.machine import machine, versions  # noqa: E402
+from geminicompress.host.machine import machine, versions  # noqa: E402
 
 CPU = torch.device("cpu")
 

@@ -85,7 +85,7 @@ def main() -> None:
 
     import torch
 
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

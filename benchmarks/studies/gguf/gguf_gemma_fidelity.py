@@ -97,7 +97,7 @@ def scores(model, windows: torch.Tensor, cache, *, store: bool = False) -> dict:
 
 def run(args: argparse.Namespace, files: list[list[str]], model, windows: torch.Tensor, cache) -> dict:
     """Every row: the float model, each file, and the --swap rows; the JSON written after each."""
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
 
     params = dict(model.named_parameters())
     floats = {name: p.detach().clone() for name, p in params.items()}

@@ -35,7 +35,7 @@ def run_variant(demo: Path, calib: torch.Tensor, eval_ids: torch.Tensor, variant
     from geminicompress.compress.gptq.config import GPTQStage
     from geminicompress.compress.scale_search import ScaleSearch
     from geminicompress.models.loading import load_model
-    from geminicompress.stages import run_stage
+    from geminicompress.runtime.stages import run_stage
 
     loaded = load_model(str(demo))
     options = {"type": "quantize", "method": "gptq", "bits": 4, "group_size": 32, "format": "dense",
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
     from geminicompress.models.loading import demo_dir, load_model
 
     demo = demo_dir()

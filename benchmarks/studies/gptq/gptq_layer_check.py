@@ -75,7 +75,7 @@ def main() -> None:
     from geminicompress.compress.gptq.solver import gptq_quantize
     from geminicompress.core.arch import decoder_layers, get_module
     from geminicompress.core.grid import QuantSpec, rtn_quantize
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
     from geminicompress.models.loading import demo_dir, load_model
 
     cfg = GPTQStage(method="gptq", bits=args.bits, group_size=args.group_size, **json.loads(args.flags))

@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
     from geminicompress.models.loading import demo_dir, load_model
 
     demo = demo_dir()

@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=32)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
     from geminicompress.models.loading import demo_dir
 
     demo = demo_dir()

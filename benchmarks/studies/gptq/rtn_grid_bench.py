@@ -64,7 +64,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     from geminicompress.core.arch import arch_for, decoder_layers, get_module
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
     from geminicompress.models.loading import demo_dir, load_model
 
     demo = demo_dir()

@@ -49,7 +49,7 @@ def bench_protocol(model, prompt: torch.Tensor, steps: int) -> list[float]:
 def main() -> None:
     from geminicompress.data.windows import tokenize
     from geminicompress.eval.cost.latency import greedy_run
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
     from geminicompress.models.loading import load_model
 
     ap = argparse.ArgumentParser()

@@ -45,8 +45,8 @@ def main() -> None:
     torch.set_num_threads(2)
     sys.path.insert(0, str(ROOT / "tests"))
     from geminicompress.models.loading import load_model
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import recipe_from_stage
+    from geminicompress.runtime.pipeline import RunOptions, run_recipe
+    from geminicompress.runtime.recipes.loader import recipe_from_stage
 
     work = Path(tempfile.mkdtemp(prefix="awq-check-"))
     model_dir = args.model
@@ -62,7 +62,7 @@ def main() -> None:
     recipe = recipe_from_stage(model_dir, stage, {"data": str(text), "samples": 8, "seq_len": 64}, "check",
                                output={"dtype": "float16"})
     out = work / "awq"
-    run_recipe(recipe, out, device=torch.device("cpu"))
+    run_recipe(recipe, out, RunOptions(device=torch.device("cpu")))
     ours = load_model(str(out)).model.float()
     ids = torch.randint(0, ours.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

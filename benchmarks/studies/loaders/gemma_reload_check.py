@@ -186,7 +186,7 @@ def main() -> int:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from geminicompress.machine import versions
+    from geminicompress.host.machine import versions
 
     names = [n for n in RUNS if not args.only or n in args.only.split(",")]
     for name in names:

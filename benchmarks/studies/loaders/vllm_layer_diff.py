@@ -27,7 +27,7 @@ from geminicompress.eval.engines.torch_kernels import use_fast_kernels  # noqa: 
 from geminicompress.eval.engines.vllm_engine import run_driver  # noqa: E402
 from geminicompress.eval.engines.vllm_eval import engine_dtype, model_path  # noqa: E402
 from geminicompress.eval.specs import stored_dtype  # noqa: E402
-from geminicompress.machine import machine, versions  # noqa: E402
+from geminicompress.host.machine import machine, versions  # noqa: E402
 from geminicompress.models.loading import load_model  # noqa: E402
 
 

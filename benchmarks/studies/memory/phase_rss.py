@@ -73,7 +73,7 @@ def main() -> None:
     import geminicompress.engine.walk as walk
     import geminicompress.formats.shards as shards
     import geminicompress.formats.writer as writer
-    import geminicompress.pipeline as pipeline
+    import geminicompress.runtime.pipeline as pipeline
     from geminicompress.cli import main as cli
     from geminicompress.engine.sinks import ResidentSink, ShardSink
 

@@ -164,7 +164,7 @@ def main() -> None:
     args = p.parse_args()
     if args.action == "worker":
         return worker(args)
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
 
     work = Path(args.work or tempfile.mkdtemp(prefix="teacher-stream-"))
     runs = {}

@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common import DATA, RESULTS  # noqa: E402
+from geminicompress.runtime.pipeline import RunOptions
 
 RUNS = {  # name -> stage
     "int8": {"type": "quantize", "method": "int8"},
@@ -38,11 +39,11 @@ RUNS = {  # name -> stage
 def run_one(name: str, dtype: str, stream: bool, work: Path, samples: int) -> dict:
     import torch
 
-    from geminicompress.errors import GeminiError
+    from geminicompress.core.errors import GeminiError
     from geminicompress.models.loading import local_dir
-    from geminicompress.pipeline import run_recipe
-    from geminicompress.recipes.loader import recipe_from_stage
-    from geminicompress.stages import not_streamable
+    from geminicompress.runtime.pipeline import run_recipe
+    from geminicompress.runtime.recipes.loader import recipe_from_stage
+    from geminicompress.runtime.stages import not_streamable
 
     recipe = recipe_from_stage("smollm2-demo", RUNS[name], {"data": str(DATA / "enwiki-sample.txt"), "samples": samples,
                                                             "seq_len": 512}, "bench", output={"dtype": dtype})
@@ -53,7 +54,7 @@ def run_one(name: str, dtype: str, stream: bool, work: Path, samples: int) -> di
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
     try:
-        report = run_recipe(recipe, out, device=torch.device("cpu"), stream=stream)
+        report = run_recipe(recipe, out, RunOptions(device=torch.device("cpu"), stream=stream))
     except GeminiError as exc:
         return {"run": name, "dtype": dtype, "streamed": stream, "error": str(exc)}
     shutil.rmtree(out, ignore_errors=True)
@@ -90,7 +91,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     out = RESULTS / f"verify_bench{'_' + args.name if args.name else ''}.json"
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
 
     out.write_text(json.dumps({"command": " ".join(sys.argv), "machine": machine(), "versions": versions(),
                                "rows": rows}, indent=2) + "\n")

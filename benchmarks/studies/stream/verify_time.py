@@ -68,7 +68,7 @@ def main() -> None:
         print(f"{r['case']:<14} {r['runs']:>4} {r['verify_wall_s']:>9.2f} {r['no_verify_wall_s']:>14.2f} "
               f"{r['check_s']:>8.2f} {r['verify_peak_mib']:>6}/{r['no_verify_peak_mib']}")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
-    from geminicompress.machine import machine, versions
+    from geminicompress.host.machine import machine, versions
 
     result = {"model": model, "rows": rows, "load_before": load_before, "load_after": load_after,
               "machine": machine(), "versions": versions()}

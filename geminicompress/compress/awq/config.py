@@ -1,4 +1,4 @@
-"""The AWQ / awq+gptq stage's config (its registry rows: methods.py)."""
+"""The AWQ / awq+gptq stage's config (its method classes: method.py)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 FOLDER = "awq_search"
 TENSORS = "awq_search.safetensors"

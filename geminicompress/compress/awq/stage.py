@@ -34,7 +34,7 @@ from geminicompress.core.arch import Arch, SmoothGroup, get_module
 from geminicompress.core.grid import KeptCodes, QuantSpec, keep_codes, rtn_quantize
 from geminicompress.engine.contract import Done, LayerStage, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
-from geminicompress.errors import GeminiError, InputError
+from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.formats import writer_for
 from geminicompress.formats.checkpoint import scale_dtype
 
@@ -59,6 +59,7 @@ class AWQ(LayerStage):
     OUT/awq_search/ (a saved search re-applied instead with `search_results`)."""
 
     calibrated = True
+    quantizes = True
     squares = 2  # float32 (in)² buffers at its peak (estimate.py)
     retains = True  # its search results are held until the summary (retain)
     rounds_floats = True  # folds its scales into float norms: written in a lower dtype, they round (resume: run.py)

@@ -17,10 +17,10 @@ import numpy as np
 import torch.nn as nn
 
 from geminicompress.compress.allocation import allocate, allocate_within_drift, check_budget, frontier
-from geminicompress.compress.sensitivity.measure import measure_sensitivity, read_table
+from geminicompress.compress.sensitivity.measure import measure_sensitivity, read_table, SensitivitySettings
 from geminicompress.compress.sensitivity.options import parse_options
 from geminicompress.core.grid import QuantSpec
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 ALLOCATION_FILE = "allocation.json"
 FRONTIER_FILE = "allocation_frontier.png"
@@ -165,9 +165,10 @@ def _table(cfg: Any, ctx: Any, targets: list[str]) -> dict[str, Any]:
     if alloc.sensitivity is not None:
         return read_table(alloc.sensitivity)
     return measure_sensitivity(ctx.model, ctx.calibration(cfg.data), parse_options(",".join(alloc.options)),
-                               keep=set(targets), kl_windows=alloc.kl_windows, measure=alloc.measure, fuse=alloc.fuse,
-                               device=ctx.device, progress=ctx.progress, seed=ctx.recipe.seed,
-                               act_order=cfg.act_order, first_token_weight=cfg.first_token_weight)
+                               SensitivitySettings(keep=set(targets), kl_windows=alloc.kl_windows,
+                                                   measure=alloc.measure, fuse=alloc.fuse, device=ctx.device,
+                                                   progress=ctx.progress, seed=ctx.recipe.seed, act_order=cfg.act_order,
+                                                   first_token_weight=cfg.first_token_weight))
 
 
 def write_allocation(summary: dict[str, Any], specs: dict[str, QuantSpec], out: Path) -> None:

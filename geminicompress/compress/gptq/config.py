@@ -1,4 +1,4 @@
-"""The GPTQ stage's config and its mixed-precision allocation (its registry row: methods.py)."""
+"""The GPTQ stage's config and its mixed-precision allocation (its method class: method.py)."""
 
 from __future__ import annotations
 

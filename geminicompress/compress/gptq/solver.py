@@ -35,7 +35,7 @@ from geminicompress.compress.scale_search import (
     trial_candidates,
 )
 from geminicompress.core.grid import QuantizedWeight, QuantSpec, qparams, quantize
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 
 _SUB_BLOCK = 32  # columns per rank-1 sub-block (the rest of the work goes through matmuls)
 _NUMPY_ON_CPU = True  # the column loop on numpy views on the CPU (tests switch it off to check the torch loop)

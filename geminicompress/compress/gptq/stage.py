@@ -38,7 +38,7 @@ from geminicompress.core.grid import KeptCodes, QuantSpec, keep_codes
 from geminicompress.engine.compose import OnePassFn
 from geminicompress.engine.contract import Done, LayerStage, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob, StopForward, layer_output
-from geminicompress.errors import GeminiError, InputError
+from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.formats import check_shapes, writer_for
 from geminicompress.formats.checkpoint import scale_dtype
 from geminicompress.formats.gguf_blocks import BlocksWriter
@@ -51,6 +51,7 @@ class GPTQ(LayerStage):
     checks, enough calibration tokens."""
 
     calibrated = True
+    quantizes = True
     squares = 1  # float32 (in)² buffers at its peak: the Hessian, the in-place inverse factor's scratch
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""The int8 / w8a8 stage's config (its registry rows: methods.py)."""
+"""The int8 / w8a8 stage's config (its method classes: method.py)."""
 
 from __future__ import annotations
 

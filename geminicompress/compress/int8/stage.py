@@ -27,7 +27,7 @@ from geminicompress.core.config import ignore_to_check
 from geminicompress.core.grid import QuantSpec
 from geminicompress.engine.contract import Done, LayerStage, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.formats import check_shapes
 from geminicompress.formats.int_quantized import Int8Writer
 from geminicompress.kernels.int8 import MODULES
@@ -38,6 +38,7 @@ class Int8(LayerStage):
     """int8 / w8a8 as the engine runs it."""
 
     resume_from_input = True  # the next layer's inputs are the float layer's outputs (engine/export.py load_back_of)
+    quantizes = True
 
     def __init__(self, cfg: Int8Stage, ctx: StageContext) -> None:
         self.cfg, self.ctx = cfg, ctx
@@ -116,7 +117,8 @@ class Int8(LayerStage):
         return set(self.targets)
 
     def writer(self) -> Int8Writer:
-        writer = Int8Writer(self.ctx.model, self.ctx.out_dtype, self.cfg.method, self.targets)
+        writer = Int8Writer(self.ctx.model, self.ctx.out_dtype, self.cfg.method, self.targets,
+                            int8_activations=self.cfg.method == "w8a8")
         writer.gguf = self.cfg.format == "gguf"  # OUT/model.gguf (Q8_0) once OUT is written (pipeline.py)
         return writer
 

@@ -19,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 
 def outlier_ratio(scores: list[torch.Tensor], m: float) -> float:

@@ -1,4 +1,4 @@
-"""The prune stage's config (magnitude, Wanda, SparseGPT; its registry row: methods.py STAGES)."""
+"""The prune stage's config (magnitude, Wanda, SparseGPT; its method: method.py)."""
 
 from __future__ import annotations
 

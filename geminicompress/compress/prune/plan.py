@@ -19,13 +19,13 @@ import torch.nn as nn
 from geminicompress.compress.allocation import allocate
 from geminicompress.compress.prune.allocate import exact_counts, outlier_ratio, owl_layer_sparsity
 from geminicompress.compress.prune.wanda import InputNorms, wanda_scores
-from geminicompress.compress.sensitivity.measure import measure_sensitivity, read_table
+from geminicompress.compress.sensitivity.measure import measure_sensitivity, read_table, SensitivitySettings
 from geminicompress.compress.sensitivity.options import parse_options
 from geminicompress.compress.targets import present_groups
 from geminicompress.core.arch import Arch
 from geminicompress.engine.layers import LayerJob
-from geminicompress.engine.walk import run_layerwise
-from geminicompress.errors import InputError
+from geminicompress.engine.walk import WalkOptions, run_layerwise
+from geminicompress.core.errors import InputError
 
 
 def layer_of(name: str, arch: Arch) -> int:
@@ -46,7 +46,8 @@ def owl_map(ctx: Any, cfg: Any, arch: Arch, targets: dict[str, nn.Linear]) -> tu
 
     # an observe-only walk over the dense model (in memory, or read from disk layer by layer in float32)
     walked = run_layerwise(ctx.layers.reading_in(torch.float32), ctx.calibration(cfg.data), observe,
-                           device=ctx.device, progress=ctx.progress, state_dir=None, description="owl outliers")
+                           WalkOptions(device=ctx.device, progress=ctx.progress, state_dir=None,
+                                       description="owl outliers"))
     ratios = [s["outlier_ratio"] for s in walked.summaries]
     layers = sorted({layer_of(n, arch) for n in targets})
     params = [sum(t.weight.numel() for n, t in targets.items() if layer_of(n, arch) == i) for i in layers]
@@ -87,8 +88,12 @@ def prune_table(ctx: Any, cfg: Any, targets: dict) -> dict[str, Any]:
     without a table file), on the stage's calibration windows."""
     options = parse_options(",".join(f"{cfg.method}:{s}" for s in PRUNE_LEVELS))
     keep = {n.removesuffix(".weight") for n in targets}
-    return measure_sensitivity(ctx.model, ctx.calibration(cfg.data), options, keep=keep, measure="proxy", kl_windows=1,
-                               device=ctx.device, progress=ctx.progress, seed=ctx.recipe.seed)
+    return measure_sensitivity(ctx.model, ctx.calibration(cfg.data), options, SensitivitySettings(keep=keep,
+                                                                                                  measure="proxy",
+                                                                                                  kl_windows=1,
+                                                                                                  device=ctx.device,
+                                                                                                  progress=ctx.progress,
+                                                                                                  seed=ctx.recipe.seed))
 
 
 def module_counts(cfg: Any, ctx: Any, arch: Arch, targets: dict[str, nn.Linear]) -> tuple[dict[str, int] | None, dict]:

@@ -39,10 +39,10 @@ from geminicompress.core.config import ignore_to_check
 from geminicompress.engine.compose import OnePassFn
 from geminicompress.engine.contract import Done, LayerStage, StageContext
 from geminicompress.engine.layers import LayerFn, LayerJob
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.formats.masks import MASKS_FILE, write_masks
 from geminicompress.formats.sparse_bitmask import SparseWriter
-from geminicompress.threads import solver_threads
+from geminicompress.host.threads import solver_threads
 
 HISTOGRAM_FILE = "prune_sparsity.png"
 

@@ -37,10 +37,10 @@ from geminicompress.compress.targets import present_groups
 from geminicompress.core.arch import Arch, arch_for, get_module
 from geminicompress.core.metrics import kl_per_token
 from geminicompress.engine.layers import LayerJob, capture_inputs, forward_layer, layer_output
-from geminicompress.engine.walk import run_layerwise
-from geminicompress.errors import InputError
+from geminicompress.engine.walk import WalkOptions, run_layerwise
+from geminicompress.core.errors import InputError
 from geminicompress.models.head import chunk_logits
-from geminicompress.progress import NullProgress, Progress
+from geminicompress.host.progress import NullProgress, Progress
 
 MEASURES = ("kl", "proxy", "both")
 
@@ -163,13 +163,10 @@ class _Measuring:
 
 @torch.no_grad()
 def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[Option],
-                        settings: SensitivitySettings | None = None, **fields: Any) -> dict[str, Any]:
+                        settings: SensitivitySettings) -> dict[str, Any]:
     """The table (sensitivity.json's content): one row per unit, one column per option. settings: how it
-    measures (`SensitivitySettings`); `fields` are its fields by name, a shorthand for
-    `settings=SensitivitySettings(...)` (`measure_sensitivity(model, windows, options, keep=keep)`)."""
-    if settings is not None and fields:
-        raise TypeError("measure_sensitivity takes settings or SensitivitySettings's fields by name, not both")
-    st = settings if settings is not None else SensitivitySettings(**fields)
+    measures (`SensitivitySettings`: at least the linears to keep)."""
+    st = settings
     measure, device = st.measure, st.device
     if measure not in MEASURES:
         raise InputError(f"measure '{measure}' is not one of {', '.join(MEASURES)}")
@@ -212,8 +209,8 @@ def measure_sensitivity(model: nn.Module, windows: torch.Tensor, options: list[O
             return {}, {}
 
         # the engine's walk: statistics need every window layer by layer (none: the layers are only visited)
-        run_layerwise(model, windows if (want_h or want_norms) else None, measure_layer, device=device,
-                      description="sensitivity layers")
+        walk = WalkOptions(device=device, description="sensitivity layers")
+        run_layerwise(model, windows if (want_h or want_norms) else None, measure_layer, walk)
     return _table(st, options, windows, kw, ftw, gains, rows)
 
 

@@ -22,7 +22,7 @@ from geminicompress.compress.prune.masks import row_mask, tensor_mask
 from geminicompress.compress.prune.sparsegpt import sparsegpt_prune
 from geminicompress.compress.prune.wanda import wanda_scores
 from geminicompress.core.grid import QuantSpec, rtn_quantize
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.formats import gguf_blocks
 
 QUANT = ("gptq", "rtn")

@@ -31,7 +31,7 @@ class Reading:
 
 def read() -> Reading:
     """A reading now (cheap: two /proc reads)."""
-    from geminicompress.threads import affinity, busy_seconds, load_average, own_seconds
+    from geminicompress.host.threads import affinity, busy_seconds, load_average, own_seconds
 
     return Reading(time.perf_counter(), busy_seconds(affinity()), own_seconds(), load_average())
 

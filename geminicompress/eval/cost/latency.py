@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from geminicompress.eval.cost import contention as contention
-from geminicompress.memory import heap_reuse
-from geminicompress.progress import NullProgress, Progress
-from geminicompress.threads import usable_cores
+from geminicompress.host.memory import heap_reuse
+from geminicompress.host.progress import NullProgress, Progress
+from geminicompress.host.threads import usable_cores
 
 
 def sync(device: torch.device) -> None:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from geminicompress.errors import GeminiError, InputError
-from geminicompress.recipes.schema import EvalStage
+from geminicompress.core.errors import GeminiError, InputError
+from geminicompress.eval.config import EvalStage
 
 DEVICE_DEFAULTS = {
     "cpu": {"prompt_len": 128, "gen_len": 32, "batch_sizes": [1, 4], "repeats": 3},

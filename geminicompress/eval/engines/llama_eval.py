@@ -25,16 +25,16 @@ from pathlib import Path
 import torch
 
 from geminicompress.data import pack_windows, prefix_note, read_text, text_prefix, tokenize
-from geminicompress.errors import GeminiError, InputError
+from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.eval.cost import plan as plan
 from geminicompress.eval.cost.latency import prompt_batch, summarize_ms
 from geminicompress.eval.engines.python import engine_python, run_job
 from geminicompress.eval.report import ReportMachine, new_entry, new_report
 from geminicompress.models import demo
 from geminicompress.models.loading import resolve_model
-from geminicompress.progress import Progress
-from geminicompress.recipes.schema import EvalStage
-from geminicompress.threads import usable_cores
+from geminicompress.host.progress import Progress
+from geminicompress.eval.config import EvalStage
+from geminicompress.host.threads import usable_cores
 
 DRIVER = Path(__file__).with_name("llama_driver.py")
 ENV_PYTHON = "GEMINICOMPRESS_LLAMA_PYTHON"

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from geminicompress.errors import GeminiError, InputError
+from geminicompress.core.errors import GeminiError, InputError
 
 
 def engine_python(given: str | None, env: str, module: str, flag: str, needs: str, install: str) -> str:

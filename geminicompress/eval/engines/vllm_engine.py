@@ -18,7 +18,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.eval.engines.python import engine_python, run_job
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")

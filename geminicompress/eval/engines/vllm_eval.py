@@ -22,7 +22,7 @@ import torch
 
 from geminicompress import formats
 from geminicompress.data import pack_windows, prefix_note, read_text, text_prefix, tokenize
-from geminicompress.errors import GeminiError, InputError
+from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.eval.cost import contention, plan
 from geminicompress.eval.cost.footprint import weights_size_mb
 from geminicompress.eval.cost.latency import percentile, prompt_batch, summarize_ms
@@ -33,9 +33,9 @@ from geminicompress.eval.serving.metrics import from_vllm, summarize
 from geminicompress.eval.specs import stored_dtype
 from geminicompress.models import demo
 from geminicompress.models.loading import resolve_model
-from geminicompress.progress import Progress
-from geminicompress.recipes.schema import EvalStage
-from geminicompress.threads import usable_cores
+from geminicompress.host.progress import Progress
+from geminicompress.eval.config import EvalStage
+from geminicompress.host.threads import usable_cores
 
 
 def model_path(spec: str) -> str:

@@ -16,7 +16,7 @@ from geminicompress.core.metrics import DriftMeter
 from geminicompress.eval.quality.baseline_cache import BaselineCache
 from geminicompress.eval.quality.perplexity import PerplexityMeter, token_nll
 from geminicompress.models.head import window_chunks
-from geminicompress.progress import NullProgress, Progress
+from geminicompress.host.progress import NullProgress, Progress
 
 
 def measure_quality(model, windows: torch.Tensor, device: torch.device, **scoring: Any) -> dict:

@@ -20,14 +20,14 @@ import torch
 import torch.nn.functional as F
 
 from geminicompress.engine.forward import activations_bytes, final_hidden, head_chunks
-from geminicompress.errors import GeminiError, InputError
+from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.eval.cost.footprint import count_params
-from geminicompress.memory import available_memory, too_big
+from geminicompress.host.memory import available_memory, too_big
 from geminicompress.models.head import chunk_rows
 from geminicompress.models.headers import is_readable_dir, loaded_bytes
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import local_dir
-from geminicompress.progress import Progress
+from geminicompress.host.progress import Progress
 
 SPILL_FRACTION = 0.25  # keep the activations in files when the two stores exceed this share of available memory
 

@@ -14,7 +14,7 @@ import torch
 
 from geminicompress import __version__
 from geminicompress.data import pack_windows, prefix_note, read_text, text_prefix, tokenize
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.eval.cost import plan as plan
 from geminicompress.eval.engines import llama_eval
 from geminicompress.eval.engines.vllm_engine import check_vllm, find_python
@@ -24,8 +24,8 @@ from geminicompress.eval.serving.rows import hf_rows, vllm_rows
 from geminicompress.eval.serving.servers import HFServer, Models, VllmServer
 from geminicompress.eval.serving.stack import DEFAULT_LOAD, Load
 from geminicompress.eval.serving.workload import WorkloadSpec, build_workload, check_spec
-from geminicompress.machine import machine, versions
-from geminicompress.progress import NullProgress, Progress
+from geminicompress.host.machine import machine, versions
+from geminicompress.host.progress import NullProgress, Progress
 
 PPL_SEQ_LEN = 512
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 from geminicompress.eval.engines.llama_eval import gguf_for, run_driver
 from geminicompress.eval.engines.python import run_job
 from geminicompress.eval.serving.metrics import RequestTiming

@@ -21,7 +21,7 @@ from geminicompress.eval.serving.rows import Row
 from geminicompress.eval.serving.servers import RowRefused
 from geminicompress.eval.serving.stack import Load, closed_loop_note, load_rate, overloaded, stacked, verdict
 from geminicompress.eval.serving.workload import Request, arrivals
-from geminicompress.progress import Progress
+from geminicompress.host.progress import Progress
 
 ALONE = 3  # requests served alone, one after another, per row (the first warms a prefix cache)
 TIE_LOGIT = 1e-3  # a logit gap below this between two answers' tokens is a float tie (float32 rounding: ~1e-5)

@@ -18,7 +18,7 @@ from rich.table import Table
 from geminicompress.eval.cost.contention import BUSY_MIN_CORES
 from geminicompress.eval.serving.stack import tpot_ratio
 from geminicompress.eval.table import rendered_width
-from geminicompress.output import write_json
+from geminicompress.host.output import write_json
 
 _HEADERS = ("row", "stack", "burst req/s\n(x stack)", "TTFT ms\nalone", "TTFT ms\np50 (p90)", "TPOT ms\n(alone)",
             "KV\nhit", "answers\n= first", "ppl\n(drift)")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 
 @dataclass(frozen=True)

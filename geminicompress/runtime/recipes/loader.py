@@ -10,9 +10,9 @@ import yaml
 from pydantic import ValidationError
 
 from geminicompress.data.sources import check_data_spec
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.models.loading import resolve_model
-from geminicompress.recipes.schema import STAGE_CONFIGS, Recipe
+from geminicompress.runtime.recipes.schema import STAGE_CONFIGS, Recipe
 
 BUNDLED_DIR = Path(__file__).parent / "bundled"
 # pydantic error types whose own message describe_error replaces (they show no "(got ...)" either)

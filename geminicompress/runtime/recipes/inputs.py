@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.models import demo
-from geminicompress.recipes.schema import Recipe
+from geminicompress.runtime.recipes.schema import Recipe
 
 # Every recipe field that names a model or a file the run reads (tests/test_output_inputs.py checks that each
 # str field of the schema is here or in NOT_PATHS, so a new path field cannot be forgotten)

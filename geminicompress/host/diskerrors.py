@@ -15,7 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
-from geminicompress.errors import GeminiError, InputError
+from geminicompress.core.errors import GeminiError, InputError
 
 DISK_ERRNOS = {
     errno.ENOSPC: "the disk is full",

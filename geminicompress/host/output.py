@@ -30,7 +30,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable
 
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 
 STATE_DIR = "state"
 THREADS_FILE = "threads.json"
@@ -174,7 +174,7 @@ def lock_partial(tmp: Path):
         path = tmp / LOCK_FILE
         f = open(path, "a+")
     except OSError as exc:
-        from geminicompress.diskerrors import disk_error
+        from geminicompress.host.diskerrors import disk_error
         raise disk_error(exc, f"the partial folder {tmp} of {final}", before=True) from exc
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -1,33 +1,14 @@
-"""The recipe schema: a typed, validated description of a compression pipeline.
-
-A recipe names a model, a seed, default calibration data, and an ordered list of stages. Each stage
-is a pydantic model with `extra="forbid"`, so a typo in a key is an error naming the key. Stages are
-told apart by `type` (and, for `quantize`, by `method`): see `stage_tag`.
-"""
+"""A distill stage's config (`type: distill` in a recipe): the student, the cut's plan and repair, the training
+budget and loop, the losses."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Any, ClassVar, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from geminicompress.compress.prune.config import PruneStage
 from geminicompress.core.config import StageBase as _StageBase
 from geminicompress.core.config import Strict
-from geminicompress.data.windows import Frame
-from geminicompress.methods import METHODS
-
-
-class Calibration(Strict):
-    """Calibration text shared by every stage that needs activations (GPTQ, AWQ, SmoothQuant, Wanda, SparseGPT)."""
-
-    data: str = Field("builtin:pydoc", description="DATA: file, hub dataset (name:config:split) or builtin:pydoc")
-    text_column: str = "text"
-    samples: int = Field(128, ge=1, le=100_000, description="number of calibration windows")
-    seq_len: int = Field(512, ge=8, le=131_072, description="tokens per calibration window")
-
-
-# --------------------------------------------------------------------------- distill
 
 DEFAULT_STEPS = 200  # a distill stage's optimizer steps when no budget (steps, train_minutes, train_tokens) is given
 
@@ -75,6 +56,7 @@ class DistillStage(_StageBase):
     """Knowledge distillation of the pipeline's model (or `teacher`) into a smaller student."""
 
     type: Literal["distill"]
+    makes_student: ClassVar[bool] = True
     teacher: str | None = Field(None, description="teacher MODEL (default: the recipe's input model)")
     student: str | None = Field(None, description="an existing student MODEL sharing the teacher's tokenizer")
     student_layers: int | float | list[int] | None = Field(
@@ -200,139 +182,3 @@ class DistillStage(_StageBase):
     def trains(self) -> bool:
         """False when a budget of 0 minutes or 0 tokens says: stop after the cut and repair."""
         return self.train_minutes != 0 and self.train_tokens != 0
-
-
-# --------------------------------------------------------------------------- eval
-
-
-class ServingOptions(Strict):
-    """The serving table (`serve-bench`) of the recipe's model, inside an eval stage: one workload, one row
-    per serving optimization, each added to the best row above it; the recipe's output takes the rows it
-    applies to: INT8 when W8A8, INT4 when 4-bit, the student (and the draft) when the recipe distills, the
-    draft when 4-bit (docs/serving.md)."""
-
-    requests: int = Field(32, ge=1, description="requests in the workload")
-    prefix_len: int = Field(256, ge=0, description="tokens of the system prefix every request shares")
-    question_len: int = Field(128, ge=1, description="tokens of each request's own question")
-    answer_len: int = Field(32, ge=2, description="tokens generated per request (greedy, EOS ignored)")
-    rate: float | None = Field(None, gt=0, description="arrivals per second of the timed rows (Poisson), instead "
-                               "of `load`")
-    load: float | None = Field(None, gt=0, lt=1, description="the timed rows' arrival rate as a share of the stack's "
-                               "capacity measured in the same run (default 0.7)")
-    concurrency: int | None = Field(None, ge=1, description="the timed rows as N clients in a closed loop, instead "
-                                    "of `load`")
-    max_prompt_len: int | None = Field(None, ge=1, description="the truncation row's prompt length "
-                                       "(default: prefix + half the question)")
-    max_batch: int = Field(8, ge=2, description="largest batch of the batching rows (vLLM: max_num_seqs)")
-    ppl_tokens: int = Field(4096, ge=0, description="tokens of the eval text for the perplexity of rows that "
-                            "change the model")
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    seed: int = 0
-
-
-class EvalStage(_StageBase):
-    """Quality drift vs latency gain of the pipeline's output against the recipe's input model.
-    `data` is the evaluation text (default: the recipe's calibration data)."""
-
-    type: Literal["eval"]
-    text_column: str = "text"
-    seq_len: int | None = Field(None, ge=8, description="default: min(2048, the model's context)")
-    max_tokens: int | None = Field(None, ge=8)
-    prompt_len: int | None = Field(None, ge=1, description="default: 128 on a CPU, 512 on a GPU")
-    gen_len: int | None = Field(None, ge=1, description="default: 32 on a CPU, 128 on a GPU")
-    batch_sizes: list[int] | None = Field(None, description="default: [1, 4] on a CPU, [1, 4, 8] on a GPU")
-    repeats: int | None = Field(None, ge=1, description="default: 3 on a CPU, 5 on a GPU")
-    warmup: int = Field(1, ge=0)
-    latency: bool = Field(True, description="false = quality only")
-    quality: bool = Field(True, description="false = latency only (no perplexity, KL, agreement)")
-    tasks: list[str] = Field(default_factory=list, description="lm-eval-harness tasks (optional extra)")
-    draft: str | None = Field(None, description="draft MODEL: also time speculative decoding of the baseline")
-    kernels: Literal["fast", "reference"] = Field(
-        "fast", description="fast: each format's kernel on this device (torch's int4 kernel for GPTQ/AWQ/"
-        "pack-quantized, bf16 activations); reference: our dequantizing loader, latency not measured for packed formats")
-    dtype_baseline: bool = Field(True, description="when a model runs in another activation dtype than the baseline "
-                                 "(int4 kernels: bf16), also time the baseline in that dtype")
-    engine: Literal["transformers", "vllm", "llama.cpp"] = Field("transformers", description="llama.cpp: load and measure "
-                                                                "every model in llama.cpp (GGUF files or our outputs); "
-                                                                "vllm: load and measure every model in "
-                                                    "vLLM (a separate install, docs/serving.md)")
-    vllm_python: str | None = Field(None, description="python of the venv that has vLLM (default: this one if it "
-                                    "imports vllm, else $GEMINICOMPRESS_VLLM_PYTHON)")
-    llama_python: str | None = Field(None, description="python that has llama-cpp-python (default: this one if it "
-                                     "imports llama_cpp, else $GEMINICOMPRESS_LLAMA_PYTHON)")
-    frame: Frame | None = Field(None, description="how each evaluated window starts: tokenizer (its BOS where it "
-                                "adds one) or text; default: the recipe's frame, tokenizer for `geminicompress eval`")
-    serving: ServingOptions | None = Field(None, description="also build the serving table (serve-bench) with "
-                                           "`engine`; its INT8 row serves the output when it is W8A8")
-
-    @field_validator("batch_sizes")
-    @classmethod
-    def _check_batch_sizes(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and (not v or min(v) < 1):
-            raise ValueError(f"batch sizes must be positive integers, got {v}")
-        return v
-
-
-# --------------------------------------------------------------------------- recipe
-
-
-def stage_tag(value: Any) -> str | None:
-    """Discriminator: 'quantize:<method>' for quantize stages, else the type."""
-    get = value.get if isinstance(value, dict) else lambda k, d=None: getattr(value, k, d)
-    kind = get("type")
-    if kind == "quantize":
-        return f"quantize:{get('method')}"
-    return kind
-
-
-STAGE_TYPES = ("quantize", "prune", "distill", "eval")
-# Every stage's tag -> its config: the quantize methods come from the method registry.
-STAGE_CONFIGS: dict[str, type[Strict]] = {
-    **{f"quantize:{name}": m.config for name, m in METHODS.items()},
-    "prune": PruneStage,
-    "distill": DistillStage,
-    "eval": EvalStage,
-}
-
-Stage = Annotated[
-    Union[tuple(Annotated[cls, Tag(tag)] for tag, cls in STAGE_CONFIGS.items())],  # type: ignore[valid-type]
-    Discriminator(
-        stage_tag,
-        custom_error_type="stage_type",
-        custom_error_message=f"unknown stage: 'type' must be {', '.join(STAGE_TYPES)}, "
-        f"and a quantize 'method' must be {', '.join(METHODS)}",
-    ),
-]
-
-
-class Output(Strict):
-    dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="dtype of float weights on disk")
-
-
-class Recipe(Strict):
-    description: str = ""
-    model: str = Field(..., description="MODEL: hub id, local directory, .gguf file or smollm2-demo")
-    seed: int = 0
-    trust_remote_code: bool = False
-    allow_pickle: bool = False
-    allow_nonfinite: bool = Field(False, description="compress a model whose weights hold NaN/Inf anyway (by "
-                                  "default that stops the run before any work; report.json records what was found)")
-    threads: int | None = Field(None, ge=1, le=4096, description="torch CPU threads (default: the cores not busy "
-                                "with other processes when the run starts); --threads overrides it")
-    calibration: Calibration = Field(default_factory=Calibration)
-    frame: Frame = Field("tokenizer", description="how every window the run builds starts (calibration, "
-                         "distillation, eval): tokenizer: as the model's tokenizer starts a text (its BOS where it "
-                         "adds one: Gemma, Llama 3, Mistral; nothing for SmolLM2, Qwen); text: text tokens only, "
-                         "for text that is not a document start (data/windows.py)")
-    stages: list[Stage] = Field(..., min_length=1)
-    output: Output = Field(default_factory=Output)
-
-    @model_validator(mode="after")
-    def _eval_last(self) -> "Recipe":
-        seen_eval = False
-        for i, stage in enumerate(self.stages):
-            if isinstance(stage, EvalStage):
-                seen_eval = True
-            elif seen_eval:
-                raise ValueError(f"stage {i} ({stage.type}) comes after an eval stage; eval stages go last")
-        return self

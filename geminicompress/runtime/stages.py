@@ -23,11 +23,11 @@ import torch
 from geminicompress.engine.compose import compose
 from geminicompress.engine.contract import Done, LayerStage, StageContext, stage_kept, walk_dtypes
 from geminicompress.engine.sinks import ResidentSink
-from geminicompress.engine.walk import ModelLayers, nothing, run_layerwise, walk_outside
-from geminicompress.errors import InputError
+from geminicompress.engine.walk import ModelLayers, nothing, run_layerwise, walk_outside, WalkOptions
+from geminicompress.core.errors import InputError
 from geminicompress.formats.shards import ShardWriter
-from geminicompress.memory import release_weights
-from geminicompress.methods import calibrates, runner
+from geminicompress.host.memory import release_weights
+from geminicompress.runtime.methods import method_of
 
 
 @dataclass
@@ -50,12 +50,8 @@ class Walked:
 
 
 def make_stage(cfg: Any, ctx: StageContext) -> LayerStage:
-    """The layer stage of `cfg` (its registry row's class), opened: bad input fails here, before any work."""
-    from geminicompress.recipes.schema import stage_tag
-
-    cls, kind = runner(stage_tag(cfg))
-    assert kind == "layers", f"{stage_tag(cfg)} is not a layer stage"
-    return cls(cfg, ctx)
+    """The layer stage of `cfg` (its method's), opened: bad input fails here, before any work."""
+    return method_of(cfg).stage(cfg, ctx)
 
 
 def run_stage(cfg: Any, ctx: StageContext, description: str | None = None, last: bool = False
@@ -69,7 +65,7 @@ def run_stage(cfg: Any, ctx: StageContext, description: str | None = None, last:
     stage = make_stage(cfg, ctx)
     resume = ShardWriter(ctx.state_dir / "layers") if stage.calibrated else None
     sink = ResidentSink(ctx.model, resume, release=releaser(stage) if last else None)
-    walked = walk(ctx, [stage], sink, description or _describe(cfg))
+    walked = walk(ctx, [stage], sink, description or method_of(cfg).describe(cfg))
     return stage, stage.summary(walked.summaries[0], walked.done(0, ctx)), walked.kept[0]
 
 
@@ -88,13 +84,6 @@ def releaser(stage: LayerStage) -> Any:
     return release
 
 
-def _describe(stage: Any) -> str:
-    if stage.type == "quantize":
-        bits = getattr(stage, "bits", None)
-        return f"{stage.method} {bits}-bit" if bits and stage.method not in ("int8", "w8a8") else stage.method
-    return f"{stage.method} layers" if stage.type == "prune" else stage.type
-
-
 def walk(ctx: StageContext, stages: list[LayerStage], sink: Any, description: str) -> Walked:
     """Every decoder layer of the run's source through `stages` (composed) into `sink`, then the modules
     outside the layers through the stages' `outside` hooks into the sink."""
@@ -106,8 +95,10 @@ def walk(ctx: StageContext, stages: list[LayerStage], sink: Any, description: st
         windows = ctx.calibration(next((s.cfg.data for s in stages if s.calibrated and s.cfg.data), None))
     source = ctx.layers.reading_in(dtypes[1] if dtypes is not None else None)
     fn = compose(*[s.layer_fn() for s in stages]) if stages else nothing
-    done = run_layerwise(source, windows, fn, device=ctx.device, progress=ctx.progress, description=description,
-                         calib_dtype=dtypes[0] if dtypes is not None else None, sink=sink)
+    done = run_layerwise(source, windows, fn, WalkOptions(device=ctx.device, progress=ctx.progress,
+                                                          description=description,
+                                                          calib_dtype=dtypes[0] if dtypes is not None else None,
+                                                          sink=sink))
     hooks = [s.outside for s in stages]
     rows = walk_outside(source, hooks, sink)
     per_stage_summaries = [[{"layer": x["layer"], **stage_kept(x, k, n)} for x in done.summaries] for k in range(n)]
@@ -127,31 +118,22 @@ def not_streamable(recipe: Any, source_dir: Path | None) -> str | None:
     """Why the recipe cannot run one decoder layer at a time from disk, or None when it can."""
     if source_dir is None:
         return f"MODEL {recipe.model} is not a local dense safetensors directory"
-    layers = [s for s in recipe.stages if s.type != "eval"]
+    layers = [s for s in recipe.stages if method_of(s).kind != "eval"]
     for k, stage in enumerate(layers):
-        why = _stage_not_streamable(stage, first=k == 0)
+        why = method_of(stage).cannot_stream(stage, k == 0)
         if why:
             return f"stage {k}: {why}"
-    if sum(s.type == "quantize" for s in layers) > 1:
+    if sum(method_of(s).quantizes for s in layers) > 1:
         return "more than one quantize stage"
-    if len({s.data or recipe.calibration.data for s in layers if calibrates(s)}) > 1:
+    if len({s.data or recipe.calibration.data for s in layers if method_of(s).calibrates(s)}) > 1:
         return "the calibrated stages name different DATA; a streamed run calibrates them all in one pass per layer"
     return None
-
-
-def _stage_not_streamable(stage: Any, first: bool) -> str | None:
-    from geminicompress.recipes.schema import stage_tag
-
-    if stage.type == "distill":
-        return "distill trains the whole model and is not streamed; run it with --no-stream"
-    cls, kind = runner(stage_tag(stage))
-    return cls.cannot_stream(stage, first) if kind == "layers" else None
 
 
 def should_stream(recipe: Any, stream: bool | None, source_dir: Path | None) -> bool:
     """--stream: yes (or a one-line error saying why it cannot); --no-stream: no; neither: when the recipe
     can stream and the model's float32 weights do not fit (memory.too_big: the one rule)."""
-    from geminicompress.memory import too_big
+    from geminicompress.host.memory import too_big
     from geminicompress.models.headers import weights_bytes
 
     if stream is False:

@@ -36,6 +36,7 @@ class RTN(LayerStage):
     """RTN as the engine runs it: every targeted linear of a layer rounded in place, its codes kept."""
 
     calibrated = False
+    quantizes = True
 
     def __init__(self, cfg: RTNStage, ctx: StageContext) -> None:
         found = weight_quant_targets(ctx.model, cfg, ctx.progress, sym=cfg.sym, fmt=cfg.format)

@@ -1,7 +1,7 @@
 """Run a recipe: its stages through the one engine (engine/), OUT written atomically, verified, evaluated.
 
 command -> pipeline -> engine -> stage's per-layer function -> solver. Layer stages (quantize methods,
-prune) are the registry's classes (methods.py) run one decoder layer at a time; a model stage (distill)
+prune) are their method classes' layer stages (methods.py) run one decoder layer at a time; a model stage (distill)
 is a function `run(cfg, ctx) -> dict` on the model in memory; eval stages come last.
 
 In memory: the model is loaded; every layer stage walks it (in order, model stages between), and a last
@@ -30,17 +30,17 @@ import torch
 
 from geminicompress import __version__
 from geminicompress.data.windows import prefix_note, text_prefix, vocab_of
-from geminicompress.diskerrors import disk_errno, disk_error
-from geminicompress.distill.streamed_teacher import streamable_dir, streamed_input
+from geminicompress.host.diskerrors import disk_errno, disk_error
+from geminicompress.distill.streamed_teacher import streamable_dir
 from geminicompress.engine.contract import StageContext
 from geminicompress.engine.estimate import announce, check_disk_in_memory
 from geminicompress.engine.export import check_gguf, finish_export, open_export, outside_head, writing_stage
 from geminicompress.engine.walk import ModelLayers
-from geminicompress.errors import InputError
+from geminicompress.core.errors import InputError
 from geminicompress.formats.shards import DEFAULT_MAX_BYTES
-from geminicompress.machine import machine, versions
-from geminicompress.memory import out_of_the_mapping
-from geminicompress.methods import runner
+from geminicompress.host.machine import machine, versions
+from geminicompress.host.memory import out_of_the_mapping
+from geminicompress.runtime.methods import method_of
 from geminicompress.models.lazy import LazyCheckpoint, LazyLayers
 from geminicompress.models.loading import (
     LoadedModel,
@@ -50,14 +50,14 @@ from geminicompress.models.loading import (
     resolve_model,
     unused_warning,
 )
-from geminicompress.output import STATE_DIR, THREADS_FILE, OutputDir, final_name, partial_dir, write_json
-from geminicompress.preflight import preflight
-from geminicompress.progress import NullProgress, Progress
-from geminicompress.recipes.inputs import recipe_inputs
-from geminicompress.recipes.loader import recipe_yaml
-from geminicompress.recipes.schema import Recipe, stage_tag
-from geminicompress.stages import make_stage, run_stage, should_stream, walk
-from geminicompress.whole_model import run_whole_model, without_layers
+from geminicompress.host.output import STATE_DIR, THREADS_FILE, OutputDir, final_name, partial_dir, write_json
+from geminicompress.runtime.preflight import preflight
+from geminicompress.host.progress import NullProgress, Progress
+from geminicompress.runtime.recipes.inputs import recipe_inputs
+from geminicompress.runtime.recipes.loader import recipe_yaml
+from geminicompress.runtime.recipes.schema import Recipe, stage_tag
+from geminicompress.runtime.stages import make_stage, run_stage, should_stream, walk
+from geminicompress.runtime.whole_model import run_whole_model, without_layers
 
 
 def fingerprint(recipe: Recipe) -> str:
@@ -89,17 +89,14 @@ class RunOptions:
     max_shard_bytes: int = DEFAULT_MAX_BYTES
 
 
-def run_recipe(recipe: Recipe, out: Path, options: RunOptions | None = None, *, loaded: LoadedModel | None = None,
-               **fields: Any) -> dict:
+def run_recipe(recipe: Recipe, out: Path, options: RunOptions | None = None, *,
+               loaded: LoadedModel | None = None) -> dict:
     """Run every stage of `recipe` and write OUT; return the report (also written to OUT/report.json).
 
-    options: how the run goes (`RunOptions`); `fields` are its fields by name, a shorthand for
-    `options=RunOptions(...)` (`run_recipe(recipe, out, stream=True)`). loaded: a model already in memory,
+    options: how the run goes (`RunOptions`; None: its defaults). loaded: a model already in memory,
     run as it is (the stages change it). A disk that refuses a write of OUT (full, read-only, no permission)
     is one line (diskerrors.py)."""
-    if options is not None and fields:
-        raise TypeError("run_recipe takes options or RunOptions's fields by name, not both")
-    opts = options if options is not None else RunOptions(**fields)
+    opts = options if options is not None else RunOptions()
     try:
         return _run_recipe(recipe, out, opts, loaded)
     except Exception as exc:
@@ -112,8 +109,6 @@ def _run_recipe(recipe: Recipe, out: Path, opts: RunOptions, loaded: LoadedModel
     progress = opts.progress or NullProgress()
     device = opts.device or default_device()
     force = opts.force
-    for stage in recipe.stages:
-        runner(stage_tag(stage))  # fail before loading anything if a stage does not import
     if without_layers(recipe, loaded):  # no decoder layers to walk: what needs none runs on the whole model
         return run_whole_model(recipe, out, force=force, progress=progress, command=opts.command, loaded=loaded,
                                stream=opts.stream, verify=opts.verify)
@@ -132,15 +127,15 @@ def _run_recipe(recipe: Recipe, out: Path, opts: RunOptions, loaded: LoadedModel
             _open_in_memory(recipe, loaded, tmp, progress, device)
         load_s = time.perf_counter() - t0
         check_gguf(ctx)
-        layers = [s for s in recipe.stages if s.type != "eval"]
+        layers = [s for s in recipe.stages if method_of(s).kind != "eval"]
         if streamed:
             results, export = _streamed(ctx, layers, tmp, opts.verify, opts.max_shard_bytes)
         else:
             results, export = _in_memory(ctx, layers, tmp, opts, owned=loaded is None)
         for i, stage in enumerate(recipe.stages):
-            if stage.type == "eval":  # after OUT is written: it loads OUT back from disk
+            if method_of(stage).kind == "eval":  # after OUT is written: it loads OUT back from disk
                 t0 = _start(ctx, tmp, i, stage)
-                summary = runner(stage_tag(stage))[0](stage, ctx)
+                summary = method_of(stage).run(stage, ctx)
                 results.append(_result(i, stage, time.perf_counter() - t0, summary))
         found = ctx.layers.ckpt.nonfinite if streamed else (ctx.input_nonfinite or [])
         report = {"geminicompress": __version__, "command": opts.command or sys.argv, "model": recipe.model,
@@ -186,7 +181,10 @@ def _helper_rank() -> int:
 def _open_in_memory(recipe: Recipe, loaded: LoadedModel | None, tmp: Path, progress: Progress,
                     device: torch.device) -> StageContext:
     if loaded is None:  # a first distill stage may read its teacher, the recipe's model, layer by layer
-        loaded = streamed_input(recipe, progress)
+        for stage in recipe.stages:
+            method_of(stage).before_load(stage, recipe.model)
+        first = recipe.stages[0]  # a recipe has at least one stage
+        loaded = method_of(first).streamed_input(first, recipe, progress)
     if loaded is None:
         progress.info(f"loading {recipe.model}")
         loaded = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code, allow_pickle=recipe.allow_pickle,
@@ -227,14 +225,14 @@ def _in_memory(ctx: StageContext, stages: list[Any], tmp: Path, opts: RunOptions
     GPTQ that check was the peak, with the model and OUT both in float32 (1.88 GiB). A caller's model is left
     as the stages made it."""
     # before the work: OUT's estimated size against the free disk
-    check_disk_in_memory(ctx, stages, opts.max_shard_bytes)
+    check_disk_in_memory(ctx, any(method_of(s).quantizes for s in stages), opts.max_shard_bytes)
     results: list[dict] = []
     owner: tuple[Any, dict, dict] | None = None  # (the stage whose format OUT takes, its result, its kept tensors)
     for i, stage in enumerate(stages):
         t0 = _start(ctx, tmp, i, stage)
-        cls, kind = runner(stage_tag(stage))
-        if kind == "model":
-            summary = cls(stage, ctx)
+        method = method_of(stage)
+        if method.kind == "model":
+            summary = method.run(stage, ctx)
             ctx.layers = ModelLayers(ctx.model)  # a distilled student replaces the model
         else:
             layer_stage, summary, kept = run_stage(stage, ctx, last=owned and i == len(stages) - 1)

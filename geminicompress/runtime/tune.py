@@ -27,7 +27,7 @@ import numpy as np
 
 from geminicompress.compress.gptq.allocate import ALLOCATION_FILE, FRONTIER_FILE, TABLE_FILE, table_matrices
 from geminicompress.compress.sensitivity.plot import write_frontier
-from geminicompress.errors import GeminiError
+from geminicompress.core.errors import GeminiError
 
 ROUNDS = 4
 

@@ -22,10 +22,6 @@ class DistillMethod(Method):
     needs = "decoder layers to build a student from"
 
     @classmethod
-    def calibrates(cls, cfg: Any) -> bool:
-        return False  # its windows are training text, read by the stage itself
-
-    @classmethod
     def cannot_stream(cls, cfg: Any, first: bool) -> str | None:
         return "distill trains the whole model and is not streamed; run it with --no-stream"
 
@@ -44,10 +40,6 @@ class DistillMethod(Method):
     @classmethod
     def run(cls, cfg: Any, ctx: StageContext) -> dict[str, Any]:
         return distill_stage.run(cfg, ctx)
-
-    @classmethod
-    def describe(cls, cfg: Any) -> str:
-        return "distill"
 
     @classmethod
     def streamed_input(cls, cfg: Any, recipe: Any, progress: Any) -> Any:

@@ -31,6 +31,10 @@ class Method:
     # what a model without decoder layers does not give it ("": it runs on the whole model in memory)
     needs: ClassVar[str] = "decoder layers"
     whole_model_label: ClassVar[str | None] = None  # what the whole-model info line calls it (default: name)
+    stage_class: ClassVar[type[LayerStage] | None] = None  # its layer stage (kind "layers"): opened by `stage`,
+    # asked by `cannot_stream`
+    calibrated: ClassVar[bool] = False  # every config of it reads calibration text (else: `calibrates` decides)
+    label: ClassVar[str | None] = None  # its progress bar's label (default: name)
 
     @classmethod
     def tag(cls) -> str:
@@ -40,13 +44,13 @@ class Method:
     @classmethod
     def calibrates(cls, cfg: Any) -> bool:
         """Whether a config of it reads calibration text."""
-        return False
+        return cls.calibrated
 
     @classmethod
     def cannot_stream(cls, cfg: Any, first: bool) -> str | None:
         """Why a config of it cannot run one decoder layer at a time from disk (None: it can). `first`: it is
         the recipe's first stage."""
-        return None
+        return cls.stage_class.cannot_stream(cfg, first) if cls.stage_class is not None else None
 
     @classmethod
     def preflight(cls, cfg: Any, skeleton: Any, arch: Any) -> None:
@@ -63,7 +67,9 @@ class Method:
     @classmethod
     def stage(cls, cfg: Any, ctx: StageContext) -> LayerStage:
         """Its layer stage, opened: bad input fails here, before any work (kind "layers")."""
-        raise NotImplementedError(f"{cls.tag()} is not a layer stage")
+        if cls.stage_class is None:
+            raise NotImplementedError(f"{cls.tag()} is not a layer stage")
+        return cls.stage_class(cfg, ctx)
 
     @classmethod
     def run(cls, cfg: Any, ctx: StageContext) -> dict[str, Any]:
@@ -73,7 +79,7 @@ class Method:
     @classmethod
     def describe(cls, cfg: Any) -> str:
         """Its progress bar's label."""
-        return cls.name
+        return cls.label or cls.name
 
     @classmethod
     def needs_layers(cls, cfg: Any, where: str) -> str | None:

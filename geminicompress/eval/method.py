@@ -22,7 +22,3 @@ class EvalMethod(Method):
     @classmethod
     def run(cls, cfg: Any, ctx: StageContext) -> dict[str, Any]:
         return eval_stage.run(cfg, ctx)
-
-    @classmethod
-    def describe(cls, cfg: Any) -> str:
-        return "eval"

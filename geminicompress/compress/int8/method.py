@@ -8,7 +8,6 @@ from typing import Any, ClassVar
 from geminicompress.compress.int8.config import Int8Stage
 from geminicompress.compress.int8.stage import Int8
 from geminicompress.compress.int8.whole_model import int8_whole_model
-from geminicompress.engine.contract import LayerStage, StageContext
 from geminicompress.engine.method import Method
 from geminicompress.kernels.int8 import Int8WeightOnlyLinear, W8A8Linear
 
@@ -18,15 +17,12 @@ class Int8Method(Method):
     type = "quantize"
     config = Int8Stage
     help = "INT8 weights, float activations (W8A16)"
+    stage_class = Int8
     default_format = "compressed-tensors"
     quantizes = True
     needs = ""  # each linear is swapped alone: it runs on a model without decoder layers
     module: ClassVar[type] = Int8WeightOnlyLinear  # what a quantized linear becomes
     int8_activations: ClassVar[bool] = False
-
-    @classmethod
-    def stage(cls, cfg: Any, ctx: StageContext) -> LayerStage:
-        return Int8(cfg, ctx)
 
     @classmethod
     def whole_model_refusal(cls, cfg: Any, where: str) -> str | None:

@@ -9,7 +9,6 @@ from geminicompress.compress.prune.masks import parse_pattern
 from geminicompress.compress.prune.stage import CALIBRATED, Prune, check_pattern, prunable_weights
 from geminicompress.compress.prune.whole_model import magnitude_whole_model
 from geminicompress.core.config import ignore_to_check
-from geminicompress.engine.contract import LayerStage, StageContext
 from geminicompress.engine.method import Method
 
 # what a calibrated criterion reads in a decoder layer, that a model without decoder layers does not give
@@ -22,6 +21,7 @@ class PruneMethod(Method):
     type = "prune"
     config = PruneStage
     help = "prune decoder linears: magnitude, wanda, sparsegpt, N:M"
+    stage_class = Prune
     default_format = "dense"
     whole_model_label = "magnitude pruning"
 
@@ -30,17 +30,9 @@ class PruneMethod(Method):
         return cfg.method in CALIBRATED or cfg.allocation in ("owl", "sensitivity")
 
     @classmethod
-    def cannot_stream(cls, cfg: Any, first: bool) -> str | None:
-        return Prune.cannot_stream(cfg, first)
-
-    @classmethod
     def preflight(cls, cfg: Any, skeleton: Any, arch: Any) -> None:
         targets = prunable_weights(skeleton, arch, cfg.ignore, check_ignore=ignore_to_check(cfg))
         check_pattern(targets, parse_pattern(cfg.pattern), cfg.block_size)
-
-    @classmethod
-    def stage(cls, cfg: Any, ctx: StageContext) -> LayerStage:
-        return Prune(cfg, ctx)
 
     @classmethod
     def describe(cls, cfg: Any) -> str:

@@ -7,19 +7,15 @@ from typing import Any
 from geminicompress.compress.rtn.stage import RTN, RTNStage
 from geminicompress.compress.rtn.whole_model import rtn_whole_model
 from geminicompress.compress.weight_quant import WeightQuantMethod
-from geminicompress.engine.contract import LayerStage, StageContext
 
 
 class RTNMethod(WeightQuantMethod):
     name = "rtn"
     config = RTNStage
     help = "round-to-nearest b-bit weights per group: no calibration, the baseline and the fastest path"
+    stage_class = RTN
     default_format = "gptq"
     needs = ""  # each weight is rounded alone: it runs on a model without decoder layers
-
-    @classmethod
-    def stage(cls, cfg: Any, ctx: StageContext) -> LayerStage:
-        return RTN(cfg, ctx)
 
     @classmethod
     def whole_model_refusal(cls, cfg: Any, where: str) -> str | None:

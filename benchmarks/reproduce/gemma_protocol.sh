@@ -6,7 +6,7 @@
 # ROWS: which outputs to make (default: all), e.g. "rtn gptq gptq-text awq". Each row that exists is kept.
 # Calibration: 32 x 512 windows of enwiki-sample.txt, seed 0; eval: the first 16,384 WikiText-2 test tokens in
 # 512-token windows (BOS + 511 text tokens each), KL to the float model, no latency (quality only).
-# Writes WORK/eval/report.json; `python benchmarks/gemma_protocol_table.py WORK/eval/report.json` prints the rows.
+# Writes WORK/eval/report.json and WORK/eval/report.md (the table of every row).
 set -euo pipefail
 MODEL=${1:?MODEL}; WORK=${2:?WORK}; ROWS=${3:-"rtn gptq gptq-text awq int8 w8a8 gptq-ftw1 magnitude wanda sparsegpt"}
 DATA=$(cd "$(dirname "$0")/../../.." && pwd)/shared/data

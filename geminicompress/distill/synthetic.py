@@ -10,7 +10,7 @@ teacher would see from text like the prefix, not its most likely continuation on
 ordinary token ids; they join the repair's fit windows, never the plan's held-out ones (a cut is judged
 on real text).
 
-Measured on the demo (32 real enwiki windows + 96 sampled, `benchmarks/repair_synthetic_bench.py`): 13-18
+Measured on the demo (32 real enwiki windows + 96 sampled, `benchmarks/studies/distill/repair_synthetic_bench.py`): 13-18
 52.99 (as 128 real windows: 52.91), the greedy set 6-7 + 13-15 + 21 50.12 (128 real: 49.23).
 
 Cost: n / batch generate calls of T - PREFIX sampled tokens each (the demo: ~100 s per 32 windows of 512

@@ -1,5 +1,5 @@
 """Run one GGUF model in llama.cpp (llama-cpp-python) and write llama.cpp's own figures as JSON: the driver
-behind `eval --engine llama.cpp` and benchmarks/gguf_bench.py.
+behind `eval --engine llama.cpp` and benchmarks/reproduce/gguf_bench.py.
 
 This file runs under llama.cpp's python (often another venv: llama-cpp-python is built from source, docs/serving.md),
 so it imports only the standard library, numpy and llama_cpp, never geminicompress. geminicompress runs it as

@@ -25,7 +25,7 @@ The kernel is made for decode: its time grows with the rows of activations about
 for a 576x576 linear on one thread), so a long prefill is slower than a bf16 GEMM. From `PREFILL_ROWS`
 rows on (a CPU whose packed layout we can read: `unpack_cpu`), `Int4Linear` dequantizes its weight once
 per call, S·(q − 8) + Z in bf16, and runs one bf16 GEMM: no memory is kept for it, and decode stays on the
-kernel (benchmarks/int4_prefill_bench.py measures the ways, docs/eval.md has the figures).
+kernel (benchmarks/studies/serving/int4_prefill_bench.py measures the ways, docs/eval.md has the figures).
 
 The math (`int4_layout`) is pure; `Int4Linear` is the module that runs it.
 """

@@ -45,6 +45,7 @@ LLAMA_ROWS = {  # name -> (llama.cpp ftype, with the importance matrix)
     # issue #63: llama-quantize's mixes with the importance matrix, beside ours of the same mix (--gguf-type)
     "llama-iq4_nl-imatrix": ("IQ4_NL", True), "llama-q3_k_m-imatrix": ("Q3_K_M", True),
     "llama-q2_k-imatrix": ("Q2_K", True), "llama-q4_k_m-imatrix": ("Q4_K_M", True),
+    "llama-q5_k_m-imatrix": ("Q5_K_M", True), "llama-q6_k-imatrix": ("Q6_K", True),
 }
 CALIB = ["--data", str(DATA / "enwiki-sample.txt"), "--samples", "32", "--calib-seq-len", "512"]
 OURS_ROWS = {  # name -> quantize arguments (written as OUT/model.gguf by --format gguf)
@@ -60,6 +61,8 @@ OURS_ROWS = {  # name -> quantize arguments (written as OUT/model.gguf by --form
     "ours-gptq-mix-q3_k_m": ["--method", "gptq", "--gguf-type", "Q3_K_M", *CALIB],
     "ours-gptq-mix-q2_k": ["--method", "gptq", "--gguf-type", "Q2_K", *CALIB],
     "ours-gptq-mix-q4_k_m": ["--method", "gptq", "--gguf-type", "Q4_K_M", *CALIB],
+    "ours-gptq-mix-q5_k_m": ["--method", "gptq", "--gguf-type", "Q5_K_M", *CALIB],
+    "ours-gptq-mix-q6_k": ["--method", "gptq", "--gguf-type", "Q6_K", *CALIB],
 }
 NOT_RANKED = {"ours-awq-q4_1": "not ranked: the demo's floats lie on a Q4_1 grid",
               "ours-gptq-mix-q4_k_m": "not ranked: Q4_K's mins can find the demo's Q4_1 grid",

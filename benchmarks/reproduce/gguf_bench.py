@@ -179,15 +179,11 @@ def _ours(work: Path, row: str, dst: Path, args: list[str]) -> dict[str, str]:
 
 
 def linear_bits(path: Path) -> float:
-    """Stored bits per weight of the decoder linears (blk.*.{attn,ffn}_*.weight), block scales included."""
-    from gguf import GGUFReader
+    """Stored bits per weight of the decoder linears (blk.*.{attn,ffn}_*.weight), block scales included: the
+    figure `eval --engine llama.cpp` reports (eval/engines/llama_eval.py), to 3 digits."""
+    from geminicompress.eval.engines.llama_eval import linear_bits as bits
 
-    bits = elems = 0
-    for t in GGUFReader(str(path)).tensors:
-        if t.name.startswith("blk.") and any(f".{s}.weight" in t.name for s in LINEARS.values()):
-            bits += int(t.n_bytes) * 8
-            elems += int(t.n_elements)
-    return round(bits / elems, 3)
+    return bits(path, digits=3)
 
 
 def export_facts(out: Path) -> dict:

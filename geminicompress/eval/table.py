@@ -144,6 +144,8 @@ def same_dtype_lines(report: dict) -> list[str]:
 def llama_lines(report: dict) -> list[str]:
     """`out-q4km: 4.89 bits/weight, KL p99 0.31, pp512 212.4 tok/s, tg128 48.1 tok/s (2 threads)`: what llama.cpp's
     users compare, per model of an `--engine llama.cpp` report."""
+    if report.get("engine") != "llama.cpp":
+        return []
     lines = []
     for m in report["models"]:
         parts = [f"{m['linear_bits_per_weight']:.3f} bits/weight" if m.get("linear_bits_per_weight") else None,
@@ -152,7 +154,7 @@ def llama_lines(report: dict) -> list[str]:
         if bench:
             parts.append(f"pp512 {bench['pp512_tok_s']:.1f} tok/s, tg128 {bench['tg128_tok_s']:.1f} tok/s "
                          f"({bench['threads']} threads)")
-        if any(parts) and report.get("engine") == "llama.cpp":
+        if any(parts):
             lines.append(f"{m['name']}: {', '.join(x for x in parts if x)}")
     return lines
 

@@ -177,21 +177,25 @@ def bench_from_runs(task: dict, threads: int) -> dict:
                       "tokens one at a time from an empty context, as llama-bench times them"}
 
 
-def linear_bits(path: Path) -> float | None:
-    """Stored bits per weight of the file's decoder linears (blk.N.attn_* / ffn_* weights, block scales included)."""
+LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # blk.N.<kind>.weight
+
+
+def linear_bits(path: Path, digits: int = 4) -> float | None:
+    """Stored bits per weight of the file's decoder linears (blk.N.<kind>.weight, block scales included); None
+    for a file that is not a GGUF (llama.cpp's own error says why)."""
     from gguf import GGUFReader
 
     try:
         tensors = GGUFReader(str(path)).tensors
-    except ValueError:  # not a GGUF file llama.cpp will read: its own error says so
+    except ValueError:
         return None
     bits = elems = 0
     for t in tensors:
-        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2 \
-                and any(f".{k}" in t.name for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_")):
+        parts = t.name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in LINEAR_KINDS and parts[3] == "weight":
             bits += int(t.n_bytes) * 8
             elems += int(t.n_elements)
-    return round(bits / elems, 4) if elems else None
+    return round(bits / elems, digits) if elems else None
 
 
 def evaluate_llama(specs: list[str], shown: list[str], data: str, options: EvalStage, progress: Progress,

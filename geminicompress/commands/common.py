@@ -285,6 +285,24 @@ RUN_OPTIONS = [_keyword("data", Optional[str], DATA), _keyword("text_column", st
                _keyword("no_verify", bool, NO_VERIFY), _keyword("quiet", bool, QUIET),
                _keyword("threads", Optional[int], THREADS)]
 RUN_DEFAULTS = {p.name: p.default.default for p in RUN_OPTIONS}  # what a command that leaves one out runs with
+# the options of a command that calibrates on a model but writes no checkpoint through a recipe (sensitivity, tune)
+CALIBRATED = ("data", "text_column", "samples", "calib_seq_len", "seed", "frame", "force", "device",
+              "trust_remote_code", "allow_pickle", "quiet", "threads")
+LLAMA_PYTHON = typer.Option(None, "--llama-python", help="Python that has llama-cpp-python (default: this one if it "
+                            "imports llama_cpp, else $GEMINICOMPRESS_LLAMA_PYTHON).")
+VLLM_PYTHON = typer.Option(None, "--vllm-python", help="Python of the venv that has vLLM (default: this one if it "
+                           "imports vllm, else $GEMINICOMPRESS_VLLM_PYTHON).")
+# the options of a command that runs models through an engine (eval, serve-bench)
+ENGINE_OPTIONS = [_keyword("llama_python", Optional[str], LLAMA_PYTHON),
+                  _keyword("vllm_python", Optional[str], VLLM_PYTHON),
+                  *(p for p in RUN_OPTIONS if p.name in ("text_column", "frame", "force", "trust_remote_code", "quiet",
+                                                         "threads"))]
+
+
+def calibrated_options(**own: Any) -> list[inspect.Parameter]:
+    """RUN_OPTIONS' calibration and run options (CALIBRATED), a command's `own` typer.Option in place of the
+    common one of that name (its own help or default)."""
+    return [p.replace(default=own[p.name]) if p.name in own else p for p in RUN_OPTIONS if p.name in CALIBRATED]
 
 
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

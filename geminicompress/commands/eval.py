@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -21,7 +21,6 @@ def _batch_sizes(text: str) -> list[int]:
     return sizes
 
 
-@c.handle_errors
 def eval_(
     models: List[str] = typer.Argument(..., help="Models to compare (any format geminicompress writes)."),
     baseline: Optional[str] = typer.Option(None, "--baseline", help="Reference MODEL (default: the first MODEL)."),
@@ -52,19 +51,9 @@ def eval_(
                                "measure every model in vLLM, installed in its own venv (docs/serving.md), or "
                                "llama.cpp: every model as GGUF in llama-cpp-python (perplexity, KL over the "
                                "baseline's top 16 + rest: a lower bound, TTFT/TPOT at batch 1)."),
-    llama_python: Optional[str] = typer.Option(None, "--llama-python", help="Python that has llama-cpp-python "
-                                               "(default: this one if it imports llama_cpp, else "
-                                               "$GEMINICOMPRESS_LLAMA_PYTHON)."),
-    vllm_python: Optional[str] = typer.Option(None, "--vllm-python", help="Python of the venv that has vLLM (default: "
-                                              "this one if it imports vllm, else $GEMINICOMPRESS_VLLM_PYTHON)."),
-    text_column: str = c.TEXT_COLUMN,
-    frame: str = c.FRAME,
     device: str = c.DEVICE,
-    force: bool = c.FORCE,
-    trust: bool = c.TRUST,
     allow_pickle: bool = c.PICKLE,
-    quiet: bool = c.QUIET,
-    threads: Optional[int] = c.THREADS,
+    **common: Any,
 ) -> None:
     """Compare models on the same text and machine: perplexity, KL, agreement, latency, memory, size.
 
@@ -88,22 +77,24 @@ def eval_(
              "batch_sizes": _batch_sizes(batch_sizes) if batch_sizes is not None else None,
              "tasks": [t.strip() for t in tasks.split(",") if t.strip()] if tasks is not None else None}
     try:
-        options = EvalStage(type="eval", data=data, text_column=text_column, latency=not no_latency,
+        options = EvalStage(type="eval", data=data, text_column=common["text_column"], latency=not no_latency,
                             quality=not no_quality, kernels=kernels, dtype_baseline=dtype_baseline, engine=engine,
-                            vllm_python=vllm_python, llama_python=llama_python, frame=frame, **{k: v for k, v in given.items() if v is not None})
+                            vllm_python=common["vllm_python"], llama_python=common["llama_python"],
+                            frame=common["frame"], **{k: v for k, v in given.items() if v is not None})
     except ValidationError as exc:
         err = exc.errors()[0]
         raise InputError(f"--{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}") from exc
     check_data_spec(data)
     inputs = [pair for i, m in enumerate(models) for pair in model_inputs(f"model {i + 1}", m)]
     inputs += [*model_inputs("--baseline", baseline), *model_inputs("--draft", draft), ("--data", data),
-               ("--vllm-python", vllm_python), ("--llama-python", llama_python)]
-    check_output_path(output, force, inputs)
+               ("--vllm-python", common["vllm_python"]), ("--llama-python", common["llama_python"])]
+    check_output_path(output, common["force"], inputs)
     dev = c.parse_device(device)
-    choice = c.use_threads(threads, None)
-    report = evaluate(models, baseline or models[0], data, None, options, c.RichProgress(quiet),
-                      setup=EvalSetup(device=dev, trust_remote_code=trust, allow_pickle=allow_pickle, stream=stream))
-    with OutputDir(output, force, inputs=inputs) as tmp:
+    choice = c.use_threads(common["threads"], None)
+    report = evaluate(models, baseline or models[0], data, None, options, c.RichProgress(common["quiet"]),
+                      setup=EvalSetup(device=dev, trust_remote_code=common["trust_remote_code"],
+                                      allow_pickle=allow_pickle, stream=stream))
+    with OutputDir(output, common["force"], inputs=inputs) as tmp:
         write_report(report, tmp)
     c.out_console.print(rich_table(report, c.out_console.width))
     for line in [*same_dtype_lines(report), *llama_lines(report)]:
@@ -115,3 +106,6 @@ def eval_(
         c.console.print(f"[bold red]error:[/] {len(failed)} of {len(report['models'])} models failed: "
                         f"{', '.join(failed)} (why: report.json's models[].error)", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
+
+
+eval_ = c.handle_errors(c.with_options(eval_, c.ENGINE_OPTIONS, before=None))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -23,7 +23,6 @@ from geminicompress.runtime.recipes.inputs import model_inputs
 DEFAULT_OPTIONS = "gptq:b4g64,gptq:b3g64"
 
 
-@c.handle_errors
 def sensitivity(
     model: str = typer.Argument(..., help="MODEL: hub id, local directory, .gguf file, or smollm2-demo."),
     output: Path = c.OUT,
@@ -36,18 +35,7 @@ def sensitivity(
     fuse: bool = typer.Option(False, "--fuse/--per-module", help="One unit per group of linears reading one input "
                               "(q/k/v, gate/up), as a serving engine fuses them."),
     ignore: Optional[List[str]] = typer.Option(None, "--ignore", help="Module name pattern (regex) left out; repeatable."),
-    data: Optional[str] = c.DATA,
-    text_column: str = c.TEXT_COLUMN,
-    samples: Optional[int] = typer.Option(None, "--samples", help="Calibration windows for statistics (default 32)."),
-    calib_seq_len: Optional[int] = c.CAL_SEQ_LEN,
-    seed: int = c.SEED,
-    frame: str = c.FRAME,
-    force: bool = c.FORCE,
-    device: str = c.DEVICE,
-    trust_remote_code: bool = c.TRUST,
-    allow_pickle: bool = c.PICKLE,
-    quiet: bool = c.QUIET,
-    threads: Optional[int] = c.THREADS,
+    **run: Any,
 ) -> None:
     """Measure how much each decoder linear suffers from each candidate setting, applied to it alone.
 
@@ -60,26 +48,30 @@ def sensitivity(
         raise InputError(f"--measure '{measure}' is not one of {', '.join(MEASURES)}")
     if kl_windows < 1:
         raise InputError(f"--kl-windows must be at least 1, got {kl_windows}")
-    inputs = [*model_inputs("model", model), ("--data", data)]
-    check_output_path(output, force, inputs)
-    choice = c.use_threads(threads, None)
-    dev = c.parse_device(device)
-    progress = c.RichProgress(quiet)
-    loaded = load_model(model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    inputs = [*model_inputs("model", model), ("--data", run["data"])]
+    check_output_path(output, run["force"], inputs)
+    choice = c.use_threads(run["threads"], None)
+    dev = c.parse_device(run["device"])
+    progress = c.RichProgress(run["quiet"])
+    loaded = load_model(model, trust_remote_code=run["trust_remote_code"], allow_pickle=run["allow_pickle"])
     keep = set(quantizable(loaded.model, arch_for(loaded.model), ignore or []))
-    windows = calibration_windows(loaded.tokenizer, data or "builtin:pydoc", samples or 32, calib_seq_len or 512,
-                                  seed, text_column, frame, vocab_of(loaded.model))
+    windows = calibration_windows(loaded.tokenizer, run["data"] or "builtin:pydoc", run["samples"] or 32,
+                                  run["calib_seq_len"] or 512, run["seed"], run["text_column"], run["frame"], vocab_of(loaded.model))
     t0 = time.perf_counter()
     table = measure_sensitivity(loaded.model, windows, parsed, SensitivitySettings(keep=keep, kl_windows=kl_windows,
                                                                                    measure=measure, fuse=fuse,
                                                                                    device=dev, progress=progress,
-                                                                                   seed=seed))
-    table.update(model=model, data=data or "builtin:pydoc", seconds=round(time.perf_counter() - t0, 3),
+                                                                                   seed=run["seed"]))
+    table.update(model=model, data=run["data"] or "builtin:pydoc", seconds=round(time.perf_counter() - t0, 3),
                  threads=choice.threads)
-    with OutputDir(output, force, inputs=inputs) as tmp:
+    with OutputDir(output, run["force"], inputs=inputs) as tmp:
         write_json(tmp / "sensitivity.json", table)
         write_heatmap(table, tmp / "sensitivity.png")
     if "rank_correlation" in table:
         c.console.print(f"rank correlation proxy vs kl: {table['rank_correlation']}")
     c.console.print(f"[green]wrote[/] {output}  (sensitivity.json, sensitivity.png; {table['seconds']:.1f} s, "
                     f"{choice.reason})")
+
+
+SAMPLES = typer.Option(None, "--samples", help="Calibration windows for statistics (default 32).")
+sensitivity = c.handle_errors(c.with_options(sensitivity, c.calibrated_options(samples=SAMPLES), before=None))

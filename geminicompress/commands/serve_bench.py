@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
 from geminicompress.commands import common as c
 
 
-@c.handle_errors
 def serve_bench(
     model: str = typer.Argument(..., help="MODEL to serve: a local directory or smollm2-demo."),
     output: Path = typer.Option(..., "--output", "-o", help="Report directory (serving.json, serving.md, serving.png)."),
@@ -44,15 +43,7 @@ def serve_bench(
                                    "change the model (512-token windows; 0 = none)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (as stored), float32 or bfloat16."),
     seed: int = typer.Option(0, "--seed", help="Seed of the arrival times."),
-    vllm_python: Optional[str] = typer.Option(None, "--vllm-python", help="Python of the venv that has vLLM."),
-    llama_python: Optional[str] = typer.Option(None, "--llama-python", help="Python of the venv that has "
-                                               "llama-cpp-python (--engine llama.cpp)."),
-    text_column: str = c.TEXT_COLUMN,
-    frame: str = c.FRAME,
-    force: bool = c.FORCE,
-    trust: bool = c.TRUST,
-    quiet: bool = c.QUIET,
-    threads: Optional[int] = c.THREADS,
+    **common: Any,
 ) -> None:
     """Serve one workload row after row, each row adding one optimization to the best row above it:
     original configuration, prompt truncation, FlashAttention, KV-cache reuse, dynamic batching,
@@ -87,17 +78,21 @@ def serve_bench(
     check_data_spec(data)
     inputs = [*model_inputs("model", model), *model_inputs("--int8", int8), *model_inputs("--int4", int4),
               *model_inputs("--student", student), *model_inputs("--draft", draft), ("--data", data),
-              ("--vllm-python", vllm_python), ("--llama-python", llama_python)]
-    check_output_path(output, force, inputs)
+              ("--vllm-python", common["vllm_python"]), ("--llama-python", common["llama_python"])]
+    check_output_path(output, common["force"], inputs)
     spec = WorkloadSpec(requests, prefix_len, question_len, answer_len, rate, max_prompt_len, seed)
-    choice = c.use_threads(threads, None)
-    options = ServeOptions(engine=engine, max_batch=max_batch, ppl_tokens=ppl_tokens, text_column=text_column,
-                           vllm_python=vllm_python, llama_python=llama_python, dtype=dtype, trust_remote_code=trust,
-                           frame=frame, load=load,
+    choice = c.use_threads(common["threads"], None)
+    options = ServeOptions(engine=engine, max_batch=max_batch, ppl_tokens=ppl_tokens,
+                           text_column=common["text_column"], vllm_python=common["vllm_python"],
+                           llama_python=common["llama_python"], dtype=dtype,
+                           trust_remote_code=common["trust_remote_code"], frame=common["frame"], load=load,
                            concurrency=concurrency)
-    report = run(Models(model, int8, int4, student, draft), data, spec, options, c.RichProgress(quiet))
-    with OutputDir(output, force, inputs=inputs) as tmp:
+    report = run(Models(model, int8, int4, student, draft), data, spec, options, c.RichProgress(common["quiet"]))
+    with OutputDir(output, common["force"], inputs=inputs) as tmp:
         serve_table.write(report, tmp)
     c.out_console.print(serve_table.rich_table(report, c.out_console.width))
     c.console.print(f"[green]wrote[/] {output}  (serving.json, serving.md, serving.png; {choice.reason})",
                     highlight=False, soft_wrap=True)
+
+
+serve_bench = c.handle_errors(c.with_options(serve_bench, c.ENGINE_OPTIONS, before=None))

@@ -10,7 +10,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -25,7 +25,6 @@ from geminicompress.runtime.recipes.loader import validate
 from geminicompress.runtime.tune import run_tune
 
 
-@c.handle_errors
 def tune(
     model: str = typer.Argument(..., help="MODEL: hub id, local directory, .gguf file, or smollm2-demo."),
     output: Path = c.OUT,
@@ -36,18 +35,7 @@ def tune(
     eval_tokens: Optional[int] = typer.Option(None, "--eval-tokens", help="Evaluate at most this many tokens."),
     eval_seq_len: Optional[int] = typer.Option(None, "--eval-seq-len", help="Tokens per perplexity window."),
     format: str = typer.Option("gptq", "--format", help="gptq (dynamic overrides) or compressed-tensors (config groups)."),
-    data: Optional[str] = c.DATA,
-    text_column: str = c.TEXT_COLUMN,
-    samples: Optional[int] = c.SAMPLES,
-    calib_seq_len: Optional[int] = c.CAL_SEQ_LEN,
-    seed: int = c.SEED,
-    frame: str = c.FRAME,
-    force: bool = c.FORCE,
-    device: str = c.DEVICE,
-    trust_remote_code: bool = c.TRUST,
-    allow_pickle: bool = c.PICKLE,
-    quiet: bool = c.QUIET,
-    threads: Optional[int] = c.THREADS,
+    **run: Any,
 ) -> None:
     """Mixed-precision GPTQ whose measured drift on --eval-data stays under --max-drift, in as few bits as found.
 
@@ -62,18 +50,18 @@ def tune(
     budget = parse_percent(max_drift, "--max-drift")
     opts = [o.strip() for o in options.split(",") if o.strip()]
     first = re.fullmatch(r"gptq:b(\d+)g(-?\d+)", opts[0] if opts else "")
-    cal = c.calibration_options(data, text_column, samples, calib_seq_len)
-    evaluation = {"type": "eval", "data": eval_data, "latency": False, "text_column": text_column,
+    cal = c.calibration_options(run["data"], run["text_column"], run["samples"], run["calib_seq_len"])
+    evaluation = {"type": "eval", "data": eval_data, "latency": False, "text_column": run["text_column"],
                   **({"max_tokens": eval_tokens} if eval_tokens else {}), **({"seq_len": eval_seq_len} if eval_seq_len else {})}
-    base = {"model": model, "seed": seed, "frame": frame, "trust_remote_code": trust_remote_code,
-            "allow_pickle": allow_pickle,
-            "calibration": cal}
-    inputs = [*model_inputs("model", model), ("--data", data), ("--sensitivity", sensitivity),
+    base = {"model": model, "seed": run["seed"], "frame": run["frame"], "calibration": cal,
+            "trust_remote_code": run["trust_remote_code"], "allow_pickle": run["allow_pickle"]}
+    inputs = [*model_inputs("model", model), ("--data", run["data"]), ("--sensitivity", sensitivity),
               ("--eval-data", eval_data)]
-    target = check_output_path(output, force, inputs)  # what a link OUT points to: the rounds' folder moves there
-    choice = c.use_threads(threads, None)
-    progress = c.RichProgress(quiet)
-    dev = c.parse_device(device)
+    # what a link OUT points to: the rounds' folder moves there
+    target = check_output_path(output, run["force"], inputs)
+    choice = c.use_threads(run["threads"], None)
+    progress = c.RichProgress(run["quiet"])
+    dev = c.parse_device(run["device"])
 
     def run_round(asked: float, table: Optional[str], folder: Path) -> tuple[dict, dict]:
         allocation = {"max_drift": asked, "options": opts, **({"sensitivity": table} if table else {})}
@@ -91,3 +79,6 @@ def tune(
                         f"{chosen['average_bits']:.3f} bits per weight; drift predicted "
                         f"{chosen['predicted_drift_pct']:.2f}%, measured {chosen['measured_drift_pct']:.2f}% on "
                         f"{eval_data} (budget {budget:g}%; {choice.reason})")
+
+
+tune = c.handle_errors(c.with_options(tune, c.calibrated_options(), before=None))

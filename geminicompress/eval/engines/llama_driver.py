@@ -20,7 +20,9 @@ Job: {"model": FILE.gguf, "threads": n, "n_ctx": tokens, "tasks": [TASK, ...]}, 
   a time from an empty context -> {"pp_s": [s, ...], "tg_s": [s, ...]} (warm-up runs dropped);
 - {"kind": "quantize", "src": FILE, "dst": FILE, "ftype": "Q4_0"|..., "allow_requantize": bool,
   "imatrix": {gguf tensor name: [mean x² per input channel]} or null}: llama.cpp's own quantizer
-  (`llama_model_quantize`) -> {"dst": FILE, "bytes": n}. `model` may then be null.
+  (`llama_model_quantize`) -> {"dst": FILE, "bytes": n}. `model` may then be null;
+- {"kind": "serve", "model": FILE, "draft": FILE or null, "requests": [...], ...}: serve-bench's requests served
+  one after another, timed (eval/serving/llama_serve_task.py, loaded by its path) -> {"requests", "acceptance"}.
 Result: {"llama_cpp": version, "error": one line or null, "load_s": s, "threads": n, "system_info": text,
 "tasks": [one result per task, in the job's order]}.
 """
@@ -155,6 +157,18 @@ def quantize_task(task: dict) -> dict:
     return {"dst": task["dst"], "bytes": os.path.getsize(task["dst"])}
 
 
+def _serving():
+    """eval/serving/llama_serve_task.py, loaded by its path (this file's folder is not on sys.path: main)."""
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(os.path.dirname(here), "serving", "llama_serve_task.py")
+    spec = importlib.util.spec_from_file_location("llama_serve_task", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def one_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     return f"{type(exc).__name__}: {'; '.join(lines[:3])}"[:500] if lines else type(exc).__name__
@@ -172,8 +186,9 @@ def run(job: dict) -> dict:
     llm, kind = None, None  # one model at a time: with logits at every position (quality) or the last (decode)
     try:
         for task in job["tasks"]:
-            if task["kind"] == "quantize":
-                result["tasks"].append(quantize_task({**task, "threads": threads}))
+            if task["kind"] in ("quantize", "serve"):  # their own models: none kept open
+                work = quantize_task if task["kind"] == "quantize" else _serving().serve_task
+                result["tasks"].append(work({**task, "threads": threads}))
                 continue
             want = "logprobs" if task["kind"] == "logprobs" else "decode"
             if kind != want:

@@ -1,5 +1,5 @@
 """serve-bench's rows in llama.cpp (`--engine llama.cpp`): each call one llama-cpp-python process on GGUF files
-(llama_serve_driver.py), under llama.cpp's python; perplexity through eval's llama.cpp driver (logprobs).
+(the "serve" task of eval/engines/llama_driver.py: llama_serve_task.py), under llama.cpp's python; perplexity through the same driver (logprobs).
 
 What llama-cpp-python's `Llama` can switch, row by row:
 
@@ -32,7 +32,7 @@ from geminicompress.eval.serving.rows import Row, rows_of
 from geminicompress.eval.serving.servers import Models, RowRefused, Served
 from geminicompress.eval.serving.workload import Request, WorkloadSpec
 
-DRIVER = Path(__file__).with_name("llama_serve_driver.py")
+DRIVER = Path(__file__).parents[1] / "engines" / "llama_driver.py"  # its "serve" task: llama_serve_task.py
 DRAFT_TOKENS = 4  # proposals per verification round
 
 
@@ -81,19 +81,20 @@ class LlamaServer:
     def serve(self, row: Row, flags: dict, requests: list[Request], concurrency: int | None = None,
               with_ppl: bool = False) -> Served:
         max_len = self.spec.truncated_len if flags.get("truncate") else None
-        job = {"model": self._file(row.model), "draft": self._file("draft") if flags.get("draft") else None,
+        task = {"kind": "serve", "model": self._file(row.model), "draft": self._file("draft") if flags.get("draft") else None,
                "threads": self.threads, "n_ctx": self.spec.longest + 16, "flash_attn": bool(flags.get("flash_attn")),
                "reuse": bool(flags.get("reuse")), "draft_tokens": DRAFT_TOKENS, "concurrency": concurrency,
                "warmup": None if concurrency == 1 else list(reversed(requests[0].prompt(max_len))),
                "requests": [{"prompt": r.prompt(max_len), "arrival_s": r.arrival_s, "max_tokens": r.answer_len}
                             for r in requests]}
-        result = run_job(self.python, DRIVER, job, "llama.cpp")[0]
+        result = run_job(self.python, DRIVER, {"model": None, "threads": self.threads, "tasks": [task]}, "llama.cpp")[0]
         if result.get("error"):
             raise RowRefused(f"llama.cpp refused it: {result['error']}")
-        extra = {"llama_cpp": result.get("llama_cpp"), "gguf": job["model"]}
-        if result.get("acceptance"):
-            extra["acceptance"] = result["acceptance"]
-        return Served([_timing(r) for r in result["requests"]], self._ppl(job["model"]) if with_ppl else None, extra)
+        served = result["tasks"][0]
+        extra = {"llama_cpp": result.get("llama_cpp"), "gguf": task["model"]}
+        if served.get("acceptance"):
+            extra["acceptance"] = served["acceptance"]
+        return Served([_timing(r) for r in served["requests"]], self._ppl(task["model"]) if with_ppl else None, extra)
 
     def _ppl(self, path: str) -> float | None:
         if self.windows is None:

@@ -1,10 +1,10 @@
-"""Serve serve-bench's requests in llama.cpp (llama-cpp-python) and write the timings as JSON: the driver behind
-`serve-bench --engine llama.cpp` (eval/serving/llama_server.py builds the job and reads the result).
+"""Serve serve-bench's requests in llama.cpp (llama-cpp-python): the "serve" task of eval/engines/llama_driver.py,
+the one process llama.cpp's work runs in (eval/serving/llama_server.py builds the job and reads the result).
 
 It runs under llama.cpp's python (often another venv), so it imports only the standard library, numpy and
-llama_cpp, never geminicompress: `PYTHON llama_serve_driver.py JOB.json RESULT.json`.
+llama_cpp, never geminicompress; llama_driver.py loads it by its path.
 
-Job: {"model": FILE.gguf, "draft": FILE.gguf or null, "threads": n, "n_ctx": tokens, "flash_attn": bool,
+Task: {"kind": "serve", "model": FILE.gguf, "draft": FILE.gguf or null, "threads": n, "n_ctx": tokens, "flash_attn": bool,
 "reuse": bool, "draft_tokens": k, "warmup": [ids], "requests": [{"prompt": [ids], "arrival_s": s, "max_tokens": n}],
 "concurrency": N or null}. One model, one sequence: requests are served one after another in arrival order
 (each waits for its arrival time; with `concurrency` N, request i arrives when request i − N finished).
@@ -14,18 +14,15 @@ Greedy, exactly `max_tokens` tokens (EOS never chosen as a stop):
   again (llama.cpp's prompt cache: llama-cpp-python's own prefix match, made explicit to count the hits);
 - `draft`: speculative decoding: the draft proposes `draft_tokens` tokens greedily, the model evaluates them in one
   batch and keeps the longest prefix equal to its own argmax, plus its own next token (Leviathan et al., 2023).
-Result: {"llama_cpp": version, "error": one line or null, "threads": n, "requests": [{"arrival_s", "first_s",
+Result: {"requests": [{"arrival_s", "first_s",
 "end_s", "with_first", "tokens", "prompt_tokens", "cached_tokens"}], "acceptance": {"proposed", "accepted",
 "rounds"} or null} (seconds after the start).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
-import traceback
 
 
 def _load(path: str, job: dict, logits_all: bool):
@@ -125,39 +122,8 @@ def serve(llm, draft, job: dict) -> dict:
     return {"requests": [done[i] for i in range(len(job["requests"]))], "acceptance": counts if draft else None}
 
 
-def one_line(exc: BaseException) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return f"{type(exc).__name__}: {'; '.join(lines[:3])}"[:500] if lines else type(exc).__name__
-
-
-def run(job: dict) -> dict:
-    try:
-        import llama_cpp
-    except ImportError as exc:
-        return {"llama_cpp": None, "error": f"llama_cpp does not import: {exc}"}
-    result = {"llama_cpp": getattr(llama_cpp, "__version__", "unknown"), "error": None,
-              "threads": int(job.get("threads") or os.cpu_count() or 1)}
-    try:
-        draft = _load(job["draft"], job, logits_all=False) if job.get("draft") else None
-        llm = _load(job["model"], job, logits_all=draft is not None)  # the verifier reads every drafted position
-        result.update(serve(llm, draft, job))
-    except Exception as exc:  # llama.cpp refused the file or failed: its reason, in one line (traceback to the log)
-        traceback.print_exc()
-        result["error"] = one_line(exc)
-    return result
-
-
-def main(argv: list[str]) -> int:
-    with open(argv[1]) as f:
-        job = json.load(f)
-    result = run(job)
-    with open(argv[2] + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(argv[2] + ".tmp", argv[2])
-    return 0
-
-
-if __name__ == "__main__":
-    here = os.path.dirname(os.path.abspath(__file__))  # its neighbours must not shadow what llama_cpp imports
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
-    sys.exit(main(sys.argv))
+def serve_task(task: dict) -> dict:
+    """The task's requests served (module docstring); llama.cpp's refusal raises."""
+    draft = _load(task["draft"], task, logits_all=False) if task.get("draft") else None
+    llm = _load(task["model"], task, logits_all=draft is not None)  # the verifier reads every drafted position
+    return serve(llm, draft, task)

@@ -89,3 +89,34 @@ def test_auto_trains_in_what_it_resolves_to_and_one_process_switches_precision(t
     assert auto_no.precision_why.startswith("auto: this CPU does not")
     assert auto_no.loss[0] == pytest.approx(fp32.loss[0], rel=1e-6)
     assert auto_bf16.loss[0] == pytest.approx(bf16.loss[0], rel=1e-6)
+
+
+@pytest.mark.parametrize("kind, tie", [("llama", False), ("llama", True), ("gemma", True)])
+def test_a_frozen_teacher_held_in_bf16_gives_the_same_logits_under_bf16_autocast(kind, tie):
+    """frozen_linears_as: under bf16 autocast the teacher's logits are bit for bit those of its float32 weights
+    (autocast casts each linear's weight anyway); a head tied to the embedding and shared tensors stay float32."""
+    import copy
+
+    from tiny import tiny_model
+
+    from geminicompress.distill.precision import frozen_linears_as
+
+    torch.manual_seed(0)
+    teacher = tiny_model(kind, num_hidden_layers=2, vocab_size=512, tie_word_embeddings=tie).eval()
+    ids = torch.randint(0, 512, (2, 16))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        before = teacher(ids).logits
+    shared = teacher.model.layers[0].mlp.down_proj.weight
+    held = copy.deepcopy(teacher)
+    linear = sum(m.weight.numel() for m in held.modules() if isinstance(m, torch.nn.Linear))
+    head = held.get_output_embeddings().weight
+    saved = frozen_linears_as(held, torch.bfloat16, keep=[held.model.layers[0].mlp.down_proj.weight])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        after = held(ids).logits
+    assert torch.equal(before, after)
+    kept = shared.numel() + (head.numel() if tie else 0)
+    assert saved == 2 * (linear - kept)
+    assert held.get_input_embeddings().weight.dtype == torch.float32
+    assert held.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    assert held.model.layers[1].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert (held.get_output_embeddings().weight.dtype == torch.float32) == tie

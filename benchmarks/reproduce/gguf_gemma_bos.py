@@ -13,6 +13,10 @@ Other GGUF types (issue #63: same types per tensor as llama.cpp's file, our GPTQ
 importance matrix):
 
   python benchmarks/reproduce/gguf_gemma_bos.py --types IQ4_NL,Q3_K_M,Q2_K --ours none --name gguf_gemma_kquants
+The same on the demo (no BOS: its tokenizer adds none; windows of 512 text tokens):
+
+  python benchmarks/reproduce/gguf_gemma_bos.py --model smollm2-demo --work /work/runs/gguf-demo \
+      --types Q4_0,IQ4_NL,Q3_K_M,Q2_K,Q4_K_M,Q5_K_M,Q6_K --auto Q4_K_M --ours none --name gguf_demo_kquants
 Each type T adds llama.cpp's `llama-T-imatrix` file and ours, `quantize --method gptq --format gguf --gguf-type T`
 (WORK/ours-gptq-T), all scored in one llama.cpp pass against the F32 file. `--auto Q3_K_M` adds ours with
 `--gguf-type auto --target-size-mb` the size of llama.cpp's Q3_K_M file (WORK/ours-gptq-auto-q3_k_m).
@@ -40,13 +44,15 @@ def llama_files(model: str, work: Path, python: str, types: list[str]) -> dict[s
     """Our F32 export of the float model, and llama.cpp's file of every type in `types` made from it with an
     importance matrix taken on the protocol's calibration windows (framed as the tokenizer frames a text:
     BOS-led for Gemma)."""
-    from geminicompress.eval.engines.llama_eval import run_driver
+    from geminicompress.eval.engines.llama_eval import demo_f32, run_driver
     from geminicompress.formats.gguf_export import GGUFOptions, export
     from geminicompress.models.loading import load_model
 
     work.mkdir(parents=True, exist_ok=True)
     f32 = work / "float-f32.gguf"
-    if not f32.is_file():
+    if not f32.is_file() and model == "smollm2-demo":  # llama.cpp's exact dequantization of the shipped Q4_1 file
+        f32.write_bytes(demo_f32(python).read_bytes())
+    elif not f32.is_file():  # ours of the float checkpoint, its tokenizer from the shipped Q4_K_M file
         export(Path(model), GGUFOptions(embeddings="f32", floats="f32"), source_gguf=source_gguf(), dest=f32)
     imatrix = work / "imatrix.json"
     if not imatrix.is_file():
@@ -66,11 +72,12 @@ def llama_files(model: str, work: Path, python: str, types: list[str]) -> dict[s
     return files
 
 
-def ours_typed(model: str, work: Path, types: list[str]) -> dict[str, Path]:
-    """Our default GPTQ at each GGUF type other than Q4_0 (`--gguf-type T`: llama-quantize's per-tensor types)."""
+def ours_typed(model: str, work: Path, types: list[str], ours_q4_0: bool) -> dict[str, Path]:
+    """Our default GPTQ at each GGUF type (`--gguf-type T`: llama-quantize's per-tensor types); Q4_0 only when no
+    --ours rows give it."""
     out = {}
     for gtype in types:
-        if gtype == "Q4_0":
+        if gtype == "Q4_0" and ours_q4_0:
             continue  # the --ours rows
         folder = work / f"ours-gptq-{gtype.lower()}"
         if not (folder / "model.gguf").is_file():
@@ -129,7 +136,7 @@ def main() -> None:
     types = [t.strip().upper() for t in args.types.split(",") if t.strip()]
     auto = [t.strip().upper() for t in args.auto.split(",") if t.strip()]
     files = {**llama_files(args.model, work, python, list(dict.fromkeys(types + auto))),
-             **ours(args.model, args.ours), **ours_typed(args.model, work, types), **ours_auto(args.model, work, auto)}
+             **ours(args.model, args.ours), **ours_typed(args.model, work, types, args.ours != "none"), **ours_auto(args.model, work, auto)}
     loaded = load_model(args.model)
     windows = eval_windows(loaded.tokenizer)  # (32, 512): BOS + 511 text tokens each
     cached = work / "torch_float_ppl.json"  # the float model's torch perplexity on these windows, taken once

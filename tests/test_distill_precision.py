@@ -99,7 +99,7 @@ def test_a_frozen_teacher_held_in_bf16_gives_the_same_logits_under_bf16_autocast
 
     from tiny import tiny_model
 
-    from geminicompress.distill.precision import frozen_linears_as
+    from geminicompress.distill.frozen_teacher import frozen_linears_as
 
     torch.manual_seed(0)
     teacher = tiny_model(kind, num_hidden_layers=2, vocab_size=512, tie_word_embeddings=tie).eval()
@@ -120,3 +120,40 @@ def test_a_frozen_teacher_held_in_bf16_gives_the_same_logits_under_bf16_autocast
     assert held.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
     assert held.model.layers[1].mlp.down_proj.weight.dtype == torch.bfloat16
     assert (held.get_output_embeddings().weight.dtype == torch.float32) == tie
+
+
+def _mapping_of(address: int) -> tuple[str, str]:
+    """(permissions, file name) of this process's mapping holding `address`."""
+    for line in open("/proc/self/maps"):
+        parts = line.split()
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= address < hi:
+            return parts[1], parts[-1].rsplit("/", 1)[-1]
+    return "", ""
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+def test_a_teacher_s_table_left_in_its_file_gives_the_same_logits(tmp_path, kind):
+    """table_in_file: the tied table read from the checkpoint's bytes, its head a bf16 copy; under bf16 autocast the
+    logits are bit for bit those before. A table something wrote to (no longer the file's bytes) stays."""
+    from tiny import save_tiny
+
+    from geminicompress.distill.frozen_teacher import table_in_file
+    from geminicompress.models.loading import load_model
+
+    folder = save_tiny(tmp_path / "t", kind=kind, vocab_size=4096, tie_word_embeddings=True)
+    teacher = load_model(str(folder)).model.eval().requires_grad_(False)
+    ids = torch.randint(0, 4096, (2, 16))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        before = teacher(ids).logits
+    vocab, width = teacher.get_input_embeddings().weight.shape
+    assert table_in_file(teacher, torch.bfloat16) == vocab * width * (4 - 2)
+    assert teacher.get_output_embeddings().weight.dtype == torch.bfloat16
+    assert _mapping_of(teacher.get_input_embeddings().weight.data_ptr()) == ("r--s", "model.safetensors")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        after = teacher(ids).logits
+    assert torch.equal(before, after)
+    written = load_model(str(folder)).model
+    with torch.no_grad():
+        written.get_input_embeddings().weight[0] += 1.0
+    assert table_in_file(written, torch.bfloat16) == 0

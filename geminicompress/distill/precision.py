@@ -16,11 +16,9 @@ over the device's guess (its "no" is the launcher's default, not a choice, so th
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 
 LAUNCHER_ENV = "ACCELERATE_MIXED_PRECISION"
 
@@ -65,22 +63,3 @@ def choose_precision(requested: str, device: torch.device) -> Precision:
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def frozen_linears_as(model: nn.Module, dtype: torch.dtype, keep: Iterable[torch.Tensor] = ()) -> int:
-    """Hold the weights of a frozen `model`'s nn.Linear modules in `dtype`, in place, for a model that only runs
-    under autocast to `dtype`: autocast casts a float32 weight to `dtype` for every product, so the products are
-    the same and the weights take half the bytes (the distillation teacher's decoder: 0.19 GiB of Gemma 3 270M's).
-    A weight that is also another module's (a head tied to the embedding, whose lookup autocast does not cast)
-    or among `keep` (shared with a model that trains) stays as it is. Returns the bytes saved."""
-    kept = {t.data_ptr() for t in keep}
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    others = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
-    saved = 0
-    for module in linears:
-        w = module.weight
-        if w.dtype == dtype or not w.is_floating_point() or id(w) in others or w.data_ptr() in kept:
-            continue
-        saved += w.numel() * (w.element_size() - torch.empty((), dtype=dtype).element_size())
-        module.weight = nn.Parameter(w.detach().to(dtype), requires_grad=False)
-    return saved

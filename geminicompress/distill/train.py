@@ -40,7 +40,8 @@ from geminicompress.distill.losses import SparseLogits, hidden_terms, next_token
 from geminicompress.distill import memory_use as MU
 from geminicompress.distill.masks import apply_masks, mask_grads
 from geminicompress.distill.memory_use import SavedForBackward
-from geminicompress.distill.precision import AUTOCAST_DTYPES, Precision, choose_precision, frozen_linears_as
+from geminicompress.distill.frozen_teacher import frozen_linears_as, table_in_file
+from geminicompress.distill.precision import AUTOCAST_DTYPES, Precision, choose_precision
 from geminicompress.distill.shared_prefix import TeacherInput, freeze_prefix, prefix_length, starting_at
 from geminicompress.distill.topk_cache import TopKCache
 from geminicompress.eval.quality.perplexity import perplexity
@@ -229,8 +230,10 @@ def _prepare(acc, student: nn.Module, teacher: nn.Module | None, windows: torch.
     acc.register_for_checkpointing(scheduler)
     if teacher is not None:
         teacher.to(acc.device).eval().requires_grad_(False)
-        if acc.mixed_precision in AUTOCAST_DTYPES:  # it runs under autocast only: its linears in that dtype
-            frozen_linears_as(teacher, AUTOCAST_DTYPES[acc.mixed_precision], keep=student.parameters())
+        if acc.mixed_precision in AUTOCAST_DTYPES:  # it runs under autocast only: fewer bytes, the same products
+            dtype, shared = AUTOCAST_DTYPES[acc.mixed_precision], list(student.parameters())
+            frozen_linears_as(teacher, dtype, keep=shared)
+            table_in_file(teacher, dtype, keep=shared)
     if guides.masks:
         guides = replace(guides, masks={k: v.to(acc.device) for k, v in guides.masks.items()})
         apply_masks(acc.unwrap_model(student), guides.masks)

@@ -360,14 +360,18 @@ def fixed_bytes(model: nn.Module, quantized: list[str], tokenizer: Any) -> float
 
 
 def _tokenizer_bytes(tokenizer: Any) -> int:
-    """What the tokenizer's metadata costs in a GGUF file (about: strings, scores, types, merges)."""
+    """What the tokenizer's metadata costs in a GGUF file (gguf_vocab.py writes it): each token a string of 8 + its
+    bytes; a SentencePiece-style BPE (byte fallback) a float32 score and an int32 type per token and no merges, a
+    byte-level BPE an int32 type per token and its merges (each a string of 8 + its bytes)."""
     if tokenizer is None:
         return 0
     tokens = list(tokenizer.get_vocab())
-    size = sum(8 + len(t.encode("utf-8")) for t in tokens) + 8 * len(tokens)
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        merges = json.loads(backend.to_str()).get("model", {}).get("merges") or []
+    model = json.loads(backend.to_str()).get("model", {}) if backend is not None else {}
+    sentencepiece = bool(model.get("byte_fallback"))
+    size = sum(8 + len(t.encode("utf-8")) for t in tokens) + (8 if sentencepiece else 4) * len(tokens)
+    if not sentencepiece:
+        merges = model.get("merges") or []
         size += sum(8 + len((" ".join(m) if isinstance(m, list) else m).encode("utf-8")) for m in merges)
     return size + 4096
 

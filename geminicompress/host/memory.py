@@ -180,3 +180,54 @@ def release_weights(module, names: Iterable[str]) -> int:
         dropped += nbytes
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
     return dropped
+
+
+def file_region(tensor) -> tuple[str, int] | None:
+    """(file, byte offset) holding exactly the bytes of contiguous `tensor`: a view of a private mapping of a file
+    (a checkpoint read by mmap) none of whose pages was ever written (smaps counts no anonymous page in it), so the
+    file still has what the tensor holds. None otherwise (memory of its own, a written mapping, no /proc)."""
+    if not tensor.is_contiguous() or tensor.device.type != "cpu" or not Path("/proc/self/smaps").is_file():
+        return None
+    start, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    found = None
+    with suppress(OSError), open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 5 and "-" in parts[0] and not parts[0].endswith(":"):  # a mapping's header line
+                if found is not None:
+                    break
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= start and start + nbytes <= hi and len(parts) >= 6 and parts[5].startswith("/") \
+                        and parts[1].endswith("p"):
+                    found = (parts[5], int(parts[2], 16) + start - lo, None)
+            elif found is not None and parts[0] == "Anonymous:":
+                found = (found[0], found[1], int(parts[1]))
+    if found is None or found[2] != 0:
+        return None
+    return found[0], found[1]
+
+
+def file_view(path: str, offset: int, like):
+    """A read-only tensor of `like`'s shape and dtype on a shared mapping of `path`'s bytes from `offset`: its
+    pages are the page cache's, in this process's resident set only from the moment they are read until
+    `drop_pages` (a frozen embedding table looked up a batch of rows at a time)."""
+    import warnings
+
+    import numpy as np
+    import torch
+
+    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(like.numel() * like.element_size(),))
+    with warnings.catch_warnings():  # read-only memory: torch warns that writing to it would fail; nothing writes
+        warnings.simplefilter("ignore")
+        return torch.from_numpy(raw).view(like.dtype).view(like.shape)
+
+
+def drop_pages(tensor) -> None:
+    """Take the pages of `tensor` (a `file_view`) out of this process's resident set (madvise MADV_DONTNEED on a
+    shared file mapping: the file's bytes stay in the page cache and come back when read again)."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "madvise"):
+        return
+    start = tensor.data_ptr()
+    lo, hi = start // _PAGE * _PAGE, -(-(start + tensor.numel() * tensor.element_size()) // _PAGE) * _PAGE
+    libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)

@@ -61,13 +61,14 @@ class SavedForBackward:
         self._hooks.__exit__(*exc)
 
 
-def head_bytes(rows: tuple[int, int], weight_shape: torch.Size, positions: int, trains: bool, itemsize: int) -> int:
+def head_bytes(rows: tuple[int, int], weight_shape: torch.Size, positions: int, trains: bool, itemsize: int,
+               teacher_cast: bool = True) -> int:
     """The chunked head's working memory: a chunk's float32 logits (rows[0], V) x the loss's temporaries, the
     gathered output gradients (rows[1], V) in the products' dtype (`itemsize` bytes), the hidden states' gradient
     (positions, d), the head's float32 gradient (V, d) when it trains, and the heads' weights cast once for the
-    products (student and teacher) when that dtype is not float32."""
+    products when that dtype is not float32 (the student's; the teacher's too with `teacher_cast`)."""
     vocab, width = weight_shape
-    casts = 2 * vocab * width * itemsize if itemsize != 4 else 0
+    casts = (1 + teacher_cast) * vocab * width * itemsize if itemsize != 4 else 0
     grads = rows[1] * vocab * itemsize + 4 * vocab * width if trains else 0
     return 4 * (rows[0] * vocab * LOSS_TEMPORARIES + positions * width) + grads + casts
 

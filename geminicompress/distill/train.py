@@ -133,6 +133,7 @@ class _Loop:
     rows: tuple[int, int] = (1, 1)  # positions per chunk of the head's loss, per product of its weight's gradient
     head_params: tuple[nn.Parameter, ...] = ()  # the student head's trainable parameters
     memory: dict[str, int] = field(default_factory=dict)  # filled by the first micro-batch: its activations
+    teacher_in_file: int = 0  # bytes of the teacher's embedding table left in its checkpoint file (frozen_teacher.py)
 
     @property
     def hidden(self) -> bool:
@@ -228,12 +229,14 @@ def _prepare(acc, student: nn.Module, teacher: nn.Module | None, windows: torch.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.steps or DEFAULT_STEPS))
     student, optimizer = acc.prepare(student, optimizer)
     acc.register_for_checkpointing(scheduler)
+    in_file = 0
     if teacher is not None:
         teacher.to(acc.device).eval().requires_grad_(False)
         if acc.mixed_precision in AUTOCAST_DTYPES:  # it runs under autocast only: fewer bytes, the same products
             dtype, shared = AUTOCAST_DTYPES[acc.mixed_precision], list(student.parameters())
             frozen_linears_as(teacher, dtype, keep=shared)
-            table_in_file(teacher, dtype, keep=shared)
+            if table_in_file(teacher, dtype, keep=shared):
+                in_file = MU.tensor_bytes([teacher.get_input_embeddings().weight])
     if guides.masks:
         guides = replace(guides, masks={k: v.to(acc.device) for k, v in guides.masks.items()})
         apply_masks(acc.unwrap_model(student), guides.masks)
@@ -242,7 +245,7 @@ def _prepare(acc, student: nn.Module, teacher: nn.Module | None, windows: torch.
     itemsize = 4 if acc.mixed_precision == "no" else 2  # the products' dtype: float32, or bf16/fp16 under autocast
     rows = (chunk_rows(vocab, cfg.head_chunk_mb), group_rows(vocab, cfg.head_chunk_mb, itemsize))
     return _Loop(acc, student, teacher, optimizer, scheduler, windows, cfg, seed, guides, prefix, share, rows,
-                 tuple(head_parameters(raw)))
+                 tuple(head_parameters(raw)), teacher_in_file=in_file)
 
 
 def _trims_in_backward(model: nn.Module) -> list:
@@ -381,14 +384,23 @@ def _memory(loop: _Loop, raw: nn.Module) -> dict[str, int]:
     head = raw.get_output_embeddings().weight
     n_pos = loop.cfg.batch_size * loop.windows.shape[1]
     cache = loop.guides.cache
-    return {"teacher": MU.model_bytes(loop.teacher), "student": MU.model_bytes(raw),
+    return {"teacher": MU.model_bytes(loop.teacher) - loop.teacher_in_file, "teacher_in_file": loop.teacher_in_file,
+            "student": MU.model_bytes(raw),
             "gradients": MU.tensor_bytes(p for p in raw.parameters() if p.requires_grad),
             "optimizer": MU.optimizer_bytes(loop.optimizer), "activations": loop.memory.get("activations", 0),
             "head": MU.head_bytes((min(loop.rows[0], n_pos), min(loop.rows[1], n_pos)), head.shape, n_pos,
-                                  bool(loop.head_params), 4 if loop.acc.mixed_precision == "no" else 2),
+                                  bool(loop.head_params), 4 if loop.acc.mixed_precision == "no" else 2,
+                                  _casts_teacher_head(loop.teacher)),
             "head_rows": min(loop.rows[0], n_pos), "head_group_rows": min(loop.rows[1], n_pos),
             "topk_cache": MU.tensor_bytes([cache.values, cache.indices]) if cache is not None else 0,
             "peak_rss": MU.peak_rss_bytes()}
+
+
+def _casts_teacher_head(teacher: nn.Module | None) -> bool:
+    """Whether a step casts the teacher's head weight for the products (a float32 one; not when frozen_teacher.py
+    holds it in the products' dtype already)."""
+    head = teacher.get_output_embeddings() if teacher is not None else None
+    return head is not None and head.weight.dtype == torch.float32
 
 
 def _shared_path(acc, path: Path) -> Path:

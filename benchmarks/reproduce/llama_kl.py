@@ -56,28 +56,28 @@ def main() -> int:
     files = dict(item.split("=", 1) for item in args.files.split(",") if item)  # none: the reference's perplexity
     n_ctx = max(len(w) for w in windows) + 16
     ref = load(ref_path, args.threads, n_ctx)
-    models = {name: load(path, args.threads, n_ctx) for name, path in files.items()}
     nll = {name: 0.0 for name in [ref_name, *files]}
     kls: dict[str, list[np.ndarray]] = {name: [] for name in files}
     same = {name: 0 for name in files}
-    count = 0
-    for i, ids in enumerate(windows):
-        ref_scores = window_scores(ref, ids)
-        scores = {name: window_scores(llm, ids) for name, llm in models.items()}
-        targets = np.asarray(ids[1:])
-        for c in range(0, len(targets), CHUNK):
-            t = targets[c:c + CHUNK]
-            rows = np.arange(len(t))
-            p = log_softmax(ref_scores[c:c + CHUNK])
-            nll[ref_name] -= p[rows, t].sum()
-            top = p.argmax(-1)
-            for name in models:
-                q = log_softmax(scores[name][c:c + CHUNK])
+    count = sum(len(w) - 1 for w in windows)
+    for name, path in [(ref_name, None), *files.items()]:  # one file loaded at a time beside the reference
+        llm = load(path, args.threads, n_ctx) if path else None  # (with logits at every position, llama.cpp
+        for i, ids in enumerate(windows):  # holds GBs per model at Gemma's 262k vocabulary)
+            ref_scores = window_scores(ref, ids)
+            scores = window_scores(llm, ids) if llm is not None else None
+            targets = np.asarray(ids[1:])
+            for c in range(0, len(targets), CHUNK):
+                t, rows = targets[c:c + CHUNK], np.arange(len(targets[c:c + CHUNK]))
+                p = log_softmax(ref_scores[c:c + CHUNK])
+                if llm is None:
+                    nll[ref_name] -= p[rows, t].sum()
+                    continue
+                q = log_softmax(scores[c:c + CHUNK])
                 nll[name] -= q[rows, t].sum()
                 kls[name].append((np.exp(p) * (p - q)).sum(-1))
-                same[name] += int((q.argmax(-1) == top).sum())
-        count += len(targets)
-        print(f"window {i + 1}/{len(windows)}", file=sys.stderr, flush=True)
+                same[name] += int((q.argmax(-1) == p.argmax(-1)).sum())
+            print(f"{name}: window {i + 1}/{len(windows)}", file=sys.stderr, flush=True)
+        del llm
     out = {"windows": len(windows), "tokens": count, "reference": ref_name,
            "rows": [{"row": ref_name, "file": ref_path, "file_mb": round(os.path.getsize(ref_path) / 1e6, 3),
                      "perplexity": round(math.exp(nll[ref_name] / count), 4)}]}

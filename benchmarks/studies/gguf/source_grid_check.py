@@ -1,5 +1,6 @@
-"""Where a pair of GGUF files of one mix differs (issue #63; first: why the demo's Q5_K_M pair is not ranked): per tensor kind, the relative weight error (mean squared
-error over mean square) of llama.cpp's file and of ours against the F32 file, both of one mix. The demo's float
+"""Where a pair of GGUF files of one mix differs (issue #63; first: why the demo's Q5_K_M pair is not ranked):
+per tensor kind, the relative weight error (mean squared error over mean square) of llama.cpp's file and of ours
+against the F32 file, both of one mix. The demo's float
 weights lie on a Q4_1 grid (block 32, d·q + m, q in 0..15), which Q5_1 (block 32, d'·q' + m', q' in 0..31) holds
 exactly with d' = d, m' = m: llama.cpp's weighted scale search finds that grid, our GPTQ (which minimises the
 layer's output error, not the weights') does not.

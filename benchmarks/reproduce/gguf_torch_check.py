@@ -43,7 +43,7 @@ def main() -> None:
         if wanted and r["row"] not in wanted:
             continue
         path = r.get("file") or str(work / "float-f32.gguf")
-        model = load_model(path).model.float().eval()
+        model = load_model(path).model.eval()  # float32: every tensor dequantized by gguf.quants
         ours = perplexity(model, windows)
         del model
         gc.collect()

@@ -154,3 +154,19 @@ def test_the_trial_of_d_never_loses_to_llama_cpp_s_d(monkeypatch):
         _, alone = gptq_kquant(W, H, name)
         monkeypatch.undo()
         assert with_trial < alone, (name, with_trial, alone)
+
+
+def test_a_gguf_file_behind_a_link_of_another_name_loads(wide_dir, tmp_path):
+    """MODEL may be a link to a .gguf file named otherwise (a work folder of links): the file it points to loads."""
+    import shutil
+
+    from geminicompress.models.loading import load_model
+
+    _run(wide_dir, tmp_path / "o", method="rtn", gguf_type="Q8_0")
+    shutil.copy(tmp_path / "o" / "model.gguf", tmp_path / "renamed.gguf")
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "model.gguf").symlink_to(tmp_path / "renamed.gguf")
+    direct = load_model(str(tmp_path / "renamed.gguf")).model
+    linked = load_model(str(tmp_path / "links" / "model.gguf")).model
+    a, b = direct.state_dict(), linked.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

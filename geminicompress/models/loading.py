@@ -64,7 +64,8 @@ def resolve_model(spec: str) -> ModelSource:
     if spec.endswith(".gguf"):
         if not path.is_file():
             raise InputError(f"model file {spec} does not exist")
-        return ModelSource(spec, "gguf", path.resolve().parent, path.name)
+        target = path.resolve()  # a link's target: its folder and its own name (they may differ from the link's)
+        return ModelSource(spec, "gguf", target.parent, target.name)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise InputError(f"{spec} is a directory but has no config.json: not a transformers model directory")

@@ -33,12 +33,11 @@ def frozen_linears_as(model: nn.Module, dtype: torch.dtype, keep: Iterable[torch
     others = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.weight.dtype != dtype
              and m.weight.is_floating_point() and id(m.weight) not in others and m.weight.data_ptr() not in kept]
-    saved = 0
-    for name in names:
-        module = model.get_submodule(name)
-        held = module.weight.detach().to(dtype)
-        saved += release_weights(model, [name]) - held.untyped_storage().nbytes()
-        module.weight = nn.Parameter(held, requires_grad=False)
+    held = {name: model.get_submodule(name).weight.detach().to(dtype) for name in names}
+    saved = release_weights(model, names)  # one read of the process's mappings for them all
+    for name, weight in held.items():
+        model.get_submodule(name).weight = nn.Parameter(weight, requires_grad=False)
+        saved -= weight.untyped_storage().nbytes()
     return saved
 
 

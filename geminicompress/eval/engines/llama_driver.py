@@ -166,6 +166,7 @@ def _serving():
     spec = importlib.util.spec_from_file_location("llama_serve_task", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    module._next = _next  # one reading of the next token for every task
     return module
 
 

@@ -34,14 +34,8 @@ def _load(path: str, job: dict, logits_all: bool):
                  logits_all=logits_all, flash_attn=bool(job.get("flash_attn")), verbose=False, seed=0)
 
 
-def _next(llm) -> int:
-    """The argmax after the last evaluated token (llama-cpp-python keeps `scores` only with logits_all, so
-    otherwise it is read from the context's logits of the last batch's last token)."""
-    import numpy as np
-
-    if llm._logits_all:
-        return int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm._n_vocab,))))
+# the next greedy token after the last evaluated one: llama_driver._next, handed over when the driver loads this file
+_next = None
 
 
 def _feed(llm, tokens: list[int], reuse: bool) -> int:

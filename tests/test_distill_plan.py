@@ -9,7 +9,7 @@ from tiny import tiny_model
 from geminicompress.core.arch import decoder_layers
 from geminicompress.distill.cut import cut_student
 from geminicompress.distill.plan import block_params, candidates, make_plan
-from geminicompress.distill.repair import LeastSquares, RepairSpec, merge_map, refit_block
+from geminicompress.distill.repair import LeastSquares, RepairSpec, boundaries_read, merge_map, refit_block, repair
 from geminicompress.distill.student import check_student_layers, derive_student, keep_count, keep_layers
 from geminicompress.distill.survey import angular_distance, run_layers, walk
 from geminicompress.core.errors import InputError
@@ -75,6 +75,30 @@ def test_without_follow_only_the_blocks_before_a_cut_are_refit(setup):
     assert [r["teacher_layer"] for r in rows] == [0, 3] and all(r["error_after"] < r["error_before"] for r in rows)
     for w in (fit, held):
         assert _final_error(repaired, w.hidden[-1], w, kept) < _final_error(dropped, w.hidden[-1], w, kept)
+
+
+@pytest.mark.parametrize("spec, ratio", [(RepairSpec("down_proj"), 1.0), (RepairSpec("linear"), 1.0),
+                                         (RepairSpec("down_proj", follow=True), 1.0), (RepairSpec("none"), 0.5)])
+@pytest.mark.parametrize("kept", [[0, 1, 4, 5, 6, 7], [0, 2, 3, 5, 6, 7], [2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5]])
+def test_the_repair_reads_only_the_boundaries_it_names(setup, spec, ratio, kept):
+    """A walk holding only `boundaries_read` repairs a cut to the same weights as the whole walk (the plan
+    releases the rest: the demo's walk is 1.2 GiB)."""
+    teacher, _, fit, _ = setup
+    narrowed = ratio < 1.0
+    read = boundaries_read(kept, 8, spec, narrowed)
+    only = fit.rows(0, 32)
+    only.keep_only(read)
+    assert sum(h is not None for h in only.hidden) == len(read) and all(h is not None for h in fit.hidden)
+    out = []
+    for w in (fit, only):
+        student, _ = derive_student(teacher, kept, ratio)
+        rows = repair(list(decoder_layers(student)), kept, w, "mlp.down_proj", spec, narrowed=narrowed)
+        out.append((rows, student.state_dict()))
+    assert out[0][0] == out[1][0] and all(torch.equal(v, out[1][1][k]) for k, v in out[0][1].items())
+    if spec == RepairSpec("down_proj") and kept == [0, 1, 4, 5, 6, 7]:
+        assert read == {1, 4}  # the one refit block's input and target, of 9 boundaries
+    if kept == [0, 1, 2, 3, 4, 5] and not narrowed:
+        assert read == {5, 8}  # the last block refit towards the teacher's last boundary
 
 
 @pytest.mark.parametrize("mode", ["down_proj", "linear"])
@@ -145,7 +169,7 @@ def test_plan_candidates_and_fields(setup):
     spans = [c for c in cands if c.kind == "span"]
     assert [c.dropped for c in spans] == [[1, 2], [2, 3], [3, 4], [4, 5], [5, 6]]  # first and last kept
     assert {c.kind for c in cands} <= {"span", "angular-set", "even"} and any(c.kind == "even" for c in cands)
-    plan = make_plan(teacher, 6, fit, held, windows[32:], RepairSpec("down_proj"), shortlist=2)
+    plan = make_plan(teacher, 6, fit.rows(0, 32), held, windows[32:], RepairSpec("down_proj"), shortlist=2)
     d = json.loads(json.dumps(plan.as_dict()))
     assert {"n_layers", "keep", "teacher_ppl", "chosen", "predicted_drift", "candidates", "repair", "decode"} <= set(d)
     for c in d["candidates"]:
@@ -486,7 +510,7 @@ def test_greedy_set_joins_the_plan_and_is_chosen_when_it_drifts_least():
     model, windows = _with_identity_blocks([2, 5])
     full = walk(model, windows, device=CPU)
     fit, held = full.rows(0, 8), full.rows(8, 12)
-    plan = make_plan(model, 6, fit, held, windows[8:], RepairSpec("down_proj"), shortlist=2)
+    plan = make_plan(model, 6, fit.rows(0, 8), held, windows[8:], RepairSpec("down_proj"), shortlist=2)
     plan.candidates = [c for c in plan.candidates if c.dropped != [2, 5]]  # the fixed candidates miss it
     plan.candidates[0].chosen = True
     add_greedy(plan, model, fit, held, windows[8:], RepairSpec("down_proj"))

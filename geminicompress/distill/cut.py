@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from geminicompress.core.arch import arch_for, decoder_layers
-from geminicompress.distill.repair import RepairSpec, repair
+from geminicompress.distill.repair import RepairSpec, boundaries_read, repair
 from geminicompress.distill.student import derive_student, n_params
 from geminicompress.distill.survey import Compute, Walk, mlp_down
 from geminicompress.host.progress import NullProgress, Progress
@@ -73,20 +73,22 @@ def planned_student(teacher: nn.Module, layers: int | float | list[int], windows
     derive, spec, fit_windows, mlp_ratio = cut.derive, cut.repair, cut.fit_windows, cut.mlp_ratio
     n_layers = teacher.config.num_hidden_layers
     arch_for(teacher)  # an architecture whose blocks we cannot map is refused before the walk
-    full = walk(teacher, windows, device=device, progress=progress)
-    fit, held = full.rows(0, fit_windows), full.rows(fit_windows, windows.shape[0])
+    fit, held = walk(teacher, windows, device=device, progress=progress).split(fit_windows)
     held_ids = windows[fit_windows:]
     plan: Plan | None = None
     if isinstance(layers, list) or derive == "even" or keep_count(n_layers, layers) == n_layers:
         kept = keep_layers(n_layers, layers)
     else:
-        plan = make_plan(teacher, keep_count(n_layers, layers), fit, held, held_ids, spec, shortlist=cut.shortlist,
-                         on=Compute(device, progress=progress))
-        if cut.search == "greedy":
+        greedy = cut.search == "greedy"  # reads the whole walk after the plan: the plan gets a view to release
+        plan = make_plan(teacher, keep_count(n_layers, layers), fit.rows(0, fit_windows) if greedy or mlp_ratio < 1.0
+                         else fit, held, held_ids, spec, shortlist=cut.shortlist, on=Compute(device, progress=progress))
+        if greedy:
             from geminicompress.distill.greedy import add_greedy
 
             add_greedy(plan, teacher, fit, held, held_ids, spec, pool=cut.greedy_pool, on=Compute(device, progress=progress))
         kept = plan.chosen.kept
+    fit.keep_only(boundaries_read(kept, n_layers, spec, narrowed=mlp_ratio < 1.0))  # all the repair reads
+    held.keep_only({n_layers})
     student, rows = cut_student(teacher, kept, fit, spec, mlp_ratio=mlp_ratio, on=Compute(device, progress=progress))
     teacher_ppl = math.exp(mean_nll(teacher, held.hidden[-1], held_ids, device=device))
     student_ppl = perplexity(student, held_ids, device)

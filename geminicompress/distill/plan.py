@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from geminicompress.core.arch import decoder_layers
-from geminicompress.distill.repair import RepairSpec, repair
+from geminicompress.distill.repair import RepairSpec, boundaries_read, repair
 from geminicompress.distill.student import keep_layers
 from geminicompress.distill.survey import Compute, Walk, mean_nll, mlp_down, run_layers, span_distances
 from geminicompress.host.progress import NullProgress
@@ -148,9 +148,12 @@ def repaired_layers(model: nn.Module, kept: list[int], fit: Walk, spec: RepairSp
 
 def make_plan(model: nn.Module, keep: int, fit: Walk, held: Walk, held_windows: torch.Tensor, spec: RepairSpec, *,
               shortlist: int = 3, on: Compute = Compute()) -> Plan:
-    """Score every candidate cut (module docstring) and choose the one with the smallest repaired drift."""
+    """Score every candidate cut (module docstring) and choose the one with the smallest repaired drift.
+    Once the shortlist is known, the boundaries of `fit` that neither its repairs nor `spec`'s repair of a
+    shortlisted cut read are released from `fit` (Walk.keep_only: the walk is the largest thing a plan holds);
+    a caller that reads more of the walk afterwards passes a view of its own (`fit.rows(...)`)."""
     progress, device, batch = on.progress or NullProgress(), on.device, on.batch
-    L = fit.n_layers
+    L, n_fit = fit.n_layers, fit.hidden[0].shape[0]
     teacher_nll = mean_nll(model, held.hidden[-1], held_windows, device=device)
     cands = candidates(fit, keep, block_params(decoder_layers(model)))
     with progress.task("plan: drift of each cut", len(cands)) as bar:
@@ -158,9 +161,10 @@ def make_plan(model: nn.Module, keep: int, fit: Walk, held: Walk, held_windows: 
             c.drift = drift_of(measured_nll(model, c.kept, held, held_windows, device=device, batch=batch), teacher_nll)
             bar.advance(1)
     ranked = sorted(cands, key=lambda c: c.drift)
-    if spec.mode != "none":
-        top = ranked[:shortlist]
-        quick = replace(spec, follow=False)  # the map at each cut only: one block refit per candidate
+    top = ranked[:shortlist] if spec.mode != "none" else []
+    quick = replace(spec, follow=False)  # the map at each cut only: one block refit per candidate
+    fit.keep_only(set().union(*(boundaries_read(c.kept, L, s) for c in top for s in (quick, spec))))
+    if top:
         with progress.task("plan: drift after repair", len(top)) as bar:
             for c in top:
                 layers, _ = repaired_layers(model, c.kept, fit, quick, on=on)
@@ -169,4 +173,4 @@ def make_plan(model: nn.Module, keep: int, fit: Walk, held: Walk, held_windows: 
                 del layers
                 bar.advance(1)
     choose(ranked, spec.mode != "none")  # ranked by unrepaired drift: only the shortlist has a repaired one
-    return Plan(L, keep, math.exp(teacher_nll), cands, asdict(spec), fit.hidden[0].shape[0], held.hidden[0].shape[0])
+    return Plan(L, keep, math.exp(teacher_nll), cands, asdict(spec), n_fit, held.hidden[0].shape[0])

@@ -171,47 +171,87 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x - ref).double().norm() / ref.double().norm().clamp_min(1e-30))
 
 
-@torch.no_grad()
-def repair(layers: Sequence[nn.Module], kept: Sequence[int], fit: Walk, down: str, spec: RepairSpec, *,
-           narrowed: bool = False, on: Compute = Compute()) -> list[dict[str, Any]]:
-    """Repair the student's blocks `layers` in place (student block j is the teacher's block kept[j]) on the
-    teacher's boundaries fit.hidden (L + 1 of (n, T, d)). Block j's target is the teacher's stream where the
-    student's next block reads it: hidden[kept[j + 1]] (the last block: hidden[L]). Refit: every block
-    followed by a dropped run, every block when `narrowed` (its MLP lost channels), and with spec.follow
-    every block whose input differs from the teacher's. Returns one row per refit block."""
-    progress, device, batch = on.progress or NullProgress(), on.device, on.batch
-    hidden, kwargs = fit.hidden, fit.kwargs
-    n_layers = len(hidden) - 1
-    rows: list[dict[str, Any]] = []
+@dataclass(frozen=True)
+class Step:
+    """What repair() does with student block j (the teacher's block t), whose output the student's next block
+    reads where the teacher's stream is at boundary `nxt`: "teacher" (the student's stream is still the
+    teacher's: nothing to run), "refit" (refit towards hidden[nxt]) or "replay" (run it on the moved stream)."""
+
+    j: int
+    t: int
+    nxt: int
+    action: Literal["teacher", "refit", "replay"]
+
+
+def repair_steps(kept: Sequence[int], n_layers: int, spec: RepairSpec, narrowed: bool = False) -> list[Step]:
+    """repair()'s steps for a student keeping the teacher blocks `kept` (module docstring): a refit for every
+    block followed by a dropped run, for every block when `narrowed`, and with spec.follow for every block
+    whose input differs from the teacher's; nothing after the last refit that matters."""
     if spec.mode == "none" and not narrowed:
-        return rows
-    h = hidden[kept[0]]
+        return []
     moved = kept[0] != 0  # the student's stream differs from the teacher's at its own boundary
     nexts = [*kept[1:], n_layers]
     # without follow or a narrowed MLP only the blocks before a cut are refit: the walk stops after the last
     last = len(kept) - 1 if narrowed or spec.follow else max(
         (j for j, t in enumerate(kept) if nexts[j] != t + 1), default=-1)
+    steps = []
+    for j, t in enumerate(kept[: last + 1]):
+        cut_after = nexts[j] != t + 1
+        if narrowed or (spec.mode != "none" and (cut_after or (spec.follow and moved))):
+            steps.append(Step(j, t, nexts[j], "refit"))
+            moved = True
+        elif moved:
+            steps.append(Step(j, t, nexts[j], "replay"))
+        else:
+            steps.append(Step(j, t, nexts[j], "teacher"))
+            moved = cut_after
+    return steps
+
+
+def boundaries_read(kept: Sequence[int], n_layers: int, spec: RepairSpec, narrowed: bool = False) -> set[int]:
+    """The teacher boundaries repair() reads for this cut: where the student's stream leaves the teacher's
+    (the first block it runs reads it) and every refit's target."""
+    steps = repair_steps(kept, n_layers, spec, narrowed)
+    ran = [k for k, step in enumerate(steps) if step.action != "teacher"]
+    if not ran:
+        return set()
+    src = steps[ran[0] - 1].t + 1 if ran[0] else kept[0]
+    return {src} | {step.nxt for step in steps if step.action == "refit"}
+
+
+@torch.no_grad()
+def repair(layers: Sequence[nn.Module], kept: Sequence[int], fit: Walk, down: str, spec: RepairSpec, *,
+           narrowed: bool = False, on: Compute = Compute()) -> list[dict[str, Any]]:
+    """Repair the student's blocks `layers` in place (student block j is the teacher's block kept[j]) on the
+    teacher's boundaries fit.hidden (L + 1 of (n, T, d); only `boundaries_read` are read). Block j's target is
+    the teacher's stream where the student's next block reads it: hidden[kept[j + 1]] (the last block:
+    hidden[L]); the steps: `repair_steps`. Returns one row per refit block."""
+    progress, device, batch = on.progress or NullProgress(), on.device, on.batch
+    hidden, kwargs = fit.hidden, fit.kwargs
+    steps = repair_steps(kept, len(hidden) - 1, spec, narrowed)
+    rows: list[dict[str, Any]] = []
+    if not steps:
+        return rows
+    src, h = kept[0], None  # the student's stream: the teacher's boundary src until a block of its own runs
     with progress.task("repair", len(layers)) as bar:
-        for j, (layer, t) in enumerate(zip(layers, kept)):
+        for layer, step in zip(layers, steps):
             layer.to(device)
             bar.advance(1)
-            if j > last:
+            if step.action == "teacher":
+                src = step.t + 1
                 continue
-            nxt = nexts[j]
-            cut_after = nxt != t + 1
-            fit = narrowed or (spec.mode != "none" and (cut_after or (spec.follow and moved)))
-            if fit:
-                mode = spec if spec.mode != "none" else replace(spec, mode="down_proj", objective="mse")
-                if not cut_after and mode.mode == "linear":
-                    mode = replace(spec, mode="down_proj", objective="mse")  # after a cut: the block's own refit
-                h, err = refit_block(layer, down, h, hidden[nxt], kwargs, mode, device=device, batch=batch)
-                rows.append({"student_layer": j, "teacher_layer": t, "target_boundary": nxt, "mode": mode.mode,
-                             **{k: round(v, 6) for k, v in err.items()}})
-                moved = True
-            elif moved:
+            h = hidden[src] if h is None else h
+            if step.action == "replay":
                 h = torch.cat([layer_output(layer, h[b:b + batch].to(device), kwargs).cpu()
                                for b in range(0, h.shape[0], batch)])
-            else:  # the student's stream is still the teacher's
-                h = hidden[t + 1]
-                moved = cut_after
+                continue
+            mode = spec if spec.mode != "none" else replace(spec, mode="down_proj", objective="mse")
+            if step.nxt == step.t + 1 and mode.mode == "linear":
+                mode = replace(spec, mode="down_proj", objective="mse")  # after a cut: the block's own refit
+            h, err = refit_block(layer, down, h, hidden[step.nxt], kwargs, mode, device=device, batch=batch)
+            rows.append({"student_layer": step.j, "teacher_layer": step.t, "target_boundary": step.nxt,
+                         "mode": mode.mode, **{k: round(v, 6) for k, v in err.items()}})
+        for layer in layers[len(steps):]:
+            layer.to(device)
+            bar.advance(1)
     return rows

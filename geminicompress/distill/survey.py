@@ -13,7 +13,9 @@ d(h_i, h_{i+n}) = arccos(cos(h_i, h_{i+n})) / pi, averaged over tokens; a small 
 changes the residual stream little. The measured drift of a cut (plan.py) is the better signal: the
 perplexity of the held-out windows when the student skips the span, from `run_layers` and `mean_nll`.
 
-Memory: (L + 1) * n * T * d float32 values for the boundaries (the demo, 36 windows of 512: 1.3 GB).
+Memory: (L + 1) * n * T * d float32 values for the boundaries (the demo, 36 windows of 512: 1.3 GB), held
+while the candidates are scored; once the repairs left to run are known, the boundaries they do not read are
+released (`Walk.keep_only`, repair.boundaries_read).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class Compute:
 class Walk:
     """The teacher's residual stream on calibration windows and its activation importance."""
 
-    hidden: list[torch.Tensor]  # L + 1 boundaries, (n, T, d) float32 on CPU each
+    hidden: list[torch.Tensor | None]  # L + 1 boundaries, (n, T, d) float32 on CPU each (None: released)
     kwargs: dict[str, Any]  # what the model passes its decoder layers (rotary embeddings, mask)
     channels: torch.Tensor | None = None  # (L, I) mean |activation| of each MLP channel
     heads: torch.Tensor | None = None  # (L, heads) mean L2 norm of each attention head's output
@@ -75,6 +77,16 @@ class Walk:
     def rows(self, start: int, stop: int) -> "Walk":
         """The walk of windows start..stop-1 (views, no copy)."""
         return Walk([h[start:stop] for h in self.hidden], self.kwargs, self.channels, self.heads)
+
+    def split(self, at: int) -> tuple["Walk", "Walk"]:
+        """(windows ..at-1, windows at..): the first views of this walk, the second a copy, so that dropping
+        this walk and boundaries of the first (`keep_only`) frees them whatever the second still holds."""
+        held = self.rows(at, self.hidden[0].shape[0])
+        return self.rows(0, at), Walk([h.clone() for h in held.hidden], self.kwargs, self.channels, self.heads)
+
+    def keep_only(self, boundaries: set[int]) -> None:
+        """Release every boundary but `boundaries` (None in its place): what is left to read of the walk."""
+        self.hidden = [h if i in boundaries else None for i, h in enumerate(self.hidden)]
 
 
 def mlp_down(model: nn.Module) -> str:

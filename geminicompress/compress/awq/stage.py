@@ -257,7 +257,7 @@ def _clip_bound(job: LayerJob, name: str, spec: QuantSpec, clip: bool, stats: di
     if not clip or name.rsplit(".", 1)[-1] in NO_CLIP:
         return None
     weight = job.module(name).weight.data
-    if spec.group_size != -1 and weight.shape[1] % spec.group_size:
+    if not spec.whole_groups(weight.shape[1]):  # the search clips whole groups (a dense OUT allows a partial one)
         return None
     group = next(g for g in job.arch.sequential if name in g)
     x = torch.cat(stats[group[0]].sample)  # (≈512, in)

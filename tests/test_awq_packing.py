@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 
 from geminicompress.core.grid import QuantSpec, rtn_quantize
 from geminicompress.core.errors import InputError
-from geminicompress.formats.awq import AWQ_ORDER, check_shape, pack_awq, unpack_awq
+from geminicompress.formats import check_shapes
+from geminicompress.formats.awq import AWQ_ORDER, pack_awq, unpack_awq
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.models.loading import load_model
 from geminicompress.runtime.pipeline import RunOptions, run_recipe
@@ -66,12 +67,14 @@ def test_packing_by_row_blocks_gives_the_same_words_and_codes(monkeypatch, block
 
 def test_shapes_the_layout_cannot_hold_are_refused_with_the_fix():
     with pytest.raises(InputError, match="4-bit.*compressed-tensors"):
-        check_shape("l", 16, 64, QuantSpec(3, 32))
+        check_shapes("awq", {"l": (16, 64)}, QuantSpec(3, 32))
     with pytest.raises(InputError, match="divisor of 576"):
-        check_shape("l", 16, 576, QuantSpec(4, 128))
+        check_shapes("awq", {"l": (16, 576)}, QuantSpec(4, 128))
+    with pytest.raises(InputError, match="l has 64 inputs and the group size is -1"):  # no per-channel layout
+        check_shapes("awq", {"l": (16, 64)}, QuantSpec(4, -1))
     with pytest.raises(InputError, match="8 outputs"):
-        check_shape("l", 12, 64, QuantSpec(4, 32))
-    check_shape("l", 576, 576, QuantSpec(4, 64))
+        check_shapes("awq", {"l": (12, 64)}, QuantSpec(4, 32))
+    check_shapes("awq", {"l": (576, 576)}, QuantSpec(4, 64))
 
 
 def test_checkpoint_tensors_config_and_logits(tiny_dir, text_file, tmp_path):

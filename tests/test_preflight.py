@@ -56,3 +56,22 @@ def test_an_unsupported_architecture_is_refused_before_loading(tiny_dir, tmp_pat
     out = tmp_path / "out"
     line = _refused(runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), "--method", "int8", "-q"]), out)
     assert line == "error: architecture 'llama' is not supported" and seen == ["llama"]
+
+
+@pytest.mark.parametrize("stream", ["--no-stream", "--stream"])
+@pytest.mark.parametrize("method", ["rtn", "awq"])
+def test_the_auto_group_size_is_resolved_once_where_the_run_is_planned(tiny_dir, tmp_path, monkeypatch, stream, method):
+    """`--group-size auto` is resolved on the skeleton before loading (preflight); the stage opens with that plan
+    (it says the size, it does not resolve it again)."""
+    from geminicompress.compress import targets
+
+    widths = []
+    real = targets.auto_group_size
+    monkeypatch.setattr(targets, "auto_group_size", lambda found: widths.append(found) or real(found))
+    out = tmp_path / "out"
+    args = ["--samples", "2", "--calib-seq-len", "32", "--n-grid", "2"] if method == "awq" else []
+    res = runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), "--method", method, stream, "--no-verify",
+                              *args])
+    assert res.exit_code == 0, res.output
+    assert len(widths) == 1, widths
+    assert res.output.count("(auto: largest of 128/64/32") == 1, res.output

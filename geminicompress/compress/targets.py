@@ -63,8 +63,13 @@ def resolve_group_size(group_size: int | str, shapes: Mapping[str, tuple[int, in
     if group_size != "auto":
         return int(group_size)
     size = auto_group_size([in_f for _, in_f in shapes.values()])
-    progress.info(f"group size {size} (auto: largest of 128/64/32 dividing all inputs; or --group-size)")
+    say_auto(size, progress)
     return size
+
+
+def say_auto(size: int, progress: Any) -> None:
+    """The info line that says which group size "auto" became."""
+    progress.info(f"group size {size} (auto: largest of 128/64/32 dividing all inputs; or --group-size)")
 
 
 @dataclass(frozen=True)
@@ -79,15 +84,23 @@ class QuantTargets:
 
 
 def weight_quant_targets(model: nn.Module, cfg: WeightQuantStage, progress: Any, *, sym: bool,
-                         fmt: str | None) -> QuantTargets:
+                         fmt: str | None, planned: QuantTargets | None = None) -> QuantTargets:
     """The decoder linears `cfg.ignore` leaves, their shapes and the spec `cfg.bits`/`cfg.group_size`/`sym`
     give them; with `fmt`, every shape must fit that format under the spec (None: the caller checks per
-    module, as mixed precision does). Bad input is an InputError before any work."""
+    module, as mixed precision does). Bad input is an InputError before any work.
+
+    `planned`: what this made of the same stage on the model's skeleton before loading (runtime/preflight.py,
+    the run's plan). When the model has the same targets, its spec is taken as it is: group size "auto" is
+    resolved and the shapes checked once, there (here it is only said)."""
     arch = arch_for(model)
     names = decoder_linears(model, arch, cfg.ignore, check=ignore_to_check(cfg))
     if not names:
         raise InputError("the model has no linear layer left to quantize (check ignore)")
     shapes = {n: tuple(get_module(model, n).weight.shape) for n in names}
+    if planned is not None and planned.names == names and planned.shapes == shapes:
+        if cfg.group_size == "auto":
+            say_auto(planned.spec.group_size, progress)
+        return QuantTargets(arch, names, shapes, planned.spec)
     spec = QuantSpec(cfg.bits, resolve_group_size(cfg.group_size, shapes, progress), sym)
     if fmt is not None:
         check_shapes(fmt, shapes, spec)

@@ -42,6 +42,10 @@ class QuantSpec:
     def groups(self, columns: int) -> int:
         return 1 if self.group_size == -1 else -(-columns // self.group_size)
 
+    def whole_groups(self, columns: int) -> bool:
+        """Whether the groups tile a row of `columns` inputs exactly (per channel always does)."""
+        return self.group_size == -1 or columns % self.group_size == 0
+
 
 AUTO_GROUP_SIZES = (128, 64, 32)
 

@@ -26,6 +26,25 @@ from geminicompress.host.progress import Progress
 
 
 @dataclass
+class Plan:
+    """What the run resolved for its stages before any weight was read (runtime/preflight.py): for each stage
+    config (the recipe's own object), what its method's `preflight` found on the model's skeleton, e.g. a b-bit
+    stage's targets with group size "auto" made a number and the format's shapes checked. A stage opens with
+    its entry instead of resolving again; one with none (no local config.json, a model handed in) resolves
+    when it opens."""
+
+    found: list[tuple[Any, Any]] = field(default_factory=list)  # (stage config, what preflight found for it)
+
+    def record(self, cfg: Any, found: Any) -> None:
+        if found is not None:
+            self.found.append((cfg, found))
+
+    def of(self, cfg: Any) -> Any:
+        """What preflight found for `cfg` (this very object), or None."""
+        return next((found for c, found in self.found if c is cfg), None)
+
+
+@dataclass
 class StageContext:
     """What a stage can see and change. `model`/`tokenizer` flow from stage to stage.
 
@@ -46,6 +65,7 @@ class StageContext:
     source_dtype: torch.dtype = torch.float32  # the float dtype the layers are stored in (a model in memory: float32)
     streamed: bool = False
     input_nonfinite: list[dict] | None = None  # NaN/Inf tensors of the input that allow_nonfinite let through
+    plan: Plan = field(default_factory=Plan)  # what preflight resolved for the stages (empty: nothing was planned)
     _calibration: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def calibration(self, data: str | None = None, samples: int | None = None, seq_len: int | None = None) -> torch.Tensor:

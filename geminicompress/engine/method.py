@@ -53,8 +53,9 @@ class Method:
         return cls.stage_class.cannot_stream(cfg, first) if cls.stage_class is not None else None
 
     @classmethod
-    def preflight(cls, cfg: Any, skeleton: Any, arch: Any) -> None:
-        """An InputError for what the model's skeleton (config.json on the meta device) already refuses."""
+    def preflight(cls, cfg: Any, skeleton: Any, arch: Any) -> Any:
+        """An InputError for what the model's skeleton (config.json on the meta device) already refuses; else
+        what it resolved there for its stage to open with (the run's plan, `contract.Plan`), or None."""
 
     @classmethod
     def check_config(cls, cfg: Any, config: dict[str, Any]) -> None:

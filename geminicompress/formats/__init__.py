@@ -4,9 +4,10 @@ Every format module has `KEY` (its name here: what config.json's `quantization_c
 `detect(qc) -> bool` (a test checks that `detect` below and the modules agree), `reader(path, config) ->
 reader.ModuleReader` (how one of its quantized modules is read: `load` below, the whole checkpoint in memory,
 and the layer-at-a-time reader, models/lazy.py, both build modules through it) and its per-layer `writer(...)`
-(writer.py). The formats in `QUANTIZED` share `writer(model, dtype, specs, meta, qweights)` and a
-`check_shape(name, out, in, spec)` that refuses what they cannot hold before any work starts. Shared
-plumbing lives in `checkpoint.py`; nothing reaches into another format's private helpers.
+(writer.py). The formats in `QUANTIZED` share `writer(model, dtype, specs, meta, qweights)`, a
+`check_shape(name, out, in, spec)` that refuses what else they cannot hold, and `GROUPS`: a `Groups` when they
+store whole groups (groups.py: the one check that a group divides a layer's inputs, which `check_shapes`
+below runs), None when any group fits. Shared plumbing lives in `checkpoint.py`; nothing reaches into another format's private helpers.
 
 A dense checkpoint has no `quantization_config` and loads with plain transformers. Modules are
 imported only when a model in their format is read or written.
@@ -22,6 +23,7 @@ from typing import Any
 from geminicompress.core.grid import QuantSpec
 from geminicompress.core.errors import InputError
 from geminicompress.formats.checkpoint import compressed_tensors_format
+from geminicompress.formats.groups import check_groups
 from geminicompress.formats.reader import ModuleReader, load_with_reader
 
 # KEY -> module. The order is the order `detect` asks in.
@@ -83,11 +85,14 @@ def module_reader(path: Path, config: dict[str, Any]) -> ModuleReader | None:
 
 
 def check_shapes(fmt: str, shapes: dict[str, tuple[int, int]], spec: QuantSpec) -> None:
-    """Raise InputError before any work if quantized format `fmt` cannot hold these (out, in) shapes."""
+    """Raise InputError before any work if quantized format `fmt` cannot hold these (out, in) shapes: per linear,
+    the format's own rules (`check_shape`), then whole groups (`check_groups`, where the format needs them)."""
     if fmt not in QUANTIZED:
         raise InputError(f"format '{fmt}' is not one of {', '.join(QUANTIZED)}")
+    rules = module(fmt)
     for name, (out_f, in_f) in shapes.items():
-        module(fmt).check_shape(name, out_f, in_f, spec)
+        rules.check_shape(name, out_f, in_f, spec)
+        check_groups(name, in_f, spec, rules.GROUPS)
 
 
 def writer_for(fmt: str, model: Any, dtype: Any, specs: dict[str, Any], meta: dict[str, Any], qweights: Any) -> Any:

@@ -22,6 +22,7 @@ from geminicompress.core.grid import QuantizedWeight, QuantSpec, group_index
 from geminicompress.core.rows import BLOCK_BYTES, rows_within, spans
 from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.formats.dequant import dequant_reader
+from geminicompress.formats.groups import Groups
 from geminicompress.formats.reader import ModuleReader
 from geminicompress.formats.writer import PackedLayout, PackedWriter, QWeights
 
@@ -31,6 +32,10 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDE
 BITS = 4
 PACK = 32 // BITS
 SUFFIXES = ("qweight", "qzeros", "scales")
+FIX = "use --format compressed-tensors or --format dense"
+GROUPS = Groups(per_channel=False,  # whole groups only: AWQ has no per-channel layout (formats/groups.py)
+                refusal="the AWQ format needs a group size dividing every layer's input size; {name} has {in_f} "
+                        f"inputs and the group size is {{group}} (pick a divisor of {{in_f}}, or {FIX})")
 
 
 def detect(qc: dict[str, Any]) -> bool:
@@ -38,15 +43,12 @@ def detect(qc: dict[str, Any]) -> bool:
 
 
 def check_shape(name: str, out_f: int, in_f: int, spec: QuantSpec) -> None:
-    """Raise InputError when the AWQ GEMM layout cannot hold this (out, in) weight at `spec`."""
-    fix = "use --format compressed-tensors or --format dense"
+    """Raise InputError when the AWQ GEMM layout cannot hold this (out, in) weight at `spec` (its groups:
+    `GROUPS`)."""
     if spec.bits != BITS:
-        raise InputError(f"the AWQ format holds 4-bit weights only, not {spec.bits}-bit: {fix}")
-    if spec.group_size == -1 or in_f % spec.group_size:
-        raise InputError(f"the AWQ format needs a group size dividing every layer's input size; {name} has {in_f} "
-                         f"inputs and the group size is {spec.group_size} (pick a divisor of {in_f}, or {fix})")
+        raise InputError(f"the AWQ format holds 4-bit weights only, not {spec.bits}-bit: {FIX}")
     if out_f % PACK:
-        raise InputError(f"the AWQ format packs 8 outputs per word; {name} has {out_f} outputs: {fix}")
+        raise InputError(f"the AWQ format packs 8 outputs per word; {name} has {out_f} outputs: {FIX}")
 
 
 def _pack_columns(codes: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from geminicompress.core.grid import QuantSpec
 from geminicompress.formats.writer import LayerWriter
 
 KEY = "dense"
+GROUPS = None  # any group: the weights are written dequantized
 
 
 def check_shape(name: str, out_f: int, in_f: int, spec: QuantSpec) -> None:

@@ -46,6 +46,7 @@ from geminicompress.formats.gguf_blocks import read_blocks, rtn_bytes
 from geminicompress.formats.gguf_vocab import build_tokenizer, copy_tokenizer
 
 KEY = "gguf"
+GROUPS = None  # its rules are blocks of 32 inputs (check_shape), not whole groups
 FILE = "model.gguf"
 
 

@@ -28,12 +28,14 @@ from geminicompress.core.grid import QuantizedWeight, QuantSpec
 from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.formats.bits import pack_bits, unpack_bits
 from geminicompress.formats.dequant import dequant_reader
+from geminicompress.formats.groups import Groups
 from geminicompress.formats.mixed import dynamic_spec, gptq_dynamic
 from geminicompress.formats.reader import ModuleReader
 from geminicompress.formats.writer import PackedLayout, PackedWriter, QWeights
 
 KEY = "gptq"
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+GROUPS = Groups()  # whole groups, or one per output channel (formats/groups.py)
 
 
 def detect(qc: dict[str, Any]) -> bool:
@@ -41,16 +43,13 @@ def detect(qc: dict[str, Any]) -> bool:
 
 
 def check_shape(name: str, out_f: int, in_f: int, spec: QuantSpec) -> None:
-    """The format needs whole words along both dimensions and whole groups."""
+    """The format needs whole words along both dimensions (and whole groups: `GROUPS`)."""
     if spec.bits == 5:
         raise InputError("the gptq format's kernels hold 2, 3, 4 or 8-bit codes, not 5: use --format gguf (Q5_0) or dense")
     if (in_f * spec.bits) % 32 or (out_f * spec.bits) % 32:
         raise InputError(f"{name}: gptq format packs {spec.bits}-bit codes into 32-bit words, which needs "
                          f"in/out features ({in_f}/{out_f}) to be multiples of {32 // gcd(spec.bits, 32)}; "
                          "use --format compressed-tensors or dense, or --ignore this module")
-    if spec.group_size != -1 and in_f % spec.group_size:
-        raise InputError(f"{name}: group size {spec.group_size} does not divide the {in_f} input features; "
-                         f"choose a divisor of {in_f} (or -1 for per channel)")
 
 
 def pack_gptq(qw: QuantizedWeight) -> dict[str, torch.Tensor]:

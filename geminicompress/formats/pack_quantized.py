@@ -24,12 +24,14 @@ from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.formats.bits import pack_bits, unpack_bits
 from geminicompress.formats.checkpoint import compressed_tensors_format, scale_dtype
 from geminicompress.formats.dequant import dequant_reader
+from geminicompress.formats.groups import Groups
 from geminicompress.formats.mixed import ct_config_groups, ct_spec_of
 from geminicompress.formats.reader import ModuleReader
 from geminicompress.formats.writer import PackedLayout, PackedWriter, QWeights
 
 KEY = "compressed-tensors:pack-quantized"
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+GROUPS = Groups()  # whole groups, or one per output channel (formats/groups.py)
 COMPRESSED_TENSORS_VERSION = "0.19.0"  # the layout of that release (dense bit streams for 3-bit)
 
 
@@ -38,12 +40,10 @@ def detect(qc: dict[str, Any]) -> bool:
 
 
 def check_shape(name: str, out_f: int, in_f: int, spec: QuantSpec) -> None:
+    """Its kernels' bit widths (and whole groups: `GROUPS`)."""
     if spec.bits == 5:
         raise InputError("compressed-tensors' kernels hold 2, 3, 4 or 8-bit codes, not 5: use --format gguf (Q5_0) "
                          "or dense")
-    if spec.group_size != -1 and in_f % spec.group_size:
-        raise InputError(f"{name}: group size {spec.group_size} does not divide the {in_f} input features; "
-                         f"choose a divisor of {in_f} (or -1 for per channel)")
 
 
 def pack_ct(qw: QuantizedWeight, scale_dtype: torch.dtype, with_g_idx: bool) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ from geminicompress import __version__
 from geminicompress.data.windows import prefix_note, text_prefix, vocab_of
 from geminicompress.host.diskerrors import disk_errno, disk_error
 from geminicompress.distill.streamed_teacher import streamable_dir
-from geminicompress.engine.contract import StageContext
+from geminicompress.engine.contract import Plan, StageContext
 from geminicompress.engine.estimate import announce, check_disk_in_memory
 from geminicompress.engine.export import check_gguf, finish_export, open_export, outside_head, writing_stage
 from geminicompress.engine.walk import ModelLayers
@@ -112,8 +112,8 @@ def _run_recipe(recipe: Recipe, out: Path, opts: RunOptions, loaded: LoadedModel
     if without_layers(recipe, loaded):  # no decoder layers to walk: what needs none runs on the whole model
         return run_whole_model(recipe, out, force=force, progress=progress, command=opts.command, loaded=loaded,
                                stream=opts.stream, verify=opts.verify)
-    if loaded is None:
-        preflight(recipe, local_dir(recipe.model))  # what config.json alone refuses, before any weight is read
+    # what config.json alone refuses, before any weight is read; what it resolved, the stages open with
+    plan = preflight(recipe, local_dir(recipe.model)) if loaded is None else Plan()
     helper = _helper_rank()
     source_dir = streamable_dir(recipe.model) if loaded is None and not helper else None
     streamed = source_dir is not None and should_stream(recipe, opts.stream, source_dir)
@@ -125,6 +125,7 @@ def _run_recipe(recipe: Recipe, out: Path, opts: RunOptions, loaded: LoadedModel
         t0 = time.perf_counter()
         ctx = _open_streamed(recipe, source_dir, tmp, progress, device) if streamed else \
             _open_in_memory(recipe, loaded, tmp, progress, device)
+        ctx.plan = plan
         load_s = time.perf_counter() - t0
         check_gguf(ctx)
         layers = [s for s in recipe.stages if method_of(s).kind != "eval"]

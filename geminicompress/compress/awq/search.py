@@ -89,7 +89,7 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, spec: QuantSpec, n_grid: int =
     whose fake-quantized group gives the smallest squared error of Σ_k x_k w_k over the tokens."""
     out_f, in_f = w.shape
     width = in_f if spec.group_size == -1 else spec.group_size
-    if in_f % width:
+    if not spec.whole_groups(in_f):
         raise ValueError(f"clipping needs a group size dividing the input size ({in_f} % {width} != 0)")
     groups = in_f // width
     wg = w.float().reshape(out_f, groups, width)  # (out, G, k)

@@ -29,7 +29,7 @@ from geminicompress.compress.awq.search import apply_clip, linear_error, scaled_
 from geminicompress.compress.fold import fold_problem, fold_scales
 from geminicompress.compress.gptq.solver import gptq_quantize, zeros_to_keep
 from geminicompress.compress.hessian import HessianAccumulator
-from geminicompress.compress.targets import weight_quant_targets
+from geminicompress.compress.targets import QuantTargets, weight_quant_targets
 from geminicompress.core.arch import Arch, SmoothGroup, get_module
 from geminicompress.core.grid import KeptCodes, QuantSpec, keep_codes, rtn_quantize
 from geminicompress.engine.contract import Done, LayerStage, StageContext
@@ -64,8 +64,14 @@ class AWQ(LayerStage):
     retains = True  # its search results are held until the summary (retain)
     rounds_floats = True  # folds its scales into float norms: written in a lower dtype, they round (resume: run.py)
 
+    @staticmethod
+    def find_targets(model: Any, cfg: AWQStage, progress: Any, planned: QuantTargets | None = None) -> QuantTargets:
+        """Its targets and spec (targets.py): made by preflight on the model's skeleton (`planned`: None), then
+        taken from that plan when the stage opens."""
+        return weight_quant_targets(model, cfg, progress, sym=not cfg.zero_point, fmt=cfg.format, planned=planned)
+
     def __init__(self, cfg: AWQStage, ctx: StageContext) -> None:
-        found = weight_quant_targets(ctx.model, cfg, ctx.progress, sym=not cfg.zero_point, fmt=cfg.format)
+        found = self.find_targets(ctx.model, cfg, ctx.progress, ctx.plan.of(cfg))
         refuse_unfed(found.arch, ctx.model.config.model_type)
         self.cfg, self.ctx, self.spec, self.targets = cfg, ctx, found.spec, found.names
         self.num_layers = len(get_module(ctx.model, found.arch.layers))
@@ -257,7 +263,7 @@ def _clip_bound(job: LayerJob, name: str, spec: QuantSpec, clip: bool, stats: di
     if not clip or name.rsplit(".", 1)[-1] in NO_CLIP:
         return None
     weight = job.module(name).weight.data
-    if spec.group_size != -1 and weight.shape[1] % spec.group_size:
+    if not spec.whole_groups(weight.shape[1]):  # the search clips whole groups (a dense OUT allows a partial one)
         return None
     group = next(g for g in job.arch.sequential if name in g)
     x = torch.cat(stats[group[0]].sample)  # (≈512, in)

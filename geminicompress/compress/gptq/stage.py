@@ -32,7 +32,7 @@ from geminicompress.compress.gptq.config import GPTQStage
 from geminicompress.compress.gptq.solver import SolverOptions, gptq_quantize, zeros_to_keep
 from geminicompress.compress.hessian import HessianAccumulator
 from geminicompress.compress.scale_search import ScaleSearch
-from geminicompress.compress.targets import present_groups, weight_quant_targets
+from geminicompress.compress.targets import QuantTargets, present_groups, weight_quant_targets
 from geminicompress.core.gguf_config import AUTO
 from geminicompress.core.grid import KeptCodes, QuantSpec, keep_codes
 from geminicompress.engine.compose import OnePassFn
@@ -61,10 +61,17 @@ class GPTQ(LayerStage):
                     "(--sensitivity sensitivity.json, from `geminicompress sensitivity`) or run it with --no-stream")
         return None
 
+    @staticmethod
+    def find_targets(model: Any, cfg: GPTQStage, progress: Any, planned: QuantTargets | None = None) -> QuantTargets:
+        """Its targets and spec (targets.py): made by preflight on the model's skeleton (`planned`: None), then
+        taken from that plan when the stage opens. Mixed precision checks its shapes per module, once its
+        specs are known."""
+        fmt = cfg.format if cfg.allocation is None else None
+        return weight_quant_targets(model, cfg, progress, sym=cfg.sym, fmt=fmt, planned=planned)
+
     def __init__(self, cfg: GPTQStage, ctx: StageContext) -> None:
         self.one_pass_memory = cfg.true_sequential and cfg.one_pass
-        found = weight_quant_targets(ctx.model, cfg, ctx.progress, sym=cfg.sym,
-                                     fmt=cfg.format if cfg.allocation is None else None)
+        found = self.find_targets(ctx.model, cfg, ctx.progress, ctx.plan.of(cfg))
         self.cfg, self.ctx, self.spec, self.targets = cfg, ctx, found.spec, found.names
         if cfg.gguf_type == AUTO:  # each linear's type by the allocation (allocate.py)
             self.gguf_types, self.allocation = gguf_auto_types(cfg, ctx, found.names)

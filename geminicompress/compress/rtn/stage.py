@@ -11,7 +11,7 @@ import torch
 from pydantic import Field
 
 from geminicompress.compress import gguf_types
-from geminicompress.compress.targets import weight_quant_targets
+from geminicompress.compress.targets import QuantTargets, weight_quant_targets
 from geminicompress.core.config import WeightQuantStage
 from geminicompress.core.gguf_config import GGUF_HELP, GGUFFields
 from geminicompress.core.grid import KeptCodes, QuantizedWeight, QuantSpec, keep_codes, rtn_quantize
@@ -38,8 +38,14 @@ class RTN(LayerStage):
     calibrated = False
     quantizes = True
 
+    @staticmethod
+    def find_targets(model: Any, cfg: RTNStage, progress: Any, planned: QuantTargets | None = None) -> QuantTargets:
+        """Its targets and spec (targets.py): made by preflight on the model's skeleton (`planned`: None), then
+        taken from that plan when the stage opens."""
+        return weight_quant_targets(model, cfg, progress, sym=cfg.sym, fmt=cfg.format, planned=planned)
+
     def __init__(self, cfg: RTNStage, ctx: StageContext) -> None:
-        found = weight_quant_targets(ctx.model, cfg, ctx.progress, sym=cfg.sym, fmt=cfg.format)
+        found = self.find_targets(ctx.model, cfg, ctx.progress, ctx.plan.of(cfg))
         self.cfg, self.ctx, self.spec, self.targets = cfg, ctx, found.spec, found.names
         self.gguf_types = gguf_types.plan(cfg, ctx.model, found.shapes, calibrated=False)  # --gguf-type
         if self.gguf_types is not None:

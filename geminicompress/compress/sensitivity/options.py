@@ -106,10 +106,10 @@ def parse_options(text: str) -> list[Option]:
 def check_applicable(options: list[Option], in_features: dict[str, int]) -> None:
     """An impossible group size (not dividing some module's inputs) is an input error, before any work."""
     for o in options:
-        if o.spec is None or o.spec.group_size == -1:
+        if o.spec is None:
             continue
         for name, cols in in_features.items():
-            if cols % o.spec.group_size:
+            if not o.spec.whole_groups(cols):
                 raise InputError(f"option '{o.label}': group size {o.spec.group_size} does not divide the {cols} "
                                  f"input features of {name}")
 

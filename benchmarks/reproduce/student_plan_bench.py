@@ -161,7 +161,9 @@ def main() -> None:
 
     if "plan" in phases:
         t0 = time.perf_counter()
-        plan = make_plan(teacher, args.keep, fit, held, heldw, spec, shortlist=args.shortlist, on=Compute(progress=log))
+        # a view of the walk: make_plan releases the boundaries it no longer reads, and the rows below read others
+        plan = make_plan(teacher, args.keep, fit.rows(0, args.fit_windows), held, heldw, spec, shortlist=args.shortlist,
+                         on=Compute(progress=log))
         result["plan"] = {**plan.as_dict(), "seconds": round(time.perf_counter() - t0, 1)}
         save()
         result["measured"] = row(plan.chosen.kept, "measured")

@@ -15,26 +15,23 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
-
-def load(path: str, threads: int):
-    from llama_cpp import Llama
-
-    return Llama(model_path=path, n_ctx=256, n_batch=256, n_threads=threads, n_threads_batch=threads,
-                 verbose=False, seed=0)
+# the llama.cpp driver's own loading and next-token reading (it imports only the standard library and numpy)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "geminicompress" / "eval" / "engines"))
+from llama_driver import _load, _next  # noqa: E402
 
 
 def tg(llm, n: int) -> float:
-    """Seconds for n tokens generated one at a time from an empty context (greedy)."""
-    import numpy as np
-
+    """Seconds for n tokens generated one at a time from an empty context (greedy: the driver's `_next`)."""
     llm.reset()
     tok = 1
     t0 = time.perf_counter()
     for _ in range(n):
         llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = _next(llm)
     return time.perf_counter() - t0
 
 
@@ -53,7 +50,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     (na, fa), (nb, fb) = (s.split("=", 1) for s in (args.a, args.b))
-    llms = {na: load(fa, args.threads), nb: load(fb, args.threads)}
+    llms = {name: _load(path, args.threads, 256, logits_all=False) for name, path in ((na, fa), (nb, fb))}
     for llm in llms.values():  # warm-up: pages in, caches filled
         tg(llm, args.tg)
     rates = {na: [], nb: []}

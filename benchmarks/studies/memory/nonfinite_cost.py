@@ -39,7 +39,10 @@ def timed(code: Path, args: list[str], out: Path, keep: bool = False) -> tuple[f
     removed afterwards unless `keep`."""
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": str(code)}
-    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "geminicompress", *args, "-o", str(out), "-q", "--threads", "2"]
+    # -P: `-m` would put the current directory first on sys.path, and a run from a checkout's root would import
+    # that checkout's package whatever PYTHONPATH says
+    cmd = ["/usr/bin/time", "-v", sys.executable, "-P", "-m", "geminicompress", *args, "-o", str(out), "-q",
+           "--threads", "2"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0

@@ -129,6 +129,10 @@ class DistillStage(_StageBase):
                                 "(and the input embedding, with a head tied to it) and start the student's forward "
                                 "from the teacher's hidden state after them: less work per token "
                                 "(distill/shared_prefix.py)")
+    train_embedding: bool = Field(False, description="train the student's input embedding even where its head is "
+                                  "untied: by default an untied table that is the teacher's own stays frozen and is "
+                                  "held once, shared with the teacher (no gradient, no optimizer state: 3.9 GiB of a "
+                                  "128k x 2048 vocabulary) (distill/shared_embedding.py)")
     restyle: float = Field(0.0, ge=0.0, le=1.0, description="the share of the training text rewritten in random "
                            "spellings, one per stretch of about 4k tokens (punctuation apart, a marker around "
                            "in-word hyphens, clitics apart, lower case): the student learns to read a spelling "

@@ -23,11 +23,14 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def model_bytes(model: nn.Module | None) -> int:
-    """Weights and buffers (a tied weight once); 0 for no model or one on the meta device (streamed)."""
+def model_bytes(model: nn.Module | None, besides: nn.Module | None = None) -> int:
+    """Weights and buffers (a tied weight once); 0 for no model or one on the meta device (streamed). With
+    `besides`, a tensor that model holds too is left out (counted there)."""
     if model is None:
         return 0
-    return tensor_bytes(t for t in [*model.parameters(), *model.buffers()] if t.device.type != "meta")
+    theirs = set() if besides is None else {t.data_ptr() for t in [*besides.parameters(), *besides.buffers()]}
+    return tensor_bytes(t for t in [*model.parameters(), *model.buffers()]
+                        if t.device.type != "meta" and t.data_ptr() not in theirs)
 
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:

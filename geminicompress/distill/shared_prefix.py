@@ -30,11 +30,11 @@ def prefix_length(student: nn.Module, teacher: nn.Module) -> int:
     """How many leading decoder blocks of `student` equal the teacher's, tensor for tensor (0 when their
     architectures or input embeddings differ)."""
     arch_s, arch_t = arch_for(student), arch_for(teacher)
-    if arch_s != arch_t or not _same(student.get_input_embeddings(), teacher.get_input_embeddings()):
+    if arch_s != arch_t or not same_tensors(student.get_input_embeddings(), teacher.get_input_embeddings()):
         return 0
     s_layers, t_layers = get_module(student, arch_s.layers), get_module(teacher, arch_t.layers)
     k = 0
-    while k < min(len(s_layers), len(t_layers)) and _same(s_layers[k], t_layers[k]):
+    while k < min(len(s_layers), len(t_layers)) and same_tensors(s_layers[k], t_layers[k]):
         k += 1
     return min(k, len(s_layers) - 1)  # at least one block trains
 
@@ -86,6 +86,6 @@ def starting_at(student: nn.Module, k: int, hidden: torch.Tensor) -> Iterator[No
             del layer.forward
 
 
-def _same(a: nn.Module, b: nn.Module) -> bool:
+def same_tensors(a: nn.Module, b: nn.Module) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(sa[n].shape == sb[n].shape and torch.equal(sa[n], sb[n]) for n in sa)

@@ -43,6 +43,7 @@ from geminicompress.distill.student import (
 )
 from geminicompress.distill.survey import check_walk_memory
 from geminicompress.distill.synthetic import prefix_len, teacher_samples
+from geminicompress.distill.shared_embedding import own_input_embedding, share_input_embedding
 from geminicompress.distill.topk_cache import build_topk_cache
 from geminicompress.distill.train import Guides, TrainRun, train
 from geminicompress.core.errors import InputError
@@ -102,9 +103,13 @@ def run(cfg: DistillStage, ctx) -> dict:
         teacher_ppl = _teacher_ppl(pair.teacher, eval_w, ctx.device)
     ctx.progress.info(f"distilling {pair.how}: teacher {t_params / 1e6:.1f}M -> student {s_params / 1e6:.1f}M "
                       f"parameters, {len(train_w)} training windows of {cfg.seq_len}")
+    shared = not cfg.train_embedding and share_input_embedding(pair.student, pair.teacher,
+                                                                 pair.kept is not None and cfg.student is None)
     student, history = train(pair.student, None if cache and not layer_map else pair.teacher, train_w, eval_w, cfg,
                              TrainRun(ctx.recipe.seed, ctx.state_dir, ctx.device, ctx.progress),
                              Guides(layer_map, pair.masks, cache))
+    if shared:
+        own_input_embedding(student)
     student = student.to("cpu")
     ctx.model, ctx.tokenizer = student, pair.tokenizer
     if pair.masks:
@@ -115,6 +120,7 @@ def run(cfg: DistillStage, ctx) -> dict:
     steps = max(1, len(history.loss))
     return {**summary, "steps": history.step, "tokens": history.tokens, "train_seconds": round(history.seconds, 3),
             "tokens_per_s": round(history.tokens / max(history.seconds, 1e-9), 1),
+            "embedding": "frozen, the teacher's" if shared else "trained",
             "frozen_prefix": history.frozen_prefix, "shared_prefix": history.shared_prefix,
             "precision": history.precision, "precision_why": history.precision_why, "memory": history.memory,
             "loss_first": history.loss[0] if history.loss else None, "loss_last": history.loss[-1] if history.loss else None,

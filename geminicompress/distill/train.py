@@ -233,7 +233,8 @@ def _prepare(acc, student: nn.Module, teacher: nn.Module | None, windows: torch.
     if teacher is not None:
         teacher.to(acc.device).eval().requires_grad_(False)
         if acc.mixed_precision in AUTOCAST_DTYPES:  # it runs under autocast only: fewer bytes, the same products
-            dtype, shared = AUTOCAST_DTYPES[acc.mixed_precision], list(student.parameters())
+            # what trains stays as it is; a frozen tensor the student shares (shared_embedding.py) is read the same way
+            dtype, shared = AUTOCAST_DTYPES[acc.mixed_precision], [p for p in student.parameters() if p.requires_grad]
             frozen_linears_as(teacher, dtype, keep=shared)
             if table_in_file(teacher, dtype, keep=shared):
                 in_file = MU.tensor_bytes([teacher.get_input_embeddings().weight])
@@ -385,7 +386,7 @@ def _memory(loop: _Loop, raw: nn.Module) -> dict[str, int]:
     n_pos = loop.cfg.batch_size * loop.windows.shape[1]
     cache = loop.guides.cache
     return {"teacher": MU.model_bytes(loop.teacher) - loop.teacher_in_file, "teacher_in_file": loop.teacher_in_file,
-            "student": MU.model_bytes(raw),
+            "student": MU.model_bytes(raw, besides=loop.teacher),
             "gradients": MU.tensor_bytes(p for p in raw.parameters() if p.requires_grad),
             "optimizer": MU.optimizer_bytes(loop.optimizer), "activations": loop.memory.get("activations", 0),
             "head": MU.head_bytes((min(loop.rows[0], n_pos), min(loop.rows[1], n_pos)), head.shape, n_pos,

@@ -12,7 +12,7 @@ stay in it), in that engine's terms.
 | INT8 (W8A8) | the W8A8 model (--int8), fbgemm | the W8A8 model |
 | INT4 (GPTQ) | the GPTQ model (--int4) through torch's int4 kernel (bf16 activations) | the GPTQ model |
 | distilled student | the student (--student) in place of the teacher | the student |
-| speculative decoding | the draft (--draft) proposes, the model verifies (transformers assisted generation, greedy, one request at a time) | not wired here |
+| speculative decoding | the draft (--draft) proposes DRAFT_TOKENS tokens, the model verifies them in one forward (draft_loop.py, greedy, one request at a time) | not wired here |
 
 llama.cpp's rows are in llama_server.py. A row whose mechanism cannot be switched on with this engine and device, or whose model was not given, is
 kept with the reason and not measured.
@@ -21,6 +21,8 @@ kept with the reason and not measured.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+DRAFT_TOKENS = 3  # proposals a verification round of the transformers engine's speculative row (draft_loop.py)
 
 ROWS = ("original configuration", "prompt truncation", "FlashAttention", "KV-cache reuse", "dynamic batching",
         "PagedAttention", "INT8 (W8A8)", "INT4 (GPTQ)", "distilled student", "speculative decoding")
@@ -66,8 +68,8 @@ def hf_rows(max_batch: int, given: dict[str, str | None]) -> list[Row]:
              ({}, "the GPTQ checkpoint through torch's int4 kernel (bf16 activations)"),
              ({}, "the distilled student served in place of the teacher"),
              ({"draft": True, "max_batch": 1, "prefix_cache": False, "paged": False},
-              "the draft proposes, the model verifies (transformers assisted generation, greedy), one request "
-              "at a time")]
+              f"the draft proposes {DRAFT_TOKENS} tokens, the model verifies them in one forward (greedy), one "
+              "request at a time")]
     return rows_of(steps, given)
 
 

@@ -1,0 +1,92 @@
+"""How many draft tokens a round, and our loop against transformers' assisted generation: TPOT alone.
+
+The speculative row of `serve-bench` (eval/serving/assisted.py) on the demo with its INT4 copy as draft. Each
+configuration serves the same requests one at a time, alone (concurrency 1, after a warm-up), on the stack's
+attention (sdpa); rounds alternate the configurations, and the table gives each one's median TPOT over every
+request of every round and its ratio to the verifier alone (hf.py's one-request loop, the same model and flags).
+
+    python benchmarks/studies/serving/draft_tokens.py --int4 INT4_DIR [--model smollm2-demo] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from geminicompress.data import read_text, text_prefix, tokenize
+from geminicompress.eval.serving.assisted import serve_assisted
+from geminicompress.eval.serving.hf import HFFlags, serve
+from geminicompress.eval.serving.servers import HFServer, Models
+from geminicompress.eval.serving.workload import WorkloadSpec, build_workload
+from geminicompress.eval.cost import plan
+
+
+def _hf_assisted(model, draft, requests, n):
+    """TPOT of transformers' assisted generation (the row before this study), its default schedule."""
+    out = []
+    kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, num_beams=1, assistant_model=draft,
+                  pad_token_id=0, eos_token_id=None)
+    for m in (model, draft):
+        m.generation_config.eos_token_id = None
+    for r in requests:
+        ids = torch.tensor([r.prompt(None)])
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        out.append((time.perf_counter() - t0) / n)  # whole generation per token (TTFT included): an upper bound
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-demo")
+    ap.add_argument("--int4", required=True)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ks", default="1,2,3,4,5")
+    ap.add_argument("--out", default="benchmarks/results/draft_tokens.json")
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    spec = WorkloadSpec(requests=a.requests)
+    tok = plan.peek_tokenizer(a.model, False)
+    ids = tokenize(tok, read_text("builtin:pydoc", "text"), None)
+    prefix = text_prefix(tok, "tokenizer", None)
+    requests, _ = build_workload(torch.cat([torch.tensor(prefix, dtype=ids.dtype), ids]), spec)
+    server = HFServer(Models(a.model, draft=a.int4), spec, None, "auto", False)
+    (model, _), (draft, choice) = server._need(["base", "draft"])
+    model.set_attn_implementation("sdpa")
+    ks = [int(k) for k in a.ks.split(",")]
+    tpot: dict[str, list[float]] = {}
+    acc: dict[str, dict] = {}
+    for rnd in range(a.rounds):
+        alone = serve(model, requests, HFFlags(attn="sdpa"), spec.truncated_len, spec.prefix_len, rnd == 0, 1)
+        tpot.setdefault("alone", []).extend(t.tpot for t in alone)
+        for k in ks:
+            timings, counts = serve_assisted(model, draft, requests, None, rnd == 0, 1, k)
+            tpot.setdefault(f"k={k}", []).extend(t.tpot for t in timings)
+            acc[f"k={k}"] = counts
+            same = sum(a_ == b_ for x, y in zip(timings, alone) for a_, b_ in zip(x.tokens, y.tokens))
+            acc[f"k={k}"]["same_tokens"] = same / sum(len(x.tokens) for x in alone)
+        tpot.setdefault("hf assisted (whole/token)", []).extend(_hf_assisted(model, draft, requests, spec.answer_len))
+        print(f"round {rnd + 1}: " + ", ".join(f"{k} {1e3 * statistics.median(v):.1f}" for k, v in tpot.items()), flush=True)
+    base = statistics.median(tpot["alone"])
+    rows = [{"config": k, "tpot_ms": round(1e3 * statistics.median(v), 2), "x_alone": round(statistics.median(v) / base, 3),
+             **({kk: vv for kk, vv in acc[k].items()} if k in acc else {})} for k, v in tpot.items()]
+    print("| config | TPOT ms (median) | x verifier alone | accepted / proposed | per round | same tokens |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        rate = f"{r['accepted'] / max(1, r['proposed']):.1%}" if "accepted" in r else ""
+        per = f"{r['accepted'] / max(1, r['rounds']):.2f}" if "accepted" in r else ""
+        same = f"{r['same_tokens']:.1%}" if "same_tokens" in r else ""
+        print(f"| {r['config']} | {r['tpot_ms']} | {r['x_alone']} | {rate} | {per} | {same} |")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"command": "python " + " ".join(__import__("sys").argv), "draft_kernel": choice.kernel,
+                                       "rows": rows, "tpot_s": tpot}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -61,13 +61,14 @@ class _Stream:
 def speculative_greedy(model, draft, prompt: list[int], n: int, k: int,
                        on_first: Callable[[], None] | None = None) -> tuple[list[int], DraftCounts]:
     """`n` greedy tokens of `model` after `prompt`, `draft` proposing `k` a round; (tokens, counts).
-    `on_first` is called when the first token is known (the model's prefill)."""
+    `on_first` is called when the first token is out: after both prefills (the model's and the draft's)."""
     if k < 1 or n < 1:
         raise ValueError(f"k and n must be at least 1, got k={k}, n={n}")
     device = next(model.parameters()).device
     verifier, proposer, counts = _Stream(model, device, k + 1), _Stream(draft, device, k + 1), DraftCounts()
     seq = list(prompt)
     seq.append(verifier.feed(seq)[-1])
+    proposer.feed(seq[:-1])  # the draft's prefill belongs to the prefill, as in vLLM's step: before the first token
     if on_first is not None:
         on_first()
     while len(seq) - len(prompt) < n:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DRAFT_TOKENS = 3  # proposals a verification round of the transformers engine's speculative row (draft_loop.py)
+DRAFT_TOKENS = 4  # proposals a verification round of the transformers engine's speculative row (draft_loop.py)
 
 ROWS = ("original configuration", "prompt truncation", "FlashAttention", "KV-cache reuse", "dynamic batching",
         "PagedAttention", "INT8 (W8A8)", "INT4 (GPTQ)", "distilled student", "speculative decoding")

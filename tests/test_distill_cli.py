@@ -52,6 +52,10 @@ def test_distill_cli_writes_a_half_depth_student(teacher_dir, text_file, tmp_pat
     assert [p[0] for p in result["ppl_curve"]] == [0, 2, 3]
     assert len(result["loss_curve"]) == 3 and result["tokens_per_s"] > 0
     assert (out / "distill_curve.png").stat().st_size > 1000
+    # the tiny teacher's head is untied: the student's input embedding stayed the teacher's own (shared_embedding.py)
+    assert result["embedding"] == "frozen, the teacher's"
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    assert torch.equal(student.get_input_embeddings().weight, teacher.get_input_embeddings().weight)
 
 
 def test_layer_list_out_of_range_is_one_line(teacher_dir, text_file, tmp_path):

@@ -37,7 +37,8 @@ def share_input_embedding(student: nn.Module, teacher: nn.Module | None, derived
             or table.weight.shape != theirs.weight.shape):
         return False
     if theirs.weight.is_meta:  # streamed: nothing to share, and only a student cut from it holds its table
-        table.requires_grad_(not derived)
+        if derived:
+            table.requires_grad_(False)
         return derived
     if not same_tensors(table, theirs):
         return False

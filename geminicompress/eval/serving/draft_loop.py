@@ -39,12 +39,14 @@ class _Stream:
 
     def __init__(self, model, device: torch.device, rollback: int):
         self.model, self.device, self.cache, self.seen, self.rollback = model, device, None, 0, rollback
-        self.cache_arg, _ = forward_args(model)
+        self.cache_arg, self.last_only = forward_args(model)  # last_only: `logits_to_keep=1` where supported
 
-    def feed(self, tokens: list[int]) -> list[int]:
+    def feed(self, tokens: list[int], every: bool = False) -> list[int]:
+        """The greedy choice after each of `tokens` (`every`), or after the last one only (a prefill: the head
+        runs on one position, as hf.py's prefill and `generate` do)."""
         ids = torch.tensor([tokens], device=self.device)
         kwargs = {self.cache_arg: self.cache} if self.cache is not None else {}
-        out = self.model(input_ids=ids, use_cache=True, **kwargs)
+        out = self.model(input_ids=ids, use_cache=True, **kwargs, **({} if every else self.last_only))
         if self.cache is None and hasattr(cache_of(out), "activate_past_recording"):
             # after the prefill (as generate does): a sliding-window layer keeps what a crop may need back
             cache_of(out).activate_past_recording(recurrent_states_to_keep=self.rollback)
@@ -74,7 +76,7 @@ def speculative_greedy(model, draft, prompt: list[int], n: int, k: int,
     while len(seq) - len(prompt) < n:
         want = min(k, n - (len(seq) - len(prompt)) - 1)  # the round also adds the model's own token
         proposals = _propose(proposer, seq, want) if want > 0 else []
-        choices = verifier.feed([seq[-1], *proposals])  # the model's next token after each of them
+        choices = verifier.feed([seq[-1], *proposals], every=True)  # the model's next token after each of them
         m = 0
         while m < len(proposals) and proposals[m] == choices[m]:
             m += 1

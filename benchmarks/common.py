@@ -9,6 +9,7 @@ own (`geminicompress.eval.quality.perplexity.perplexity`), so benchmarks and `ge
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -143,3 +144,25 @@ def time_us(fn, repeats: int) -> dict:
     t.sort()
     return {"median_us": round(statistics.median(t), 1), "p10_us": round(t[len(t) // 10], 1),
             "p90_us": round(t[(9 * len(t)) // 10], 1)}
+
+
+def run_checkout(code: Path, args: list[str], log: Path | None = None) -> tuple[float, int, str]:
+    """(wall seconds, peak RSS bytes, its output) of `python -m geminicompress ARGS` with the package at `code`
+    (a checkout's folder) under `/usr/bin/time -v`, from /tmp; the output also goes to `log` when given.
+    -P: `-m` would put the current directory first on sys.path, and a run from a checkout's root would import
+    that checkout's package whatever PYTHONPATH says."""
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    cmd = ["/usr/bin/time", "-v", sys.executable, "-P", "-m", "geminicompress", *args]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/tmp")
+    wall = time.perf_counter() - t0
+    if log is not None:
+        log.write_text(proc.stdout)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed with {code}:\n{proc.stdout[-2000:]}")
+    return wall, peak_rss(proc.stdout), proc.stdout
+
+
+def peak_rss(time_output: str) -> int:
+    """The peak resident set in bytes from `/usr/bin/time -v`'s output."""
+    return int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", time_output).group(1)) * 1024

@@ -241,7 +241,7 @@ def test_logit_gap_where_an_answer_leaves_the_verifiers(tiny_dir):
 
     reqs, _ = build_workload(torch.arange(1, 400), SMALL)
     server = HFServer(Models(str(tiny_dir)), SMALL, None, "auto", False)
-    model = server._need(["base"])[0][0]
+    model = server.need(["base"])[0][0]
     reference = [t.tokens for t in serve(model, reqs[:2], HFFlags(), SMALL.truncated_len, SMALL.prefix_len, warmup=False)]
     other = [reference[0], reference[1][:2] + [(reference[1][2] + 1) % 384, 0]]
     gaps = server.logit_gaps({}, reqs, reference, other, [(1, 2)])

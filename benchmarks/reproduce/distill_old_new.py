@@ -15,33 +15,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import RESULTS  # noqa: E402
+from common import RESULTS, peak_rss, run_checkout  # noqa: E402
 
 NEW = Path(__file__).resolve().parents[2]
 
 
 def run_one(checkout: Path, out: Path, args: list[str]) -> None:
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
-    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "geminicompress", "distill", *args, "-o", str(out),
-           "--force", "--quiet"]
-    with open(f"{out}.log", "w") as log:
-        subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=True, cwd="/tmp")
+    run_checkout(checkout, ["distill", *args, "-o", str(out), "--force", "--quiet"], Path(f"{out}.log"))
 
 
 def collect(out: Path) -> dict:
     result = json.loads((out / "report.json").read_text())["stages"][0]["result"]
-    peak_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", Path(f"{out}.log").read_text()).group(1))
+    peak = peak_rss(Path(f"{out}.log").read_text())
     return {"run": out.name, "steps": result["steps"], "tokens": result["tokens"],
             "train_seconds": result["train_seconds"], "tokens_per_s": result["tokens_per_s"],
-            "loss_first": [round(x, 6) for x in result["loss_curve"][:4]], "peak_gib": round(peak_kb / 2**20, 3)}
+            "loss_first": [round(x, 6) for x in result["loss_curve"][:4]], "peak_gib": round(peak / 2**30, 3)}
 
 
 def main() -> None:

@@ -31,11 +31,6 @@ from common import RESULTS, perplexity  # noqa: E402
 
 Q8_0_INPUT = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"}  # ggml-cpu's vec_dot_type: Q8_0 (Q8_1: same codes)
 Q8_K_INPUT = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
-MODULE_OF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-             "ffn_down": "mlp.down_proj"}  # Llama and Gemma 3's GGUF names -> transformers' modules
-
-
 def q8_0(x: torch.Tensor) -> torch.Tensor:
     """x (..., K) rounded as ggml's quantize_row_q8_0: per 32 values d = amax/127, q = round(x/d) (x86's AVX2 kernel
     multiplies by 127/amax: the same codes but at a rounding tie), x = q * fp16(d)."""
@@ -63,21 +58,38 @@ def tensor_types(path: str) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
 
 
+def gguf_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """GGUF tensor name -> the model's linear holding it, through the name map our GGUF writer uses
+    (gguf.get_tensor_name_map for the model's architecture); a tied head is named token_embd.weight."""
+    import gguf
+
+    from geminicompress.formats.gguf_export import gguf_arch
+
+    config = model.config.to_dict()
+    names = gguf.get_tensor_name_map(gguf_arch(config).arch, config["num_hidden_layers"])
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            gguf_name = names.get_name(f"{name}.weight", try_suffixes=(".weight",))
+            if gguf_name is not None:
+                found[gguf_name] = module
+    head = model.get_output_embeddings()
+    found.setdefault("output.weight", head)
+    if config.get("tie_word_embeddings"):
+        found["token_embd.weight"] = head  # a tied head multiplies with the embedding's codes
+    return found
+
+
 def round_inputs_as_llama(model: torch.nn.Module, path: str) -> int:
     """Hook every linear of `model` (loaded from GGUF `path`) to round its input as llama.cpp does for its weight's
     type; returns how many linears were hooked."""
-    types, hooked = tensor_types(path), 0
+    types, hooked, modules = tensor_types(path), 0, gguf_modules(model)
     for name, ttype in types.items():
-        parts = name.split(".")
-        if parts[0] == "blk" and parts[2] in MODULE_OF:
-            module = model.get_submodule(f"model.layers.{parts[1]}.{MODULE_OF[parts[2]]}")
-        elif name == "output.weight" or (name == "token_embd.weight" and "output.weight" not in types):
-            module = model.get_output_embeddings()  # a tied head multiplies with the embedding's codes
-        else:
+        if name not in modules or (name == "token_embd.weight" and "output.weight" in types):
             continue
         fn = q8_0 if ttype in Q8_0_INPUT else q8_k if ttype in Q8_K_INPUT else None
         if fn is not None:
-            module.register_forward_pre_hook(lambda m, args, fn=fn: (fn(args[0]), *args[1:]))
+            modules[name].register_forward_pre_hook(lambda m, args, fn=fn: (fn(args[0]), *args[1:]))
             hooked += 1
     return hooked
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import shlex
 import shutil
 import statistics
@@ -32,23 +30,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))  # the in-process accounting imports this checkout, installed or not
+sys.path.insert(0, str(ROOT / "benchmarks"))  # common.py
+from common import run_checkout  # noqa: E402
 
 
 def timed(code: Path, args: list[str], out: Path, keep: bool = False) -> tuple[float, int]:
     """(wall seconds, peak RSS bytes) of `geminicompress ARGS -o OUT` run with the package at `code`; OUT is
     removed afterwards unless `keep`."""
     shutil.rmtree(out, ignore_errors=True)
-    env = {**os.environ, "PYTHONPATH": str(code)}
-    # -P: `-m` would put the current directory first on sys.path, and a run from a checkout's root would import
-    # that checkout's package whatever PYTHONPATH says
-    cmd = ["/usr/bin/time", "-v", sys.executable, "-P", "-m", "geminicompress", *args, "-o", str(out), "-q",
-           "--threads", "2"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(args)} failed with {code}:\n{proc.stderr[-2000:]}")
-    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) * 1024
+    wall, rss, _ = run_checkout(code, [*args, "-o", str(out), "-q", "--threads", "2"])
     if not keep:
         shutil.rmtree(out, ignore_errors=True)
     return wall, rss

@@ -57,7 +57,7 @@ def main() -> None:
     prefix = text_prefix(tok, "tokenizer", None)
     requests, _ = build_workload(torch.cat([torch.tensor(prefix, dtype=ids.dtype), ids]), spec)
     server = HFServer(Models(a.model, draft=a.int4), spec, None, "auto", False)
-    (model, _), (draft, choice) = server._need(["base", "draft"])
+    (model, _), (draft, choice) = server.need(["base", "draft"])
     model.set_attn_implementation("sdpa")
     ks = [int(k) for k in a.ks.split(",")]
     tpot: dict[str, list[float]] = {}

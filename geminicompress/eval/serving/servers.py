@@ -66,7 +66,9 @@ class HFServer:
         choice = use_fast_kernels(model, next(model.parameters()).device)
         return model, choice
 
-    def _need(self, keys: list[str]) -> list:
+    def need(self, keys: list[str]) -> list:
+        """[(model, kernel choice)] for `keys` (Models' fields), loaded once; the others are freed. A model with no
+        fast kernel here is RowRefused."""
         for key in [k for k in self.loaded if k not in keys]:
             free(self.loaded.pop(key)[0])
         for key in keys:
@@ -83,7 +85,7 @@ class HFServer:
         flags = dict(flags)
         warmup = concurrency != 1
         draft = flags.pop("draft", False)
-        loaded = self._need([row.model, "draft"] if draft else [row.model])
+        loaded = self.need([row.model, "draft"] if draft else [row.model])
         model, choice = loaded[0]
         extra = {"kernel": choice.kernel, "activation_dtype": choice.activation_dtype}
         if draft:
@@ -106,7 +108,7 @@ class HFServer:
         """At each (request, position) where an answer left the reference's: MODEL's logit of the reference's
         token minus its logit of the other answer's, after the prompt and the shared answer before it (one
         forward, no cache): about 0 for a float tie, large for a real disagreement."""
-        model = self._need(["base"])[0][0]
+        model = self.need(["base"])[0][0]
         max_len = self.spec.truncated_len if flags.get("truncate") else None
         device = next(model.parameters()).device
         gaps = []
@@ -117,7 +119,7 @@ class HFServer:
         return gaps
 
     def close(self) -> None:
-        self._need([])
+        self.need([])
 
 
 def vllm_job(flags: dict, path: str, requests: list[Request], spec: WorkloadSpec, windows: torch.Tensor | None,

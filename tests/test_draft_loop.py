@@ -5,7 +5,7 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from geminicompress.eval.serving.draft_loop import speculative_greedy
+from geminicompress.eval.serving.draft_loop import greedy, speculative_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 N, P = 17, 20
@@ -28,6 +28,12 @@ def test_the_answer_is_the_models_own_greedy_answer(models, k):
         tokens, counts = speculative_greedy(model, draft, prompt, N, k)
         assert tokens == ref
         assert 1 + counts.accepted + counts.rounds == N  # the prefill's token, the accepted, one own a round
+
+
+def test_the_loop_alone_is_generates_greedy_answer(models):
+    model, _, prompt, ref = models
+    assert greedy(model, prompt, N) == ref
+    assert greedy(model, prompt, 1) == ref[:1]
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

@@ -87,6 +87,20 @@ def speculative_greedy(model, draft, prompt: list[int], n: int, k: int,
     return seq[len(prompt):len(prompt) + n], counts
 
 
+@torch.no_grad()
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    """`n` greedy tokens of `model` after `prompt`, one forward a token over the same KV cache as
+    speculative_greedy's: the model alone, in the same loop (what a speculative run is compared with)."""
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got n={n}")
+    stream = _Stream(model, next(model.parameters()).device, 1)
+    seq = list(prompt)
+    seq.append(stream.feed(seq)[-1])
+    while len(seq) - len(prompt) < n:
+        seq.append(stream.feed(seq[-1:])[-1])
+    return seq[len(prompt):]
+
+
 def _propose(proposer: _Stream, seq: list[int], k: int) -> list[int]:
     """`k` greedy draft tokens after `seq` (the draft's cache holds a prefix of it)."""
     proposals = [proposer.feed(seq[proposer.seen:])[-1]]

@@ -6,6 +6,9 @@ attention (sdpa); rounds alternate the configurations, and the table gives each 
 request of every round and its ratio to the verifier alone (hf.py's one-request loop, the same model and flags).
 
     python benchmarks/studies/serving/draft_tokens.py --int4 INT4_DIR [--model smollm2-demo] [--rounds 3]
+
+`--routes few-rows,linear`: each round also with the dense linears on torch's own route for every row count (the
+models as loaded before kernels/few_rows.py; "few-rows" is what serve-bench runs), the routes alternating.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from geminicompress.data import read_text, text_prefix, tokenize
 from geminicompress.eval.serving.assisted import serve_assisted
+from geminicompress.kernels.few_rows import FewRowsLinear
 from geminicompress.eval.serving.hf import HFFlags, serve
 from geminicompress.eval.serving.servers import HFServer, Models
 from geminicompress.eval.serving.workload import WorkloadSpec, build_workload
@@ -41,6 +45,14 @@ def _hf_assisted(model, draft, requests, n):
     return out
 
 
+def _route(route: str, *models) -> None:
+    """The dense linears of `models` on the few-rows route (as serve-bench loads them) or torch's own."""
+    for model in models:
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and type(m) in (torch.nn.Linear, FewRowsLinear):
+                m.__class__ = FewRowsLinear if route == "few-rows" else torch.nn.Linear
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-demo")
@@ -48,6 +60,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ks", default="1,2,3,4,5")
+    ap.add_argument("--no-hf", dest="hf", action="store_false", help="leave out transformers' assisted generation")
+    ap.add_argument("--routes", default="few-rows", help="few-rows and/or linear, comma separated")
     ap.add_argument("--out", default="benchmarks/results/draft_tokens.json")
     a = ap.parse_args()
     torch.set_num_threads(2)
@@ -62,19 +76,32 @@ def main() -> None:
     ks = [int(k) for k in a.ks.split(",")]
     tpot: dict[str, list[float]] = {}
     acc: dict[str, dict] = {}
+    routes = a.routes.split(",")
     for rnd in range(a.rounds):
-        alone = serve(model, requests, HFFlags(attn="sdpa"), spec.truncated_len, spec.prefix_len, rnd == 0, 1)
-        tpot.setdefault("alone", []).extend(t.tpot for t in alone)
-        for k in ks:
-            timings, counts = serve_assisted(model, draft, requests, None, rnd == 0, 1, k)
-            tpot.setdefault(f"k={k}", []).extend(t.tpot for t in timings)
-            acc[f"k={k}"] = counts
-            same = sum(a_ == b_ for x, y in zip(timings, alone) for a_, b_ in zip(x.tokens, y.tokens))
-            acc[f"k={k}"]["same_tokens"] = same / sum(len(x.tokens) for x in alone)
-        tpot.setdefault("hf assisted (whole/token)", []).extend(_hf_assisted(model, draft, requests, spec.answer_len))
+        for route in routes:
+            _route(route, model, draft)
+            tag = "" if len(routes) == 1 else f" [{route}]"
+            alone = serve(model, requests, HFFlags(attn="sdpa"), spec.truncated_len, spec.prefix_len, rnd == 0, 1)
+            tpot.setdefault("alone" + tag, []).extend(t.tpot for t in alone)
+            for k in ks:
+                timings, counts = serve_assisted(model, draft, requests, None, rnd == 0, 1, k)
+                tpot.setdefault(f"k={k}{tag}", []).extend(t.tpot for t in timings)
+                acc[f"k={k}{tag}"] = counts
+                same = sum(a_ == b_ for x, y in zip(timings, alone) for a_, b_ in zip(x.tokens, y.tokens))
+                acc[f"k={k}{tag}"]["same_tokens"] = same / sum(len(x.tokens) for x in alone)
+        if a.hf:  # on the first route
+            _route(routes[0], model, draft)
+            tpot.setdefault("hf assisted (whole/token)", []).extend(_hf_assisted(model, draft, requests,
+                                                                                spec.answer_len))
         print(f"round {rnd + 1}: " + ", ".join(f"{k} {1e3 * statistics.median(v):.1f}" for k, v in tpot.items()), flush=True)
-    base = statistics.median(tpot["alone"])
-    rows = [{"config": k, "tpot_ms": round(1e3 * statistics.median(v), 2), "x_alone": round(statistics.median(v) / base, 3),
+    base = {k: statistics.median(v) for k, v in tpot.items() if k.startswith("alone")}
+
+    def alone_of(config: str) -> float:  # the verifier alone on the same route
+        tag = config[config.index(" ["):] if " [" in config else ("" if len(routes) == 1 else f" [{routes[0]}]")
+        return base["alone" + tag]
+
+    rows = [{"config": k, "tpot_ms": round(1e3 * statistics.median(v), 2),
+             "x_alone": round(statistics.median(v) / alone_of(k), 3),
              **({kk: vv for kk, vv in acc[k].items()} if k in acc else {})} for k, v in tpot.items()]
     print("| config | TPOT ms (median) | x verifier alone | accepted / proposed | per round | same tokens |")
     print("|---|---|---|---|---|---|")

@@ -30,7 +30,7 @@ def test_the_answer_is_the_models_own_greedy_answer(models, k):
         assert 1 + counts.accepted + counts.rounds == N  # the prefill's token, the accepted, one own a round
 
 
-def test_the_loop_alone_is_generates_greedy_answer(models):
+def test_the_loop_alone_gives_generates_greedy_answer(models):
     model, _, prompt, ref = models
     assert greedy(model, prompt, N) == ref
     assert greedy(model, prompt, 1) == ref[:1]

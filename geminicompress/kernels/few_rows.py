@@ -2,15 +2,16 @@
 verification of k + 1 tokens.
 
 For float32 X with 2 to a few dozen rows, torch's `linear` (X·Wᵀ) on this CPU takes a BLAS path slower than its
-one-row path, although both read each weight once. The same product taken as (W·Xᵀ)ᵀ is 3-4x faster there
-(benchmarks/studies/serving/small_rows_gemm.py, every linear of the demo, quiet, 2 threads: 2-4 rows 50-73 ms
-against 16-18 ms; 8 rows 0.71x, 16 rows 0.84x; one row the same). In bfloat16 it is the other way round (2-16 rows:
-1.4-1.8x slower), so bf16 keeps torch's route. The numbers are the same products summed in another order (float
-rounding: a few ulps).
+one-row path, although both read each weight once. The same product taken as (W·Xᵀ)ᵀ is up to 3.5x faster there
+(benchmarks/studies/serving/small_rows_gemm.py, every linear of the demo, quiet, 2 threads: 2 rows 58.0 against
+17.0 ms, 4 rows 57.7 against 20.6; 8 rows 0.68x, 16 rows 0.77x; one row the same). In bfloat16 it is the other way
+round (2-16 rows: 1.3-1.6x slower), so bf16 keeps torch's route. The numbers are the same products summed in another
+order (float rounding: a few ulps).
 
 `FewRowsLinear` is an `nn.Linear` that takes that route for 2..FEW_ROWS_MAX rows of float32 on a CPU and torch's
 otherwise; it holds no state of its own, so `few_rows(model)` turns a loaded model's dense linears into it in place
-(their weights, tied or not, and hooks untouched).
+(their weights, tied or not, and hooks untouched). It is a route of the dense kernel, not a kernel of its own: it
+has no `kernel` name, so what eval reports for the model ("dense") is the same however often it is asked.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 FEW_ROWS_MAX = 16  # rows up to which (W·Xᵀ)ᵀ is the faster route here (small_rows_gemm.py)
-KERNEL = "dense-few-rows"
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -36,8 +36,6 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 class FewRowsLinear(nn.Linear):
     """nn.Linear whose forward takes few_rows_linear for 2..FEW_ROWS_MAX rows of a float32 CPU tensor."""
-
-    kernel = KERNEL
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(x.shape[-1], 1)

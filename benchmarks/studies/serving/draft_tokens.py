@@ -23,10 +23,10 @@ import torch
 
 from geminicompress.data import read_text, text_prefix, tokenize
 from geminicompress.eval.serving.assisted import serve_assisted
-from geminicompress.kernels.few_rows import FewRowsLinear
 from geminicompress.eval.serving.hf import HFFlags, serve
 from geminicompress.eval.serving.servers import HFServer, Models
 from geminicompress.eval.serving.workload import WorkloadSpec, build_workload
+from geminicompress.kernels.few_rows import FewRowsLinear
 from geminicompress.eval.cost import plan
 
 
@@ -49,7 +49,7 @@ def _route(route: str, *models) -> None:
     """The dense linears of `models` on the few-rows route (as serve-bench loads them) or torch's own."""
     for model in models:
         for m in model.modules():
-            if isinstance(m, torch.nn.Linear) and type(m) in (torch.nn.Linear, FewRowsLinear):
+            if type(m) in (torch.nn.Linear, FewRowsLinear):
                 m.__class__ = FewRowsLinear if route == "few-rows" else torch.nn.Linear
 
 

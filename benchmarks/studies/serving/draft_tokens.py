@@ -7,8 +7,8 @@ request of every round and its ratio to the verifier alone (hf.py's one-request 
 
     python benchmarks/studies/serving/draft_tokens.py --int4 INT4_DIR [--model smollm2-demo] [--rounds 3]
 
-`--routes few-rows,linear`: each round also with the dense linears on torch's own route for every row count (the
-models as loaded before kernels/few_rows.py; "few-rows" is what serve-bench runs), the routes alternating.
+`--routes cpu-dense,linear`: each round also with the dense linears on torch's own route for every row count (the
+models as loaded, before kernels/cpu_dense.py; "cpu-dense" is what serve-bench runs), the routes alternating.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from geminicompress.eval.serving.assisted import serve_assisted
 from geminicompress.eval.serving.hf import HFFlags, serve
 from geminicompress.eval.serving.servers import HFServer, Models
 from geminicompress.eval.serving.workload import WorkloadSpec, build_workload
-from geminicompress.kernels.few_rows import FewRowsLinear
+from geminicompress.kernels.cpu_dense import CpuDenseLinear
 from geminicompress.eval.cost import plan
 
 
@@ -46,11 +46,11 @@ def _hf_assisted(model, draft, requests, n):
 
 
 def _route(route: str, *models) -> None:
-    """The dense linears of `models` on the few-rows route (as serve-bench loads them) or torch's own."""
+    """The dense linears of `models` on cpu_dense.py's routes (as serve-bench loads them) or torch's own."""
     for model in models:
         for m in model.modules():
-            if type(m) in (torch.nn.Linear, FewRowsLinear):
-                m.__class__ = FewRowsLinear if route == "few-rows" else torch.nn.Linear
+            if type(m) in (torch.nn.Linear, CpuDenseLinear):
+                m.__class__ = CpuDenseLinear if route == "cpu-dense" else torch.nn.Linear
 
 
 def main() -> None:
@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ks", default="1,2,3,4,5")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="leave out transformers' assisted generation")
-    ap.add_argument("--routes", default="few-rows", help="few-rows and/or linear, comma separated")
+    ap.add_argument("--routes", default="cpu-dense", help="cpu-dense and/or linear, comma separated")
     ap.add_argument("--out", default="benchmarks/results/draft_tokens.json")
     a = ap.parse_args()
     torch.set_num_threads(2)

@@ -148,6 +148,9 @@ def test_table_marks_rows_and_shows_ttft_alone_beside_load():
     assert "TPOT alone 2.50x the verifier's alone" in spec
     student = next(n for n in notes if n.startswith("distilled student"))
     assert "1.50x the burst req/s of dynamic batching" in student and "TPOT alone 0.67x" in student
+    assert "TTFT alone 0.67x its" in student and "lost" not in student
+    int4 = next(n for n in notes if n.startswith("INT4 (GPTQ)"))  # 0.75x: lost, slower in both phases
+    assert "TTFT alone 1.33x its, TPOT alone 1.33x its" in int4 and int4.endswith("lost on both the prompts and the answers")
     md = serve_table.markdown(report)
     assert "| PagedAttention | x lost * | 2 (0.50x) | 500 |" in md and "timed at 0.7 x the stack's capacity 4 req/s" in md
 
@@ -199,3 +202,14 @@ def test_a_row_timed_on_a_busy_machine_is_marked(monkeypatch):
     assert serve_table.cells(report)[0][1] == "start !"
     assert any(n.startswith("! timed while other processes") and "original configuration capacity 1.0 cores" in n
                for n in serve_table.comparisons(report))
+
+
+def test_a_lost_row_says_which_phase_lost_it():
+    from geminicompress.eval.serving.table import _why_lost
+
+    lost = {"mark": "lost"}
+    # the W8A8 row of the quiet demo table: faster per answer token (0.56x), slower on the prompt (1.50x)
+    assert _why_lost(lost, 1.50, 0.56) == "; lost on the prompts: faster per answer token, slower to read a prompt"
+    assert _why_lost(lost, 0.9, 1.2) == "; lost on the answers: faster to read a prompt, slower per answer token"
+    assert _why_lost(lost, 0.9, 0.9) == "; lost in the burst's batches, though faster alone in both phases"
+    assert _why_lost({"mark": "trade"}, 1.5, 0.5) == "" and _why_lost(lost, None, 0.5) == ""

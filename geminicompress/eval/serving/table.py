@@ -82,9 +82,11 @@ def comparisons(report: dict) -> list[str]:
         below = rows.get(r.get("added_to")) if r["model"] in ("int8", "int4") else teacher
         if r["model"] != "base" and below is not None:
             alone = tpot_ratio(_ms(r.get("alone"), "tpot_ms"), _ms(below.get("alone"), "tpot_ms"))
+            first = tpot_ratio(_ms(r.get("alone"), "ttft_ms"), _ms(below.get("alone"), "ttft_ms"))
             kernel = f", kernel {r['kernel']} ({r.get('activation_dtype')})" if r.get("kernel") else ""
-            out.append(f"{name}: {r.get('speedup') or 0:.2f}x the burst req/s of {below['row']}, TPOT alone "
-                       f"{alone or float('nan'):.2f}x its{kernel}")
+            out.append(f"{name}: {r.get('speedup') or 0:.2f}x the burst req/s of {below['row']}, TTFT alone "
+                       f"{first or float('nan'):.2f}x its, TPOT alone {alone or float('nan'):.2f}x its{kernel}"
+                       f"{_why_lost(r, first, alone)}")
         acc = r.get("acceptance")
         if acc and teacher is not None:
             ratio = tpot_ratio(_ms(r.get("alone"), "tpot_ms"), _ms(teacher.get("alone"), "tpot_ms"))
@@ -95,6 +97,20 @@ def comparisons(report: dict) -> list[str]:
                        f"{_ties(r.get('divergences'))}); "
                        f"TPOT alone {ratio or float('nan'):.2f}x the verifier's alone")
     return out
+
+
+def _why_lost(r: dict, ttft: float | None, tpot: float | None) -> str:
+    """For a model row that lost in the burst: which of its two phases made it lose (a burst serves prompts and
+    answers: a row faster per answer token can lose on reading the prompts)."""
+    if r.get("mark") != "lost" or ttft is None or tpot is None:
+        return ""
+    if tpot < 1 <= ttft:
+        return "; lost on the prompts: faster per answer token, slower to read a prompt"
+    if ttft < 1 <= tpot:
+        return "; lost on the answers: faster to read a prompt, slower per answer token"
+    if min(ttft, tpot) >= 1:
+        return "; lost on both the prompts and the answers"
+    return "; lost in the burst's batches, though faster alone in both phases"
 
 
 def _ties(found: dict | None) -> str:

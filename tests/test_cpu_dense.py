@@ -45,6 +45,7 @@ def _routes(monkeypatch) -> list[str]:
         real = getattr(cd, name)
         monkeypatch.setattr(cd, name, lambda *a, _r=real, _n=name: (seen.append(_n), _r(*a))[1])
     monkeypatch.setattr(cd, "ONEDNN", True)
+    monkeypatch.setattr(cd, "ONEDNN_MIN_WEIGHT", 32 * 48)  # the tests' small weights take the route
     return seen
 
 
@@ -89,7 +90,19 @@ def test_without_onednn_one_row_keeps_torch_route(monkeypatch):
             assert torch.equal(m(x), F.linear(x, m.weight, m.bias))
 
 
-def test_model_in_place_keeps_ties_and_logits():
+def test_a_weight_that_stays_in_cache_keeps_torch_route(monkeypatch):
+    seen = _routes(monkeypatch)
+    monkeypatch.setattr(cd, "ONEDNN_MIN_WEIGHT", 32 * 48 + 1)  # one element more than the weight below
+    m = CpuDenseLinear(32, 48)
+    with torch.no_grad():
+        for rows in (1, FEW_ROWS_MAX + 1):
+            x = torch.randn(rows, 32)
+            assert torch.equal(m(x), F.linear(x, m.weight, m.bias))
+    assert seen == []
+
+
+def test_model_in_place_keeps_ties_and_logits(monkeypatch):
+    monkeypatch.setattr(cd, "ONEDNN_MIN_WEIGHT", 0)  # this tiny model's weights take oneDNN's route too
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)

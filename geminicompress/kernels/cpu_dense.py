@@ -28,6 +28,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 FEW_ROWS_MAX = 4  # rows up to which (W·Xᵀ)ᵀ beats oneDNN here (cpu_dense_decode.py: batch 4 28 ms, 6: 45 against 42)
+# weights (elements) from which oneDNN's route is taken: a smaller one (256 KB in float32) stays in cache, where
+# torch's route is as fast and oneDNN's call costs more (7 µs against 13 for a one-row 192 x 576 product in cache;
+# the whole demo's test suite of tiny models ran 5% slower through it). Every linear of the demo is above it.
+ONEDNN_MIN_WEIGHT = 1 << 16
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -65,7 +69,8 @@ ONEDNN = _has_onednn()
 
 class CpuDenseLinear(nn.Linear):
     """nn.Linear whose forward routes a float32 CPU input without gradient by its rows: 2..FEW_ROWS_MAX as
-    (W·Xᵀ)ᵀ, the rest through oneDNN (where it is there); everything else through torch's `linear`."""
+    (W·Xᵀ)ᵀ, the rest through oneDNN (where it is there, for a weight of ONEDNN_MIN_WEIGHT elements or more);
+    everything else through torch's `linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or not x.dtype == self.weight.dtype == torch.float32 or \
@@ -75,7 +80,7 @@ class CpuDenseLinear(nn.Linear):
         rows = x.numel() // max(x.shape[-1], 1)
         if 1 < rows <= FEW_ROWS_MAX:
             return few_rows_linear(x, self.weight, self.bias)
-        if ONEDNN and rows > 0:
+        if ONEDNN and rows > 0 and self.weight.numel() >= ONEDNN_MIN_WEIGHT:
             return onednn_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/, for common.py
 from common import RESULTS  # noqa: E402

@@ -31,6 +31,7 @@ from torch import nn
 from geminicompress.formats.dequant import DequantLinear
 from geminicompress.kernels.int4 import Int4Linear, int4_layout
 from geminicompress.kernels.cpu_dense import cpu_dense
+from geminicompress.kernels.decode_attention import use_decode_attention
 from geminicompress.kernels.int8 import Int8WeightOnlyLinear
 
 SPARSE_NOTE = "unstructured sparsity runs dense here: no sparse kernel on this device"
@@ -88,12 +89,14 @@ def use_fast_kernels(model: nn.Module, device: torch.device, sparsity: float | N
                      reference: bool = False) -> KernelChoice:
     """Swap every `DequantLinear` for the device's fast kernel when all of them can take it (then the
     whole model computes in the kernel's activation dtype), and on a CPU route the dense float32 linears by their
-    rows (cpu_dense.py); say what runs. The model is changed in place.
+    rows (cpu_dense.py) and a bfloat16 model's one-token attention through decode_attention.py; say what runs. The model is changed in place.
     With `reference` (`eval --kernels reference`) nothing is swapped: what runs is packed formats through our
     dequantizing loader (exact, not timed), the rest as loaded."""
     choice = _swap_packed(model, device, sparsity, reference)
     if device.type == "cpu" and not reference:
         cpu_dense(model)
+        if choice.activation_dtype == "bfloat16":  # one token's attention: decode_attention.py
+            use_decode_attention(model)
     return choice
 
 

@@ -38,6 +38,7 @@ import torch
 from geminicompress.eval.cost.latency import cache_of, forward_args
 from geminicompress.eval.serving.metrics import RequestTiming
 from geminicompress.eval.serving.workload import Request
+from geminicompress.kernels.decode_attention import attention_name
 
 NO_EOS = -1  # a token id no model produces: answers are never cut short
 
@@ -55,7 +56,7 @@ def serve(model, requests: list[Request], flags: HFFlags, truncated_len: int, pr
           warmup: bool = True, concurrency: int | None = None) -> list[RequestTiming]:
     """Serve `requests` with `flags` (as a closed loop of `concurrency` clients when given); one RequestTiming
     per request, in request order."""
-    model.set_attn_implementation(flags.attn)
+    model.set_attn_implementation(attention_name(model, flags.attn))
     max_len = truncated_len if flags.truncate else None
     if flags.paged:
         return _serve_paged(model, requests, flags, max_len, prefix_len, warmup, concurrency)

@@ -26,6 +26,7 @@ from geminicompress.eval.serving.metrics import RequestTiming, from_vllm
 from geminicompress.eval.serving.rows import Row
 from geminicompress.eval.serving.workload import Request, WorkloadSpec
 from geminicompress.eval.specs import stored_dtype
+from geminicompress.kernels.decode_attention import attention_name
 from geminicompress.models.loading import load_model
 
 
@@ -89,7 +90,7 @@ class HFServer:
         model, choice = loaded[0]
         extra = {"kernel": choice.kernel, "activation_dtype": choice.activation_dtype}
         if draft:
-            model.set_attn_implementation(flags.get("attn", "eager"))
+            model.set_attn_implementation(attention_name(model, flags.get("attn", "eager")))
             max_len = self.spec.truncated_len if flags.get("truncate") else None
             timings, counts = serve_assisted(model, loaded[1][0], requests, max_len, warmup, concurrency)
             extra["acceptance"] = counts

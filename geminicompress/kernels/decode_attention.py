@@ -1,0 +1,80 @@
+"""Attention for one query token in bfloat16 on a CPU (a decode step): a plain matmul-softmax in float32 instead
+of torch's flash-attention CPU kernel.
+
+For bfloat16 inputs torch's `scaled_dot_product_attention` takes 125 µs a layer for one token against 300 cached
+positions on this CPU, 448 µs against 1,000, where softmax(q·kᵀ)·v in float32 takes 40 and 82
+(benchmarks/studies/serving/decode_attention.py, the demo's heads). float32 inputs, and 5 query tokens in either
+dtype, are as fast through torch's kernel, so they keep it. In the demo's INT4 copy, which computes in bfloat16
+(kernels/int4.py), that kernel was a third of a decode step: 4.1 of 12 ms.
+
+`decode_attention` is registered with transformers as the attention "sdpa-cpu-decode" (with sdpa's mask builder):
+a bfloat16 CPU call with one query token per sequence and no dropout is computed here, with the mask transformers
+made or none (one token sees the whole cache); every other call goes to transformers' own sdpa function. The
+query heads are grouped on their KV head (no copy of the cache per head); scores and softmax in float32, the
+result rounded once to bfloat16: it agrees with the kernel to bfloat16 rounding (tests/test_decode_attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "sdpa-cpu-decode"
+SHORT_QUERY_MAX = 1  # query tokens it takes (decode_attention.py: 1 token 0.31x the kernel's time, 5 tokens 1.20x)
+
+
+def _short(query: torch.Tensor, mask: torch.Tensor | None, dropout: float, kwargs: dict) -> bool:
+    n = query.shape[2]
+    return (query.device.type == "cpu" and query.dtype == torch.bfloat16 and n <= SHORT_QUERY_MAX and not dropout
+            and all(kwargs.get(k) is None for k in ("softcap", "position_bias", "s_aux", "sinks"))
+            and (mask is None or mask.dim() == 4 and mask.shape[1] == 1))
+
+
+def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: query (B, H, Q, D), key and value (B, KV, L, D); returns (B, Q, H, Dv)."""
+    if not _short(query, attention_mask, dropout, kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    b, h, n, d = query.shape
+    kv, length = key.shape[1], key.shape[2]
+    groups = h // kv
+    scale = scaling if scaling is not None else d ** -0.5
+    q = query.float().reshape(b, kv, groups * n, d)  # query head i reads KV head i // groups
+    scores = torch.matmul(q, key.float().transpose(-1, -2)).mul_(scale)  # (B, KV, groups * Q, L)
+    if attention_mask is not None:
+        mask = attention_mask[..., :length].unsqueeze(1)  # (B, 1, 1, Q, L)
+        scores = scores.view(b, kv, groups, n, length)
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
+        else:
+            scores = scores + mask.float()
+        scores = scores.view(b, kv, groups * n, length)
+    out = torch.matmul(scores.softmax(-1), value.float())  # (B, KV, groups * Q, Dv)
+    return out.view(b, h, n, -1).transpose(1, 2).contiguous().to(query.dtype), None
+
+
+AttentionInterface.register(NAME, decode_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def attention_name(model: nn.Module, wanted: str) -> str:
+    """The attention implementation to set on `model` for `wanted`: "sdpa" becomes NAME on a model that
+    use_decode_attention marked; anything else is itself."""
+    return NAME if wanted == "sdpa" and getattr(model, "_decode_attention", False) else wanted
+
+
+def use_decode_attention(model: nn.Module) -> bool:
+    """Mark `model` (a bfloat16 model on a CPU) and switch its "sdpa" attention to NAME; True if it runs it now."""
+    model._decode_attention = True
+    current = getattr(model.config, "_attn_implementation", None)
+    if attention_name(model, current) != current:
+        try:
+            model.set_attn_implementation(NAME)
+        except (ValueError, ImportError):  # a model class that takes no registered attention: sdpa as it is
+            model._decode_attention = False
+    return getattr(model.config, "_attn_implementation", None) == NAME

@@ -48,7 +48,7 @@ def test_one_token_matches_sdpa_to_bf16_rounding(mask_kind):
 
 def test_other_calls_are_transformers_sdpa(monkeypatch):
     seen = []
-    monkeypatch.setattr(da, "sdpa_attention_forward", lambda *a, **k: seen.append(a[1].shape) or ("sdpa", None))
+    monkeypatch.setattr(da, "_sdpa_forward", lambda: lambda *a, **k: seen.append(a[1].shape) or ("sdpa", None))
     module = _Attn()
     for q, k, v in (_qkv(1, 6, 2, 3, 20),  # three query tokens (a prefill, a verification)
                     _qkv(1, 6, 2, 1, 20, dtype=torch.float32)):  # float32: torch's kernel is as fast
@@ -88,3 +88,19 @@ def test_model_decode_matches_sdpa_and_fast_kernels_switch_bf16_only():
     assert fp32.config._attn_implementation == "sdpa"  # float32: torch's kernel, untouched
     assert da.attention_name(model, "sdpa") == da.NAME and da.attention_name(model, "eager") == "eager"
     assert da.attention_name(fp32, "sdpa") == "sdpa"
+
+
+@torch.no_grad()
+def test_a_bf16_model_on_eager_can_take_it_when_a_row_asks_for_sdpa():
+    from geminicompress.eval.engines.torch_kernels import use_fast_kernels
+
+    model = _tiny(torch.bfloat16)
+    model.set_attn_implementation("eager")
+    use_fast_kernels(model, torch.device("cpu"))
+    assert model.config._attn_implementation == "eager"  # eager stays eager
+    model.set_attn_implementation(da.attention_name(model, "sdpa"))  # what a serving row does
+    assert model.config._attn_implementation == da.NAME
+    ids = torch.randint(0, 300, (1, 5), generator=torch.Generator().manual_seed(2))
+    out = model(ids, use_cache=True)
+    step = model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
+    assert step.logits.shape == (1, 1, 300) and bool(torch.isfinite(step.logits).all())

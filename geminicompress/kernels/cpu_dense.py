@@ -5,10 +5,10 @@ On this machine (an AMD EPYC, 2 threads) MKL runs that product at about 40% of w
 (a decode step's) reads the weights at 17 GB/s where the memory gives 46, and runs on one thread whatever
 torch's thread count; a 320-row prefill gets 98 GFLOP/s of a core's 250. oneDNN's inner product, which torch
 ships (`torch.ops.mkldnn._linear_pointwise`, the op torch.compile's CPU backend calls), takes the plain weight
-as it is stored and runs at the machine's speed: the demo's head (49,152 x 576) for one row 2.8 against 7.0 ms,
-a whole decode step 27 against 39 ms, a 320-token prefill 249 against 476 ms. For 2 to 4 rows, (W·Xᵀ)ᵀ
-through torch's `mm` is faster still (a decode step of batch 4: 28 ms, oneDNN 37, `linear` 62). Measured by
-benchmarks/studies/serving/cpu_dense_decode.py and small_rows_gemm.py, quiet; on Intel CPUs MKL is not held
+as it is stored and runs at the machine's speed: every linear of the demo for one row 18.2 against 33.4 ms
+(small_rows_gemm.py), a whole decode step 26.2 against 39.5 ms, a 320-token prefill 252 against 448 ms
+(cpu_dense_decode.py). For 2 to 4 rows, (W·Xᵀ)ᵀ through torch's `mm` is faster still (a decode step of batch 4:
+29.5 ms, oneDNN 37.9, `linear` 63.5). Measured by benchmarks/studies/serving/, quiet; on Intel CPUs MKL is not held
 back this way and the gain is expected to be smaller: not measured here.
 
 `CpuDenseLinear` is an `nn.Linear` that routes float32 CPU inputs so when no gradient is asked of it, and
@@ -27,10 +27,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-FEW_ROWS_MAX = 4  # rows up to which (W·Xᵀ)ᵀ beats oneDNN here (cpu_dense_decode.py: batch 4 28 ms, 6: 45 against 42)
+FEW_ROWS_MAX = 4  # rows up to which (W·Xᵀ)ᵀ beats oneDNN here (cpu_dense_decode.py: batch 4 29.5 ms against 37.9,
+#                   batch 6 45.1 against 39.0)
 # weights (elements) from which oneDNN's route is taken: a smaller one (256 KB in float32) stays in cache, where
-# torch's route is as fast and oneDNN's call costs more (7 µs against 13 for a one-row 192 x 576 product in cache;
-# the whole demo's test suite of tiny models ran 5% slower through it). Every linear of the demo is above it.
+# torch's route is as fast and oneDNN's call costs more (one quick measurement: 6 µs against 13 for a one-row
+# 192 x 576 product in cache; the eval tests' tiny models ran 5% slower through it). Every linear of the demo is
+# above it.
 ONEDNN_MIN_WEIGHT = 1 << 16
 
 

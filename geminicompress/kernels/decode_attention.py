@@ -10,21 +10,20 @@ dtype, are as fast through torch's kernel, so they keep it. In the demo's INT4 c
 
 `decode_attention` is registered with transformers as the attention "sdpa-cpu-decode" (with sdpa's mask builder):
 a bfloat16 CPU call with one query token per sequence and no dropout is computed here, with the mask transformers
-made or none (one token sees the whole cache); every other call goes to transformers' own sdpa function. The
-query heads are grouped on their KV head (no copy of the cache per head); scores and softmax in float32, the
-result rounded once to bfloat16: it agrees with the kernel to bfloat16 rounding (tests/test_decode_attention.py).
+made or none (one token sees the whole cache); every other call goes to transformers' own sdpa function.
+`grouped_attention` is the math: the query heads grouped on their KV head (no copy of the cache per head), scores
+and softmax in float32, the result rounded once to bfloat16: it agrees with the kernel to bfloat16 rounding (tests/test_decode_attention.py).
 """
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 from torch import nn
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "sdpa-cpu-decode"
-SHORT_QUERY_MAX = 1  # query tokens it takes (decode_attention.py: 1 token 0.31x the kernel's time, 5 tokens 1.20x)
+SHORT_QUERY_MAX = 1  # query tokens it takes (decode_attention.py: 1 token 0.32x the kernel's time, 5 tokens 1.15x)
 
 
 def _short(query: torch.Tensor, mask: torch.Tensor | None, dropout: float, kwargs: dict) -> bool:
@@ -34,21 +33,18 @@ def _short(query: torch.Tensor, mask: torch.Tensor | None, dropout: float, kwarg
             and (mask is None or mask.dim() == 4 and mask.shape[1] == 1))
 
 
-def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention signature: query (B, H, Q, D), key and value (B, KV, L, D); returns (B, Q, H, Dv)."""
-    if not _short(query, attention_mask, dropout, kwargs):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float) -> torch.Tensor:
+    """softmax(q·kᵀ·scale + mask)·v in float32, the query heads grouped on their KV head (no copy of the cache per
+    head): query (B, H, Q, D), key and value (B, KV, L, D), mask None or (B, 1, Q, L) (bool: True attends; float:
+    added); returns (B, Q, H, Dv) in the query's dtype."""
     b, h, n, d = query.shape
     kv, length = key.shape[1], key.shape[2]
     groups = h // kv
-    scale = scaling if scaling is not None else d ** -0.5
     q = query.float().reshape(b, kv, groups * n, d)  # query head i reads KV head i // groups
     scores = torch.matmul(q, key.float().transpose(-1, -2)).mul_(scale)  # (B, KV, groups * Q, L)
-    if attention_mask is not None:
-        mask = attention_mask[..., :length].unsqueeze(1)  # (B, 1, 1, Q, L)
+    if mask is not None:
+        mask = mask[..., :length].unsqueeze(1)  # (B, 1, 1, Q, L)
         scores = scores.view(b, kv, groups, n, length)
         if mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
@@ -56,11 +52,35 @@ def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
             scores = scores + mask.float()
         scores = scores.view(b, kv, groups * n, length)
     out = torch.matmul(scores.softmax(-1), value.float())  # (B, KV, groups * Q, Dv)
-    return out.view(b, h, n, -1).transpose(1, 2).contiguous().to(query.dtype), None
+    return out.view(b, h, n, -1).transpose(1, 2).contiguous().to(query.dtype)
 
 
-AttentionInterface.register(NAME, decode_attention)
-AttentionMaskInterface.register(NAME, sdpa_mask)
+def _sdpa_forward():
+    """transformers' own sdpa attention function (imported on first use: transformers is slow to import)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: query (B, H, Q, D), key and value (B, KV, L, D); returns (B, Q, H, Dv)."""
+    if not _short(query, attention_mask, dropout, kwargs):
+        return _sdpa_forward()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return grouped_attention(query, key, value, attention_mask, scale), None
+
+
+@cache
+def _register() -> None:
+    """NAME in transformers' attention and mask registries (once, on first use, not when this module is imported:
+    importing them costs a command's start-up 2 s)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, decode_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
 def attention_name(model: nn.Module, wanted: str) -> str:
@@ -71,9 +91,9 @@ def attention_name(model: nn.Module, wanted: str) -> str:
 
 def use_decode_attention(model: nn.Module) -> bool:
     """Mark `model` (a bfloat16 model on a CPU) and switch its "sdpa" attention to NAME; True if it runs it now."""
+    _register()  # also for a model on eager now: a serving row may ask it for sdpa later (attention_name)
     model._decode_attention = True
-    current = getattr(model.config, "_attn_implementation", None)
-    if attention_name(model, current) != current:
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":
         try:
             model.set_attn_implementation(NAME)
         except (ValueError, ImportError):  # a model class that takes no registered attention: sdpa as it is

@@ -29,28 +29,24 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/, for common.py
 from common import RESULTS, time_us  # noqa: E402
 
+from geminicompress.kernels.decode_attention import grouped_attention  # noqa: E402
+
 HEADS, KV_HEADS, DIM = 9, 3, 64  # the demo's attention (SmolLM2-135M)
 
 
+def _causal(n: int, length: int) -> torch.Tensor | None:
+    """For n > 1 query tokens, the last n of `length`: query i sees the cache and the queries up to i."""
+    return None if n == 1 else torch.arange(length) <= torch.arange(length - n, length).unsqueeze(1)
+
+
 def matmul_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q kᵀ / √d) v in float32 for q (1, H, Q, D) against k, v (1, KV, L, D), the query heads grouped on
-    their KV head (no copy of the cache per head); causal for the last Q positions; returned in q's dtype."""
-    b, h, n, d = q.shape
-    kv, length = k.shape[1], k.shape[2]
-    qg = q.float().reshape(b, kv, (h // kv) * n, d)
-    s = torch.matmul(qg, k.float().transpose(-1, -2)) * d ** -0.5  # (b, kv, g*n, L)
-    if n > 1:  # query i sees the cache and queries up to i
-        seen = torch.arange(length) <= torch.arange(length - n, length).unsqueeze(1)  # (n, L)
-        s = s.view(b, kv, h // kv, n, length).masked_fill(~seen, float("-inf")).view(b, kv, -1, length)
-    return torch.matmul(s.softmax(-1), v.float()).view(b, h, n, d).to(q.dtype)
+    """The package's float32 math (decode_attention.grouped_attention), as (1, H, Q, D) like sdpa's."""
+    mask = _causal(q.shape[2], k.shape[2])
+    return grouped_attention(q, k, v, None if mask is None else mask[None, None], q.shape[-1] ** -0.5).transpose(1, 2)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    n, length = q.shape[2], k.shape[2]
-    mask = None
-    if n > 1:
-        mask = torch.arange(length) <= torch.arange(length - n, length).unsqueeze(1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_causal(q.shape[2], k.shape[2]), enable_gqa=True)
 
 
 @torch.no_grad()

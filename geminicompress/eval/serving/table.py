@@ -82,11 +82,11 @@ def comparisons(report: dict) -> list[str]:
         below = rows.get(r.get("added_to")) if r["model"] in ("int8", "int4") else teacher
         if r["model"] != "base" and below is not None:
             alone = tpot_ratio(_ms(r.get("alone"), "tpot_ms"), _ms(below.get("alone"), "tpot_ms"))
-            first = tpot_ratio(_ms(r.get("alone"), "ttft_ms"), _ms(below.get("alone"), "ttft_ms"))
+            ttft = tpot_ratio(_ms(r.get("alone"), "ttft_ms"), _ms(below.get("alone"), "ttft_ms"))
             kernel = f", kernel {r['kernel']} ({r.get('activation_dtype')})" if r.get("kernel") else ""
             out.append(f"{name}: {r.get('speedup') or 0:.2f}x the burst req/s of {below['row']}, TTFT alone "
-                       f"{first or float('nan'):.2f}x its, TPOT alone {alone or float('nan'):.2f}x its{kernel}"
-                       f"{_why_lost(r, first, alone)}")
+                       f"{ttft or float('nan'):.2f}x its, TPOT alone {alone or float('nan'):.2f}x its{kernel}"
+                       f"{_why_lost(r, ttft, alone)}")
         acc = r.get("acceptance")
         if acc and teacher is not None:
             ratio = tpot_ratio(_ms(r.get("alone"), "tpot_ms"), _ms(teacher.get("alone"), "tpot_ms"))

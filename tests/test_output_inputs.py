@@ -161,7 +161,6 @@ def test_other_commands_refuse_too(models, cmd, args):
 def test_library_api_is_protected(models, tmp_path):
     """run_recipe and OutputDir refuse too, with no command in between."""
     from geminicompress.runtime.pipeline import run_recipe
-    from geminicompress.runtime.whole_model import run_whole_model
 
     model = models / "m"
     before = digest(models)
@@ -169,8 +168,6 @@ def test_library_api_is_protected(models, tmp_path):
     for out in (model, models):
         with pytest.raises(InputError, match="which this run reads"):
             run_recipe(recipe, out, RunOptions(force=True))
-        with pytest.raises(InputError, match="which this run reads"):
-            run_whole_model(recipe, out, force=True)
         with pytest.raises(InputError, match="which this run reads"):
             with OutputDir(out, True, inputs=recipe_inputs(recipe)):
                 pass

@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from geminicompress.runtime import pipeline
-from geminicompress.runtime import preflight as preflight_mod
+from geminicompress.runtime import plan as preflight_mod
 from geminicompress.cli import app
 from geminicompress.core.errors import InputError
 from geminicompress.host.output import partial_dir

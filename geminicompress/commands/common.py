@@ -21,7 +21,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from geminicompress.host.diskerrors import disk_errno, disk_error
 from geminicompress.core.errors import GeminiError, InputError
 from geminicompress.host.output import check_output_path, resume_threads
-from geminicompress.runtime.pipeline import default_device, fingerprint, run_recipe, RunOptions
+from geminicompress.runtime.pipeline import default_device, run_recipe, RunOptions
+from geminicompress.runtime.plan import fingerprint
 from geminicompress.runtime.recipes.inputs import recipe_inputs
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 from geminicompress.host.threads import apply_threads, choose_threads
@@ -159,8 +160,8 @@ class PanelCommand(TyperCommand):
             record = param.get_help_record(ctx)
             if record is None:
                 continue
-            title = "Arguments" if param.param_type_name == "argument" else \
-                getattr(param, "rich_help_panel", None) or "Options"
+            title = ("Arguments" if param.param_type_name == "argument" else
+                getattr(param, "rich_help_panel", None) or "Options")
             sections.setdefault(title, []).append(record)
         for title, records in sections.items():
             with formatter.section(title):

@@ -33,7 +33,7 @@ def _check_before_load(teacher: str, layers: int | float | list[int] | None, cut
     from geminicompress.models.lazy import skeleton
     from geminicompress.models.loading import resolve_model
     from geminicompress.distill.student import check_student_layers
-    from geminicompress.runtime.preflight import read_config
+    from geminicompress.runtime.plan import read_config
 
     source = resolve_model(teacher)
     path = source.path if source.kind == "dir" else demo_cache_dir() if source.kind == "demo" else None

@@ -89,7 +89,7 @@ def weight_quant_targets(model: nn.Module, cfg: WeightQuantStage, progress: Any,
     give them; with `fmt`, every shape must fit that format under the spec (None: the caller checks per
     module, as mixed precision does). Bad input is an InputError before any work.
 
-    `planned`: what this made of the same stage on the model's skeleton before loading (runtime/preflight.py,
+    `planned`: what this made of the same stage on the model's skeleton before loading (runtime/plan.py,
     the run's plan). When the model has the same targets, its spec is taken as it is: group size "auto" is
     resolved and the shapes checked once, there (here it is only said)."""
     arch = arch_for(model)

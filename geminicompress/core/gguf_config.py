@@ -45,8 +45,8 @@ class GGUFFields(Strict):
         """format gguf: the default group size is 32; a --gguf-type in any case."""
         if isinstance(data, dict) and isinstance(data.get("gguf_type"), str):
             data = {**data, "gguf_type": data["gguf_type"].upper()}
-        if isinstance(data, dict) and data.get("format") == "gguf" and "group_size" in cls.model_fields \
-                and data.get("group_size") in (None, "auto"):
+        if (isinstance(data, dict) and data.get("format") == "gguf" and "group_size" in cls.model_fields
+                and data.get("group_size") in (None, "auto")):
             data = {**data, "group_size": 32}
         return data
 

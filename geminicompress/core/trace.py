@@ -225,8 +225,8 @@ def _homogeneous(before: torch.Tensor, after: torch.Tensor) -> bool:
     ratio = torch.where(big, y / torch.where(big, x, torch.ones_like(x)), torch.nan)
     hi, lo = ratio.nan_to_num(-torch.inf).amax(0), ratio.nan_to_num(torch.inf).amin(0)
     unseen_changed = bool((y[~big] - x[~big]).abs().max() > 1e-4 * x.abs().max()) if bool((~big).any()) else False
-    return bool((lo > 0).all() and ((hi - lo) <= 1e-3 * hi).all() and ((hi - 1).abs() > 1e-2).any()) \
-        and not unseen_changed
+    return (bool((lo > 0).all() and ((hi - lo) <= 1e-3 * hi).all() and ((hi - 1).abs() > 1e-2).any())
+        and not unseen_changed)
 
 
 def _norm_offset(norm: nn.Module, width: int) -> float:

@@ -27,7 +27,7 @@ from geminicompress.host.progress import Progress
 
 @dataclass
 class Plan:
-    """What the run resolved for its stages before any weight was read (runtime/preflight.py): for each stage
+    """What the run resolved for its stages before any weight was read (runtime/plan.py): for each stage
     config (the recipe's own object), what its method's `preflight` found on the model's skeleton, e.g. a b-bit
     stage's targets with group size "auto" made a number and the format's shapes checked. A stage opens with
     its entry instead of resolving again; one with none (no local config.json, a model handed in) resolves

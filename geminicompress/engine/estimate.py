@@ -102,8 +102,8 @@ def _check(ckpt: LazyCheckpoint, changed: frozenset[str]) -> int:
     if head is None:
         return layer
     name = _name(ckpt, head)
-    packed = sum(ckpt.nbytes(name, t) for t in (torch.int8, torch.float16)) + \
-        min(ckpt.nbytes(name, torch.float32), PACK_BYTES) if name in changed else 0
+    packed = (sum(ckpt.nbytes(name, t) for t in (torch.int8, torch.float16)) +
+        min(ckpt.nbytes(name, torch.float32), PACK_BYTES) if name in changed else 0)
     logits = 3 * PROBE_WINDOWS * PROBE_TOKENS * head.weight.shape[0] * 4
     return max(layer, ckpt.nbytes(name) + max(packed, BLOCK_BYTES) + logits)
 

@@ -25,7 +25,6 @@ from geminicompress.engine.sinks import InputsKeeper, Resume, ShardSink
 from geminicompress.engine.verify import Probe
 from geminicompress.formats.shards import ShardWriter
 from geminicompress.formats.writer import LayerWriter
-from geminicompress.models.loading import resolve_model
 from geminicompress.host.output import final_name
 
 
@@ -55,9 +54,9 @@ def open_export(ctx: StageContext, stages: list[LayerStage], verify: bool, max_s
     writer = stages[owner].writer() if owner is not None else LayerWriter(ctx.model, ctx.out_dtype)
     probe = None
     if verify:
-        probe = Probe(ctx.layers, ctx.tokenizer, ctx.out_dtype, ctx.device) if ctx.streamed else \
-            Probe(ctx.layers, ctx.tokenizer, ctx.out_dtype, ctx.device, unrounded=True,
-                  made=lambda i: writer.exact_weights(i, layer_kept(kept or {}, i)))
+        probe = (Probe(ctx.layers, ctx.tokenizer, ctx.out_dtype, ctx.device) if ctx.streamed else
+                 Probe(ctx.layers, ctx.tokenizer, ctx.out_dtype, ctx.device, unrounded=True,
+                       made=lambda i: writer.exact_weights(i, layer_kept(kept or {}, i))))
     shards = ShardWriter(ctx.state_dir / "shards", max_shard)
     if not ctx.streamed:
         kept = kept if kept is not None else {}
@@ -150,13 +149,14 @@ def check_gguf(ctx: StageContext) -> None:
         from geminicompress.formats.gguf_vocab import tokenizer_pre
 
         gguf_arch(ctx.model.config.to_dict())
-        if _source_gguf(ctx.recipe.model) is None:
+        if _source_gguf(ctx.source) is None:
             tokenizer_pre(ctx.tokenizer)
 
 
-def _source_gguf(model: str) -> Path | None:
-    """The GGUF file MODEL was read from (the demo's included), else None."""
-    source = resolve_model(model)
+def _source_gguf(source: Any) -> Path | None:
+    """The GGUF file the run's input was read from (`models.loading.ModelSource`; the demo's included), else None."""
+    if source is None:
+        return None
     if source.kind == "demo":
         return source.path
     if source.kind == "gguf" and source.path is not None and source.gguf_file:
@@ -170,7 +170,7 @@ def _export_gguf(ctx: StageContext, tmp: Path) -> dict:
 
     ctx.progress.info(f"writing {final_name(tmp)}/model.gguf")
     options = GGUFOptions(**_gguf_stage(ctx.recipe).gguf_options())
-    written = export(tmp, options, source_gguf=_source_gguf(ctx.recipe.model))
+    written = export(tmp, options, source_gguf=_source_gguf(ctx.source))
     if written.get("tokenizer_warning"):
         ctx.progress.warn(written["tokenizer_warning"])
     return written

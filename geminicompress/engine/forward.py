@@ -137,8 +137,8 @@ def _head_only(source: LayerSource, dtype: torch.dtype, device: torch.device,
     for n in head:
         if ckpt is not None:  # read in dtype; a quantized head keeps the dtypes its reader gave it (as loaded)
             # a plain float32 head is read as stored and computed in float32 by blocks of rows (outside_float32.py)
-            rows = n == output and dtype == torch.float32 and type(get_module(model, n)) is nn.Linear \
-                and n not in ckpt.quantized
+            rows = (n == output and dtype == torch.float32 and type(get_module(model, n)) is nn.Linear
+                and n not in ckpt.quantized)
             read[n] = ckpt.materialise(n, None if rows else dtype)
             used = transform(n, read[n]) if transform is not None else read[n]
             if rows and type(used) is nn.Linear and used.weight.dtype != torch.float32:

@@ -106,8 +106,8 @@ class ShardSink:
 
     def __init__(self, writer: ShardWriter, layer_writer: Any, kept_of: KeptOf, probe: Any = None,
                  computed: bool = False, resume: Resume = Resume()) -> None:
-        self.writer, self.layer_writer, self.kept_of, self.probe, self.computed = \
-            writer, layer_writer, kept_of, probe, computed
+        self.writer, self.layer_writer, self.kept_of, self.probe, self.computed = (
+            writer, layer_writer, kept_of, probe, computed)
         self.load_back, self.retain, self.kept_writer = resume.load_back, resume.retain, resume.kept_writer
         self.inputs, self.rebuild = resume.inputs, resume.rebuild
 

@@ -242,8 +242,8 @@ def _first_inputs(source: LayerSource, windows: torch.Tensor | None, device: tor
     """Layer 0's inputs on the windows (None without windows), in the walk's stores when it has them."""
     if windows is None:
         return None
-    inputs = _capture(source, windows, device, calib_dtype) if stores is None else \
-        capture_into(source, windows, stores[0], device, calib_dtype or torch.float32)
+    inputs = (_capture(source, windows, device, calib_dtype) if stores is None else
+        capture_into(source, windows, stores[0], device, calib_dtype or torch.float32))
     if check:
         check_activations_of(inputs, "the embeddings")
     return inputs

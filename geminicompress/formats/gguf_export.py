@@ -237,8 +237,8 @@ def llama3_rope_factors(config: dict[str, Any]) -> torch.Tensor:
     base = float(rope.get("rope_theta", 10000.0))
     dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    factor, low, high = float(rope.get("factor", 8.0)), float(rope.get("low_freq_factor", 1.0)), \
-        float(rope.get("high_freq_factor", 4.0))
+    factor, low, high = (float(rope.get("factor", 8.0)), float(rope.get("low_freq_factor", 1.0)),
+        float(rope.get("high_freq_factor", 4.0)))
     old = float(rope.get("original_max_position_embeddings", 8192))
     factors = []
     for freq in freqs.tolist():

@@ -131,8 +131,8 @@ def _pre_by_structure(pre: dict[str, Any]) -> str | None:
     if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
         return "gpt-2"
     parts = pre.get("pretokenizers") or []
-    if pre.get("type") == "Sequence" and len(parts) == 2 and parts[0].get("type") == "Split" \
-            and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True):
+    if (pre.get("type") == "Sequence" and len(parts) == 2 and parts[0].get("type") == "Split"
+            and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True)):
         return REGEX_PRE.get((parts[0].get("pattern") or {}).get("Regex"))
     return None
 

@@ -118,8 +118,8 @@ class ShardWriter:
                 f.seek(self._reserve() + start)
                 raw = bytearray(f.read(stop - start))
             dtype = CODE_DTYPES[meta["dtype"]]
-            out[name] = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(meta["shape"]).clone() \
-                if raw else torch.empty(meta["shape"], dtype=dtype)
+            out[name] = (torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(meta["shape"]).clone()
+                if raw else torch.empty(meta["shape"], dtype=dtype))
         return out
 
     def finish(self, out: Path) -> dict[str, Any]:

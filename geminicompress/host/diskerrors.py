@@ -94,8 +94,8 @@ def disk_error(exc: BaseException, what: str, *, before: bool = False, partial: 
     where = _what_of(exc, what)
     free = free_bytes(partial if partial is not None else Path(where))
     full = code in (errno.ENOSPC, errno.EDQUOT)
-    fix = "free some space or choose another output folder" if full else \
-        "choose an output folder you can write to, or fix its permissions"
+    fix = ("free some space or choose another output folder" if full else
+        "choose an output folder you can write to, or fix its permissions")
     if before:
         return InputError(f"cannot write {where}: {reason} ({size_text(free)} free there); {fix}; nothing was written")
     fate = ""

@@ -197,8 +197,8 @@ def file_region(tensor) -> tuple[str, int] | None:
                 if found is not None:
                     break
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                if lo <= start and start + nbytes <= hi and len(parts) >= 6 and parts[5].startswith("/") \
-                        and parts[1].endswith("p"):
+                if (lo <= start and start + nbytes <= hi and len(parts) >= 6 and parts[5].startswith("/")
+                        and parts[1].endswith("p")):
                     found = (parts[5], int(parts[2], 16) + start - lo, None)
             elif found is not None and parts[0] == "Anonymous:":
                 found = (found[0], found[1], int(parts[1]))

@@ -75,9 +75,9 @@ class CpuDenseLinear(nn.Linear):
     everything else through torch's `linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or not x.dtype == self.weight.dtype == torch.float32 or \
-                not self.weight.is_contiguous() or (
-                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+        if (x.device.type != "cpu" or not x.dtype == self.weight.dtype == torch.float32
+                or not self.weight.is_contiguous()
+                or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // max(x.shape[-1], 1)
         if 1 < rows <= FEW_ROWS_MAX:

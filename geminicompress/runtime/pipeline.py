@@ -16,7 +16,6 @@ report.json; rename onto OUT.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -31,8 +30,7 @@ import torch
 from geminicompress import __version__
 from geminicompress.data.windows import prefix_note, text_prefix, vocab_of
 from geminicompress.host.diskerrors import disk_errno, disk_error
-from geminicompress.distill.streamed_teacher import streamable_dir
-from geminicompress.engine.contract import Plan, StageContext
+from geminicompress.engine.contract import StageContext
 from geminicompress.engine.estimate import announce, check_disk_in_memory
 from geminicompress.engine.export import check_gguf, finish_export, open_export, outside_head, writing_stage
 from geminicompress.engine.walk import ModelLayers
@@ -46,28 +44,16 @@ from geminicompress.models.loading import (
     LoadedModel,
     load_model,
     load_tokenizer,
-    local_dir,
     resolve_model,
     unused_warning,
 )
 from geminicompress.host.output import STATE_DIR, THREADS_FILE, OutputDir, final_name, partial_dir, write_json
-from geminicompress.runtime.preflight import preflight
 from geminicompress.host.progress import NullProgress, Progress
-from geminicompress.runtime.recipes.inputs import recipe_inputs
 from geminicompress.runtime.recipes.loader import recipe_yaml
 from geminicompress.runtime.recipes.schema import Recipe, stage_tag
-from geminicompress.runtime.stages import make_stage, run_stage, should_stream, walk
-from geminicompress.runtime.whole_model import run_whole_model, without_layers
-
-
-def fingerprint(recipe: Recipe) -> str:
-    """Identifies a run for resuming: the resolved recipe, minus the `resume` switch itself and the thread
-    count (neither changes what is computed)."""
-    data = recipe.model_dump(mode="json")
-    data.pop("threads", None)
-    for stage in data["stages"]:
-        stage.pop("resume", None)
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+from geminicompress.runtime.plan import plan_run
+from geminicompress.runtime.stages import make_stage, run_stage, walk
+from geminicompress.runtime.whole_model import run_whole_model
 
 
 def default_device() -> torch.device:
@@ -109,36 +95,25 @@ def _run_recipe(recipe: Recipe, out: Path, opts: RunOptions, loaded: LoadedModel
     progress = opts.progress or NullProgress()
     device = opts.device or default_device()
     force = opts.force
-    if without_layers(recipe, loaded):  # no decoder layers to walk: what needs none runs on the whole model
-        return run_whole_model(recipe, out, force=force, progress=progress, command=opts.command, loaded=loaded,
-                               stream=opts.stream, verify=opts.verify)
-    # what config.json alone refuses, before any weight is read; what it resolved, the stages open with
-    plan = preflight(recipe, local_dir(recipe.model)) if loaded is None else Plan()
     helper = _helper_rank()
-    source_dir = streamable_dir(recipe.model) if loaded is None and not helper else None
-    streamed = source_dir is not None and should_stream(recipe, opts.stream, source_dir)
+    plan = plan_run(recipe, loaded, opts.stream, may_stream=not helper)  # before any weight is read (plan.py)
     started = time.perf_counter()
     if helper:  # another process of `accelerate launch`/torchrun: it trains along, rank 0 writes OUT
         out, force = out.with_name(f".{out.name}.rank{helper}"), True
-    with OutputDir(out, force, fingerprint(recipe), recipe_inputs(recipe)) as tmp:
+    with OutputDir(out, force, plan.fingerprint, plan.inputs) as tmp:
         threads = _record_threads(tmp, progress)
         t0 = time.perf_counter()
-        ctx = _open_streamed(recipe, source_dir, tmp, progress, device) if streamed else \
-            _open_in_memory(recipe, loaded, tmp, progress, device)
-        ctx.plan = plan
+        ctx = (_open_streamed(recipe, plan.stream_from, tmp, progress, device) if plan.stream_from else
+               _open_in_memory(recipe, loaded, tmp, progress, device, layers=plan.whole_model is None))
+        ctx.plan = plan.stages
         load_s = time.perf_counter() - t0
-        check_gguf(ctx)
-        layers = [s for s in recipe.stages if method_of(s).kind != "eval"]
-        if streamed:
-            results, export = _streamed(ctx, layers, tmp, opts.verify, opts.max_shard_bytes)
+        if plan.whole_model is not None:  # no decoder layers to walk: its one stage on the whole model
+            seconds, summary, export = run_whole_model(ctx, plan.whole_model, tmp, opts.verify)
+            results = [_result(0, plan.whole_model, seconds, summary)]
         else:
-            results, export = _in_memory(ctx, layers, tmp, opts, owned=loaded is None)
-        for i, stage in enumerate(recipe.stages):
-            if method_of(stage).kind == "eval":  # after OUT is written: it loads OUT back from disk
-                t0 = _start(ctx, tmp, i, stage)
-                summary = method_of(stage).run(stage, ctx)
-                results.append(_result(i, stage, time.perf_counter() - t0, summary))
-        found = ctx.layers.ckpt.nonfinite if streamed else (ctx.input_nonfinite or [])
+            results, export = _run_stages(ctx, tmp, opts, streamed=plan.stream_from is not None,
+                                          owned=loaded is None)
+        found = ctx.layers.ckpt.nonfinite if plan.stream_from else (ctx.input_nonfinite or [])
         report = {"geminicompress": __version__, "command": opts.command or sys.argv, "model": recipe.model,
                   "output": str(out), "load_seconds": round(load_s, 3), "threads": threads,
                   "frame": recipe.frame, "window_prefix": _window_prefix(ctx.tokenizer, recipe.frame, vocab_of(ctx.model)),
@@ -150,6 +125,23 @@ def _run_recipe(recipe: Recipe, out: Path, opts: RunOptions, loaded: LoadedModel
     if helper:
         shutil.rmtree(out, ignore_errors=True)
     return report
+
+
+def _run_stages(ctx: StageContext, tmp: Path, opts: RunOptions, streamed: bool, owned: bool) -> tuple[list, dict]:
+    """The layer and model stages (in memory or streamed), OUT written, then the eval stages on OUT."""
+    check_gguf(ctx)
+    stages = ctx.recipe.stages
+    layers = [s for s in stages if method_of(s).kind != "eval"]
+    if streamed:
+        results, export = _streamed(ctx, layers, tmp, opts.verify, opts.max_shard_bytes)
+    else:
+        results, export = _in_memory(ctx, layers, tmp, opts, owned=owned)
+    for i, stage in enumerate(stages):
+        if method_of(stage).kind == "eval":  # after OUT is written: it loads OUT back from disk
+            t0 = _start(ctx, tmp, i, stage)
+            summary = method_of(stage).run(stage, ctx)
+            results.append(_result(i, stage, time.perf_counter() - t0, summary))
+    return results, export
 
 
 def _window_prefix(tokenizer, frame: str, vocab: int | None) -> dict | str:
@@ -180,10 +172,8 @@ def _helper_rank() -> int:
 
 
 def _open_in_memory(recipe: Recipe, loaded: LoadedModel | None, tmp: Path, progress: Progress,
-                    device: torch.device) -> StageContext:
+                    device: torch.device, layers: bool = True) -> StageContext:
     if loaded is None:  # a first distill stage may read its teacher, the recipe's model, layer by layer
-        for stage in recipe.stages:
-            method_of(stage).before_load(stage, recipe.model)
         first = recipe.stages[0]  # a recipe has at least one stage
         loaded = method_of(first).streamed_input(first, recipe, progress)
     if loaded is None:
@@ -195,7 +185,7 @@ def _open_in_memory(recipe: Recipe, loaded: LoadedModel | None, tmp: Path, progr
     torch.manual_seed(recipe.seed)
     return StageContext(loaded.model, loaded.tokenizer, loaded.source, recipe, progress, device, tmp, tmp,
                         out_dtype=getattr(torch, recipe.output.dtype), input_nonfinite=loaded.nonfinite,
-                        layers=ModelLayers(loaded.model) if loaded.model is not None else None)
+                        layers=ModelLayers(loaded.model) if layers and loaded.model is not None else None)
 
 
 def _open_streamed(recipe: Recipe, path: Path, tmp: Path, progress: Progress, device: torch.device) -> StageContext:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +23,6 @@ from geminicompress.engine.compose import compose
 from geminicompress.engine.contract import Done, LayerStage, StageContext, stage_kept, walk_dtypes
 from geminicompress.engine.sinks import ResidentSink
 from geminicompress.engine.walk import ModelLayers, nothing, run_layerwise, walk_outside, WalkOptions
-from geminicompress.core.errors import InputError
 from geminicompress.formats.shards import ShardWriter
 from geminicompress.host.memory import release_weights
 from geminicompress.runtime.methods import method_of
@@ -112,35 +110,3 @@ def _stage_kept_all(kept: dict[str, torch.Tensor], k: int, n: int) -> dict[str, 
         return kept
     parts = ((key.split(".", 2), value) for key, value in kept.items())
     return {f"{layer}.{name}": value for (layer, stage, name), value in parts if stage == str(k)}
-
-
-def not_streamable(recipe: Any, source_dir: Path | None) -> str | None:
-    """Why the recipe cannot run one decoder layer at a time from disk, or None when it can."""
-    if source_dir is None:
-        return f"MODEL {recipe.model} is not a local dense safetensors directory"
-    layers = [s for s in recipe.stages if method_of(s).kind != "eval"]
-    for k, stage in enumerate(layers):
-        why = method_of(stage).cannot_stream(stage, k == 0)
-        if why:
-            return f"stage {k}: {why}"
-    if sum(method_of(s).quantizes for s in layers) > 1:
-        return "more than one quantize stage"
-    if len({s.data or recipe.calibration.data for s in layers if method_of(s).calibrates(s)}) > 1:
-        return "the calibrated stages name different DATA; a streamed run calibrates them all in one pass per layer"
-    return None
-
-
-def should_stream(recipe: Any, stream: bool | None, source_dir: Path | None) -> bool:
-    """--stream: yes (or a one-line error saying why it cannot); --no-stream: no; neither: when the recipe
-    can stream and the model's float32 weights do not fit (memory.too_big: the one rule)."""
-    from geminicompress.host.memory import too_big
-    from geminicompress.models.headers import weights_bytes
-
-    if stream is False:
-        return False
-    reason = not_streamable(recipe, source_dir)
-    if stream and reason:
-        raise InputError(f"--stream: {reason}")
-    if reason:
-        return False
-    return bool(stream) or too_big(weights_bytes(source_dir))

@@ -43,7 +43,7 @@ def run_one(name: str, dtype: str, stream: bool, work: Path, samples: int) -> di
     from geminicompress.models.loading import local_dir
     from geminicompress.runtime.pipeline import run_recipe
     from geminicompress.runtime.recipes.loader import recipe_from_stage
-    from geminicompress.runtime.stages import not_streamable
+    from geminicompress.runtime.plan import not_streamable
 
     recipe = recipe_from_stage("smollm2-demo", RUNS[name], {"data": str(DATA / "enwiki-sample.txt"), "samples": samples,
                                                             "seq_len": 512}, "bench", output={"dtype": dtype})

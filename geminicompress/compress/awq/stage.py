@@ -76,8 +76,8 @@ class AWQ(LayerStage):
         self.cfg, self.ctx, self.spec, self.targets = cfg, ctx, found.spec, found.names
         self.num_layers = len(get_module(ctx.model, found.arch.layers))
         self.model_type = ctx.model.config.model_type
-        saved = results.load_search(cfg.search_results, self.model_type, self.num_layers)[0] \
-            if cfg.search_results else None
+        saved = (results.load_search(cfg.search_results, self.model_type, self.num_layers)[0]
+            if cfg.search_results else None)
         self.layers_path = found.arch.layers + "."
         self.process = partial(_awq_layer, cfg=cfg, spec=self.spec, saved=saved, norm_offset=found.arch.norm_offset,
                                scales_as=scale_dtype(cfg.format, str(ctx.out_dtype).removeprefix("torch.")),
@@ -206,8 +206,8 @@ def _awq_layer(job: LayerJob, *, cfg: AWQStage, spec: QuantSpec, saved: dict[str
     searching = saved is None
     linear_inspect = {g.linears[0] for g in arch.smooth if isinstance(job.module(g.inspect), nn.Linear)}
     want_hessian = {g[0] for g in arch.sequential} if cfg.method == "awq+gptq" else linear_inspect
-    stats, inspect_inputs = _collect(job, cfg.search_windows, want_hessian, searching) \
-        if searching or cfg.method == "awq+gptq" else ({}, {})
+    stats, inspect_inputs = (_collect(job, cfg.search_windows, want_hessian, searching)
+        if searching or cfg.method == "awq+gptq" else ({}, {}))
     saved_smooth, saved_clip = results.layer_results(saved, job.index) if saved is not None else ({}, {})
     input_of = {name: group[0] for group in arch.sequential for name in group}
     divided: dict[str, torch.Tensor] = {}  # input set -> s its input is now divided by
@@ -232,8 +232,8 @@ def _awq_layer(job: LayerJob, *, cfg: AWQStage, spec: QuantSpec, saved: dict[str
         divided[input_of[group.linears[0]]] = s
         kept[f"smooth.{group.prev}"] = s.detach().cpu()
     for name in quantized:
-        bound = _clip_bound(job, name, spec, cfg.clip, stats, divided.get(input_of[name])) if searching \
-            else saved_clip.get(name)
+        bound = (_clip_bound(job, name, spec, cfg.clip, stats, divided.get(input_of[name])) if searching
+            else saved_clip.get(name))
         if bound is not None:
             weight = job.module(name).weight
             weight.data = apply_clip(weight.data, bound.to(weight.device))

@@ -107,8 +107,8 @@ class GPTQStage(WeightQuantStage, GGUFFields):
     @classmethod
     def _auto_options(cls, data: Any) -> Any:
         """--gguf-type auto: the allocation chooses among GGUF types unless its options are given."""
-        if isinstance(data, dict) and str(data.get("gguf_type") or "").upper() == AUTO \
-                and isinstance(data.get("allocation"), dict) and "options" not in data["allocation"]:
+        if (isinstance(data, dict) and str(data.get("gguf_type") or "").upper() == AUTO
+                and isinstance(data.get("allocation"), dict) and "options" not in data["allocation"]):
             data = {**data, "allocation": {**data["allocation"], "options": list(GGUF_AUTO_OPTIONS)}}
         return data
 

@@ -63,8 +63,8 @@ def foldable_groups(model: nn.Module, arch: Arch, quantized: set[str]) -> tuple[
         base = f"{arch.layers}.{i}"
         for group in arch.smooth:
             name = Smoothing(f"{base}.{group.prev}", tuple(f"{base}.{n}" for n in group.linears))
-            why = "a consumer is kept in float" if not all(n in quantized for n in name.linears) else \
-                fold_problem(get_module(model, name.prev), [get_module(model, n) for n in name.linears])
+            why = ("a consumer is kept in float" if not all(n in quantized for n in name.linears) else
+                fold_problem(get_module(model, name.prev), [get_module(model, n) for n in name.linears]))
             if why:
                 skipped.append(f"{name.prev} -> {', '.join(n.rsplit('.', 1)[-1] for n in name.linears)}: {why}")
             else:

@@ -50,8 +50,8 @@ class Int8(LayerStage):
         if cfg.format == "gguf":  # Q8_0 blocks of 32 input columns
             check_shapes("gguf", {n: tuple(get_module(ctx.model, n).weight.shape) for n in self.targets}, QuantSpec(8))
         self.calibrated = cfg.smoothquant_alpha is not None
-        self.groups, self.skipped = sq.foldable_groups(ctx.model, arch_for(ctx.model), set(self.targets)) \
-            if self.calibrated else ([], [])
+        self.groups, self.skipped = (sq.foldable_groups(ctx.model, arch_for(ctx.model), set(self.targets))
+            if self.calibrated else ([], []))
 
     def quantize(self, root: nn.Module, prefix: str, smoothed: dict[str, float] | None = None
                  ) -> list[tuple[nn.Module, dict[str, Any]]]:

@@ -73,8 +73,8 @@ def check_pattern(targets: dict[str, nn.Linear], pattern: Pattern | None, block_
 def _wanda(W: torch.Tensor, norms: InputNorms, sparsity: float, count: int | None, pattern: Pattern | None,
            cfg: PruneStage, device: torch.device) -> torch.Tensor:
     """Wanda: zero the lowest |W|·‖X‖ of each row (exactly `count` of them for an allocation); no update."""
-    keep = wanda_mask(W, norms.norms(), sparsity, pattern) if count is None else \
-        row_mask_count(wanda_scores(W, norms.norms()), count)
+    keep = (wanda_mask(W, norms.norms(), sparsity, pattern) if count is None else
+        row_mask_count(wanda_scores(W, norms.norms()), count))
     W.masked_fill_(~keep, 0.0)
     return keep
 
@@ -116,8 +116,8 @@ class Prune(LayerStage):
         if cfg.allocation == "sensitivity" and cfg.sensitivity is None:
             return ("prune --allocation sensitivity measures its sensitivity table with the model in memory; give "
                     "a table (--sensitivity sensitivity.json, from `geminicompress sensitivity`) or run it with --no-stream")
-        if cfg.method == "magnitude" and cfg.scope == "global" and cfg.pattern is None and cfg.allocation is None \
-                and not first:
+        if (cfg.method == "magnitude" and cfg.scope == "global" and cfg.pattern is None and cfg.allocation is None
+                and not first):
             return "global magnitude pruning streams only as the first stage"
         return None
 

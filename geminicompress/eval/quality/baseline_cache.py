@@ -42,8 +42,8 @@ class BaselineCache:
         """Store positions start.. of window `index` (logp (c, V)); chunks must be put in order."""
         if not self.stored:
             return
-        assert index * self.shape[0] + start == self._written and logp.shape[1] == self.shape[1], \
-            "chunks are cached in order"
+        assert index * self.shape[0] + start == self._written and logp.shape[1] == self.shape[1], (
+            "chunks are cached in order")
         with self.file.open("ab") as f:
             logp.float().contiguous().numpy().tofile(f)  # no bytes copy of the chunk
         self._written += logp.shape[0]

@@ -130,8 +130,8 @@ def serve_bench(models: Models, data: str, spec: WorkloadSpec, options: ServeOpt
     ids = tokenize(tok, text, None)
     prefix = text_prefix(tok, options.frame, config.get("vocab_size"))  # prompts and windows start as the tokenizer starts a text
     requests, repeated = build_workload(torch.cat([torch.tensor(prefix, dtype=ids.dtype), ids]), spec)
-    windows = pack_windows(ids[:options.ppl_tokens], PPL_SEQ_LEN, prefix=prefix) \
-        if options.ppl_tokens >= PPL_SEQ_LEN and ids.numel() >= PPL_SEQ_LEN else None
+    windows = (pack_windows(ids[:options.ppl_tokens], PPL_SEQ_LEN, prefix=prefix)
+        if options.ppl_tokens >= PPL_SEQ_LEN and ids.numel() >= PPL_SEQ_LEN else None)
     given = {k: getattr(models, k) for k in ("int8", "int4", "student", "draft")}
     if options.engine == "llama.cpp":
         python = llama_eval.find_python(options.llama_python)

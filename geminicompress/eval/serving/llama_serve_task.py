@@ -109,8 +109,8 @@ def serve(llm, draft, job: dict) -> dict:
 
         rec["cached_tokens"] = _feed(llm, r["prompt"], bool(job.get("reuse")))
         n = int(r["max_tokens"])
-        tokens = _speculate(llm, draft, r["prompt"], n, int(job.get("draft_tokens", 4)), counts, first) if draft \
-            else _greedy(llm, n, first)
+        tokens = (_speculate(llm, draft, r["prompt"], n, int(job.get("draft_tokens", 4)), counts, first) if draft
+            else _greedy(llm, n, first))
         rec["end_s"], rec["tokens"] = clock(), tokens
         done[i] = rec
     return {"requests": [done[i] for i in range(len(job["requests"]))], "acceptance": counts if draft else None}

@@ -130,8 +130,8 @@ def _divergences(server, flags: dict, requests: list[Request], verifier: list, a
     """Where the speculative answers left the verifier's, and MODEL's logit gap there (a float tie when
     below TIE_LOGIT)."""
     found = first_divergences(answers, verifier)
-    gaps = server.logit_gaps(flags, requests, verifier, answers, found) if found and hasattr(server, "logit_gaps") \
-        else None
+    gaps = (server.logit_gaps(flags, requests, verifier, answers, found) if found and hasattr(server, "logit_gaps")
+        else None)
     ties = None if gaps is None else sum(abs(g) < TIE_LOGIT for g in gaps)
     return {"requests": len(found), "at": found, "logit_gaps": gaps, "ties": ties}
 

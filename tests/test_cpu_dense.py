@@ -102,6 +102,7 @@ def test_a_weight_that_stays_in_cache_keeps_torch_route(monkeypatch):
 
 
 def test_model_in_place_keeps_ties_and_logits(monkeypatch):
+    monkeypatch.setattr(cd, "ROUTED", True)  # as on an AMD CPU, whatever this one is
     monkeypatch.setattr(cd, "ONEDNN_MIN_WEIGHT", 0)  # this tiny model's weights take oneDNN's route too
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -118,9 +119,10 @@ def test_model_in_place_keeps_ties_and_logits(monkeypatch):
             assert float((model(x).logits - before[n]).abs().max()) < 1e-4
 
 
-def test_fast_kernels_route_dense_cpu_models_reference_does_not():
+def test_fast_kernels_route_dense_cpu_models_reference_does_not(monkeypatch):
     from geminicompress.eval.engines.torch_kernels import use_fast_kernels
 
+    monkeypatch.setattr(cd, "ROUTED", True)
     cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2)
     fast, ref = LlamaForCausalLM(cfg).eval(), LlamaForCausalLM(cfg).eval()
@@ -130,3 +132,26 @@ def test_fast_kernels_route_dense_cpu_models_reference_does_not():
     assert use_fast_kernels(ref, torch.device("cpu"), reference=True).kernel == "dense"
     assert sum(type(m) is CpuDenseLinear for m in fast.modules()) == 8
     assert sum(type(m) is CpuDenseLinear for m in ref.modules()) == 0
+
+
+def test_a_cpu_where_the_routes_are_slower_keeps_torch_linear(monkeypatch):
+    """On a CPU other than AMD's (an Intel Xeon: a demo decode step 43.9 ms routed against 30.2) the model is
+    left as it is: the fast kernels change no linear."""
+    from geminicompress.eval.engines.torch_kernels import use_fast_kernels
+
+    monkeypatch.setattr(cd, "ROUTED", False)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).eval()
+    assert cpu_dense(model) == 0 and use_fast_kernels(model, torch.device("cpu")).kernel == "dense"
+    assert sum(type(m) is nn.Linear for m in model.modules()) == 8
+
+
+@pytest.mark.parametrize("text, amd", [("vendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n", True),
+                                       ("vendor_id\t: GenuineIntel\n", False), ("processor\t: 0\n", False)])
+def test_the_vendor_is_read_from_cpuinfo(tmp_path, text, amd):
+    from geminicompress.kernels.cpu_vendor import cpu_vendor
+
+    (tmp_path / "cpuinfo").write_text(text)
+    assert (cpu_vendor(tmp_path / "cpuinfo") == "AuthenticAMD") is amd
+    assert cpu_vendor(tmp_path / "missing") == ""

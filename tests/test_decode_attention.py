@@ -67,9 +67,10 @@ def _tiny(dtype):
 
 
 @torch.no_grad()
-def test_model_decode_matches_sdpa_and_fast_kernels_switch_bf16_only():
+def test_model_decode_matches_sdpa_and_fast_kernels_switch_bf16_only(monkeypatch):
     from geminicompress.eval.engines.torch_kernels import use_fast_kernels
 
+    monkeypatch.setattr(da, "FASTER_HERE", True)  # as on an AMD CPU, whatever this one is
     model, same = _tiny(torch.bfloat16), _tiny(torch.bfloat16)
     assert use_fast_kernels(model, torch.device("cpu")).activation_dtype == "bfloat16"
     assert model.config._attn_implementation == da.NAME and same.config._attn_implementation == "sdpa"
@@ -91,9 +92,10 @@ def test_model_decode_matches_sdpa_and_fast_kernels_switch_bf16_only():
 
 
 @torch.no_grad()
-def test_a_bf16_model_on_eager_can_take_it_when_a_row_asks_for_sdpa():
+def test_a_bf16_model_on_eager_can_take_it_when_a_row_asks_for_sdpa(monkeypatch):
     from geminicompress.eval.engines.torch_kernels import use_fast_kernels
 
+    monkeypatch.setattr(da, "FASTER_HERE", True)
     model = _tiny(torch.bfloat16)
     model.set_attn_implementation("eager")
     use_fast_kernels(model, torch.device("cpu"))
@@ -104,3 +106,14 @@ def test_a_bf16_model_on_eager_can_take_it_when_a_row_asks_for_sdpa():
     out = model(ids, use_cache=True)
     step = model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
     assert step.logits.shape == (1, 1, 300) and bool(torch.isfinite(step.logits).all())
+
+
+def test_a_cpu_where_torchs_kernel_is_faster_keeps_sdpa(monkeypatch):
+    """On a CPU other than AMD's (an Intel Xeon: torch's kernel 28 µs against 63 at 300 positions) a bf16 model
+    keeps transformers' sdpa, and a serving row that asks for sdpa gets sdpa."""
+    from geminicompress.eval.engines.torch_kernels import use_fast_kernels
+
+    monkeypatch.setattr(da, "FASTER_HERE", False)
+    model = _tiny(torch.bfloat16)
+    use_fast_kernels(model, torch.device("cpu"))
+    assert model.config._attn_implementation == "sdpa" and da.attention_name(model, "sdpa") == "sdpa"

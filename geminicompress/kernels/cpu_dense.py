@@ -8,13 +8,15 @@ ships (`torch.ops.mkldnn._linear_pointwise`, the op torch.compile's CPU backend 
 as it is stored and runs at the machine's speed: every linear of the demo for one row 18.2 against 33.4 ms
 (small_rows_gemm.py), a whole decode step 26.2 against 39.5 ms, a 320-token prefill 252 against 448 ms
 (cpu_dense_decode.py). For 2 to 4 rows, (W·Xᵀ)ᵀ through torch's `mm` is faster still (a decode step of batch 4:
-29.5 ms, oneDNN 37.9, `linear` 63.5). Measured by benchmarks/studies/serving/, quiet; on Intel CPUs MKL is not held
-back this way and the gain is expected to be smaller: not measured here.
+29.5 ms, oneDNN 37.9, `linear` 63.5). Measured by benchmarks/studies/serving/, quiet. On an Intel Xeon MKL is not
+held back, and both routes are slower than `linear` (a decode step 43.9 ms routed against 30.2, batch 4 62.3
+against 45.1; one product of the demo's MLP for one row 58.7 µs through oneDNN against 33.9): `cpu_dense(model)`
+routes a model on an AMD CPU only (cpu_vendor.py).
 
 `CpuDenseLinear` is an `nn.Linear` that routes float32 CPU inputs so when no gradient is asked of it, and
 leaves every other input (bf16, CUDA, training) to torch's `linear`. It holds no state of its own, so
-`cpu_dense(model)` turns a loaded model's dense linears into it in place (their weights, tied or not, and hooks
-untouched). It is a route of the dense kernel, not a kernel of its own: what eval reports for the model is
+`cpu_dense(model)` turns a loaded model's dense linears into it in place, on an AMD CPU (their weights, tied or
+not, and hooks untouched). It is a route of the dense kernel, not a kernel of its own: what eval reports for the model is
 "dense" however often it is asked. The routes sum the same products in other orders: they agree with `linear`
 to float rounding (a few ulps), and a greedy answer can change only where two logits tie to that rounding.
 """
@@ -26,6 +28,8 @@ import platform
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from geminicompress.kernels.cpu_vendor import AMD
 
 FEW_ROWS_MAX = 4  # rows up to which (W·Xᵀ)ᵀ beats oneDNN here (cpu_dense_decode.py: batch 4 29.5 ms against 37.9,
 #                   batch 6 45.1 against 39.0)
@@ -67,6 +71,7 @@ def _has_onednn() -> bool:
 
 
 ONEDNN = _has_onednn()
+ROUTED = AMD  # where the routes beat torch's `linear` (cpu_vendor.py); elsewhere cpu_dense() changes nothing
 
 
 class CpuDenseLinear(nn.Linear):
@@ -88,7 +93,10 @@ class CpuDenseLinear(nn.Linear):
 
 
 def cpu_dense(model: nn.Module) -> int:
-    """Turn every plain `nn.Linear` of `model` into a CpuDenseLinear in place; returns how many."""
+    """Turn every plain `nn.Linear` of `model` into a CpuDenseLinear in place, on a CPU where the routes are
+    faster (ROUTED); returns how many (0 elsewhere: the model is left as it is)."""
+    if not ROUTED:
+        return 0
     n = 0
     for m in model.modules():
         if type(m) is nn.Linear:

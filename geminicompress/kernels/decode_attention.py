@@ -2,11 +2,13 @@
 of torch's flash-attention CPU kernel.
 
 For bfloat16 inputs torch's `scaled_dot_product_attention` takes 125 µs a layer for one token against 300 cached
-positions on this CPU, 442 µs against 1,000, where softmax(q·kᵀ)·v in float32 takes 40 and 82
+positions on an AMD EPYC, 442 µs against 1,000, where softmax(q·kᵀ)·v in float32 takes 40 and 82
 (benchmarks/studies/serving/decode_attention.py, the demo's heads). float32 inputs, and 5 query tokens in either
 dtype, are as fast through torch's kernel, so they keep it. In the demo's INT4 copy, which computes in bfloat16
 (kernels/int4.py), that kernel was a third of a decode step (4.1 of 12 ms in a profile); the whole step
-17.7 → 15.1 ms after 300 cached positions, 28.1 → 16.4 ms after 1,000.
+17.7 → 15.1 ms after 300 cached positions, 28.1 → 16.4 ms after 1,000. On an Intel Xeon the kernel is the faster
+(28 µs against 63 at 300 positions, 60 against 126 at 1,000): `use_decode_attention` switches a model on an AMD
+CPU only (cpu_vendor.py).
 
 `decode_attention` is registered with transformers as the attention "sdpa-cpu-decode" (with sdpa's mask builder):
 a bfloat16 CPU call with one query token per sequence and no dropout is computed here, with the mask transformers
@@ -22,8 +24,11 @@ from functools import cache
 import torch
 from torch import nn
 
+from geminicompress.kernels.cpu_vendor import AMD
+
 NAME = "sdpa-cpu-decode"
 SHORT_QUERY_MAX = 1  # query tokens it takes (decode_attention.py: 1 token 0.32x the kernel's time, 5 tokens 1.15x)
+FASTER_HERE = AMD  # where it beats torch's kernel (cpu_vendor.py); elsewhere use_decode_attention changes nothing
 
 
 def _short(query: torch.Tensor, mask: torch.Tensor | None, dropout: float, kwargs: dict) -> bool:
@@ -90,7 +95,10 @@ def attention_name(model: nn.Module, wanted: str) -> str:
 
 
 def use_decode_attention(model: nn.Module) -> bool:
-    """Mark `model` (a bfloat16 model on a CPU) and switch its "sdpa" attention to NAME; True if it runs it now."""
+    """Mark `model` (a bfloat16 model on a CPU) and switch its "sdpa" attention to NAME, on a CPU where that is
+    faster (FASTER_HERE; elsewhere nothing changes); True if it runs it now."""
+    if not FASTER_HERE:
+        return False
     _register()  # also for a model on eager now: a serving row may ask it for sdpa later (attention_name)
     model._decode_attention = True
     if getattr(model.config, "_attn_implementation", None) == "sdpa":

@@ -7,7 +7,8 @@ model's per route (the serve-bench student row's TPOT ratio, without the serving
 
     python benchmarks/studies/serving/cpu_dense_decode.py [--batches 1,2,4,8] [--rounds 2] [--student DIR]
 
-Run it with the machine quiet. Writes benchmarks/results/cpu_dense_decode.json.
+Run it with the machine quiet. Writes benchmarks/results/cpu_dense_decode.json (`--out`: elsewhere), with the CPU's
+name: the routes' times depend on it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/, for common.py
-from common import RESULTS  # noqa: E402
+from common import RESULTS, cpu_name  # noqa: E402
 
 from geminicompress.kernels.cpu_dense import CpuDenseLinear, few_rows_linear, onednn_linear  # noqa: E402
 from geminicompress.models.loading import load_model  # noqa: E402
@@ -83,6 +84,7 @@ def main() -> None:
     ap.add_argument("--prefill", default="64,320", help="prompt lengths of one sequence, timed per route")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=RESULTS / "cpu_dense_decode.json", help="the JSON written")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     models = {"model": load_model(a.model).model.eval()}
@@ -117,9 +119,9 @@ def main() -> None:
             med = {r: statistics.median(v) for r, v in got.items()}
             rows[f"prefill/{n_tok}/{n}"] = {"ms": got, "median_ms": med}
             print(f"{'prefill ' + str(n_tok):>12} {n:>8} " + " ".join(f"{med[r]:>13.1f}" for r in routes), flush=True)
-    path = RESULTS / "cpu_dense_decode.json"
+    path = a.out
     path.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "model": a.model, "student": a.student,
-                                "threads": a.threads, "rows": rows}, indent=1))
+                                "threads": a.threads, "cpu": cpu_name(), "rows": rows}, indent=1))
     print(f"wrote {path}")
 
 

@@ -11,7 +11,7 @@ fast kernels) but on transformers' sdpa, after a 300-token prompt: which ops a s
 INT4 draft of the serving table, which computes in bf16); then its whole decode step (median of 12 after 2, two
 rounds alternating) on sdpa and on kernels/decode_attention.py after each of --contexts prompt tokens, and
 whether the 14 greedy tokens are the same. Run it with the machine quiet. Writes
-benchmarks/results/decode_attention.json.
+benchmarks/results/decode_attention.json (`--out`: elsewhere), with the CPU's name: the kernels' times depend on it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/, for common.py
-from common import RESULTS, time_us  # noqa: E402
+from common import RESULTS, cpu_name, time_us  # noqa: E402
 
 from geminicompress.kernels.decode_attention import grouped_attention  # noqa: E402
 
@@ -101,6 +101,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", default=None, help="a model to profile 5 decode steps of")
+    ap.add_argument("--out", type=Path, default=RESULTS / "decode_attention.json", help="the JSON written")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
@@ -130,9 +131,9 @@ def main() -> None:
         for context, r in steps.items():
             med = list(r["median_ms"].values())
             print(f"{context:>7} {med[0]:>8.1f} {med[1]:>20.1f} {str(r['same_tokens']):>12}")
-    path = RESULTS / "decode_attention.json"
-    path.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "threads": a.threads, "heads": HEADS,
-                                "kv_heads": KV_HEADS, "dim": DIM, "rows": rows, "profile": prof,
+    path = a.out
+    path.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "cpu": cpu_name(), "threads": a.threads,
+                                "heads": HEADS, "kv_heads": KV_HEADS, "dim": DIM, "rows": rows, "profile": prof,
                                 "model_steps": steps}, indent=1))
     print(f"wrote {path}")
 

@@ -11,7 +11,7 @@ every call, which is exact but says nothing about speed (issue #25: 13x "slower"
 | the same, other 8-bit | dense weights dequantized once (the rest on its kernels): quality only, latency not measured | same |
 | a 2-4 bit shape the kernel cannot hold | none: latency not measured, the reason shown | same |
 | int8 / w8a8 (compressed-tensors int-quantized) | fbgemm (kernels/int8.py, as loaded) | reference matmuls |
-| dense | torch's matmul in the stored dtype; float32 on x86 routed by rows (cpu_dense.py): 2-4 as (W·Xᵀ)ᵀ, the rest through oneDNN | torch's matmul |
+| dense | torch's matmul in the stored dtype; float32 on an AMD CPU routed by rows (cpu_dense.py): 2-4 as (W·Xᵀ)ᵀ, the rest through oneDNN | torch's matmul |
 | dense with pruned zeros | dense matmul, noted: unstructured sparsity / 2:4 has no kernel here | 2:4: sparse tensor cores, not used |
 
 The int4 kernel is vectorized on x86 only for bf16 activations, so a model that uses it runs in bf16
@@ -88,8 +88,9 @@ def _is_24(model: nn.Module) -> bool:
 def use_fast_kernels(model: nn.Module, device: torch.device, sparsity: float | None = None,
                      reference: bool = False) -> KernelChoice:
     """Swap every `DequantLinear` for the device's fast kernel when all of them can take it (then the
-    whole model computes in the kernel's activation dtype), and on a CPU route the dense float32 linears by their
-    rows (cpu_dense.py) and a bfloat16 model's one-token attention through decode_attention.py; say what runs. The model is changed in place.
+    whole model computes in the kernel's activation dtype), and on an AMD CPU route the dense float32 linears by
+    their rows (cpu_dense.py) and a bfloat16 model's one-token attention through decode_attention.py (elsewhere
+    torch's own are faster: cpu_vendor.py); say what runs. The model is changed in place.
     With `reference` (`eval --kernels reference`) nothing is swapped: what runs is packed formats through our
     dequantizing loader (exact, not timed), the rest as loaded."""
     choice = _swap_packed(model, device, sparsity, reference)

@@ -166,3 +166,17 @@ def run_checkout(code: Path, args: list[str], log: Path | None = None) -> tuple[
 def peak_rss(time_output: str) -> int:
     """The peak resident set in bytes from `/usr/bin/time -v`'s output."""
     return int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", time_output).group(1)) * 1024
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the platform's processor where there is none."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+

@@ -35,6 +35,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import cpu_name  # noqa: E402
 
 CAL = {"demo": ["--samples", "8", "--calib-seq-len", "256"], "tiny": ["--samples", "8", "--calib-seq-len", "64"]}
 AWQ = ["--n-grid", "2"]
@@ -222,7 +224,12 @@ def main() -> int:
     (work / "out").mkdir(parents=True, exist_ok=True)
     paths = {"demo": "smollm2-demo", "tiny": str(make_tiny(work / "tiny-model"))}
     only = [o for o in args.only.split(",") if o]
-    expected = json.loads(args.check.read_text())["hashes"] if args.check else {}
+    recorded = json.loads(args.check.read_text()) if args.check else {}
+    expected = recorded.get("hashes", {})
+    if args.check and (recorded.get("cpu"), recorded.get("torch")) != (cpu_name(), torch.__version__):
+        print(f"note: {args.check.name} was recorded on {recorded.get('cpu') or 'an unrecorded CPU'} with torch "
+              f"{recorded.get('torch')}; this is {cpu_name()} with torch {torch.__version__}: float products differ by "
+              "CPU, so compare with the base commit run here (docs/development.md)", flush=True)
     hashes: dict[str, str] = json.loads(args.resume.read_text())["hashes"] if args.resume and args.resume.is_file() else {}
     changed = []
     started = time.perf_counter()
@@ -255,7 +262,8 @@ def _save(path: Path, hashes: dict[str, str]) -> None:
 
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    path.write_text(json.dumps({"commit": commit, "torch": torch.__version__, "hashes": hashes}, indent=1) + "\n")
+    path.write_text(json.dumps({"commit": commit, "torch": torch.__version__, "cpu": cpu_name(), "hashes": hashes},
+                               indent=1) + "\n")
 
 
 if __name__ == "__main__":

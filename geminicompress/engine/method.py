@@ -63,7 +63,8 @@ class Method:
 
     @classmethod
     def before_load(cls, cfg: Any, model: str) -> None:
-        """An InputError, before MODEL loads, for what a config of it cannot do with MODEL."""
+        """An InputError, before MODEL loads (asked when the run is planned), for what a config of it cannot do
+        with MODEL."""
 
     @classmethod
     def stage(cls, cfg: Any, ctx: StageContext) -> LayerStage:

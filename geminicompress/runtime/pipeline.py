@@ -2,7 +2,9 @@
 
 command -> pipeline -> engine -> stage's per-layer function -> solver. Layer stages (quantize methods,
 prune) are their method classes' layer stages (methods.py) run one decoder layer at a time; a model stage (distill)
-is a function `run(cfg, ctx) -> dict` on the model in memory; eval stages come last.
+is a function `run(cfg, ctx) -> dict` on the model in memory; eval stages come last. What the run does is
+decided first, once, before any weight is read (plan.py: the checks, in memory or streamed, layers or the whole
+model); a model without decoder layers runs its one stage on the whole model in memory (whole_model.py).
 
 In memory: the model is loaded; every layer stage walks it (in order, model stages between), and a last
 walk writes OUT. Streamed (`--stream`, or automatically when the model does not fit, memory.too_big): the

@@ -46,12 +46,11 @@ class RunPlan:
 
     whole_model: the one stage that runs on the whole model (no decoder layers), else None. stream_from: the
     folder a streamed run reads one decoder layer at a time, else None (in memory). stages: what each stage's
-    method found on the skeleton. model_type: config.json's, for the messages."""
+    method found on the skeleton. fingerprint, inputs: what OUT's folder is opened with (host/output.py)."""
 
     whole_model: Any | None
     stream_from: Path | None
     stages: Plan
-    model_type: str
     fingerprint: str
     inputs: list[tuple[str, str]]
 
@@ -64,19 +63,22 @@ def plan_run(recipe: Recipe, loaded: LoadedModel | None = None, stream: bool | N
     model_dir = local_dir(recipe.model) if loaded is None else None
     config = read_config(model_dir) if model_dir is not None else None
     compresses = [s for s in recipe.stages if method_of(s).kind != "eval"]
-    model = (loaded.model if loaded is not None else
-        skeleton(model_dir, recipe.trust_remote_code) if config is not None and compresses else None)
-    model_type = (config or {}).get("model_type") or getattr(getattr(model, "config", None), "model_type", "?")
+    model = None  # the model judged: the one handed in, else MODEL's skeleton (no weight read)
+    if loaded is not None:
+        model = loaded.model
+    elif config is not None and compresses:
+        model = skeleton(model_dir, recipe.trust_remote_code)
     key, inputs = fingerprint(recipe), recipe_inputs(recipe)
     if compresses and model is not None and not _has_layers(model):
-        return RunPlan(whole_model_stage(recipe, stream, model_type), None, Plan(), model_type, key, inputs)
+        model_type = getattr(model.config, "model_type", None) or "?"
+        return RunPlan(whole_model_stage(recipe, stream, model_type), None, Plan(), key, inputs)
     stages = preflight(recipe, config, model) if loaded is None else Plan()
     source = model_dir if may_stream and model_dir is not None and is_streamable_dir(model_dir) else None
     streamed = source is not None and should_stream(recipe, stream, source)
     if loaded is None and not streamed:  # what a stage cannot do with MODEL, said before it loads
         for stage in recipe.stages:
             method_of(stage).before_load(stage, recipe.model)
-    return RunPlan(None, source if streamed else None, stages, model_type, key, inputs)
+    return RunPlan(None, source if streamed else None, stages, key, inputs)
 
 
 def _has_layers(model: Any) -> bool:

@@ -37,79 +37,116 @@ class Calibration:
     squares: int
 
 
+@dataclass(frozen=True)
+class Sizes:
+    """What the estimate needs of a checkpoint, read once from its headers and skeleton: the bytes of each decoder
+    layer and of each module outside them (a tied head left out), as stored (key None) and in each dtype asked
+    for; the output head's (`head`: its name, None where the model has none) and the input embedding table's
+    bytes as stored; the elements of layer 0's biggest tensor, its widest linear's inputs and the hidden size; and
+    every stored tensor's (name, numel, dtype), for the disk."""
+
+    layers: list[dict[torch.dtype | None, int]]
+    outside: dict[str, dict[torch.dtype | None, int]]
+    head: str | None
+    head_bytes: dict[torch.dtype | None, int]
+    head_rows: int
+    embed: int
+    biggest: int
+    widest: int
+    hidden: int
+    tensors: list[tuple[str, int, torch.dtype]]
+
+
+def read_sizes(ckpt: LazyCheckpoint, dtypes: Iterable[torch.dtype], calibrated: bool = True) -> Sizes:
+    """The checkpoint's `Sizes`, each module's bytes as stored and in `dtypes` (the head's also in int8, float16
+    and float32: what the check holds of it). Uncalibrated: no embedding table or widest linear read (0)."""
+    keys = [None, torch.float32, *dict.fromkeys(dtypes)]
+    model = ckpt.model
+    first = ckpt.layer_prefix(0)
+    layers = [{d: ckpt.nbytes(ckpt.layer_prefix(i), d) for d in keys} for i in range(len(ckpt.layers))]
+    outside = {m: {d: ckpt.nbytes(m, d) for d in (*keys, torch.int8)}
+               for m in ckpt.outside_modules() if m != ckpt.tied_output}
+    names = {m: n for n, m in model.named_modules()}  # each module's name (named_modules gives a module once)
+    head = model.get_output_embeddings()
+    head_name = names[head] if head is not None else None
+    head_bytes = {}
+    if head_name is not None:
+        head_bytes = {d: ckpt.nbytes(head_name, d) for d in (None, torch.int8, torch.float16, torch.float32)}
+    embed = widest = 0
+    if calibrated:
+        embed = ckpt.nbytes(names[model.get_input_embeddings()])
+        widest = max(get_module(model, f"{first}.{lin}").in_features for lin in ckpt.arch.linears)
+    return Sizes(layers, outside, head_name, head_bytes, head.weight.shape[0] if head is not None else 0, embed,
+                 max(i.numel for n, i in ckpt.tensors.items() if n.startswith(first + ".")), widest,
+                 model.config.hidden_size, [(n, i.numel, i.dtype) for n, i in ckpt.tensors.items()])
+
+
 def estimate(ckpt: LazyCheckpoint, out_dtype: torch.dtype, quantized: bool, max_shard: int,
              calib: Calibration | None = None, changed: frozenset[str] = frozenset()) -> dict[str, int]:
-    """Peak memory and disk of a streamed run, from the tensor shapes alone. The peak is the base plus the
-    largest of the run's phases: layer 0's inputs captured (calibrated), a layer worked on (`_layer`), each
-    module outside the layers written (`_outside`; `changed`: those a stage replaces, an INT8 head), and
-    the check of OUT (`_check`)."""
-    phases = [_layer(ckpt, calib), _outside(ckpt, out_dtype, changed), _check(ckpt, changed)]
+    """Peak memory and disk of a streamed run, from the tensor shapes alone (`peak`)."""
+    dtypes = [out_dtype, *((calib.calib_dtype, calib.layer_dtype) if calib is not None else ())]
+    return peak(read_sizes(ckpt, dtypes, calib is not None), out_dtype, quantized, max_shard, calib, changed)
+
+
+def peak(sizes: Sizes, out_dtype: torch.dtype, quantized: bool, max_shard: int, calib: Calibration | None = None,
+         changed: frozenset[str] = frozenset()) -> dict[str, int]:
+    """The peak is the base plus the largest of the run's phases: layer 0's inputs captured (calibrated), a layer
+    worked on (`layer_phase`), each module outside the layers written (`outside_phase`; `changed`: those a stage
+    replaces, an INT8 head), and the check of OUT (`check_phase`); the disk is OUT as written (`out_bytes`)."""
+    phases = [layer_phase(sizes, calib), outside_phase(sizes, out_dtype, changed), check_phase(sizes, changed)]
     if calib is not None:
         n, T = calib.windows  # the table read as stored, the rows looked up in float32, the store of the inputs
-        phases.append(ckpt.nbytes(_name(ckpt, ckpt.model.get_input_embeddings()))
-                      + n * T * ckpt.model.config.hidden_size * (4 + calib.calib_dtype.itemsize))
-    disk = out_bytes(((n, i.numel, i.dtype) for n, i in ckpt.tensors.items()), out_dtype, quantized, max_shard)
+        phases.append(sizes.embed + n * T * sizes.hidden * (4 + calib.calib_dtype.itemsize))
+    disk = out_bytes(sizes.tensors, out_dtype, quantized, max_shard)
     return {"peak_memory_bytes": BASE_BYTES + max(phases), "disk_bytes": disk}
 
 
-def _layer(ckpt: LazyCheckpoint, calib: Calibration | None) -> int:
+def layer_phase(sizes: Sizes, calib: Calibration | None) -> int:
     """A layer worked on. Uncalibrated: the layer as stored plus a few float32 temporaries of its biggest
     tensor; calibrated: the layer's weights (and a copy in the calibration dtype where that differs), the
     activations held (one pass: every window's layer input, residual, normed input and (n·T, intermediate)
     product at the MLP's down projection; else the layer's inputs and outputs and a batch's), the stages'
     square buffers and three float32 copies of the biggest linear (a solver's weight, its codes, the
     dequantized result)."""
-    n_layers = len(ckpt.layers)
-    prefix = ckpt.layer_prefix(0) + "."
-    biggest = max(i.numel for n, i in ckpt.tensors.items() if n.startswith(prefix))  # a decoder linear
+    temporaries = 3 * 4 * sizes.biggest
     if calib is None:
-        return max(ckpt.nbytes(ckpt.layer_prefix(i)) for i in range(n_layers)) + 3 * 4 * biggest
-    layer = max(ckpt.nbytes(ckpt.layer_prefix(i), calib.layer_dtype) for i in range(n_layers))
+        return max(layer[None] for layer in sizes.layers) + temporaries
+    held = max(layer[calib.layer_dtype] for layer in sizes.layers)
     if calib.calib_dtype != calib.layer_dtype:
-        layer += max(ckpt.nbytes(ckpt.layer_prefix(i), calib.calib_dtype) for i in range(n_layers))
-    widest = max(get_module(ckpt.model, n).in_features for n in
-                 (f"{ckpt.layer_prefix(0)}.{lin}" for lin in ckpt.arch.linears))
-    hidden = ckpt.model.config.hidden_size
-    per_token = widest + 3 * hidden if calib.one_pass else 3 * hidden  # else: in and out, and a batch's
+        held += max(layer[calib.calib_dtype] for layer in sizes.layers)
+    per_token = sizes.widest + 3 * sizes.hidden if calib.one_pass else 3 * sizes.hidden  # else: in, out, a batch's
     n, T = calib.windows
     activations = n * T * per_token * calib.calib_dtype.itemsize
-    return layer + activations + calib.squares * 4 * widest**2 + 3 * 4 * biggest
+    return held + activations + calib.squares * 4 * sizes.widest**2 + temporaries
 
 
-def _outside(ckpt: LazyCheckpoint, out_dtype: torch.dtype, changed: frozenset[str]) -> int:
+def outside_phase(sizes: Sizes, out_dtype: torch.dtype, changed: frozenset[str]) -> int:
     """The biggest module outside the layers as it is written: read as stored, plus its written copy where the
     output dtype differs; one a stage replaces (an INT8 head) adds its codes, a byte a weight, and the blocks
     of rows they are made from, and the codes as written (shifted, packed: a byte a weight each). A tied head
     is not written."""
     out = 0
-    for m in ckpt.outside_modules():
-        if m == ckpt.tied_output:
-            continue
-        stored, written = ckpt.nbytes(m), ckpt.nbytes(m, out_dtype)
+    for m, nbytes in sizes.outside.items():
+        stored, written = nbytes[None], nbytes[out_dtype]
         out = max(out, stored + (written if written != stored else 0)
-                  + (3 * ckpt.nbytes(m, torch.int8) + 2 * BLOCK_BYTES if m in changed else 0))
+                  + (3 * nbytes[torch.int8] + 2 * BLOCK_BYTES if m in changed else 0))
     return out
 
 
-def _check(ckpt: LazyCheckpoint, changed: frozenset[str]) -> int:
+def check_phase(sizes: Sizes, changed: frozenset[str]) -> int:
     """The check of OUT (engine/verify.py): OUT read back one layer at a time in float32; then the head as
     stored, with a block of its rows in float32 (outside_float32.py) or, where a stage replaced it (an INT8
     head), its codes (a byte a weight), the kernel's float16 packs and the float32 rows it packs a block from
     (kernels/int8.py), and three (windows, tokens, vocab) float32 logits (the run's, OUT's, their difference).
     OUT's INT8 head, read back, is its codes and a block of dequantized rows (formats/dequant.py): less."""
-    layer = max(ckpt.nbytes(ckpt.layer_prefix(i), torch.float32) for i in range(len(ckpt.layers)))
-    head = ckpt.model.get_output_embeddings()
-    if head is None:
+    layer = max(layer[torch.float32] for layer in sizes.layers)
+    if sizes.head is None:
         return layer
-    name = _name(ckpt, head)
-    packed = (sum(ckpt.nbytes(name, t) for t in (torch.int8, torch.float16)) +
-        min(ckpt.nbytes(name, torch.float32), PACK_BYTES) if name in changed else 0)
-    logits = 3 * PROBE_WINDOWS * PROBE_TOKENS * head.weight.shape[0] * 4
-    return max(layer, ckpt.nbytes(name) + max(packed, BLOCK_BYTES) + logits)
-
-
-def _name(ckpt: LazyCheckpoint, module: torch.nn.Module) -> str:
-    return next(n for n, m in ckpt.model.named_modules() if m is module)
+    head = sizes.head_bytes
+    packed = (head[torch.int8] + head[torch.float16] + min(head[torch.float32], PACK_BYTES)
+              if sizes.head in changed else 0)
+    logits = 3 * PROBE_WINDOWS * PROBE_TOKENS * sizes.head_rows * 4
+    return max(layer, head[None] + max(packed, BLOCK_BYTES) + logits)
 
 
 def out_bytes(tensors: Iterable[tuple[str, int, torch.dtype]], out_dtype: torch.dtype, quantized: bool,

@@ -16,8 +16,8 @@ routes a model on an AMD CPU only (cpu_vendor.py).
 `CpuDenseLinear` is an `nn.Linear` that routes float32 CPU inputs so when no gradient is asked of it, and
 leaves every other input (bf16, CUDA, training) to torch's `linear`. It holds no state of its own, so
 `cpu_dense(model)` turns a loaded model's dense linears into it in place, on an AMD CPU (their weights, tied or
-not, and hooks untouched). It is a route of the dense kernel, not a kernel of its own: what eval reports for the model is
-"dense" however often it is asked. The routes sum the same products in other orders: they agree with `linear`
+not, and hooks untouched). It is a route of the dense kernel, not a kernel of its own: what eval reports for the
+model is "dense" however often it is asked. The routes sum the same products in other orders: they agree with `linear`
 to float rounding (a few ulps), and a greedy answer can change only where two logits tie to that rounding.
 """
 

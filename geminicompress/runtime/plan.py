@@ -93,8 +93,8 @@ def whole_model_stage(recipe: Recipe, stream: bool | None, model_type: str) -> A
     """The one stage the whole-model fallback runs; an InputError (before any work) for what it cannot."""
     stages = [s for s in recipe.stages if method_of(s).kind != "eval"]
     if stream:
-        raise InputError(f"--stream: MODEL {recipe.model} ('{model_type}') has no decoder layers to read one at a time; "
-                         f"run it without --stream: {WORKS}")
+        raise InputError(f"--stream: MODEL {recipe.model} ('{model_type}') has no decoder layers to read one at a "
+                         f"time; run it without --stream: {WORKS}")
     where = f"MODEL {recipe.model} ('{model_type}') has no decoder layers"
     for stage in stages:
         why = method_of(stage).needs_layers(stage, where)

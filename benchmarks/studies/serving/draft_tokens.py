@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +29,9 @@ from geminicompress.eval.serving.servers import HFServer, Models
 from geminicompress.eval.serving.workload import WorkloadSpec, build_workload
 from geminicompress.kernels.cpu_dense import CpuDenseLinear
 from geminicompress.eval.cost import plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/, for common.py
+from common import cpu_name  # noqa: E402
 
 
 def _hf_assisted(model, draft, requests, n):
@@ -111,8 +115,8 @@ def main() -> None:
         same = f"{r['same_tokens']:.1%}" if "same_tokens" in r else ""
         print(f"| {r['config']} | {r['tpot_ms']} | {r['x_alone']} | {rate} | {per} | {same} |")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"command": "python " + " ".join(__import__("sys").argv), "draft_kernel": choice.kernel,
-                                       "rows": rows, "tpot_s": tpot}, indent=1))
+    Path(a.out).write_text(json.dumps({"command": "python " + " ".join(sys.argv), "cpu": cpu_name(),
+                                       "draft_kernel": choice.kernel, "rows": rows, "tpot_s": tpot}, indent=1))
 
 
 if __name__ == "__main__":

@@ -75,3 +75,16 @@ def test_the_auto_group_size_is_resolved_once_where_the_run_is_planned(tiny_dir,
     assert res.exit_code == 0, res.output
     assert len(widths) == 1, widths
     assert res.output.count("(auto: largest of 128/64/32") == 1, res.output
+
+
+def test_the_plan_reads_the_skeleton_once(tiny_dir, tmp_path, monkeypatch):
+    """MODEL's skeleton is built once per run, where the run is planned: the whole-model check (are there decoder
+    layers?) and preflight (the group size, the shapes) both read it (they each built one before)."""
+    built = []
+    real = preflight_mod.skeleton
+    monkeypatch.setattr(preflight_mod, "skeleton", lambda *a, **k: built.append(a[0]) or real(*a, **k))
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), "--method", "rtn", "--no-stream",
+                              "--no-verify", "-q"])
+    assert res.exit_code == 0, res.output
+    assert len(built) == 1

@@ -172,11 +172,7 @@ def cpu_name() -> str:
     """The CPU's model name (/proc/cpuinfo), or the platform's processor where there is none."""
     import platform
 
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    from geminicompress.kernels.cpu_vendor import cpu_field
+
+    return cpu_field("model name") or platform.processor() or "unknown"
 

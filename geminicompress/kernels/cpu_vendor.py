@@ -16,15 +16,20 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The CPU's vendor id as /proc/cpuinfo gives it ("AuthenticAMD", "GenuineIntel"); "" where it says none."""
+def cpu_field(key: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The first CPU's `key` as /proc/cpuinfo gives it ("vendor_id", "model name"); "" where it says none."""
     try:
         for line in cpuinfo.read_text().splitlines():
-            if line.startswith("vendor_id"):
+            if line.split(":", 1)[0].strip() == key:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's vendor id ("AuthenticAMD", "GenuineIntel"); "" where /proc/cpuinfo says none."""
+    return cpu_field("vendor_id", cpuinfo)
 
 
 AMD = cpu_vendor() == "AuthenticAMD"  # the CPUs on which cpu_dense.py's and decode_attention.py's routes are faster

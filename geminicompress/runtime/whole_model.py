@@ -59,8 +59,7 @@ def run_whole_model(ctx: StageContext, stage: Any, tmp: Path, verify: bool = Tru
         written.extra(tmp, written.qconfig)
     if ctx.tokenizer is not None:
         ctx.tokenizer.save_pretrained(tmp)
-    export: dict[str, Any] = {"format": written.format, "whole_model": True,
-                              "dtype": str(ctx.out_dtype).removeprefix("torch."),
+    export: dict[str, Any] = {"format": written.format, "whole_model": True, "dtype": ctx.recipe.output.dtype,
                               "seconds": round(seconds, 3), "device": "cpu"}
     if reference is not None:
         ctx.progress.info("verifying: loading OUT back in memory")

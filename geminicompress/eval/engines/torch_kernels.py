@@ -6,7 +6,7 @@ every call, which is exact but says nothing about speed (issue #25: 13x "slower"
 
 | what was loaded | kernel on a CPU | kernel on CUDA (not run here: no GPU) |
 |---|---|---|
-| GPTQ / AWQ / pack-quantized, 2-4 bit | torch's int4 kernel, bf16 activations (int4.py); one token's attention in float32 (decode_attention.py) | torch's int4 kernel (tinygemm), bf16 |
+| GPTQ / AWQ / pack-quantized, 2-4 bit | torch's int4 kernel, bf16 activations (int4.py); on an AMD CPU one token's attention in float32 (decode_attention.py) | torch's int4 kernel (tinygemm), bf16 |
 | the same, 8-bit symmetric per channel | fbgemm's W8A16 kernel (the int8 module) | none: not timed |
 | the same, other 8-bit | dense weights dequantized once (the rest on its kernels): quality only, latency not measured | same |
 | a 2-4 bit shape the kernel cannot hold | none: latency not measured, the reason shown | same |

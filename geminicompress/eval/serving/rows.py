@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# proposals a verification round of the transformers engine's speculative row (draft_loop.py): 3, so that the
-# verification's k + 1 = 4 rows stay on the few-rows route (kernels/cpu_dense.py); on the demo with its INT4 draft,
-# 8 requests alone, k = 3 was the fastest in each draft-token study (benchmarks/studies/serving/draft_tokens.py:
-# 0.67x the verifier alone against 0.81x at k = 4, docs/serving.md)
+# proposals a verification round of the transformers engine's speculative row (draft_loop.py): 3, so that on an
+# AMD CPU the verification's k + 1 = 4 rows stay on the few-rows route (kernels/cpu_dense.py); on the demo with its
+# INT4 draft, 8 requests alone, k = 3 was the fastest in each draft-token study there
+# (benchmarks/studies/serving/draft_tokens.py: 0.67x the verifier alone against 0.81x at k = 4, docs/serving.md);
+# on an Intel Xeon, with torch's routes, k = 3 and 4 are within 4% (1.02x, 0.98x: speculation does not pay there)
 DRAFT_TOKENS = 3  # (the llama.cpp engine has its own, 4: llama_server.py)
 
 ROWS = ("original configuration", "prompt truncation", "FlashAttention", "KV-cache reuse", "dynamic batching",

@@ -88,3 +88,51 @@ def test_the_plan_reads_the_skeleton_once(tiny_dir, tmp_path, monkeypatch):
                               "--no-verify", "-q"])
     assert res.exit_code == 0, res.output
     assert len(built) == 1
+
+
+def _recipe(model, **top):
+    from geminicompress.runtime.recipes.loader import validate
+
+    return validate({"model": str(model), "stages": [{"type": "quantize", "method": "rtn", "bits": 4}], **top}, "test")
+
+
+@pytest.mark.parametrize("asked, recipe_threads, resumed, want", [
+    (None, 2, 3, (None, None)),            # a library call: the caller's own count, untouched
+    (5, 2, 3, (5, "--threads")),           # --threads wins over the recipe and the interrupted run
+    ("auto", 2, 3, (2, "recipe")),         # then the recipe's `threads:`
+    ("auto", None, 3, (3, "resume")),      # then the interrupted run's, which this one resumes
+])
+def test_the_plan_chooses_the_threads(tiny_dir, tmp_path, asked, recipe_threads, resumed, want):
+    """The run's threads are part of its plan: --threads, else the recipe's, else the count of the interrupted
+    run on OUT with the same fingerprint (its bytes depend on it), else the free cores."""
+    from geminicompress.host.output import OutputDir, STATE_DIR, THREADS_FILE
+    from geminicompress.runtime.options import RunOptions
+
+    out = tmp_path / "out"
+    recipe = _recipe(tiny_dir, **({"threads": recipe_threads} if recipe_threads else {}))
+    key = preflight_mod.fingerprint(recipe)
+    with pytest.raises(RuntimeError):  # an interrupted run: its state (fingerprint, threads) stays in .out.partial
+        with OutputDir(out, fingerprint=key):
+            state = partial_dir(out) / STATE_DIR
+            (state / THREADS_FILE).write_text(f'{{"threads": {resumed}}}')
+            (state / "0-quantize").mkdir()
+            (state / "0-quantize" / "layer_0.pt").write_bytes(b"done")  # a layer done: something to resume
+            raise RuntimeError("interrupted")
+    plan = preflight_mod.plan_run(recipe, out, RunOptions(threads=asked))
+    got = (plan.threads.threads, plan.threads.source) if plan.threads is not None else (None, None)
+    assert got == want
+    other = _recipe(tiny_dir, **({"threads": recipe_threads} if recipe_threads else {}), seed=7)
+    if asked == "auto" and recipe_threads is None:  # another recipe does not resume that run: the free cores
+        assert preflight_mod.plan_run(other, out, RunOptions(threads="auto")).threads.source == "auto"
+
+
+def test_the_plan_refuses_an_output_over_the_recipe_file(tiny_dir, tmp_path):
+    """The recipe's YAML file is an input too: OUT must not hold it, with or without --force."""
+    from geminicompress.runtime.options import RunOptions
+
+    out = tmp_path / "runs"
+    out.mkdir()
+    (out / "recipe.yaml").write_text("model: x\n")
+    with pytest.raises(InputError, match=r"recipe file"):
+        preflight_mod.plan_run(_recipe(tiny_dir), out, RunOptions(force=True, recipe_file=out / "recipe.yaml"))
+    assert (out / "recipe.yaml").is_file()

@@ -20,10 +20,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from geminicompress.host.diskerrors import disk_errno, disk_error
 from geminicompress.core.errors import GeminiError, InputError
-from geminicompress.host.output import check_output_path, resume_threads
-from geminicompress.runtime.pipeline import default_device, run_recipe, RunOptions
-from geminicompress.runtime.plan import fingerprint
-from geminicompress.runtime.recipes.inputs import recipe_inputs
+from geminicompress.runtime.options import RunOptions
+from geminicompress.runtime.pipeline import default_device, run_recipe
 from geminicompress.runtime.recipes.loader import recipe_from_stage
 from geminicompress.host.threads import apply_threads, choose_threads
 
@@ -168,18 +166,17 @@ class PanelCommand(TyperCommand):
                 formatter.write_dl(records)
 
 
-def use_threads(cli: Optional[int], recipe: Optional[int], out: Optional[Path] = None, parsed: Any = None):
-    """Set torch's thread count before any work: --threads, else the recipe's, else the interrupted run's that
-    the run on `out` with recipe `parsed` resumes, else the free cores. Returns the `ThreadChoice`; its reason
-    goes into the final `wrote` line."""
-    resumed = resume_threads(out, fingerprint(parsed)) if out is not None and parsed is not None else None
-    choice = choose_threads(cli, recipe, resumed)
+def use_threads(cli: Optional[int]):
+    """Set torch's thread count before any work, for a command that runs no recipe: --threads, else the free
+    cores (a recipe's run chooses its own: runtime/plan.py). Returns the `ThreadChoice`; its reason goes into
+    the final `wrote` line."""
+    choice = choose_threads(cli)
     apply_threads(choice.threads)
     return choice
 
 
-def wrote_line(out: Path, seconds: float, threads) -> str:
-    return f"[green]wrote[/] {out}  ({seconds:.1f} s, {threads.reason}; details in {out / 'report.json'})"
+def wrote_line(out: Path, seconds: float, threads: str) -> str:
+    return f"[green]wrote[/] {out}  ({seconds:.1f} s, {threads}; details in {out / 'report.json'})"
 
 
 def calibration_options(data: Optional[str], text_column: str, samples: Optional[int], seq_len: Optional[int]) -> dict:
@@ -195,12 +192,10 @@ def run_single_stage(model: str, stage: dict, out: Path, run: dict[str, Any], so
     recipe = recipe_from_stage(model, stage, cal, source, seed=run["seed"], trust_remote_code=run["trust_remote_code"],
                                allow_pickle=run["allow_pickle"], allow_nonfinite=run["allow_nonfinite"],
                                frame=run["frame"], **top)
-    check_output_path(out, run["force"], recipe_inputs(recipe))
-    dev = parse_device(run["device"])
-    choice = use_threads(run["threads"], recipe.threads, out, recipe)
-    report = run_recipe(recipe, out, RunOptions(force=run["force"], progress=RichProgress(run["quiet"]), device=dev,
-                                                command=sys.argv, stream=run["stream"], verify=not run["no_verify"]))
-    console.print(wrote_line(out, report["total_seconds"], choice), highlight=False, soft_wrap=True)
+    report = run_recipe(recipe, out, RunOptions(
+        force=run["force"], progress=RichProgress(run["quiet"]), device=parse_device(run["device"]),
+        command=sys.argv, stream=run["stream"], verify=not run["no_verify"], threads=run["threads"] or "auto"))
+    console.print(wrote_line(out, report["total_seconds"], report["threads_chosen"]), highlight=False, soft_wrap=True)
     return report
 
 

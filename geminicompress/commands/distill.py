@@ -30,10 +30,10 @@ def _check_before_load(teacher: str, layers: int | float | list[int] | None, cut
     from geminicompress.core.arch import arch_for
     from geminicompress.distill.latency_target import keep_for_latency
     from geminicompress.models.demo import demo_cache_dir
+    from geminicompress.models.headers import read_config
     from geminicompress.models.lazy import skeleton
     from geminicompress.models.loading import resolve_model
     from geminicompress.distill.student import check_student_layers
-    from geminicompress.runtime.plan import read_config
 
     source = resolve_model(teacher)
     path = source.path if source.kind == "dir" else demo_cache_dir() if source.kind == "demo" else None

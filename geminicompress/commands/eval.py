@@ -90,7 +90,7 @@ def eval_(
                ("--vllm-python", common["vllm_python"]), ("--llama-python", common["llama_python"])]
     check_output_path(output, common["force"], inputs)
     dev = c.parse_device(device)
-    choice = c.use_threads(common["threads"], None)
+    choice = c.use_threads(common["threads"])
     report = evaluate(models, baseline or models[0], data, None, options, c.RichProgress(common["quiet"]),
                       setup=EvalSetup(device=dev, trust_remote_code=common["trust_remote_code"],
                                       allow_pickle=allow_pickle, stream=stream))

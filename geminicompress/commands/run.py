@@ -11,9 +11,8 @@ import typer
 
 from geminicompress.commands import common as c
 from geminicompress.eval.table import rich_table
-from geminicompress.host.output import check_output_path
-from geminicompress.runtime.pipeline import RunOptions, run_recipe
-from geminicompress.runtime.recipes.inputs import recipe_inputs
+from geminicompress.runtime.options import RunOptions
+from geminicompress.runtime.pipeline import run_recipe
 from geminicompress.runtime.recipes.loader import load_recipe
 
 
@@ -36,12 +35,11 @@ def run(
       geminicompress run quickstart -o out-quickstart
     """
     parsed, path = load_recipe(recipe, set_ or [])
-    check_output_path(output, force, recipe_inputs(parsed, path))
-    dev = c.parse_device(device)
-    choice = c.use_threads(threads, parsed.threads, output, parsed)
-    report = run_recipe(parsed, output, RunOptions(force=force, progress=c.RichProgress(quiet), device=dev,
-                                                   command=sys.argv, stream=stream, verify=not no_verify))
-    c.console.print(c.wrote_line(output, report["total_seconds"], choice), highlight=False, soft_wrap=True)
+    report = run_recipe(parsed, output, RunOptions(
+        force=force, progress=c.RichProgress(quiet), device=c.parse_device(device), command=sys.argv, stream=stream,
+        verify=not no_verify, threads=threads or "auto", recipe_file=path))
+    c.console.print(c.wrote_line(output, report["total_seconds"], report["threads_chosen"]), highlight=False,
+                    soft_wrap=True)
     _print_eval_tables(report, output)
 
 

@@ -50,7 +50,7 @@ def sensitivity(
         raise InputError(f"--kl-windows must be at least 1, got {kl_windows}")
     inputs = [*model_inputs("model", model), ("--data", run["data"])]
     check_output_path(output, run["force"], inputs)
-    choice = c.use_threads(run["threads"], None)
+    choice = c.use_threads(run["threads"])
     dev = c.parse_device(run["device"])
     progress = c.RichProgress(run["quiet"])
     loaded = load_model(model, trust_remote_code=run["trust_remote_code"], allow_pickle=run["allow_pickle"])

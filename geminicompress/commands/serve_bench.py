@@ -81,7 +81,7 @@ def serve_bench(
               ("--vllm-python", common["vllm_python"]), ("--llama-python", common["llama_python"])]
     check_output_path(output, common["force"], inputs)
     spec = WorkloadSpec(requests, prefix_len, question_len, answer_len, rate, max_prompt_len, seed)
-    choice = c.use_threads(common["threads"], None)
+    choice = c.use_threads(common["threads"])
     options = ServeOptions(engine=engine, max_batch=max_batch, ppl_tokens=ppl_tokens,
                            text_column=common["text_column"], vllm_python=common["vllm_python"],
                            llama_python=common["llama_python"], dtype=dtype,

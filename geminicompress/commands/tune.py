@@ -59,7 +59,7 @@ def tune(
               ("--eval-data", eval_data)]
     # what a link OUT points to: the rounds' folder moves there
     target = check_output_path(output, run["force"], inputs)
-    choice = c.use_threads(run["threads"], None)
+    choice = c.use_threads(run["threads"])
     progress = c.RichProgress(run["quiet"])
     dev = c.parse_device(run["device"])
 

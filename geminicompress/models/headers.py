@@ -1,6 +1,7 @@
 """What a safetensors checkpoint holds, from its headers alone: every tensor's file, dtype, shape and offset
-(`read_headers`, checked against the index), whether a folder is one this project can read layer by layer, and
-the sizes that decide whether it fits (memory.too_big) and whether OUT fits on the disk."""
+(`read_headers`, checked against the index), its config.json (`read_config`), whether a folder is one this
+project can read layer by layer, and the sizes that decide whether it fits (memory.too_big) and whether OUT
+fits on the disk."""
 
 from __future__ import annotations
 
@@ -45,14 +46,25 @@ def is_readable_dir(path: Path) -> bool:
 
 
 def safetensors_config(path: Path) -> dict | None:
-    """config.json of a directory that holds safetensors weights, else None."""
+    """config.json of a directory that holds safetensors weights, else None (also when it cannot be read)."""
     path = Path(path)
-    if not (path / "config.json").is_file() or not ((path / INDEX).is_file() or (path / WEIGHTS).is_file()):
+    if not (path / INDEX).is_file() and not (path / WEIGHTS).is_file():
         return None
     try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        return read_config(path)
+    except InputError:
         return None
+
+
+def read_config(folder: Path) -> dict | None:
+    """`folder`/config.json, parsed; None where there is none; an InputError naming it when it is not JSON."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path} cannot be read as JSON ({exc}); fix or replace it") from None
 
 
 def open_file(file: Path):

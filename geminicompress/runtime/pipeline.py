@@ -23,7 +23,6 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,6 @@ from geminicompress.engine.estimate import announce, check_disk_in_memory
 from geminicompress.engine.export import check_gguf, finish_export, open_export, outside_head, writing_stage
 from geminicompress.engine.walk import ModelLayers
 from geminicompress.core.errors import InputError
-from geminicompress.formats.shards import DEFAULT_MAX_BYTES
 from geminicompress.host.machine import machine, versions
 from geminicompress.host.memory import out_of_the_mapping
 from geminicompress.runtime.methods import method_of
@@ -51,8 +49,10 @@ from geminicompress.models.loading import (
 )
 from geminicompress.host.output import STATE_DIR, THREADS_FILE, OutputDir, final_name, partial_dir, write_json
 from geminicompress.host.progress import NullProgress, Progress
+from geminicompress.host.threads import apply_threads
 from geminicompress.runtime.recipes.loader import recipe_yaml
 from geminicompress.runtime.recipes.schema import Recipe, stage_tag
+from geminicompress.runtime.options import RunOptions
 from geminicompress.runtime.plan import plan_run
 from geminicompress.runtime.stages import make_stage, run_stage, walk
 from geminicompress.runtime.whole_model import run_whole_model
@@ -60,21 +60,6 @@ from geminicompress.runtime.whole_model import run_whole_model
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """How a run goes. stream: run layer by layer from disk: True, False, or None to decide from the model's
-    size and whether every stage can stream. verify: compare OUT, loaded back, with what the run computed
-    (engine/verify.py). command: what report.json records as the command (default: sys.argv)."""
-
-    force: bool = False
-    progress: Progress | None = None
-    device: torch.device | None = None
-    command: list[str] | None = None
-    stream: bool | None = None
-    verify: bool = True
-    max_shard_bytes: int = DEFAULT_MAX_BYTES
 
 
 def run_recipe(recipe: Recipe, out: Path, options: RunOptions | None = None, *,
@@ -98,7 +83,9 @@ def _run_recipe(recipe: Recipe, out: Path, opts: RunOptions, loaded: LoadedModel
     device = opts.device or default_device()
     force = opts.force
     helper = _helper_rank()
-    plan = plan_run(recipe, loaded, opts.stream, may_stream=not helper)  # before any weight is read (plan.py)
+    plan = plan_run(recipe, out, opts, loaded, may_stream=not helper)  # before any weight is read (plan.py)
+    if plan.threads is not None:
+        apply_threads(plan.threads.threads)
     started = time.perf_counter()
     if helper:  # another process of `accelerate launch`/torchrun: it trains along, rank 0 writes OUT
         out, force = out.with_name(f".{out.name}.rank{helper}"), True
@@ -118,6 +105,7 @@ def _run_recipe(recipe: Recipe, out: Path, opts: RunOptions, loaded: LoadedModel
         found = ctx.layers.ckpt.nonfinite if plan.stream_from else (ctx.input_nonfinite or [])
         report = {"geminicompress": __version__, "command": opts.command or sys.argv, "model": recipe.model,
                   "output": str(out), "load_seconds": round(load_s, 3), "threads": threads,
+                  **({"threads_chosen": plan.threads.reason} if plan.threads is not None else {}),
                   "frame": recipe.frame, "window_prefix": _window_prefix(ctx.tokenizer, recipe.frame, vocab_of(ctx.model)),
                   **({"input_nonfinite": found} if found else {}),
                   "total_seconds": round(time.perf_counter() - started, 3), "export": export, "stages": results,

@@ -3,7 +3,10 @@ config.json (issues #34, #36, #60).
 
 MODEL is resolved here, once: its local folder (`models.loading.local_dir`), its config.json, and the model's
 skeleton built from it with every parameter on the meta device (`models.lazy.skeleton`: no weight read, a
-second where a load of the model costs 10 s for 270M, 55 s from a GGUF, minutes for a big one). The plan says:
+second where a load of the model costs 10 s for 270M, 55 s from a GGUF, minutes for a big one). The plan says,
+in this order (the recipe, then the model, then the machine):
+- that OUT may be written: it is not, holds or points to an input that the run reads (`--force` never deletes
+  one), and exists only with `--force` (`host.output.check_output_path`);
 - whole model or layers: a model in which the trace finds no decoder layers (`core.trace.find_layers`) runs
   its one stage on the whole model in memory (whole_model.py), or is refused in one line, naming what is
   missing and what still works;
@@ -12,7 +15,9 @@ second where a load of the model costs 10 s for 270M, 55 s from a GGUF, minutes 
   against the pruned linears, a student's layers against the teacher's); each stage opens with its entry;
 - streamed or in memory: `--stream` yes (or one line saying why not), `--no-stream` no, neither: when the
   recipe can stream and the model's float32 weights do not fit (`host.memory.too_big`, the one rule);
-- the fingerprint a resumed run must match, and the inputs that `--force` must never delete.
+- the fingerprint a resumed run must match, and the inputs that `--force` must never delete;
+- the torch threads (`RunOptions.threads` "auto": the recipe's `threads:`, else those of the interrupted run
+  this one resumes, else the free cores: `host.threads.choose_threads`).
 A MODEL without a local config.json (a hub id, a .gguf file) is checked when it has loaded; a model handed in
 (`loaded`) is judged as it is.
 """
@@ -30,10 +35,13 @@ from geminicompress.core.errors import InputError
 from geminicompress.core.trace import find_layers
 from geminicompress.engine.contract import Plan
 from geminicompress.host.memory import too_big
-from geminicompress.models.headers import is_streamable_dir, weights_bytes
+from geminicompress.host.output import check_output_path, resume_threads
+from geminicompress.host.threads import ThreadChoice, choose_threads
+from geminicompress.models.headers import is_streamable_dir, read_config, weights_bytes
 from geminicompress.models.lazy import skeleton
 from geminicompress.models.loading import LoadedModel, local_dir
 from geminicompress.runtime.methods import method_of
+from geminicompress.runtime.options import RunOptions
 from geminicompress.runtime.recipes.inputs import recipe_inputs
 from geminicompress.runtime.recipes.schema import Recipe
 
@@ -46,39 +54,52 @@ class RunPlan:
 
     whole_model: the one stage that runs on the whole model (no decoder layers), else None. stream_from: the
     folder a streamed run reads one decoder layer at a time, else None (in memory). stages: what each stage's
-    method found on the skeleton. fingerprint, inputs: what OUT's folder is opened with (host/output.py)."""
+    method found on the skeleton. fingerprint, inputs: what OUT's folder is opened with (host/output.py).
+    threads: the torch thread count the run uses (host/threads.py), None: the caller's own."""
 
     whole_model: Any | None
     stream_from: Path | None
     stages: Plan
     fingerprint: str
     inputs: list[tuple[str, str]]
+    threads: ThreadChoice | None
 
 
-def plan_run(recipe: Recipe, loaded: LoadedModel | None = None, stream: bool | None = None,
+def plan_run(recipe: Recipe, out: Path, opts: RunOptions, loaded: LoadedModel | None = None,
              may_stream: bool = True) -> RunPlan:
-    """The plan of `recipe` (an InputError, before any weight is read, for what cannot run). `loaded`: a model
-    handed in, judged as it is (nothing streams). `stream`: --stream / --no-stream / None (decide).
-    `may_stream`: False for a helper process of a multi-process launch (it trains along in memory)."""
+    """The plan of `recipe` writing `out` (an InputError, before any weight is read, for what cannot run).
+    `opts`: how the run goes (its force, stream, threads and recipe file are read here). `loaded`: a model
+    handed in, judged as it is (nothing streams). `may_stream`: False for a helper process of a multi-process
+    launch (it trains along in memory)."""
+    # first what the recipe alone says: OUT may be written (never an input), the fingerprint, what compresses
+    key, inputs = fingerprint(recipe), recipe_inputs(recipe, opts.recipe_file)
+    check_output_path(out, opts.force, inputs)
+    compresses = [s for s in recipe.stages if method_of(s).kind != "eval"]
+    # then MODEL, read once: its folder, its config.json, its skeleton (no weight read)
     model_dir = local_dir(recipe.model) if loaded is None else None
     config = read_config(model_dir) if model_dir is not None else None
-    compresses = [s for s in recipe.stages if method_of(s).kind != "eval"]
-    model = None  # the model judged: the one handed in, else MODEL's skeleton (no weight read)
-    if loaded is not None:
-        model = loaded.model
-    elif config is not None and compresses:
+    model = loaded.model if loaded is not None else None  # the model judged: the one handed in, else the skeleton
+    if loaded is None and config is not None and compresses:
         model = skeleton(model_dir, recipe.trust_remote_code)
-    key, inputs = fingerprint(recipe), recipe_inputs(recipe)
+    whole, stages, stream_from = None, Plan(), None
     if compresses and model is not None and not _has_layers(model):
-        model_type = getattr(model.config, "model_type", None) or "?"
-        return RunPlan(whole_model_stage(recipe, stream, model_type), None, Plan(), key, inputs)
-    stages = preflight(recipe, config, model) if loaded is None else Plan()
-    source = model_dir if may_stream and model_dir is not None and is_streamable_dir(model_dir) else None
-    streamed = source is not None and should_stream(recipe, stream, source)
-    if loaded is None and not streamed:  # what a stage cannot do with MODEL, said before it loads
+        whole = whole_model_stage(recipe, opts.stream, getattr(model.config, "model_type", None) or "?")
+    else:
+        stages = preflight(recipe, config, model) if loaded is None else Plan()
+        stream_from = _stream_from(recipe, opts.stream, model_dir if may_stream else None)
+    if loaded is None and whole is None and stream_from is None:  # what a stage cannot do with MODEL, before it loads
         for stage in recipe.stages:
             method_of(stage).before_load(stage, recipe.model)
-    return RunPlan(None, source if streamed else None, stages, key, inputs)
+    # last the machine: the threads, once the run is known to go ahead
+    threads = None if opts.threads is None else choose_threads(
+        None if opts.threads == "auto" else opts.threads, recipe.threads, resume_threads(out, key))
+    return RunPlan(whole, stream_from, stages, key, inputs, threads)
+
+
+def _stream_from(recipe: Recipe, stream: bool | None, model_dir: Path | None) -> Path | None:
+    """The folder a streamed run reads one layer at a time, or None: the run is in memory."""
+    source = model_dir if model_dir is not None and is_streamable_dir(model_dir) else None
+    return source if source is not None and should_stream(recipe, stream, source) else None
 
 
 def _has_layers(model: Any) -> bool:
@@ -162,9 +183,3 @@ def fingerprint(recipe: Recipe) -> str:
     for stage in data["stages"]:
         stage.pop("resume", None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def read_config(model_dir: Path) -> dict[str, Any] | None:
-    """`model_dir`/config.json, parsed; None where there is none."""
-    path = Path(model_dir) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else None

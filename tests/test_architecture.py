@@ -272,8 +272,8 @@ def test_the_allowlist_names_only_what_is_still_over():
 
 def backslash_continuations() -> list[str]:
     """Lines continued with a backslash outside a string ("module:line"): parentheses instead (PEP 8). A
-    backslash also stopped the structure tools from reading the rest of its file (farm-studio's walk lost
-    every function after one, so a walk under-counted the rooms a parameter enters)."""
+    backslash also stopped a token-reading structure tool from reading the rest of its file (its walk of a
+    parameter lost every function after one, so it under-counted the modules the parameter enters)."""
     out = []
     for name, path in modules().items():
         text = path.read_text()

@@ -136,3 +136,13 @@ def test_the_plan_refuses_an_output_over_the_recipe_file(tiny_dir, tmp_path):
     with pytest.raises(InputError, match=r"recipe file"):
         preflight_mod.plan_run(_recipe(tiny_dir), out, RunOptions(force=True, recipe_file=out / "recipe.yaml"))
     assert (out / "recipe.yaml").is_file()
+
+
+def test_a_config_that_is_not_json_is_one_line(tiny_dir, tmp_path, no_loading):
+    import shutil
+
+    model = shutil.copytree(tiny_dir, tmp_path / "broken")  # the session's tiny model stays whole
+    (model / "config.json").write_text('{"model_type": "llama",')
+    out = tmp_path / "out"
+    line = _refused(runner.invoke(app, ["quantize", str(model), "-o", str(out), "--method", "rtn", "-q"]), out)
+    assert line.startswith(f"error: {model / 'config.json'} cannot be read as JSON"), line

@@ -121,8 +121,8 @@ def test_the_plan_chooses_the_threads(tiny_dir, tmp_path, asked, recipe_threads,
     plan = preflight_mod.plan_run(recipe, out, RunOptions(threads=asked))
     got = (plan.threads.threads, plan.threads.source) if plan.threads is not None else (None, None)
     assert got == want
-    other = _recipe(tiny_dir, **({"threads": recipe_threads} if recipe_threads else {}), seed=7)
     if asked == "auto" and recipe_threads is None:  # another recipe does not resume that run: the free cores
+        other = _recipe(tiny_dir, seed=7)
         assert preflight_mod.plan_run(other, out, RunOptions(threads="auto")).threads.source == "auto"
 
 
@@ -146,3 +146,18 @@ def test_a_config_that_is_not_json_is_one_line(tiny_dir, tmp_path, no_loading):
     out = tmp_path / "out"
     line = _refused(runner.invoke(app, ["quantize", str(model), "-o", str(out), "--method", "rtn", "-q"]), out)
     assert line.startswith(f"error: {model / 'config.json'} cannot be read as JSON"), line
+
+
+@pytest.mark.parametrize("stream", [True, None])
+def test_the_plan_reads_config_json_once(tiny_dir, tmp_path, monkeypatch, stream):
+    """The plan parses MODEL's config.json once: preflight and the streaming decision read the same dict."""
+    from geminicompress.models import headers
+    from geminicompress.runtime.options import RunOptions
+
+    read = []
+    real = headers.read_config
+    counted = lambda folder: read.append(folder) or real(folder)  # noqa: E731
+    monkeypatch.setattr(headers, "read_config", counted)
+    monkeypatch.setattr(preflight_mod, "read_config", counted)
+    plan = preflight_mod.plan_run(_recipe(tiny_dir), tmp_path / "out", RunOptions(stream=stream))
+    assert (plan.stream_from is not None) == bool(stream) and len(read) == 1

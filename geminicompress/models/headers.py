@@ -32,9 +32,10 @@ class TensorInfo:
         return self.numel * self.dtype.itemsize
 
 
-def is_streamable_dir(path: Path) -> bool:
-    """A dense (no quantization_config) transformers directory with safetensors weights."""
-    config = safetensors_config(path)
+def is_streamable_dir(path: Path, config: dict | None = None) -> bool:
+    """A dense (no quantization_config) transformers directory with safetensors weights. `config`: its
+    config.json where the caller has read it already (else it is read here)."""
+    config = config if config is not None and holds_safetensors(path) else safetensors_config(path)
     return config is not None and not config.get("quantization_config")
 
 
@@ -47,13 +48,17 @@ def is_readable_dir(path: Path) -> bool:
 
 def safetensors_config(path: Path) -> dict | None:
     """config.json of a directory that holds safetensors weights, else None (also when it cannot be read)."""
-    path = Path(path)
-    if not (path / INDEX).is_file() and not (path / WEIGHTS).is_file():
+    if not holds_safetensors(path):
         return None
     try:
         return read_config(path)
     except InputError:
         return None
+
+
+def holds_safetensors(path: Path) -> bool:
+    """Whether folder `path` holds safetensors weights (one file, or an index of shards)."""
+    return (Path(path) / INDEX).is_file() or (Path(path) / WEIGHTS).is_file()
 
 
 def read_config(folder: Path) -> dict | None:

@@ -86,7 +86,7 @@ def plan_run(recipe: Recipe, out: Path, opts: RunOptions, loaded: LoadedModel | 
         whole = whole_model_stage(recipe, opts.stream, getattr(model.config, "model_type", None) or "?")
     else:
         stages = preflight(recipe, config, model) if loaded is None else Plan()
-        stream_from = _stream_from(recipe, opts.stream, model_dir if may_stream else None)
+        stream_from = _stream_from(recipe, opts.stream, model_dir if may_stream else None, config)
     if loaded is None and whole is None and stream_from is None:  # what a stage cannot do with MODEL, before it loads
         for stage in recipe.stages:
             method_of(stage).before_load(stage, recipe.model)
@@ -96,9 +96,10 @@ def plan_run(recipe: Recipe, out: Path, opts: RunOptions, loaded: LoadedModel | 
     return RunPlan(whole, stream_from, stages, key, inputs, threads)
 
 
-def _stream_from(recipe: Recipe, stream: bool | None, model_dir: Path | None) -> Path | None:
-    """The folder a streamed run reads one layer at a time, or None: the run is in memory."""
-    source = model_dir if model_dir is not None and is_streamable_dir(model_dir) else None
+def _stream_from(recipe: Recipe, stream: bool | None, model_dir: Path | None, config: dict | None) -> Path | None:
+    """The folder a streamed run reads one layer at a time, or None: the run is in memory. `config`: the
+    folder's config.json, as the plan read it."""
+    source = model_dir if model_dir is not None and is_streamable_dir(model_dir, config) else None
     return source if source is not None and should_stream(recipe, stream, source) else None
 
 

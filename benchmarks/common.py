@@ -175,4 +175,3 @@ def cpu_name() -> str:
     from geminicompress.kernels.cpu_vendor import cpu_field
 
     return cpu_field("model name") or platform.processor() or "unknown"
-
